@@ -1,0 +1,404 @@
+"""Shared-memory transport: a ring (protocols/ring.py) in POSIX shared memory, and its two ends.
+
+`RingProducer` is the gateway's end (submit, cancel, poll new tokens, release); `RingConsumer` is the
+engine's end (take new requests, publish tokens, finish). Each end writes only its own words.
+
+Backpressure is explicit: `submit` raises `RingFull` when every slot is in use, and the engine may
+publish only `room(slot)` tokens until the gateway has consumed what it wrote. Nothing is overwritten
+and nothing is dropped.
+
+Ordering: numpy stores are plain stores, and x86-64 keeps stores in program order (TSO), which is what
+the payload-then-sequence-word rule needs between two CPU processes. The GPU side adds
+`__threadfence_system()`; an ARM host would need explicit barriers here.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protocols import ring as R
+from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry, RingLayoutError
+
+SHM_DIR = "/dev/shm"
+
+
+class RingFull(RuntimeError):
+    """Every slot is in use: wait for one to be released (backpressure, not an error)."""
+
+
+class RingAttachError(RuntimeError):
+    """The named ring does not exist, or its layout is not the one this side expects."""
+
+
+def _path(name: str) -> str:
+    if not name or "/" in name:
+        raise ValueError(f"ring name {name!r} must be a non-empty name without '/'")
+    return os.path.join(SHM_DIR, name)
+
+
+class ShmRing:
+    """A mapped ring with typed views. Use `create_ring` / `attach_ring` to get one."""
+
+    def __init__(self, name: str, mm: mmap.mmap, geometry: RingGeometry, owner: bool):
+        self.name, self.geometry, self.owner = name, geometry, owner
+        self._mm = mm
+        self.buf = np.frombuffer(mm, dtype=np.uint8)  # [total_bytes] uint8, shared
+        self.u32 = self.buf.view(np.uint32)
+        self.u64 = self.buf.view(np.uint64)
+        self.i32 = self.buf.view(np.int32)
+        self.f32 = self.buf.view(np.float32)
+
+    # Byte offsets of a slot's request and response areas.
+    def req(self, slot: int) -> int:
+        return self.geometry.requests_offset + slot * self.geometry.request_bytes
+
+    def resp(self, slot: int) -> int:
+        return self.geometry.responses_offset + slot * self.geometry.response_bytes
+
+    def hdr_u32(self, off: int) -> int:
+        return int(self.u32[off // 4])
+
+    def hdr_u64(self, off: int) -> int:
+        return int(self.u64[off // 8])
+
+    @property
+    def fingerprint(self) -> str:
+        return R.read_fingerprint(self.buf)
+
+    @property
+    def heartbeat(self) -> int:
+        return self.hdr_u64(R.HDR_HEARTBEAT)
+
+    @property
+    def engine_state(self) -> R.EngineState:
+        return R.EngineState(self.hdr_u32(R.HDR_ENGINE_STATE))
+
+    def stats(self) -> dict[str, int]:
+        names = ("free_kv_blocks", "total_kv_blocks", "running", "waiting", "generated_tokens", "sq_head", "sq_tail")
+        return {n: int(getattr(self, "hdr_u64" if R.HEADER_FIELDS[n][1] == "uint64_t" else "hdr_u32")(R.HEADER_FIELDS[n][0])) for n in names}
+
+    def close(self) -> None:
+        """Unmap; the creator also unlinks the name. Views taken earlier become invalid."""
+        self.buf = self.u32 = self.u64 = self.i32 = self.f32 = None  # drop exports before closing
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with the process
+        if self.owner:
+            unlink_ring(self.name)
+
+
+def create_ring(name: str, geometry: RingGeometry, fingerprint: str, replace: bool = True) -> ShmRing:
+    """Create (or with `replace`, recreate) a zeroed ring and write its header."""
+    path = _path(name)
+    if replace and os.path.exists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, geometry.total_bytes)
+        mm = mmap.mmap(fd, geometry.total_bytes)
+    finally:
+        os.close(fd)
+    ring = ShmRing(name, mm, geometry, owner=True)
+    R.write_header(ring.buf, geometry, fingerprint)
+    return ring
+
+
+def attach_ring(name: str, expect: RingGeometry | None = None, fingerprint: str | None = None) -> ShmRing:
+    """Map an existing ring; raise RingAttachError if it is missing or not what `expect` says."""
+    path = _path(name)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise RingAttachError(f"no ring named {name!r} in {SHM_DIR}: is the backend running?") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < R.HEADER_BYTES:
+            raise RingAttachError(f"ring {name!r} is {size} bytes, smaller than a header")
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    try:
+        geometry = R.geometry_from_header(mm)
+    except RingLayoutError as exc:
+        mm.close()
+        raise RingAttachError(f"ring {name!r}: {exc}") from None
+    problem = None
+    if geometry.total_bytes != size:
+        problem = f"its size {size} does not match its header ({geometry.total_bytes})"
+    elif expect is not None and geometry != expect:
+        problem = f"geometry {geometry} differs from the expected {expect}"
+    ring = ShmRing(name, mm, geometry, owner=False)
+    if problem is None and fingerprint is not None and ring.fingerprint != fingerprint:
+        problem = f"model fingerprint {ring.fingerprint!r} differs from the expected {fingerprint!r}"
+    if problem:
+        ring.close()
+        raise RingAttachError(f"ring {name!r}: {problem}")
+    return ring
+
+
+def unlink_ring(name: str) -> None:
+    try:
+        os.unlink(_path(name))
+    except FileNotFoundError:
+        pass
+
+
+@dataclass
+class TokenUpdate:
+    """What `RingProducer.poll` found since the last poll of a slot."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish: FinishReason = FinishReason.NONE
+    error: str = ""
+    error_code: ErrorCode = ErrorCode.NONE
+    prompt_len: int = 0
+    started: bool = False  # the engine has taken the request
+
+
+@dataclass
+class _Outstanding:
+    seq: int
+    consumed: int = 0
+    finished: bool = False
+
+
+class RingProducer:
+    """The gateway's end of a ring. Not thread-safe: use it from one thread (the event loop)."""
+
+    def __init__(self, ring: ShmRing):
+        self.ring = ring
+        self.geometry = ring.geometry
+        self._tail = ring.hdr_u64(R.HDR_SQ_TAIL)
+        self._active: dict[int, _Outstanding] = {}
+        self._free: deque[int] = deque()
+        for slot in range(self.geometry.num_slots):
+            self._adopt(slot)
+
+    def _adopt(self, slot: int) -> None:
+        """On attach, a slot an earlier producer left unfinished is cancelled and reclaimed later."""
+        seq = int(self.ring.u64[self.ring.req(slot) // 8])
+        if seq == 0 or self._finished_seq(slot) == seq:
+            self._free.append(slot)
+            return
+        self._active[slot] = _Outstanding(seq=seq, consumed=0)
+        self.ring.u64[(self.ring.req(slot) + R.REQ_CANCEL_SEQ) // 8] = seq
+
+    def _finished_seq(self, slot: int) -> int:
+        base = self.ring.resp(slot)
+        if self.ring.u32[(base + R.RESP_FINISH_REASON) // 4] == FinishReason.NONE:
+            return 0
+        return int(self.ring.u64[(base + R.RESP_SEQ) // 8])
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    @property
+    def heartbeat(self) -> int:
+        return self.ring.heartbeat
+
+    def submit(self, spec: RequestSpec) -> int:
+        """Write a request into a free slot and queue it. Raises RingFull or ValueError (bad spec)."""
+        spec.validate(self.geometry)
+        if not self._free:
+            raise RingFull(f"all {self.geometry.num_slots} ring slots are in use")
+        slot = self._free.popleft()
+        seq = self._tail + 1
+        self._write_request(slot, spec)
+        self.ring.u32[(self.ring.resp(slot) + R.RESP_CONSUMED) // 4] = 0
+        self.ring.u64[self.ring.req(slot) // 8] = seq  # validates the payload
+        self.ring.u32[(self.geometry.sq_offset + 4 * (self._tail % self.geometry.num_slots)) // 4] = slot
+        self._tail += 1
+        self.ring.u64[R.HDR_SQ_TAIL // 8] = self._tail  # publishes the queue entry
+        self._active[slot] = _Outstanding(seq=seq)
+        return slot
+
+    def _write_request(self, slot: int, spec: RequestSpec) -> None:
+        ring, base = self.ring, self.ring.req(slot)
+        ring.u64[(base + R.REQ_REQUEST_ID) // 8] = spec.request_id & (2**64 - 1)
+        ring.u32[(base + R.REQ_PROMPT_LEN) // 4] = len(spec.prompt_ids)
+        ring.u32[(base + R.REQ_MAX_TOKENS) // 4] = spec.max_tokens
+        ring.f32[(base + R.REQ_TEMPERATURE) // 4] = spec.temperature
+        ring.f32[(base + R.REQ_TOP_P) // 4] = spec.top_p
+        ring.i32[(base + R.REQ_TOP_K) // 4] = spec.top_k
+        ring.f32[(base + R.REQ_MIN_P) // 4] = spec.min_p
+        ring.u64[(base + R.REQ_SEED) // 8] = (spec.seed or 0) & (2**64 - 1)
+        ring.u32[(base + R.REQ_FLAGS) // 4] = spec.flags
+        ring.u32[(base + R.REQ_PRIORITY) // 4] = spec.priority
+        ring.u32[(base + R.REQ_NUM_STOP_IDS) // 4] = len(spec.stop_ids)
+        ring.u64[(base + R.REQ_CANCEL_SEQ) // 8] = 0
+        stop0 = (base + R.REQ_STOP_IDS) // 4
+        ring.i32[stop0 : stop0 + len(spec.stop_ids)] = spec.stop_ids
+        p0 = (base + self.geometry.prompt_offset) // 4
+        ring.i32[p0 : p0 + len(spec.prompt_ids)] = np.asarray(spec.prompt_ids, dtype=np.int32)
+
+    def cancel(self, slot: int) -> None:
+        """Ask the engine to stop this request; it still reports a finish, after which `release`."""
+        out = self._active.get(slot)
+        if out is not None and not out.finished:
+            self.ring.u64[(self.ring.req(slot) + R.REQ_CANCEL_SEQ) // 8] = out.seq
+
+    def poll(self, slot: int) -> TokenUpdate:
+        """Tokens the engine produced since the last poll; frees their room in the output buffer."""
+        out = self._active[slot]
+        ring, base = self.ring, self.ring.resp(slot)
+        if int(ring.u64[(base + R.RESP_SEQ) // 8]) != out.seq:
+            return TokenUpdate()  # not taken by the engine yet
+        finish = FinishReason(int(ring.u32[(base + R.RESP_FINISH_REASON) // 4]))  # before `produced`
+        produced = int(ring.u32[(base + R.RESP_PRODUCED) // 4])
+        update = TokenUpdate(finish=finish, started=True, prompt_len=int(ring.u32[(base + R.RESP_PROMPT_LEN) // 4]))
+        if produced > out.consumed:
+            cap, t0 = self.geometry.max_output_len, (base + R.RESP_TOKENS) // 4
+            idx = np.arange(out.consumed, produced) % cap
+            update.tokens = ring.i32[t0 + idx].tolist()
+            out.consumed = produced
+            ring.u32[(base + R.RESP_CONSUMED) // 4] = produced
+        if finish == FinishReason.ERROR:
+            update.error_code = ErrorCode(int(ring.u32[(base + R.RESP_ERROR_CODE) // 4]))
+            update.error = update.error_code.message
+        out.finished = finish != FinishReason.NONE
+        return update
+
+    def token_times_ns(self, slot: int) -> tuple[int, int]:
+        """Engine timestamps (first token, last token) of the slot's current request."""
+        base = self.ring.resp(slot)
+        return int(self.ring.u64[(base + R.RESP_FIRST_TOKEN_NS) // 8]), int(self.ring.u64[(base + R.RESP_LAST_TOKEN_NS) // 8])
+
+    def release(self, slot: int) -> None:
+        """Return a finished slot to the free list. Releasing an unfinished slot is a bug."""
+        out = self._active.get(slot)
+        if out is None:
+            raise KeyError(f"slot {slot} is not outstanding")
+        if not out.finished:
+            raise RuntimeError(f"slot {slot} is still running: cancel it and poll until it finishes")
+        del self._active[slot]
+        self._free.append(slot)
+
+    def reclaim(self) -> list[int]:
+        """Release adopted or abandoned slots whose finish has arrived; returns them."""
+        done = []
+        for slot, out in list(self._active.items()):
+            if not out.finished and self._finished_seq(slot) == out.seq:
+                out.finished = True
+            if out.finished and slot not in done:
+                done.append(slot)
+        return done
+
+
+@dataclass(frozen=True)
+class TakenRequest:
+    slot: int
+    seq: int
+    spec: RequestSpec
+
+
+class RingConsumer:
+    """The engine's end of a ring (CPU and host engines; the GPU loop implements the same in CUDA)."""
+
+    def __init__(self, ring: ShmRing):
+        self.ring = ring
+        self.geometry = ring.geometry
+        self._head = ring.hdr_u64(R.HDR_SQ_HEAD)
+        self._produced: dict[int, int] = {}
+        self._beats = ring.heartbeat
+
+    def take_new(self) -> list[TakenRequest]:
+        """Every request queued since the last call, in submission order; resets their response areas."""
+        tail = self.ring.hdr_u64(R.HDR_SQ_TAIL)
+        taken = []
+        while self._head < tail:
+            slot = int(self.ring.u32[(self.geometry.sq_offset + 4 * (self._head % self.geometry.num_slots)) // 4])
+            self._head += 1
+            taken.append(self._take(slot))
+        self.ring.u64[R.HDR_SQ_HEAD // 8] = self._head
+        return taken
+
+    def _take(self, slot: int) -> TakenRequest:
+        ring, base = self.ring, self.ring.req(slot)
+        seq = int(ring.u64[base // 8])
+        n_prompt = min(int(ring.u32[(base + R.REQ_PROMPT_LEN) // 4]), self.geometry.max_prompt_len)
+        n_stop = min(int(ring.u32[(base + R.REQ_NUM_STOP_IDS) // 4]), self.geometry.max_stop_ids)
+        flags = int(ring.u32[(base + R.REQ_FLAGS) // 4])
+        p0, s0 = (base + self.geometry.prompt_offset) // 4, (base + R.REQ_STOP_IDS) // 4
+        spec = RequestSpec(
+            request_id=int(ring.u64[(base + R.REQ_REQUEST_ID) // 8]),
+            prompt_ids=ring.i32[p0 : p0 + n_prompt].tolist(),
+            max_tokens=int(ring.u32[(base + R.REQ_MAX_TOKENS) // 4]),
+            temperature=float(ring.f32[(base + R.REQ_TEMPERATURE) // 4]),
+            top_p=float(ring.f32[(base + R.REQ_TOP_P) // 4]),
+            top_k=int(ring.i32[(base + R.REQ_TOP_K) // 4]),
+            min_p=float(ring.f32[(base + R.REQ_MIN_P) // 4]),
+            seed=int(ring.u64[(base + R.REQ_SEED) // 8]) if flags & R.FLAG_HAS_SEED else None,
+            stop_ids=tuple(ring.i32[s0 : s0 + n_stop].tolist()),
+            ignore_eos=bool(flags & R.FLAG_IGNORE_EOS),
+            priority=int(ring.u32[(base + R.REQ_PRIORITY) // 4]),
+        )
+        self._reset_response(slot, seq, n_prompt)
+        return TakenRequest(slot=slot, seq=seq, spec=spec)
+
+    def _reset_response(self, slot: int, seq: int, prompt_len: int) -> None:
+        ring, base = self.ring, self.ring.resp(slot)
+        ring.u32[(base + R.RESP_PRODUCED) // 4] = 0
+        ring.u32[(base + R.RESP_FINISH_REASON) // 4] = FinishReason.NONE
+        ring.u32[(base + R.RESP_ERROR_CODE) // 4] = ErrorCode.NONE
+        ring.u32[(base + R.RESP_PROMPT_LEN) // 4] = prompt_len
+        ring.u64[(base + R.RESP_FIRST_TOKEN_NS) // 8] = 0
+        ring.u64[(base + R.RESP_LAST_TOKEN_NS) // 8] = 0
+        ring.u64[(base + R.RESP_SEQ) // 8] = seq  # last: the counters above now belong to `seq`
+        self._produced[slot] = 0
+
+    def cancelled(self, slot: int, seq: int) -> bool:
+        return int(self.ring.u64[(self.ring.req(slot) + R.REQ_CANCEL_SEQ) // 8]) == seq
+
+    def room(self, slot: int) -> int:
+        """Tokens that may be published now without overwriting unread ones."""
+        consumed = int(self.ring.u32[(self.ring.resp(slot) + R.RESP_CONSUMED) // 4])
+        return self.geometry.max_output_len - (self._produced[slot] - consumed)
+
+    def publish(self, slot: int, tokens: list[int], now_ns: int | None = None) -> None:
+        """Append tokens (caller checked `room`), then advance `produced`."""
+        if not tokens:
+            return
+        if len(tokens) > self.room(slot):
+            raise RingFull(f"slot {slot}: {len(tokens)} tokens but room for {self.room(slot)}")
+        ring, base = self.ring, self.ring.resp(slot)
+        cap, t0, produced = self.geometry.max_output_len, (base + R.RESP_TOKENS) // 4, self._produced[slot]
+        ring.i32[t0 + np.arange(produced, produced + len(tokens)) % cap] = tokens
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        if produced == 0:
+            ring.u64[(base + R.RESP_FIRST_TOKEN_NS) // 8] = now_ns
+        ring.u64[(base + R.RESP_LAST_TOKEN_NS) // 8] = now_ns
+        self._produced[slot] = produced + len(tokens)
+        ring.u32[(base + R.RESP_PRODUCED) // 4] = produced + len(tokens)
+        ring.u64[R.HDR_GENERATED_TOKENS // 8] += len(tokens)  # engine is this word's only writer
+
+    def finish(self, slot: int, reason: FinishReason, error: ErrorCode = ErrorCode.NONE) -> None:
+        """Last word on a slot: after this the engine never touches it again."""
+        base = self.ring.resp(slot)
+        self.ring.u32[(base + R.RESP_ERROR_CODE) // 4] = error
+        self.ring.u32[(base + R.RESP_FINISH_REASON) // 4] = reason
+        self._produced.pop(slot, None)
+
+    def beat(self) -> None:
+        self._beats += 1
+        self.ring.u64[R.HDR_HEARTBEAT // 8] = self._beats
+
+    def set_state(self, state: R.EngineState) -> None:
+        self.ring.u32[R.HDR_ENGINE_STATE // 4] = state
+
+    def set_stats(self, free_kv_blocks: int, total_kv_blocks: int, running: int, waiting: int) -> None:
+        u32 = self.ring.u32
+        u32[R.HDR_FREE_KV_BLOCKS // 4] = free_kv_blocks
+        u32[R.HDR_TOTAL_KV_BLOCKS // 4] = total_kv_blocks
+        u32[R.HDR_RUNNING // 4] = running
+        u32[R.HDR_WAITING // 4] = waiting

@@ -1,0 +1,68 @@
+"""The C view of the ring (kernels/csrc/include/blink_ring.h) agrees with protocols/ring.py, byte for byte."""
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from protocols import ring as R
+
+HEADER = Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "include" / "blink_ring.h"
+GEOMETRIES = [R.RingGeometry(), R.RingGeometry(num_slots=3, max_prompt_len=17, max_output_len=5, max_stop_ids=3)]
+
+STRUCTS = {"blink_ring_header": R.HEADER_FIELDS, "blink_request_slot": R.REQUEST_FIELDS,
+           "blink_response_slot": R.RESPONSE_FIELDS}
+
+
+def _c_program() -> str:
+    lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "blink_ring.h"', "int main(void) {", 'printf("{");']
+    for struct, fields in STRUCTS.items():
+        for name in fields:
+            lines.append(f'printf("\\"{struct}.{name}\\": %zu, ", offsetof({struct}, {name}));')
+        lines.append(f'printf("\\"{struct}.sizeof\\": %zu, ", sizeof({struct}));')
+    for i, g in enumerate(GEOMETRIES):
+        lines.append(f'printf("\\"g{i}.request_bytes\\": %llu, ", (unsigned long long)blink_request_bytes({g.max_stop_ids}, {g.max_prompt_len}));')
+        lines.append(f'printf("\\"g{i}.prompt_offset\\": %llu, ", (unsigned long long)blink_prompt_offset({g.max_stop_ids}));')
+        lines.append(f'printf("\\"g{i}.response_bytes\\": %llu, ", (unsigned long long)blink_response_bytes({g.max_output_len}));')
+        lines.append(f'printf("\\"g{i}.requests_offset\\": %llu, ", (unsigned long long)blink_requests_offset({g.num_slots}));')
+    lines += ['printf("\\"magic\\": %llu, \\"version\\": %u}", (unsigned long long)BLINK_RING_MAGIC, BLINK_RING_VERSION);',
+              "return 0; }"]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def c_layout(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.fail("no C compiler on PATH: the layout check needs one (apt-get install gcc)")
+    tmp = tmp_path_factory.mktemp("ringc")
+    (tmp / "layout.c").write_text(_c_program())
+    subprocess.run([cc, "-std=c11", "-Wall", "-Werror", "-I", str(HEADER.parent), "-o", str(tmp / "layout"),
+                    str(tmp / "layout.c")], check=True)
+    return json.loads(subprocess.run([str(tmp / "layout")], check=True, capture_output=True, text=True).stdout)
+
+
+def test_every_field_offset_matches(c_layout):
+    for struct, fields in STRUCTS.items():
+        for name, (offset, _ctype) in fields.items():
+            assert c_layout[f"{struct}.{name}"] == offset, f"{struct}.{name}"
+
+
+def test_struct_sizes_match(c_layout):
+    assert c_layout["blink_ring_header.sizeof"] == R.HEADER_BYTES
+    assert c_layout["blink_request_slot.sizeof"] == R.REQ_STOP_IDS
+    assert c_layout["blink_response_slot.sizeof"] == R.RESP_TOKENS
+
+
+def test_geometry_derived_sizes_match(c_layout):
+    for i, g in enumerate(GEOMETRIES):
+        assert c_layout[f"g{i}.request_bytes"] == g.request_bytes
+        assert c_layout[f"g{i}.prompt_offset"] == g.prompt_offset
+        assert c_layout[f"g{i}.response_bytes"] == g.response_bytes
+        assert c_layout[f"g{i}.requests_offset"] == g.requests_offset
+
+
+def test_magic_and_version_match(c_layout):
+    assert c_layout["magic"] == R.RING_MAGIC
+    assert c_layout["version"] == R.RING_VERSION
