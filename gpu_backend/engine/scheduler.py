@@ -1,0 +1,281 @@
+"""The scheduler: continuous batching over a paged KV cache. Plain Python, no torch, no device memory.
+
+This is the *reference* scheduler. The `cpu` engine runs it directly; the `host` engine will run it to
+fill a bucket graph's static tensors; the GPU-resident loop implements the same rules in CUDA and is
+diff-tested against this file on recorded request traces (same inputs -> same batch, step by step).
+We chose a reference-and-diff-test over one C++ source compiled twice because the rules were still
+moving: Python keeps them readable and testable in CI, and a step-by-step trace is all the GPU version
+needs to be checked against. The state is kept in the shapes the GPU version uses (block tables of int
+ids, a free list, per-sequence counters), so the translation is mechanical.
+
+Rules (DESIGN.md, "Scheduling on the GPU"):
+- one step = one flat batch of at most `max_num_batched_tokens` tokens: decode tokens first, then
+  prefill chunks (a long prompt is split across steps: chunked prefill);
+- strict priority classes (lower `priority` first), FCFS inside a class;
+- KV blocks come from a free list; a sequence is admitted only when blocks for its chunk exist;
+- when a running sequence needs a block and none is free, the latest, lowest-priority running sequence
+  is preempted by recompute: its blocks return to the free list, and it re-enters the waiting queue with
+  its generated tokens, which are recomputed as part of its prompt;
+- a sequence whose output buffer in the ring is full is skipped this step (backpressure), not dropped;
+- finished and cancelled sequences free their blocks in the same step.
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from protocols.ring import ErrorCode, FinishReason, RequestSpec
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine. `token_ids` is prompt + generated; KV exists for `num_computed`."""
+
+    slot: int
+    seq: int  # the ring submission number
+    spec: RequestSpec
+    arrival: int  # admission order, for FCFS
+    rng_seed: int  # the request's seed, or one drawn at arrival: sampling is keyed by (rng_seed, position)
+    token_ids: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens to feed the model before the next sample (1 for a decoding sequence)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.spec.priority, self.arrival)
+
+
+class BlockManager:
+    """Fixed-size KV blocks: a free list and per-sequence block tables. Block ids index the KV tensor."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def extra_blocks(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks `seq` still needs to hold `num_tokens` tokens."""
+        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        need = self.extra_blocks(seq, num_tokens)
+        if need > len(self._free):
+            raise RuntimeError(f"grow by {need} blocks with {len(self._free)} free: scheduler bug")
+        seq.block_table.extend(self._free.popleft() for _ in range(need))
+
+    def free(self, seq: Sequence) -> None:
+        self._free.extend(seq.block_table)
+        seq.block_table = []
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 256  # per-step token budget
+    max_num_seqs: int = 64  # running sequences at most
+    context_len: int = 2048  # prompt + generated tokens a sequence may hold
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.context_len < 2:
+            raise ValueError(f"invalid scheduler limits: {self}")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    q_len: int  # tokens fed this step
+    samples: bool  # this chunk reaches the end of the sequence: a token is sampled from its last row
+
+
+@dataclass
+class Batch:
+    entries: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.q_len for e in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+@dataclass
+class Finished:
+    seq: Sequence
+    reason: FinishReason
+    error: ErrorCode = ErrorCode.NONE
+
+
+class Scheduler:
+    """`add` -> `schedule` -> (model runs) -> `update` ; `cancel` and `abort_all` at any time between steps."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config, self.blocks = config, blocks
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._arrivals = 0
+
+    # ---- admission -------------------------------------------------------------------------------
+    def check(self, spec: RequestSpec) -> ErrorCode:
+        """Why a request can never run, or NONE."""
+        if len(spec.prompt_ids) >= self.config.context_len:
+            return ErrorCode.PROMPT_TOO_LONG
+        if spec.temperature < 0 or not 0 < spec.top_p <= 1 or spec.top_k < 0 or not 0 <= spec.min_p <= 1:
+            return ErrorCode.INVALID_PARAMS
+        if self.blocks.blocks_for(self._final_len(spec)) > self.blocks.num_blocks:
+            return ErrorCode.NO_KV_CAPACITY
+        return ErrorCode.NONE
+
+    def _final_len(self, spec: RequestSpec) -> int:
+        """Tokens whose KV a request may need: the last sampled token is never fed back."""
+        return min(len(spec.prompt_ids) + spec.max_tokens - 1, self.config.context_len)
+
+    def add(self, slot: int, seq_no: int, spec: RequestSpec, rng_seed: int) -> Sequence:
+        seq = Sequence(slot=slot, seq=seq_no, spec=spec, arrival=self._arrivals, rng_seed=rng_seed,
+                       token_ids=list(spec.prompt_ids), prompt_len=len(spec.prompt_ids))
+        self._arrivals += 1
+        self.waiting.append(seq)
+        return seq
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def all_sequences(self) -> Iterable[Sequence]:
+        return [*self.running, *self.waiting]
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def schedule(self, room: Callable[[Sequence], int] = lambda s: 1 << 30) -> Batch:
+        """Choose this step's tokens. `room(seq)` is the free space in the sequence's output buffer."""
+        batch, budget = Batch(), self.config.max_num_batched_tokens
+        self.running.sort(key=lambda s: s.order)
+        self.waiting.sort(key=lambda s: s.order)
+        scheduled: set[int] = set()
+        for seq in list(self.running):  # decode first
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING or seq.num_remaining != 1 or room(seq) <= 0:
+                continue
+            if not self._reserve(seq, seq.num_computed + 1, batch, scheduled):
+                continue
+            batch.entries.append(ScheduledSeq(seq, 1, True))
+            scheduled.add(id(seq))
+            budget -= 1
+        for seq in [s for s in self.running if s.num_remaining > 1] + list(self.waiting):  # then prefill
+            if budget == 0:
+                break
+            if id(seq) in scheduled or seq.status is Status.FINISHED:
+                continue
+            q_len = self._prefill_chunk(seq, budget, room)
+            if q_len == 0:
+                if seq.status is Status.WAITING:
+                    break  # FCFS within strict priority: nobody overtakes a waiting head
+                continue
+            self.blocks.grow(seq, seq.num_computed + q_len)
+            if seq.status is Status.WAITING:
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                seq.status = Status.RUNNING
+            batch.entries.append(ScheduledSeq(seq, q_len, seq.num_computed + q_len == len(seq.token_ids)))
+            scheduled.add(id(seq))
+            budget -= q_len
+        return batch
+
+    def _prefill_chunk(self, seq: Sequence, budget: int, room: Callable[[Sequence], int]) -> int:
+        if seq.status is Status.WAITING and len(self.running) >= self.config.max_num_seqs:
+            return 0
+        q_len = min(seq.num_remaining, budget)
+        fits = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - seq.num_computed
+        q_len = min(q_len, fits)
+        if q_len > 0 and seq.num_computed + q_len == len(seq.token_ids) and room(seq) <= 0:
+            return 0  # its next token would have nowhere to go
+        return max(q_len, 0)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, batch: Batch, scheduled: set[int]) -> bool:
+        """Grow `seq` to `num_tokens`, preempting later sequences if blocks run out."""
+        while self.blocks.extra_blocks(seq, num_tokens) > self.blocks.num_free:
+            victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
+            if not victims:
+                self._preempt(seq, batch)  # nothing else to take from: it waits for blocks itself
+                return False
+            self._preempt(max(victims, key=lambda s: s.order), batch)
+        self.blocks.grow(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence, batch: Batch) -> None:
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.running.remove(seq)
+        self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: s.order)
+        batch.preempted.append(seq)
+
+    def update(self, batch: Batch, sampled: dict[int, int]) -> tuple[list[tuple[Sequence, int]], list[Finished]]:
+        """Apply a step's results. `sampled` maps id(seq) -> token for entries with `samples`.
+
+        Returns the tokens to publish (stop tokens are not published) and the sequences that finished;
+        their blocks are already free.
+        """
+        new_tokens, finished = [], []
+        for entry in batch.entries:
+            seq = entry.seq
+            seq.num_computed += entry.q_len
+            if not entry.samples:
+                continue
+            token = sampled[id(seq)]
+            reason = self._stop_reason(seq, token)
+            if reason is not FinishReason.STOP:
+                seq.token_ids.append(token)
+                new_tokens.append((seq, token))
+            if reason is not FinishReason.NONE:
+                finished.append(self.finish(seq, reason))
+        return new_tokens, finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason:
+        spec = self.config
+        if (token in spec.eos_token_ids and not seq.spec.ignore_eos) or token in seq.spec.stop_ids:
+            return FinishReason.STOP
+        if seq.num_generated + 1 >= seq.spec.max_tokens or len(seq.token_ids) + 1 >= spec.context_len:
+            return FinishReason.LENGTH
+        return FinishReason.NONE
+
+    def finish(self, seq: Sequence, reason: FinishReason, error: ErrorCode = ErrorCode.NONE) -> Finished:
+        """Remove `seq` wherever it is and free its blocks now."""
+        self.blocks.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        return Finished(seq, reason, error)
