@@ -1,0 +1,127 @@
+"""The `blink` command: `serve` (backend + gateway together), `gateway`, `backend`, `model`.
+
+This package only wires processes together: `gateway/` and `gpu_backend/` never import each other,
+and `serve` runs each as its own process, as they run on separate machines in production.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from gpu_backend.main import add_backend_args, run_backend
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="gateway address")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for start-up")
+    add_backend_args(p)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Start a backend and a gateway, wait until the API answers, stop both together."""
+    key = os.environ.get("BLINK_API_KEY") or secrets.token_urlsafe(24)
+    if not os.environ.get("BLINK_API_KEY"):
+        print(f"BLINK_API_KEY not set; generated API key: {key}", flush=True)
+    env = {**os.environ, "BLINK_API_KEY": key}
+    backend_argv = _backend_argv(args)
+    ring = args.ring or f"blink-{os.getpid()}"
+    backend = subprocess.Popen([sys.executable, "-m", "blink.cli", "backend", *backend_argv, "--ring", ring], env=env)
+    gateway = subprocess.Popen([sys.executable, "-m", "blink.cli", "gateway", "--host", args.host,
+                                "--port", str(args.port), "--backend", args.control], env=env)
+    procs = [backend, gateway]
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    try:
+        if _wait_ready(f"http://{args.host}:{args.port}/health", procs, args.ready_timeout, stopping):
+            print(f"blink serving the OpenAI API on http://{args.host}:{args.port}/v1", flush=True)
+        while not stopping and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+    finally:
+        _stop_all([gateway, backend])
+    failed = [p.returncode for p in procs if p.returncode not in (0, -signal.SIGTERM, None)]
+    return 0 if stopping or not failed else 1
+
+
+def _backend_argv(args: argparse.Namespace) -> list[str]:
+    """The backend flags of a `serve` invocation that differ from their defaults."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_backend_args(probe)
+    argv = []
+    for action in probe._actions:
+        value = getattr(args, action.dest, action.default)
+        if action.option_strings and action.dest != "ring" and value != action.default:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
+def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float, stopping: list) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stopping:
+        if any(p.poll() is not None for p in procs):
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    print(f"blink serve: not ready after {timeout_s:.0f} s", file=sys.stderr)
+    return False
+
+
+def _stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _gateway(argv: list[str]) -> int:
+    from gateway.main import main as gateway_main
+
+    return gateway_main(argv) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blink", description="CPU-free LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_args(sub.add_parser("serve", help="run a backend and the gateway together"))
+    add_backend_args(sub.add_parser("backend", help="run one backend (engine + ring + control plane)"))
+    sub.add_parser("gateway", help="run the OpenAI-compatible gateway (see `blink gateway --help`)", add_help=False)
+    from gpu_backend.models.cli import add_model_commands
+
+    add_model_commands(sub.add_parser("model", help="import and inspect models").add_subparsers(dest="model_command", required=True))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=os.environ.get("BLINK_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if argv[:1] == ["gateway"]:
+        return _gateway(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    if args.command == "backend":
+        return run_backend(args)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

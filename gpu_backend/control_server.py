@@ -1,0 +1,111 @@
+"""The backend's control plane: `Control.Describe` / `Control.Health` plus the standard grpc.health.v1.
+
+It reads liveness from the ring header (the engine's heartbeat), never from the engine's Python state,
+so it reports the same thing whichever engine mode runs, including a GPU loop with no host thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protocols import control_pb2, control_pb2_grpc
+from protocols.ring import RING_VERSION, EngineState
+from protocols.shm import ShmRing
+
+
+@dataclass(frozen=True)
+class Description:
+    model_name: str
+    model_dir: str
+    model_fingerprint: str
+    context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    engine_mode: str
+
+
+class HeartbeatWatch:
+    """Tracks when the heartbeat last moved; stale after `stale_after_s` without a change."""
+
+    def __init__(self, ring: ShmRing, stale_after_s: float = 2.0):
+        self.ring, self.stale_after_s = ring, stale_after_s
+        self._last, self._last_change = ring.heartbeat, time.monotonic()
+
+    def age_s(self) -> float:
+        beat = self.ring.heartbeat
+        if beat != self._last:
+            self._last, self._last_change = beat, time.monotonic()
+        return time.monotonic() - self._last_change
+
+    def state(self) -> int:
+        engine = self.ring.engine_state
+        if engine in (EngineState.STOPPING, EngineState.STOPPED):
+            return control_pb2.HealthReply.STOPPING
+        if engine is EngineState.STARTING:
+            return control_pb2.HealthReply.UNKNOWN
+        return control_pb2.HealthReply.STALLED if self.age_s() > self.stale_after_s else control_pb2.HealthReply.SERVING
+
+
+class ControlService(control_pb2_grpc.ControlServicer):
+    def __init__(self, desc: Description, ring: ShmRing, watch: HeartbeatWatch):
+        self.desc, self.ring, self.watch = desc, ring, watch
+        self._lock = threading.Lock()
+
+    def Describe(self, request, context):
+        g = self.ring.geometry
+        return control_pb2.DescribeReply(
+            model_name=self.desc.model_name, model_dir=self.desc.model_dir,
+            model_fingerprint=self.desc.model_fingerprint, context_len=self.desc.context_len,
+            vocab_size=self.desc.vocab_size, eos_token_ids=list(self.desc.eos_token_ids),
+            engine_mode=self.desc.engine_mode, transport="shm", ring_name=self.ring.name,
+            geometry=control_pb2.RingGeometry(num_slots=g.num_slots, max_prompt_len=g.max_prompt_len,
+                                              max_output_len=g.max_output_len, max_stop_ids=g.max_stop_ids),
+            ring_version=RING_VERSION,
+        )
+
+    def Health(self, request, context):
+        with self._lock:
+            stats = self.ring.stats()
+            return control_pb2.HealthReply(
+                state=self.watch.state(), heartbeat=self.ring.heartbeat, heartbeat_age_s=self.watch.age_s(),
+                running=stats["running"], waiting=stats["waiting"], free_kv_blocks=stats["free_kv_blocks"],
+                total_kv_blocks=stats["total_kv_blocks"], generated_tokens=stats["generated_tokens"],
+            )
+
+
+class ControlServer:
+    """gRPC server plus a thread that mirrors the heartbeat into grpc.health.v1 once a second."""
+
+    def __init__(self, address: str, desc: Description, ring: ShmRing, stale_after_s: float = 2.0):
+        self.watch = HeartbeatWatch(ring, stale_after_s)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        control_pb2_grpc.add_ControlServicer_to_server(ControlService(desc, ring, self.watch), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"control plane could not bind {address}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._mirror_health, name="health", daemon=True)
+
+    def start(self) -> None:
+        self.server.start()
+        self._thread.start()
+
+    def _mirror_health(self) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        while not self._stop.wait(0.5):
+            ok = self.watch.state() == control_pb2.HealthReply.SERVING
+            for service in ("", "blink.control.v1.Control"):
+                self.health.set(service, serving if ok else not_serving)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()

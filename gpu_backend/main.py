@@ -1,0 +1,73 @@
+"""`blink backend`: load a model, create the ring, serve the control plane, run an engine until stopped."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from protocols.ring import RingGeometry
+
+log = logging.getLogger("blink.backend")
+
+MODES = ("cpu", "host", "persistent")
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=MODES, default="cpu", help="engine: cpu (torch on the CPU), host, persistent")
+    p.add_argument("--model", default="demo", help="Hugging Face folder, random:<preset>, or 'demo' (default)")
+    p.add_argument("--model-name", default=None, help="name clients pass as 'model' (default: the folder name)")
+    p.add_argument("--ring", default=None, help="shared-memory ring name (default: blink-<pid>)")
+    p.add_argument("--control", default="127.0.0.1:50051", help="control-plane gRPC address")
+    p.add_argument("--context-len", type=int, default=0, help="tokens per sequence (default: the model's, at most 8192)")
+    p.add_argument("--num-slots", type=int, default=256, help="ring slots: requests in flight at most")
+    p.add_argument("--max-output-len", type=int, default=1024, help="per-slot response buffer, in tokens")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache size (cpu mode)")
+    p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (overrides --kv-cache-mb)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="per-step token budget")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences at most")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: all cores)")
+
+
+def run_backend(args: argparse.Namespace) -> int:
+    if args.mode != "cpu":
+        log.error("--mode %s needs the GPU engine, which this build does not have yet; use --mode cpu", args.mode)
+        return 2
+    import torch
+
+    from gpu_backend.control_server import ControlServer, Description
+    from gpu_backend.engine.cpu_engine import CpuEngine, EngineConfig
+    from gpu_backend.models import load_model, model_fingerprint
+    from gpu_backend.models.demo import ensure_demo_model
+    from protocols.shm import RingConsumer, create_ring
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = str(ensure_demo_model()) if args.model == "demo" else args.model
+    cfg, model, model_dir = load_model(spec, device="cpu", progress=True)
+    model.eval()
+    context_len = args.context_len or min(cfg.max_position_embeddings, 8192)
+    fingerprint = model_fingerprint(model_dir or cfg)
+    geometry = RingGeometry(args.num_slots, context_len, args.max_output_len)
+    ring = create_ring(args.ring or f"blink-{os.getpid()}", geometry, fingerprint)
+    engine = CpuEngine(model, cfg, RingConsumer(ring), EngineConfig(
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs), context_len)
+    name = args.model_name or (Path(model_dir).name if model_dir else spec)
+    desc = Description(name, str(model_dir or ""), fingerprint, context_len, cfg.vocab_size,
+                       tuple(cfg.eos_token_ids), args.mode)
+    control = ControlServer(args.control, desc, ring)
+    control.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: engine.stop_event.set())
+    print(f"backend ready: model={name} mode={args.mode} ring={ring.name} control={args.control} "
+          f"kv_blocks={engine.blocks.num_blocks}", file=sys.stderr, flush=True)
+    try:
+        engine.run()
+    finally:
+        control.stop()
+        ring.close()
+    return 0

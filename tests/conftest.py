@@ -1,0 +1,81 @@
+"""Shared fixtures: a live `blink serve` (CPU backend + gateway, real processes, real sockets)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    base_url: str  # ".../v1"
+    root_url: str
+    api_key: str
+    model: str
+    model_dir: str
+    context_len: int
+    control: str  # backend control-plane address
+    proc: subprocess.Popen
+
+
+def _describe(control: str):
+    import grpc
+
+    from protocols import control_pb2, control_pb2_grpc
+
+    with grpc.insecure_channel(control) as ch:
+        return control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
+
+
+def _wait_health(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"blink serve exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"blink serve not ready after {timeout_s} s")
+
+
+@pytest.fixture(scope="session")
+def live_server():
+    port, control_port = free_port(), free_port()
+    control = f"127.0.0.1:{control_port}"
+    api_key = "test-key-" + os.urandom(6).hex()
+    env = {**os.environ, "BLINK_API_KEY": api_key, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "blink.cli", "serve", "--port", str(port), "--control", control,
+           "--ring", f"blink-test-{os.getpid()}", "--context-len", "2048", "--kv-cache-mb", "256",
+           "--num-slots", "32"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    try:
+        _wait_health(f"http://127.0.0.1:{port}/health", proc, timeout_s=600)
+        desc = _describe(control)
+        yield LiveServer(f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{port}", api_key, desc.model_name,
+                         desc.model_dir, desc.context_len, control, proc)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
