@@ -282,7 +282,7 @@ class RingLayoutError(ValueError):
 
 def geometry_from_header(buf: memoryview | bytearray | np.ndarray) -> RingGeometry:
     """Check magic, version and self-consistency of a header and return its geometry."""
-    hdr = np.frombuffer(buf, dtype=np.uint8, count=HEADER_BYTES)
+    hdr = np.frombuffer(bytes(buf[:HEADER_BYTES]), dtype=np.uint8)  # a copy: holds no export of `buf`
     u32 = hdr.view(np.uint32)
     u64 = hdr.view(np.uint64)
     if int(u64[HDR_MAGIC // 8]) != RING_MAGIC:

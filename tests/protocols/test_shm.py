@@ -1,0 +1,185 @@
+"""The shared-memory ring: submit/take/publish/poll, wraparound, backpressure, cancel, bad attach."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from protocols import ring as R
+from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry
+from protocols.shm import RingAttachError, RingConsumer, RingFull, RingProducer, attach_ring, create_ring
+
+GEOM = RingGeometry(num_slots=4, max_prompt_len=32, max_output_len=8, max_stop_ids=4)
+
+
+@pytest.fixture
+def ring():
+    r = create_ring(f"blink-t-{os.getpid()}", GEOM, "fp-test")
+    yield r
+    r.close()
+
+
+def spec(n=3, **kw):
+    return RequestSpec(request_id=42, prompt_ids=list(range(1, n + 1)), max_tokens=5, **kw)
+
+
+def test_request_round_trips_every_field(ring):
+    prod, cons = RingProducer(attach_ring(ring.name)), RingConsumer(ring)
+    sent = RequestSpec(request_id=2**63 + 5, prompt_ids=[9, 8, 7], max_tokens=77, temperature=0.5, top_p=0.9,
+                       top_k=40, min_p=0.05, seed=2**64 - 1, stop_ids=(3, 4), ignore_eos=True, priority=2)
+    slot = prod.submit(sent)
+    [taken] = cons.take_new()
+    assert taken.slot == slot and taken.seq == 1
+    got = taken.spec
+    assert got.request_id == sent.request_id and list(got.prompt_ids) == [9, 8, 7]
+    assert (got.max_tokens, got.top_k, got.seed, got.priority, got.ignore_eos) == (77, 40, 2**64 - 1, 2, True)
+    assert got.temperature == pytest.approx(0.5) and got.top_p == pytest.approx(0.9) and got.min_p == pytest.approx(0.05)
+    assert tuple(got.stop_ids) == (3, 4)
+    assert cons.take_new() == []
+
+
+def test_no_seed_is_not_seed_zero(ring):
+    prod, cons = RingProducer(ring), RingConsumer(ring)
+    prod.submit(spec())
+    prod.submit(spec(seed=0))
+    a, b = cons.take_new()
+    assert a.spec.seed is None and b.spec.seed == 0
+
+
+def test_tokens_flow_and_output_buffer_wraps(ring):
+    prod, cons = RingProducer(ring), RingConsumer(ring)
+    slot = prod.submit(spec())
+    cons.take_new()
+    assert prod.poll(slot).tokens == [] and prod.poll(slot).started
+    received = []
+    for i in range(5):  # 30 tokens through an 8-token buffer
+        batch = list(range(i * 6, i * 6 + 6))
+        cons.publish(slot, batch)
+        received += prod.poll(slot).tokens
+    assert received == list(range(30))
+    cons.finish(slot, FinishReason.LENGTH)
+    upd = prod.poll(slot)
+    assert upd.finish is FinishReason.LENGTH and upd.tokens == []
+    first, last = prod.token_times_ns(slot)
+    assert 0 < first <= last
+
+
+def test_full_output_buffer_is_backpressure_not_overwrite(ring):
+    prod, cons = RingProducer(ring), RingConsumer(ring)
+    slot = prod.submit(spec())
+    cons.take_new()
+    cons.publish(slot, list(range(8)))
+    assert cons.room(slot) == 0
+    with pytest.raises(RingFull):
+        cons.publish(slot, [99])
+    assert prod.poll(slot).tokens == list(range(8))
+    assert cons.room(slot) == 8
+
+
+def test_full_ring_refuses_and_recovers_after_release(ring):
+    prod, cons = RingProducer(ring), RingConsumer(ring)
+    slots = [prod.submit(spec()) for _ in range(GEOM.num_slots)]
+    with pytest.raises(RingFull):
+        prod.submit(spec())
+    cons.take_new()
+    cons.finish(slots[0], FinishReason.STOP)
+    with pytest.raises(RuntimeError):
+        prod.release(slots[1])  # still running: releasing would be a bug
+    prod.poll(slots[0])
+    prod.release(slots[0])
+    again = prod.submit(spec(n=5))
+    assert again == slots[0]
+    [taken] = cons.take_new()
+    assert taken.slot == again and len(taken.spec.prompt_ids) == 5
+
+
+def test_submission_queue_wraps_many_times(ring):
+    prod, cons = RingProducer(ring), RingConsumer(ring)
+    for i in range(50):
+        slot = prod.submit(spec(n=1 + i % 30))
+        [taken] = cons.take_new()
+        assert taken.seq == i + 1 and len(taken.spec.prompt_ids) == 1 + i % 30
+        cons.publish(slot, [i])
+        cons.finish(slot, FinishReason.STOP)
+        upd = prod.poll(slot)
+        assert upd.tokens == [i] and upd.finish is FinishReason.STOP
+        prod.release(slot)
+    assert ring.stats()["sq_head"] == ring.stats()["sq_tail"] == 50
+
+
+def test_cancel_is_seen_only_by_its_own_submission(ring):
+    prod, cons = RingProducer(ring), RingConsumer(ring)
+    slot = prod.submit(spec())
+    [taken] = cons.take_new()
+    assert not cons.cancelled(slot, taken.seq)
+    prod.cancel(slot)
+    assert cons.cancelled(slot, taken.seq)
+    cons.finish(slot, FinishReason.CANCELLED)
+    assert prod.poll(slot).finish is FinishReason.CANCELLED
+    prod.release(slot)
+    slot2 = prod.submit(spec())
+    [taken2] = cons.take_new()
+    assert not cons.cancelled(taken2.slot, taken2.seq)
+
+
+def test_error_finish_carries_a_message(ring):
+    prod, cons = RingProducer(ring), RingConsumer(ring)
+    slot = prod.submit(spec())
+    cons.take_new()
+    cons.finish(slot, FinishReason.ERROR, ErrorCode.PROMPT_TOO_LONG)
+    upd = prod.poll(slot)
+    assert upd.finish is FinishReason.ERROR and "context" in upd.error
+
+
+def test_bad_spec_is_refused_before_it_reaches_the_ring(ring):
+    prod = RingProducer(ring)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        prod.submit(spec(n=GEOM.max_prompt_len + 1))
+    with pytest.raises(ValueError, match="stop_ids"):
+        prod.submit(spec(stop_ids=(1, 2, 3, 4, 5)))
+    assert prod.free_slots == GEOM.num_slots
+
+
+def test_attach_errors_are_clear(ring):
+    with pytest.raises(RingAttachError, match="is the backend running"):
+        attach_ring("blink-no-such-ring")
+    with pytest.raises(RingAttachError, match="geometry"):
+        attach_ring(ring.name, expect=RingGeometry(num_slots=8, max_prompt_len=32, max_output_len=8, max_stop_ids=4))
+    with pytest.raises(RingAttachError, match="fingerprint"):
+        attach_ring(ring.name, fingerprint="another-model")
+    ring.u32[R.HDR_VERSION // 4] = R.RING_VERSION + 1
+    with pytest.raises(RingAttachError, match="version"):
+        attach_ring(ring.name)
+    ring.u32[R.HDR_VERSION // 4] = R.RING_VERSION
+    ring.u64[R.HDR_MAGIC // 8] = 0
+    with pytest.raises(RingAttachError, match="magic"):
+        attach_ring(ring.name)
+
+
+def test_a_restarted_producer_cancels_what_the_old_one_left(ring):
+    old, cons = RingProducer(ring), RingConsumer(ring)
+    slot = old.submit(spec())
+    [taken] = cons.take_new()
+    new = RingProducer(attach_ring(ring.name))
+    assert new.free_slots == GEOM.num_slots - 1 and cons.cancelled(slot, taken.seq)
+    cons.finish(slot, FinishReason.CANCELLED)
+    assert new.reclaim() == [slot]
+    new.release(slot)
+    assert new.free_slots == GEOM.num_slots
+
+
+def test_two_processes_share_the_ring(ring):
+    prod = RingProducer(ring)
+    slot = prod.submit(spec(n=4))
+    code = f"""
+from protocols.shm import attach_ring, RingConsumer
+from protocols.ring import FinishReason
+cons = RingConsumer(attach_ring({ring.name!r}))
+[t] = cons.take_new()
+cons.publish(t.slot, [x * 10 for x in t.spec.prompt_ids])
+cons.finish(t.slot, FinishReason.STOP)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    upd = prod.poll(slot)
+    assert upd.tokens == [10, 20, 30, 40] and upd.finish is FinishReason.STOP
