@@ -1,0 +1,265 @@
+"""Backends as the gateway sees them: a Describe over gRPC, then one ring and one poller task each.
+
+The poller is the only code that touches a ring's response side. It polls the slots of requests in
+flight (every `poll_active_s` while any exist; not at all when none do) and pushes each `TokenUpdate`
+into that request's `asyncio.Queue`. It releases a slot once the engine has reported a finish, also
+for requests whose client went away (those are cancelled first, then drained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from protocols import control_pb2, control_pb2_grpc
+from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry
+from protocols.shm import RingFull, RingProducer, TokenUpdate, attach_ring
+
+from .config import GatewayConfig
+from .errors import unavailable
+
+log = logging.getLogger("blink.gateway.backends")
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a backend's `Describe` said."""
+
+    addr: str
+    model_name: str
+    model_dir: str
+    model_fingerprint: str
+    context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    engine_mode: str
+    ring_name: str
+    geometry: RingGeometry
+
+    @classmethod
+    def from_reply(cls, addr: str, reply: control_pb2.DescribeReply) -> BackendInfo:
+        g = reply.geometry
+        return cls(addr=addr, model_name=reply.model_name, model_dir=reply.model_dir,
+                   model_fingerprint=reply.model_fingerprint, context_len=reply.context_len,
+                   vocab_size=reply.vocab_size, eos_token_ids=tuple(reply.eos_token_ids),
+                   engine_mode=reply.engine_mode, ring_name=reply.ring_name,
+                   geometry=RingGeometry(g.num_slots, g.max_prompt_len, g.max_output_len, g.max_stop_ids))
+
+
+def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:
+    """Blocking Describe that waits up to `timeout_s` for the backend to come up."""
+    with grpc.insecure_channel(addr) as channel:
+        stub = control_pb2_grpc.ControlStub(channel)
+        return stub.Describe(control_pb2.DescribeRequest(), timeout=timeout_s, wait_for_ready=True)
+
+
+class RequestHandle:
+    """The gateway's side of one submitted request: updates arrive in `queue`."""
+
+    def __init__(self, backend: Backend, slot: int, spec: RequestSpec):
+        self.backend = backend
+        self.slot = slot
+        self.spec = spec
+        self.queue: asyncio.Queue[TokenUpdate] = asyncio.Queue()
+        self.finished = False  # the engine reported a finish (or the gateway gave up on the engine)
+        self.abandoned = False  # nobody reads `queue` any more
+        self.submitted_s = time.perf_counter()
+
+    async def next(self) -> TokenUpdate:
+        update = await self.queue.get()
+        if update.finish != FinishReason.NONE:
+            self.finished = True
+        return update
+
+    def close(self) -> None:
+        """Done reading. If the engine has not finished, cancel it there; the poller releases the slot."""
+        if not self.abandoned:
+            self.abandoned = True
+            if not self.finished:
+                self.backend.cancel(self)
+
+
+class Backend:
+    """One backend: its description, the producer end of its ring, and its poller task."""
+
+    def __init__(self, info: BackendInfo, producer: RingProducer, config: GatewayConfig):
+        self.info = info
+        self.config = config
+        self._producer = producer
+        self._requests: dict[int, RequestHandle] = {}  # slot -> request in flight
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._poller: asyncio.Task | None = None
+        self._beat = (producer.heartbeat, time.monotonic())  # last heartbeat value, when it changed
+        self._next_check_s = 0.0
+        self.stalled = False
+
+    @classmethod
+    async def connect(cls, addr: str, config: GatewayConfig) -> Backend:
+        loop = asyncio.get_running_loop()
+        reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s)
+        info = BackendInfo.from_reply(addr, reply)
+        ring = attach_ring(info.ring_name, expect=info.geometry, fingerprint=info.model_fingerprint or None)
+        log.info("backend %s: model %s, %s engine, ring %s (%d slots), context %d", addr, info.model_name,
+                 info.engine_mode, info.ring_name, info.geometry.num_slots, info.context_len)
+        backend = cls(info, RingProducer(ring), config)
+        backend.start()
+        return backend
+
+    # ---------------------------------------------------------------- state
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    @property
+    def free_slots(self) -> int:
+        return self._producer.free_slots
+
+    @property
+    def heartbeat(self) -> int:
+        return self._producer.heartbeat
+
+    @property
+    def load(self) -> float:
+        """Fraction of ring slots in use, plus queued waiters: what the router balances."""
+        return (self.info.geometry.num_slots - self.free_slots + len(self._waiters)) / self.info.geometry.num_slots
+
+    # ---------------------------------------------------------------- requests
+    async def submit(self, spec: RequestSpec) -> RequestHandle:
+        """Write a request into a free slot, waiting (FIFO) up to `slot_wait_s` for one."""
+        if self.stalled:
+            raise unavailable(f"backend {self.info.addr} is not making progress (heartbeat stale)")
+        slot = await self._acquire_slot(spec)
+        handle = RequestHandle(self, slot, spec)
+        self._requests[slot] = handle
+        self._wakeup.set()
+        return handle
+
+    async def _acquire_slot(self, spec: RequestSpec) -> int:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.slot_wait_s
+        woken = False  # a woken waiter goes first, ahead of the queue it left
+        while True:
+            if woken or not self._waiters:
+                try:
+                    return self._producer.submit(spec)
+                except RingFull:
+                    pass
+            waiter = loop.create_future()
+            (self._waiters.appendleft if woken else self._waiters.append)(waiter)
+            try:
+                await asyncio.wait_for(waiter, deadline - loop.time())
+            except TimeoutError:
+                raise unavailable(f"all {self.info.geometry.num_slots} request slots of backend "
+                                  f"{self.info.addr} stayed busy for {self.config.slot_wait_s:g} s") from None
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # pass the wake-up on
+                raise
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+            woken = True
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def cancel(self, handle: RequestHandle) -> None:
+        self._producer.cancel(handle.slot)
+
+    # ---------------------------------------------------------------- poller
+    def start(self) -> None:
+        self._poller = asyncio.create_task(self._poll_loop(), name=f"poller {self.info.addr}")
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+        for handle in self._requests.values():
+            handle.queue.put_nowait(_error_update("the gateway is shutting down"))
+        self._producer.ring.close()
+
+    async def _poll_loop(self) -> None:
+        while True:
+            try:
+                if self._requests:
+                    self._poll_once()
+                    self._housekeeping()
+                    await asyncio.sleep(self.config.poll_active_s)
+                else:
+                    await self._idle()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a poller that dies would hang every request: fail them, keep going
+                log.exception("poller of backend %s failed", self.info.addr)
+                self._fail_all("the gateway lost track of this request (poller error)")
+                await asyncio.sleep(self.config.heartbeat_check_s)
+
+    def _poll_once(self) -> None:
+        for slot, handle in list(self._requests.items()):
+            update = self._producer.poll(slot)
+            if not update.tokens and update.finish == FinishReason.NONE:
+                continue
+            if not handle.abandoned:
+                handle.queue.put_nowait(update)
+            if update.finish != FinishReason.NONE:
+                del self._requests[slot]
+                self._producer.release(slot)
+                self._wake_one()
+
+    async def _idle(self) -> None:
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), self.config.heartbeat_check_s)
+        except TimeoutError:
+            self._reclaim_adopted()
+        self._beat = (self.heartbeat, time.monotonic())
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_check_s:
+            self._next_check_s = now + self.config.heartbeat_check_s
+            self._check_heartbeat()
+            self._reclaim_adopted()
+
+    def _reclaim_adopted(self) -> None:
+        """Slots an earlier gateway left running are released once their finish arrives."""
+        for slot in self._producer.reclaim():
+            if slot not in self._requests:
+                self._producer.release(slot)
+                self._wake_one()
+
+    def _check_heartbeat(self) -> None:
+        beat, since = self._beat
+        now, current = time.monotonic(), self.heartbeat
+        if current != beat:
+            self._beat = (current, now)
+            if self.stalled:
+                log.warning("backend %s: heartbeat moves again", self.info.addr)
+            self.stalled = False
+        elif not self.stalled and now - since > self.config.stall_timeout_s:
+            self.stalled = True
+            log.error("backend %s: heartbeat stuck at %d for %.0f s; failing its requests",
+                      self.info.addr, beat, now - since)
+            self._fail_all(f"backend {self.info.addr} stopped making progress")
+
+    def _fail_all(self, message: str) -> None:
+        """Tell every reader its request failed; cancel in the engine; slots return if it ever finishes."""
+        for handle in self._requests.values():
+            if not handle.abandoned:
+                handle.queue.put_nowait(_error_update(message))
+                handle.abandoned = True
+            self._producer.cancel(handle.slot)
+
+
+def _error_update(message: str) -> TokenUpdate:
+    return TokenUpdate(finish=FinishReason.ERROR, error=message, error_code=ErrorCode.INTERNAL)

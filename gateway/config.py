@@ -1,0 +1,68 @@
+"""Gateway configuration: one frozen dataclass; environment variables read here and nowhere else."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+ENV_PREFIX = "BLINK_"
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend_addrs: tuple[str, ...] = ("127.0.0.1:50051",)  # control-plane gRPC addresses
+    api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
+    max_body_bytes: int = 4 * MiB
+    default_max_tokens: int | None = None  # None: whatever the context leaves after the prompt
+    slot_wait_s: float = 30.0  # how long a request waits for a free ring slot before a 503
+    connect_timeout_s: float = 300.0  # how long startup waits for a backend to answer Describe
+    poll_active_s: float = 0.0005  # poller sleep while requests are in flight
+    heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
+    stall_timeout_s: float = 60.0  # heartbeat unchanged this long with requests in flight: fail them
+    tokenizer_threads: int = 2
+    access_log: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.backend_addrs:
+            raise ValueError("at least one backend address is needed")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.slot_wait_s <= 0 or self.poll_active_s <= 0:
+            raise ValueError("slot_wait_s and poll_active_s must be positive")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def replace(self, **changes) -> GatewayConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
+    """GatewayConfig fields set by BLINK_* variables (BLINK_API_KEY takes a comma-separated list)."""
+    env = os.environ if environ is None else environ
+    out: dict = {}
+    if keys := env.get(f"{ENV_PREFIX}API_KEY"):
+        out["api_keys"] = frozenset(k.strip() for k in keys.split(",") if k.strip())
+    if host := env.get(f"{ENV_PREFIX}GATEWAY_HOST"):
+        out["host"] = host
+    if port := env.get(f"{ENV_PREFIX}GATEWAY_PORT"):
+        out["port"] = int(port)
+    if backends := env.get(f"{ENV_PREFIX}BACKENDS"):
+        out["backend_addrs"] = tuple(b.strip() for b in backends.split(",") if b.strip())
+    if size := env.get(f"{ENV_PREFIX}MAX_BODY_BYTES"):
+        out["max_body_bytes"] = int(size)
+    return out

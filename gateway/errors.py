@@ -1,0 +1,51 @@
+"""OpenAI-style error values: what a client gets instead of a stack trace."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from protocols.openai import ErrorBody, ErrorDetail
+
+
+class ApiError(Exception):
+    """An error the client can act on: HTTP status plus an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=self.detail)
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, text=self.body().model_dump_json(),
+                            content_type="application/json")
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def server_error(message: str) -> ApiError:
+    return ApiError(500, message, type="server_error", code="internal_error")
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, type="server_error", code="service_unavailable")
+
+
+_HTTP_TYPES = {401: "authentication_error", 404: "invalid_request_error", 405: "invalid_request_error",
+               413: "invalid_request_error"}
+
+
+def from_http_exception(exc: web.HTTPException, path: str) -> ApiError:
+    """aiohttp's own errors (no route, wrong method, body too large) as OpenAI error objects."""
+    messages = {404: f"no route for {path}", 405: f"method not allowed for {path}",
+                413: "request body too large"}
+    message = messages.get(exc.status, exc.reason or "request failed")
+    if exc.status == 413 and exc.text:
+        message = f"request body too large: {exc.text.strip()}"
+    return ApiError(exc.status, message, type=_HTTP_TYPES.get(exc.status, "invalid_request_error"),
+                    code="not_found" if exc.status == 404 else None)

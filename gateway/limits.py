@@ -1,0 +1,59 @@
+"""Request limits against what the backend can hold, and the RequestSpec that goes into the ring."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from protocols.openai import SamplingFields
+from protocols.ring import RequestSpec
+
+from .backends import BackendInfo
+from .errors import bad_request
+
+CONTEXT_CODE = "context_length_exceeded"
+
+
+def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """Token-id prompts must name tokens the model has."""
+    if vocab_size and (bad := [t for t in prompt_ids if t >= vocab_size]):
+        raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})", "prompt")
+    return list(prompt_ids)
+
+
+def max_tokens_for(prompt_len: int, requested: int | None, info: BackendInfo, prompt_param: str,
+                   max_param: str, default: int | None = None) -> int:
+    """The output budget: as requested if prompt + output fits the context, else a 400 naming the limit."""
+    context_len = info.context_len
+    prompt_limit = min(context_len - 1, info.geometry.max_prompt_len)
+    if prompt_len > prompt_limit:
+        raise bad_request(f"the prompt is {prompt_len} tokens, over this model's limit of {prompt_limit} "
+                          f"(context length {context_len}, at least one token is generated)",
+                          prompt_param, CONTEXT_CODE)
+    room = context_len - prompt_len
+    if requested is None:
+        return min(room, default) if default else room
+    if requested > room:
+        raise bad_request(f"{max_param}={requested} plus the prompt's {prompt_len} tokens exceeds this "
+                          f"model's context length of {context_len}; at most {room} fit", max_param,
+                          CONTEXT_CODE)
+    return requested
+
+
+def build_spec(request_id: int, req: SamplingFields, prompt_ids: list[int], info: BackendInfo,
+               prompt_param: str, default_max_tokens: int | None = None) -> RequestSpec:
+    if not prompt_ids:
+        raise bad_request("the prompt is empty after tokenization", prompt_param)
+    max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+    max_tokens = max_tokens_for(len(prompt_ids), req.requested_max_tokens, info, prompt_param, max_param,
+                                default_max_tokens)
+    stop_ids = tuple(req.stop_token_ids or ())
+    if len(stop_ids) > info.geometry.max_stop_ids:
+        raise bad_request(f"stop_token_ids holds {len(stop_ids)} ids, at most {info.geometry.max_stop_ids}",
+                          "stop_token_ids")
+    return RequestSpec(
+        request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),  # -1 (vLLM) and 0 both mean off
+        min_p=req.min_p or 0.0, seed=req.seed, stop_ids=stop_ids, ignore_eos=req.ignore_eos,
+        priority=req.priority)

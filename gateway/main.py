@@ -1,0 +1,46 @@
+"""Command line: `python -m gateway --backend 127.0.0.1:50051 --port 8000 --api-key KEY`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+from .config import GatewayConfig, env_overrides
+from .server import run_gateway
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="blink-gateway", description="OpenAI-compatible gateway for blink backends")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument("--backend", action="append", dest="backends", metavar="HOST:PORT",
+                   help="a backend's control-plane address; repeat for several (default 127.0.0.1:50051)")
+    p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                   help="accepted API key; repeat for several (also BLINK_API_KEY, comma-separated)")
+    p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--default-max-tokens", type=int,
+                   help="output budget when a request sets none (default: what the context leaves)")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
+    """Defaults, then BLINK_* environment variables, then flags."""
+    fields = env_overrides(environ)
+    flags = {"host": args.host, "port": args.port, "max_body_bytes": args.max_body_bytes,
+             "default_max_tokens": args.default_max_tokens,
+             "backend_addrs": tuple(args.backends) if args.backends else None,
+             "api_keys": frozenset(args.api_keys) if args.api_keys else None}
+    fields.update({k: v for k, v in flags.items() if v is not None})
+    return GatewayConfig(**fields)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_gateway(config_from_args(args))
+
+
+if __name__ == "__main__":
+    main()

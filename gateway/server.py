@@ -1,0 +1,126 @@
+"""Assembling and running the gateway: backends, tokenizers, the aiohttp app and its error handling."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+
+from .auth import auth_middleware
+from .backends import Backend
+from .config import GatewayConfig
+from .errors import ApiError, from_http_exception, server_error
+from .http import STATE, GatewayState, add_routes
+from .route import Router
+from .tokenize import TokenizerService
+
+log = logging.getLogger("blink.gateway")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable]):
+    """Every failure leaves as an OpenAI error object; a stack trace goes to the log, never to the client."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return err.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return from_http_exception(exc, request.path).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return server_error("the gateway failed to handle this request; see its log").response()
+
+
+def build_app(config: GatewayConfig, state: GatewayState) -> web.Application:
+    middlewares = [error_middleware]
+    if config.auth_enabled:
+        middlewares.append(auth_middleware(config.api_keys))
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app[STATE] = state
+    add_routes(app)
+    return app
+
+
+class GatewayServer:
+    """A started gateway: `url` once listening; `close()` stops it."""
+
+    def __init__(self, config: GatewayConfig, runner: web.AppRunner, backends: Sequence[Backend]):
+        self.config = config
+        self.runner = runner
+        self.backends = list(backends)
+
+    @property
+    def port(self) -> int:
+        return self.runner.addresses[0][1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+        for backend in self.backends:
+            await backend.close()
+
+
+async def connect_backends(config: GatewayConfig) -> list[Backend]:
+    return list(await asyncio.gather(*(Backend.connect(addr, config) for addr in config.backend_addrs)))
+
+
+def load_tokenizers(backends: Sequence[Backend], threads: int) -> dict[str, TokenizerService]:
+    """One tokenizer per model (backends serving the same model share it) and one thread pool for all."""
+    executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
+    services: dict[str, TokenizerService] = {}
+    for backend in backends:
+        name = backend.info.model_name
+        if name not in services:
+            services[name] = TokenizerService(backend.info.model_dir, executor)
+    return services
+
+
+async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | None = None) -> GatewayServer:
+    """Connect to the backends (unless given), then listen. Logs 'gateway listening on URL' when ready."""
+    backends = list(backends) if backends is not None else await connect_backends(config)
+    tokenizers = await asyncio.get_running_loop().run_in_executor(
+        None, load_tokenizers, backends, config.tokenizer_threads)
+    state = GatewayState(config=config, router=Router(backends), tokenizers=tokenizers)
+    # handler_cancellation: a client that goes away cancels its handler, which cancels its request.
+    runner = web.AppRunner(build_app(config, state), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    server = GatewayServer(config, runner, backends)
+    if config.auth_enabled is False:
+        log.warning("no API key configured: every client is accepted (set BLINK_API_KEY or --api-key)")
+    log.info("gateway listening on %s", server.url)
+    return server
+
+
+async def serve_forever(config: GatewayConfig) -> None:
+    server = await start_gateway(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("gateway stopping")
+        await server.close()
+
+
+def run_gateway(config: GatewayConfig) -> None:
+    """Run until SIGINT/SIGTERM, on uvloop where it is installed. Blocking: call it from a main thread."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve_forever(config))
+        return
+    uvloop.run(serve_forever(config))

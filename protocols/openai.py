@@ -1,0 +1,299 @@
+"""OpenAI-compatible request and response schemas (pydantic v2), shared vocabulary of the public API.
+
+Requests are strict about types (a string where a number belongs is an error, as OpenAI does) and
+ignore unknown fields. `parse_request` turns a raw body into a model or an `InvalidRequest` whose
+`param` names the offending field (`messages[0].content`, `max_tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP_STRINGS = 4
+
+
+class InvalidRequest(ValueError):
+    """A request body that does not fit the schema; `param` names the field (None for the whole body)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    def check(self) -> None:
+        """Rules beyond types and ranges; raise `InvalidRequest` naming the field."""
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """Content as one string: text parts joined, as text-only chat templates expect."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
+
+
+class SamplingFields(_Request):
+    """Fields common to chat and text completions. `None` means "use the default"."""
+
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1: disabled
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: Stop | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions (vLLM names): benchmarks need ignore_eos; priority is the ring's priority class.
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: Annotated[int, Field(ge=0, le=255)] = 0
+    # Accepted so clients that send defaults work; anything but the default is refused, never ignored.
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check(self) -> None:
+        _refuse_unless_default(self, n=1, presence_penalty=0.0, frequency_penalty=0.0, logit_bias={})
+
+    @property
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        _refuse_unless_default(self, logprobs=False, tools=[])
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] \
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        _refuse_unless_default(self, echo=False, logprobs=0, best_of=1, suffix="")
+        if self.prompt_text_or_ids == "":
+            raise InvalidRequest("'prompt' must not be empty", "prompt")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def prompt_text_or_ids(self) -> str | list[int]:
+        """The single prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p[0], int):
+            return p
+        return p[0]
+
+
+def _refuse_unless_default(req: _Request, **defaults: Any) -> None:
+    for name, default in defaults.items():
+        value = getattr(req, name)
+        if value is not None and value != default:
+            raise InvalidRequest(f"'{name}' = {value!r} is not supported by this server "
+                                 f"(only {default!r})", name)
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_len: int, completion_len: int) -> Usage:
+        return cls(prompt_tokens=prompt_len, completion_tokens=completion_len,
+                   total_tokens=prompt_len + completion_len)
+
+
+FinishReasonStr = Literal["stop", "length"]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReasonStr
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+def _omit_none(default: Any = None) -> Any:
+    return Field(default=default, exclude_if=lambda v: v is None)
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = _omit_none()
+    content: str | None = _omit_none()
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReasonStr | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = _omit_none()
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReasonStr | None = None
+
+
+class Completion(BaseModel):
+    """A text completion, and also the shape of each streamed text-completion chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = _omit_none()
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "blink"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------- parsing
+
+R = TypeVar("R", bound=_Request)
+
+
+def parse_request(cls: type[R], body: bytes) -> R:
+    """Validate a raw JSON body; raise `InvalidRequest` naming the first bad field."""
+    try:
+        req = cls.model_validate_json(body)
+    except ValidationError as exc:
+        raise _to_invalid(exc, body) from None
+    req.check()
+    return req
+
+
+def _to_invalid(exc: ValidationError, body: bytes) -> InvalidRequest:
+    err = exc.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return InvalidRequest(f"request body is not valid JSON: {err['msg']}")
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        return InvalidRequest("request body must be a JSON object")
+    errors = [(e, _param_path(e["loc"], data, e["type"] == "missing")) for e in exc.errors(include_url=False)]
+    param = errors[0][1]
+    # A union field yields one error per alternative: say them all.
+    if errors[0][0]["type"] == "missing":
+        return InvalidRequest(f"'{param}' is a required field", param)
+    msgs = dict.fromkeys(e["msg"].removeprefix("Value error, ") for e, p in errors if p == param)
+    return InvalidRequest(f"invalid value for '{param}': {' or '.join(msgs)}", param)
+
+
+def _param_path(loc: tuple, data: Any, missing: bool) -> str:
+    """Dotted path of the locations that index the client's JSON (drops pydantic's union tags)."""
+    path = ""
+    for i, key in enumerate(loc):
+        if isinstance(key, int) and isinstance(data, list) and 0 <= key < len(data):
+            path, data = f"{path}[{key}]", data[key]
+        elif isinstance(key, str) and isinstance(data, dict) and key in data:
+            path, data = f"{path}.{key}" if path else key, data[key]
+        elif missing and i == len(loc) - 1 and isinstance(key, str):
+            path = f"{path}.{key}" if path else key
+    return path or "body"
