@@ -1,0 +1,216 @@
+"""ModelConfig: the shape of a Llama-family decoder, read from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a dense Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, Qwen3, SmolLM2).
+
+    `attention_bias` means biases on q/k/v (Qwen2); o_proj never has one. `qk_norm` is Qwen3's
+    per-head RMSNorm of q and k before RoPE. `rope_scaling` is None or the Llama-3 dict
+    (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+    model_type: str = "llama"
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", _check_llama3_rope(self.rope_scaling))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise ValueError(f"ModelConfig.rms_norm_eps and rope_theta must be > 0, "
+                             f"got {self.rms_norm_eps} and {self.rope_theta}")
+        for token_id in (*self.eos_token_ids, self.bos_token_id):
+            if token_id is not None and not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"ModelConfig token id {token_id} (bos/eos) is outside the vocabulary "
+                                 f"of {self.vocab_size}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"ModelConfig.model_type {self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+
+    # ---- derived sizes ----
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        attn += (self.q_size + 2 * self.kv_size) if self.attention_bias else 0
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+    def weight_bytes(self, dtype: torch.dtype | str = torch.float32) -> int:
+        return self.num_params * _dtype_size(dtype)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | str = torch.float32) -> int:
+        """Bytes of K and V, all layers, for one token."""
+        return 2 * self.num_layers * self.kv_size * _dtype_size(dtype)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- Hugging Face config.json ----
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], name: str | None = None) -> "ModelConfig":
+        """Read a Hugging Face config.json dict (llama, mistral, qwen2, qwen3)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"config.json model_type {model_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        _reject_unsupported(hf, model_type)
+        num_heads = _require(hf, "num_attention_heads")
+        hidden_size = _require(hf, "hidden_size")
+        rope_theta, rope_scaling = _read_rope(hf)
+        eos = hf.get("eos_token_id")
+        return cls(
+            vocab_size=_require(hf, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_require(hf, "intermediate_size"),
+            num_layers=_require(hf, "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hidden_size // num_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=_max_positions(hf, model_type),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,),
+            name=name or hf.get("_name_or_path") or model_type,
+            model_type=model_type,
+            qk_norm=model_type == "qwen3",
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A Hugging Face config.json dict that transformers (4.x and 5.x) loads as the same model."""
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+        eos = list(self.eos_token_ids)
+        out = {
+            "architectures": [arch], "model_type": self.model_type, "hidden_act": "silu",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else {"rope_type": "llama3", **self.rope_scaling},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "initializer_range": 0.02, "use_cache": True,
+        }
+        if self.model_type in ("qwen2", "qwen3", "mistral"):
+            out.update(sliding_window=None, use_sliding_window=False)
+        return out
+
+
+def _require(hf: Mapping[str, Any], key: str) -> Any:
+    if key not in hf or hf[key] is None:
+        raise ValueError(f"config.json is missing required field {key!r}")
+    return hf[key]
+
+
+def _reject_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
+    if hf.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true is not supported")
+    if model_type in ("llama", "mistral", "qwen3") and hf.get("attention_bias"):
+        raise ValueError(f"config.json attention_bias=true for {model_type} (o_proj bias) is not supported")
+    if hf.get("use_sliding_window") and model_type in ("qwen2", "qwen3"):
+        raise ValueError("config.json use_sliding_window=true is not supported")
+
+
+def _max_positions(hf: Mapping[str, Any], model_type: str) -> int:
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    window = hf.get("sliding_window")
+    if model_type == "mistral" and window:
+        # within one window, sliding-window attention is exact full attention
+        max_pos = min(max_pos, int(window))
+    return max_pos
+
+
+def _read_rope(hf: Mapping[str, Any]) -> tuple[float, dict | None]:
+    # transformers 4.x: rope_theta + rope_scaling; 5.x: rope_parameters (with rope_theta inside)
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {}) or params
+    theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"config.json rope type {rope_type!r} is not supported (only default and llama3)")
+    return theta, {k: scaling.get(k) for k in LLAMA3_ROPE_KEYS}
+
+
+def _check_llama3_rope(scaling: Mapping[str, Any]) -> dict:
+    missing = [k for k in LLAMA3_ROPE_KEYS if scaling.get(k) is None]
+    if missing:
+        raise ValueError(f"ModelConfig.rope_scaling (llama3) is missing {missing}")
+    extra = set(scaling) - set(LLAMA3_ROPE_KEYS) - {"rope_type", "type"}
+    if extra:
+        raise ValueError(f"ModelConfig.rope_scaling has unknown keys {sorted(extra)}")
+    out = {k: float(scaling[k]) for k in LLAMA3_ROPE_KEYS[:3]}
+    out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    if not (out["factor"] >= 1 and 0 < out["low_freq_factor"] < out["high_freq_factor"]):
+        raise ValueError(f"ModelConfig.rope_scaling needs factor >= 1 and 0 < low_freq_factor < "
+                         f"high_freq_factor, got {out}")
+    return out
+
+
+def _dtype_size(dtype: torch.dtype | str) -> int:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,154 @@
+"""Build a LlamaModel from a Hugging Face folder (safetensors) or from random weights of a preset shape."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from .config import ModelConfig
+from .llama import LlamaModel
+from .presets import preset_config
+
+RANDOM_PREFIX = "random:"
+RANDOM_SEED = 0
+RANDOM_STD = 0.02
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(spec: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+               progress: bool = True) -> tuple[ModelConfig, LlamaModel, Path | None]:
+    """spec: a Hugging Face folder (config.json + *.safetensors) or `random:<preset>`.
+
+    dtype None means float32 on the CPU and bfloat16 elsewhere. Returns (config, model in eval mode
+    without grads, folder or None for random weights).
+    """
+    device = torch.device(device)
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if spec.startswith(RANDOM_PREFIX):
+        cfg = preset_config(spec[len(RANDOM_PREFIX):])
+        model = _empty_model(cfg, dtype, device)
+        init_random_(model, seed=RANDOM_SEED, std=RANDOM_STD)
+        return cfg, model, None
+    model_dir = Path(spec).expanduser()
+    cfg = read_config(model_dir)
+    model = _empty_model(cfg, dtype, device)
+    load_safetensors_(model, model_dir, progress=progress)
+    return cfg, model, model_dir
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: a model folder needs a Hugging Face config.json "
+                                f"(or use random:<preset>)")
+    return ModelConfig.from_hf(json.loads(config_path.read_text()), name=Path(model_dir).resolve().name)
+
+
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(cfg).to(dtype)
+    model = model.to_empty(device=device).eval()
+    model.tie_weights()
+    model.requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def init_random_(model: LlamaModel, seed: int = RANDOM_SEED, std: float = RANDOM_STD) -> None:
+    """Deterministic init: matrices and embeddings ~ N(0, std), norms 1, biases 0."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():   # a tied weight is visited once
+        if param.dim() >= 2:
+            param.normal_(0.0, std, generator=gen)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.fill_(1.0)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a folder, following model.safetensors.index.json when present."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        raise FileNotFoundError(f"{model_dir}: no safetensors weights found" +
+                                (f" (missing {missing})" if missing else ""))
+    return files
+
+
+@torch.no_grad()
+def load_safetensors_(model: LlamaModel, model_dir: Path, progress: bool = True) -> None:
+    """Copy every tensor of the folder into the model's parameters (cast and moved on the way)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    files = weight_files(model_dir)
+    filled: set[str] = set()
+    with tqdm(total=_count_tensors(files), desc=f"loading {Path(model_dir).name}", unit="tensor",
+              file=sys.stderr, disable=not progress) as bar:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    _copy_tensor(params, key, f, filled)
+                    bar.update(1)
+    _check_filled(model, params, filled)
+
+
+def _count_tensors(files: list[Path]) -> int:
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            total += len(list(f.keys()))
+    return total
+
+
+def _copy_tensor(params: dict, key: str, f, filled: set[str]) -> None:
+    if key.endswith(_IGNORED_SUFFIXES):
+        return
+    if key not in params:
+        raise ValueError(f"weight {key!r} has no parameter in LlamaModel (unsupported architecture variant?)")
+    tensor, param = f.get_tensor(key), params[key]
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"weight {key!r} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}")
+    param.copy_(tensor)
+    filled.add(key)
+
+
+def _check_filled(model: LlamaModel, params: dict, filled: set[str]) -> None:
+    if model.cfg.tie_word_embeddings and "lm_head.weight" not in filled and "model.embed_tokens.weight" in filled:
+        filled.add("lm_head.weight")
+    if model.cfg.tie_word_embeddings and "model.embed_tokens.weight" not in filled and "lm_head.weight" in filled:
+        filled.add("model.embed_tokens.weight")
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"weights missing from the safetensors files: {missing[:8]}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def model_fingerprint(source: Path | str | ModelConfig) -> str:
+    """32 hex chars of sha256 over the config and the weight files' names and sizes (or, for
+    random weights, a ModelConfig or `random:<preset>`: the config and the init recipe).
+    Goes into the ring header."""
+    h = hashlib.sha256()
+    if isinstance(source, str) and source.startswith(RANDOM_PREFIX):
+        source = preset_config(source[len(RANDOM_PREFIX):])
+    if isinstance(source, ModelConfig):
+        h.update(json.dumps(source.to_hf(), sort_keys=True).encode())
+        h.update(f"random seed={RANDOM_SEED} std={RANDOM_STD}".encode())
+        return h.hexdigest()[:32]
+    model_dir = Path(source)
+    h.update(json.dumps(json.loads((model_dir / "config.json").read_text()), sort_keys=True).encode())
+    for path in weight_files(model_dir):
+        h.update(f"\n{path.name}:{path.stat().st_size}".encode())
+    return h.hexdigest()[:32]
