@@ -1,0 +1,190 @@
+"""Gateway test fixtures: a small byte-level tokenizer, an in-process echo engine on a real shm ring,
+and a gateway running on its own event-loop thread (so tests talk to it with blocking clients)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from gateway.backends import Backend, BackendInfo
+from gateway.config import GatewayConfig
+from gateway.server import GatewayServer, start_gateway
+from protocols.ring import ErrorCode, FinishReason, RingGeometry
+from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+          "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+          "{% endif %}")
+# ASCII only: multi-byte characters stay split over single-byte tokens.
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello there", "user assistant system",
+          "stop here please END of the text"] * 20
+
+
+def make_byte_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer() -> Tokenizer:
+    return make_byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, byte_tokenizer) -> Path:
+    path = tmp_path_factory.mktemp("tiny-model")
+    byte_tokenizer.save(str(path / "tokenizer.json"))
+    config = {"chat_template": CHATML, "bos_token": None, "eos_token": {"content": "<|im_end|>"}}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+ERROR_TOKEN = "<|endoftext|>"  # a prompt starting with this makes the echo engine fail the request
+
+
+class EchoEngine:
+    """The consumer end of a ring: each step, every running request gets the next prompt token again
+    (the prompt, cycled). Stops on EOS (unless ignore_eos), a stop id, max_tokens or a cancel."""
+
+    def __init__(self, ring, eos_id: int, error_id: int, step_s: float = 0.001):
+        self.consumer = RingConsumer(ring)
+        self.eos_id, self.error_id, self.step_s = eos_id, error_id, step_s
+        self.running: dict[int, tuple] = {}  # slot -> (seq, spec, produced)
+        self.num_cancelled = 0
+        self.paused = False
+        self.failure: BaseException | None = None  # a broken fake must fail tests, not hang them
+
+    async def run(self) -> None:
+        try:
+            while True:
+                if not self.paused:
+                    self.step()
+                await asyncio.sleep(self.step_s)
+        except Exception as exc:
+            self.failure = exc
+            raise
+
+    def step(self) -> None:
+        self.consumer.beat()
+        for taken in self.consumer.take_new():
+            self.running[taken.slot] = (taken.seq, taken.spec, 0)
+        for slot, (seq, spec, produced) in list(self.running.items()):
+            self._advance(slot, seq, spec, produced)
+
+    def _advance(self, slot: int, seq: int, spec, produced: int) -> None:
+        if self.consumer.cancelled(slot, seq):
+            self.num_cancelled += 1
+            return self._finish(slot, FinishReason.CANCELLED)
+        if spec.prompt_ids[0] == self.error_id:
+            return self._finish(slot, FinishReason.ERROR, ErrorCode.INTERNAL)
+        if self.consumer.room(slot) == 0:
+            return
+        token = spec.prompt_ids[produced % len(spec.prompt_ids)]
+        self.consumer.publish(slot, [token])
+        self.running[slot] = (seq, spec, produced + 1)
+        if token in spec.stop_ids or (token == self.eos_id and not spec.ignore_eos):
+            self._finish(slot, FinishReason.STOP)
+        elif produced + 1 >= spec.max_tokens:
+            self._finish(slot, FinishReason.LENGTH)
+
+    def _finish(self, slot: int, reason: FinishReason, code: ErrorCode = ErrorCode.NONE) -> None:
+        self.consumer.finish(slot, reason, code)
+        del self.running[slot]
+
+
+@dataclass
+class Harness:
+    """A gateway on a background event loop, an echo engine, and the backend between them."""
+
+    url: str
+    api_key: str
+    model: str
+    context_len: int
+    backend: Backend
+    engine: EchoEngine
+    server: GatewayServer
+    tokenizer: Tokenizer
+    loop: asyncio.AbstractEventLoop
+
+    def call(self, fn, *args):
+        """Run `fn(*args)` on the gateway's loop (the ring and the poller are not thread-safe)."""
+        async def run():
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=10)
+
+    def post(self, path: str, body, key: str | None = "default", raw: bool = False):
+        """POST JSON (or raw bytes); returns (status, parsed JSON body)."""
+        data = body if raw else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key if key == 'default' else key}"
+        return http_call(self.url + path, data, headers)
+
+    def get(self, path: str, key: str | None = "default"):
+        headers = {"Authorization": f"Bearer {self.api_key}"} if key == "default" else {}
+        return http_call(self.url + path, None, headers)
+
+
+def http_call(url: str, data: bytes | None, headers: dict):
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+MODEL = "tiny-echo"
+CONTEXT_LEN = 256
+GEOMETRY = RingGeometry(num_slots=4, max_prompt_len=256, max_output_len=16, max_stop_ids=4)
+
+
+async def _start(model_dir: Path, tokenizer: Tokenizer, ring_name: str, config: GatewayConfig):
+    ring = create_ring(ring_name, GEOMETRY, "fp-test")
+    engine = EchoEngine(ring, tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id(ERROR_TOKEN))
+    engine_task = asyncio.create_task(engine.run())
+    info = BackendInfo(addr="in-process", model_name=MODEL, model_dir=str(model_dir), model_fingerprint="fp-test",
+                       context_len=CONTEXT_LEN, vocab_size=tokenizer.get_vocab_size(),
+                       eos_token_ids=(engine.eos_id,), engine_mode="echo", ring_name=ring_name, geometry=GEOMETRY)
+    backend = Backend(info, RingProducer(attach_ring(ring_name)), config)
+    backend.start()
+    server = await start_gateway(config, backends=[backend])
+    return ring, engine, engine_task, backend, server
+
+
+@pytest.fixture(scope="module")
+def harness(model_dir, byte_tokenizer):
+    api_key = "key-" + os.urandom(4).hex()
+    config = GatewayConfig(host="127.0.0.1", port=0, api_keys=frozenset({api_key}), slot_wait_s=2.0,
+                           max_body_bytes=64 * 1024)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    ring_name = f"blink-gw-test-{os.getpid()}"
+    started = asyncio.run_coroutine_threadsafe(_start(model_dir, byte_tokenizer, ring_name, config), loop)
+    ring, engine, engine_task, backend, server = started.result(timeout=30)
+    yield Harness(server.url, api_key, MODEL, CONTEXT_LEN, backend, engine, server, byte_tokenizer, loop)
+
+    async def stop():
+        await server.close()
+        engine_task.cancel()
+        ring.close()
+    asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    assert engine.failure is None, f"the echo engine failed: {engine.failure!r}"
