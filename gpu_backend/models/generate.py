@@ -47,6 +47,8 @@ def make_step(seqs: list[SeqState], q_lens: list[int], pool: BlockPool, block_si
     ids, positions, slots, ctx_lens = [], [], [], []
     for seq, q_len in zip(seqs, q_lens):
         start, end = seq.num_cached, seq.num_cached + q_len
+        if not 0 < q_len <= len(seq.token_ids) - start:
+            raise ValueError(f"make_step: q_len={q_len} but {len(seq.token_ids) - start} uncached tokens")
         pool.ensure(seq, end, block_size)
         ids += seq.token_ids[start:end]
         positions += range(start, end)
