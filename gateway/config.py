@@ -21,7 +21,10 @@ class GatewayConfig:
     default_max_tokens: int | None = None  # None: whatever the context leaves after the prompt
     slot_wait_s: float = 30.0  # how long a request waits for a free ring slot before a 503
     connect_timeout_s: float = 300.0  # how long startup waits for a backend to answer Describe
-    poll_active_s: float = 0.0005  # poller sleep while requests are in flight
+    # Poller sleep while requests are in flight. Event-loop timers tick in whole milliseconds: under
+    # 1 ms uvloop rounds the sleep to zero and the poller spins on its core (right for a dedicated DPU
+    # core, wrong beside a CPU engine).
+    poll_active_s: float = 0.001
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
     stall_timeout_s: float = 60.0  # heartbeat unchanged this long with requests in flight: fail them
     tokenizer_threads: int = 2
