@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .config import ModelConfig
-from .gguf_tokenizer import special_token_ids, write_tokenizer_files
+from .gguf_tokenizer import build_tokenizer, special_token_ids, write_tokenizer_files
 from .rope import rope_inv_freq
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -49,8 +49,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tru
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     cfg = gguf_config(meta, tensors, name=gguf_path.stem)
+    tokenizer = build_tokenizer(meta)   # fail on an unsupported vocabulary before writing anything
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tokenizer_files(meta, out_dir, cfg.max_position_embeddings)
+    write_tokenizer_files(meta, tokenizer, out_dir, cfg.max_position_embeddings)
     _write_json(out_dir / "config.json", {**cfg.to_hf(), "torch_dtype": "float32"})
     _write_json(out_dir / "generation_config.json", _generation_config(cfg, meta))
     _write_weights(cfg, tensors, out_dir, progress, max_shard_bytes)

@@ -92,9 +92,8 @@ def special_token_ids(meta: dict[str, Any]) -> dict[str, int | None]:
     return {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in keys}
 
 
-def write_tokenizer_files(meta: dict[str, Any], out_dir: Path, max_len: int) -> Tokenizer:
-    """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
-    tok = build_tokenizer(meta)
+def write_tokenizer_files(meta: dict[str, Any], tok: Tokenizer, out_dir: Path, max_len: int) -> None:
+    """Writes tokenizer.json (from build_tokenizer), tokenizer_config.json and special_tokens_map.json."""
     tok.save(str(out_dir / "tokenizer.json"))
     tokens = meta["tokenizer.ggml.tokens"]
     ids = special_token_ids(meta)
@@ -114,4 +113,3 @@ def write_tokenizer_files(meta: dict[str, Any], out_dir: Path, max_len: int) -> 
         config["chat_template"] = meta["tokenizer.chat_template"]
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False))
-    return tok

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 import transformers
 
-from gpu_backend.models import ModelConfig, LlamaModel
+from gpu_backend.models import BlockPool, LlamaModel, ModelConfig, SeqState, allocate_kv_cache, make_step
 
 LLAMA3_ROPE = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
+BLOCK_SIZE = 4
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
@@ -49,3 +52,23 @@ def hf_logits(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """[len, vocab] float32 logits of one sequence, every position."""
     with torch.inference_mode():
         return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+class PagedRun:
+    """Drives LlamaModel step by step with non-contiguous, shuffled KV blocks."""
+
+    def __init__(self, model, num_blocks: int = 64, seed: int = 0):
+        self.model = model
+        self.kv_cache = allocate_kv_cache(model.cfg, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+        block_ids = list(range(num_blocks))
+        random.Random(seed).shuffle(block_ids)
+        self.pool = BlockPool(block_ids)
+
+    def step(self, seqs: list[SeqState], q_lens: list[int]) -> list[torch.Tensor]:
+        """Feeds the next q_lens[i] tokens of each sequence; returns each one's [q_len, vocab] logits."""
+        input_ids, positions, batch = make_step(seqs, q_lens, self.pool, BLOCK_SIZE)
+        with torch.inference_mode():
+            logits = self.model.compute_logits(self.model(input_ids, positions, batch, self.kv_cache))
+        for seq, n in zip(seqs, q_lens):
+            seq.num_cached += n
+        return list(logits.split(q_lens))

@@ -4,38 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 
 import pytest
 import torch
 
-from conftest_models import LLAMA3_ROPE, hf_logits, hf_reference, ours_from, tiny_cfg
-from gpu_backend.models import (PRESETS, AttnBatch, BlockPool, ModelConfig, SeqState, allocate_kv_cache, greedy_generate,
-                                load_model, make_step, model_fingerprint)
+from conftest_models import BLOCK_SIZE, PagedRun, hf_logits, hf_reference, ours_from, tiny_cfg
+from gpu_backend.models import (PRESETS, AttnBatch, ModelConfig, SeqState, allocate_kv_cache, greedy_generate,
+                                load_model, model_fingerprint)
 
 ATOL = 1e-4
-BLOCK_SIZE = 4
 KINDS = ["llama", "qwen2", "qwen3"]
-
-
-class PagedRun:
-    """Drives LlamaModel step by step with non-contiguous, shuffled KV blocks."""
-
-    def __init__(self, model, num_blocks: int = 64, seed: int = 0):
-        self.model = model
-        self.kv_cache = allocate_kv_cache(model.cfg, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
-        block_ids = list(range(num_blocks))
-        random.Random(seed).shuffle(block_ids)
-        self.pool = BlockPool(block_ids)
-
-    def step(self, seqs: list[SeqState], q_lens: list[int]) -> list[torch.Tensor]:
-        """Feeds the next q_lens[i] tokens of each sequence; returns each one's [q_len, vocab] logits."""
-        input_ids, positions, batch = make_step(seqs, q_lens, self.pool, BLOCK_SIZE)
-        with torch.inference_mode():
-            logits = self.model.compute_logits(self.model(input_ids, positions, batch, self.kv_cache))
-        for seq, n in zip(seqs, q_lens):
-            seq.num_cached += n
-        return list(logits.split(q_lens))
 
 
 def _tokens(n: int, seed: int, vocab: int = 97) -> list[int]:
