@@ -1,0 +1,106 @@
+"""RoPE on q and k (Hugging Face rotate_half: pairs (i, i + D/2)) fused with the paged KV-cache write.
+
+One program per token: q is rotated in place; k is rotated and written, with v, into its cache slot
+(`slot_mapping[t] = block_id * block_size + offset`). Rows whose slot is negative are padding: nothing
+is written to the cache for them. `k` itself is left unrotated: attention reads K from the cache only.
+
+The wrapper is graph-capturable: one launch with a grid of T programs fixed by the shapes, no host sync,
+no device value read on the host; launch once before capture (the first launch compiles).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check, next_pow2
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr,
+                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                    cos_stride, sin_stride, cache_kv_stride, max_pos,
+                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr, HALF_P: tl.constexpr, DIM_P: tl.constexpr):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_pos - 1)  # padding rows: any value
+    j = tl.arange(0, HALF_P)
+    j_ok = j < HALF
+    cos = tl.load(cos_ptr + pos * cos_stride + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * sin_stride + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+
+    h = tl.arange(0, HEADS_P)
+    qm = (h < NUM_HEADS)[:, None] & j_ok[None, :]
+    q1_ptr = q_ptr + t * q_stride_t + h[:, None] * q_stride_h + j[None, :]
+    q1 = tl.load(q1_ptr, mask=qm, other=0.0).to(tl.float32)
+    q2 = tl.load(q1_ptr + HALF, mask=qm, other=0.0).to(tl.float32)
+    tl.store(q1_ptr, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=qm)
+    tl.store(q1_ptr + HALF, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=qm)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    kh = tl.arange(0, KV_HEADS_P)
+    kv_ok = (kh < NUM_KV_HEADS) & (slot >= 0)
+    km = kv_ok[:, None] & j_ok[None, :]
+    k1_ptr = k_ptr + t * k_stride_t + kh[:, None] * k_stride_h + j[None, :]
+    k1 = tl.load(k1_ptr, mask=km, other=0.0).to(tl.float32)
+    k2 = tl.load(k1_ptr + HALF, mask=km, other=0.0).to(tl.float32)
+    # cache row of this slot: [NUM_KV_HEADS, HEAD_DIM] contiguous
+    ck_ptr = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kh[:, None] * HEAD_DIM + j[None, :]
+    tl.store(ck_ptr, (k1 * cos - k2 * sin).to(cache_ptr.dtype.element_ty), mask=km)
+    tl.store(ck_ptr + HALF, (k2 * cos + k1 * sin).to(cache_ptr.dtype.element_ty), mask=km)
+
+    d = tl.arange(0, DIM_P)
+    vm = kv_ok[:, None] & (d < HEAD_DIM)[None, :]
+    v = tl.load(v_ptr + t * v_stride_t + kh[:, None] * v_stride_h + d[None, :], mask=vm, other=0.0)
+    cv_ptr = cache_ptr + cache_kv_stride + slot * (NUM_KV_HEADS * HEAD_DIM) + kh[:, None] * HEAD_DIM + d[None, :]
+    tl.store(cv_ptr, v.to(cache_ptr.dtype.element_ty), mask=vm)
+
+
+def rope_and_cache_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                      layer_cache: torch.Tensor) -> torch.Tensor:
+    """Rotate q in place; write rotated k and v into `layer_cache` at `slot_mapping`. Returns q.
+
+    q: [T, H, D]; k, v: [T, KVH, D] (views of a fused qkv output are fine: any row/head strides, last
+    dim contiguous); positions: [T] int32/int64 (clamped to the table; padding rows may hold anything);
+    cos, sin: [max_pos, D] (Hugging Face layout, halves equal) or [max_pos, D/2], float32 or q's dtype,
+    Llama-3 scaling already applied; slot_mapping: [T] int64, -1 = padding row (not written);
+    layer_cache: [2, num_blocks, block_size, KVH, D] contiguous (kv_cache[layer]).
+    Graph-capturable; no host sync.
+    """
+    num_tokens, num_heads, head_dim = _check_args(q, k, v, positions, cos, sin, slot_mapping, layer_cache)
+    num_kv_heads = k.shape[1]
+    if num_tokens == 0:
+        return q
+    _rope_kv_kernel[(num_tokens,)](
+        q, k, v, positions, cos, sin, slot_mapping, layer_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), sin.stride(0), layer_cache.stride(0), cos.shape[0],
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_P=next_pow2(num_heads), KV_HEADS_P=next_pow2(num_kv_heads),
+        HALF_P=next_pow2(head_dim // 2), DIM_P=next_pow2(head_dim), num_warps=4)
+    return q
+
+
+def _check_args(q, k, v, positions, cos, sin, slot_mapping, layer_cache) -> tuple[int, int, int]:
+    check("q", q, dtype=_DTYPES, ndim=3)
+    num_tokens, num_heads, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"q head_dim must be even for RoPE, got {head_dim}")
+    check("k", k, dtype=q.dtype, shape=(num_tokens, None, head_dim), device=q.device)
+    check("v", v, dtype=q.dtype, shape=tuple(k.shape), device=q.device)
+    check("positions", positions, dtype=(torch.int32, torch.int64), shape=(num_tokens,), device=q.device)
+    check("slot_mapping", slot_mapping, dtype=torch.int64, shape=(num_tokens,), device=q.device)
+    for name, table in (("cos", cos), ("sin", sin)):
+        check(name, table, dtype=(torch.float32, q.dtype), ndim=2, device=q.device)
+        if table.shape[1] not in (head_dim, head_dim // 2) or table.shape[0] != cos.shape[0]:
+            raise ValueError(f"{name} must be [max_pos, {head_dim}] or [max_pos, {head_dim // 2}] like cos, "
+                             f"got {tuple(table.shape)}")
+    check("layer_cache", layer_cache, dtype=_DTYPES, shape=(2, None, None, k.shape[1], head_dim), device=q.device)
+    if not layer_cache.is_contiguous():
+        raise ValueError("layer_cache must be contiguous ([2, num_blocks, block_size, KVH, D], e.g. kv_cache[layer])")
+    return num_tokens, num_heads, head_dim
