@@ -1,3 +1,3 @@
 from .main import main
 
-main()
+raise SystemExit(main())

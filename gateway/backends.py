@@ -18,7 +18,7 @@ import grpc
 
 from protocols import control_pb2, control_pb2_grpc
 from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry
-from protocols.shm import RingFull, RingProducer, TokenUpdate, attach_ring
+from protocols.shm import RingAttachError, RingFull, RingProducer, TokenUpdate, attach_ring
 
 from .config import GatewayConfig
 from .errors import unavailable
@@ -51,11 +51,19 @@ class BackendInfo:
                    geometry=RingGeometry(g.num_slots, g.max_prompt_len, g.max_output_len, g.max_stop_ids))
 
 
+class BackendConnectError(RuntimeError):
+    """A backend did not answer Describe, or its ring could not be attached."""
+
+
 def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:
     """Blocking Describe that waits up to `timeout_s` for the backend to come up."""
     with grpc.insecure_channel(addr) as channel:
         stub = control_pb2_grpc.ControlStub(channel)
-        return stub.Describe(control_pb2.DescribeRequest(), timeout=timeout_s, wait_for_ready=True)
+        try:
+            return stub.Describe(control_pb2.DescribeRequest(), timeout=timeout_s, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise BackendConnectError(f"backend {addr} did not answer Describe within {timeout_s:g} s: "
+                                      f"{exc.code().name} {exc.details()}") from None
 
 
 class RequestHandle:
@@ -104,7 +112,11 @@ class Backend:
         loop = asyncio.get_running_loop()
         reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s)
         info = BackendInfo.from_reply(addr, reply)
-        ring = attach_ring(info.ring_name, expect=info.geometry, fingerprint=info.model_fingerprint or None)
+        try:
+            ring = attach_ring(info.ring_name, expect=info.geometry, fingerprint=info.model_fingerprint or None)
+        except RingAttachError as exc:
+            raise BackendConnectError(f"backend {addr}: {exc} (the gateway must run on the backend's host "
+                                      f"for the shm transport)") from None
         log.info("backend %s: model %s, %s engine, ring %s (%d slots), context %d", addr, info.model_name,
                  info.engine_mode, info.ring_name, info.geometry.num_slots, info.context_len)
         backend = cls(info, RingProducer(ring), config)
@@ -153,17 +165,18 @@ class Backend:
             waiter = loop.create_future()
             (self._waiters.appendleft if woken else self._waiters.append)(waiter)
             try:
-                await asyncio.wait_for(waiter, deadline - loop.time())
-            except TimeoutError:
-                raise unavailable(f"all {self.info.geometry.num_slots} request slots of backend "
-                                  f"{self.info.addr} stayed busy for {self.config.slot_wait_s:g} s") from None
+                # asyncio.wait, not wait_for: a cancelled client must never swallow a wake-up.
+                await asyncio.wait((waiter,), timeout=deadline - loop.time())
             except asyncio.CancelledError:
-                if waiter.done() and not waiter.cancelled():
+                if waiter.done():
                     self._wake_one()  # pass the wake-up on
                 raise
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
+            if not waiter.done():
+                raise unavailable(f"all {self.info.geometry.num_slots} request slots of backend "
+                                  f"{self.info.addr} stayed busy for {self.config.slot_wait_s:g} s")
             woken = True
 
     def _wake_one(self) -> None:

@@ -28,6 +28,7 @@ class GatewayConfig:
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
     stall_timeout_s: float = 60.0  # heartbeat unchanged this long with requests in flight: fail them
     tokenizer_threads: int = 2
+    shutdown_timeout_s: float = 5.0  # on SIGTERM, how long open streams may finish before they are cut
     access_log: bool = True
 
     def __post_init__(self) -> None:

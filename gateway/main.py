@@ -6,8 +6,11 @@ import argparse
 import logging
 from collections.abc import Sequence
 
+from .backends import BackendConnectError
 from .config import GatewayConfig, env_overrides
 from .server import run_gateway
+
+log = logging.getLogger("blink.gateway")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -21,6 +24,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--default-max-tokens", type=int,
                    help="output budget when a request sets none (default: what the context leaves)")
+    p.add_argument("--connect-timeout", type=float, dest="connect_timeout_s",
+                   help="seconds to wait for each backend's Describe at start-up (default 300)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -29,18 +34,28 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
     """Defaults, then BLINK_* environment variables, then flags."""
     fields = env_overrides(environ)
     flags = {"host": args.host, "port": args.port, "max_body_bytes": args.max_body_bytes,
-             "default_max_tokens": args.default_max_tokens,
+             "default_max_tokens": args.default_max_tokens, "connect_timeout_s": args.connect_timeout_s,
              "backend_addrs": tuple(args.backends) if args.backends else None,
              "api_keys": frozenset(args.api_keys) if args.api_keys else None}
     fields.update({k: v for k, v in flags.items() if v is not None})
     return GatewayConfig(**fields)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_gateway(config_from_args(args))
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        log.error("bad gateway configuration: %s", exc)
+        return 2
+    try:
+        run_gateway(config)
+    except (BackendConnectError, OSError) as exc:  # OSError: the port is taken, a file is missing
+        log.error("gateway failed to start: %s", exc)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -93,7 +93,8 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
         None, load_tokenizers, backends, config.tokenizer_threads)
     state = GatewayState(config=config, router=Router(backends), tokenizers=tokenizers)
     # handler_cancellation: a client that goes away cancels its handler, which cancels its request.
-    runner = web.AppRunner(build_app(config, state), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(build_app(config, state), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=config.shutdown_timeout_s)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     server = GatewayServer(config, runner, backends)

@@ -1,0 +1,137 @@
+"""The backend poller on a real shm ring with a hand-driven consumer: stalls, waiting, adopted slots."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from gateway.backends import Backend, BackendInfo
+from gateway.config import GatewayConfig
+from gateway.errors import ApiError
+from gateway.route import Router
+from protocols.ring import FinishReason, RequestSpec, RingGeometry
+from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring
+
+GEOMETRY = RingGeometry(num_slots=2, max_prompt_len=16, max_output_len=8, max_stop_ids=2)
+
+
+@pytest.fixture
+def ring():
+    ring = create_ring(f"blink-gw-backend-{os.getpid()}", GEOMETRY, "fp")
+    yield ring
+    ring.close()
+
+
+def make_backend(ring, **config) -> Backend:
+    info = BackendInfo(addr="test", model_name="m", model_dir="", model_fingerprint="fp", context_len=64,
+                       vocab_size=100, eos_token_ids=(0,), engine_mode="test", ring_name=ring.name,
+                       geometry=GEOMETRY)
+    cfg = GatewayConfig(**{"slot_wait_s": 5.0, "heartbeat_check_s": 0.02, **config})
+    return Backend(info, RingProducer(attach_ring(ring.name)), cfg)
+
+
+def spec(i: int) -> RequestSpec:
+    return RequestSpec(request_id=i, prompt_ids=[1, 2, 3], max_tokens=4)
+
+
+def test_tokens_flow_and_the_slot_is_released(ring):
+    async def main():
+        backend = make_backend(ring)
+        backend.start()
+        engine = RingConsumer(ring)
+        handle = await backend.submit(spec(1))
+        (taken,) = engine.take_new()
+        engine.publish(taken.slot, [7, 8])
+        first = await asyncio.wait_for(handle.next(), 1)
+        engine.publish(taken.slot, [9])
+        engine.finish(taken.slot, FinishReason.LENGTH)
+        rest = await asyncio.wait_for(handle.next(), 1)
+        assert first.tokens + rest.tokens == [7, 8, 9] and rest.finish == FinishReason.LENGTH
+        await asyncio.sleep(0.01)
+        assert backend.free_slots == 2 and backend.num_in_flight == 0
+        await backend.close()
+    asyncio.run(main())
+
+
+def test_stalled_heartbeat_fails_requests_and_routes_around(ring):
+    async def main():
+        backend = make_backend(ring, stall_timeout_s=0.2)
+        backend.start()
+        handle = await backend.submit(spec(1))  # nobody consumes: the heartbeat never moves
+        update = await asyncio.wait_for(handle.next(), 2)
+        assert update.finish == FinishReason.ERROR and "progress" in update.error
+        assert backend.stalled
+        with pytest.raises(ApiError) as exc:
+            Router([backend]).pick("m")
+        assert exc.value.status == 503
+        engine = RingConsumer(ring)
+        engine.beat()
+        await asyncio.sleep(0.1)
+        assert not backend.stalled
+        (taken,) = engine.take_new()
+        assert engine.cancelled(taken.slot, taken.seq)  # the gateway asked the engine to drop it
+        engine.finish(taken.slot, FinishReason.CANCELLED)
+        await asyncio.sleep(0.05)
+        assert backend.free_slots == 2
+        await backend.close()
+    asyncio.run(main())
+
+
+def test_waiters_are_served_in_order_and_a_cancelled_waiter_passes_its_turn(ring):
+    async def main():
+        backend = make_backend(ring)
+        backend.start()
+        engine = RingConsumer(ring)
+        engine.beat()
+        held = [await backend.submit(spec(i)) for i in range(2)]
+        order = []
+
+        async def wait_for_slot(i):
+            handle = await backend.submit(spec(i))
+            order.append(i)
+            return handle
+        tasks = [asyncio.create_task(wait_for_slot(i)) for i in (10, 11, 12)]
+        await asyncio.sleep(0.05)
+        assert backend.load > 1.0  # full, with a queue
+        tasks[0].cancel()  # this client leaves while queued
+        for taken in engine.take_new():
+            engine.finish(taken.slot, FinishReason.STOP)
+        for h in held:
+            await h.next()
+        done = await asyncio.wait_for(asyncio.gather(*tasks[1:]), 2)
+        assert order == [11, 12] and len({h.slot for h in done}) == 2
+        for taken in engine.take_new():
+            engine.finish(taken.slot, FinishReason.STOP)
+        await asyncio.sleep(0.05)
+        assert backend.free_slots == 2
+        await backend.close()
+    asyncio.run(main())
+
+
+def test_slots_left_by_an_earlier_gateway_are_reclaimed(ring):
+    async def main():
+        engine = RingConsumer(ring)
+        crashed = RingProducer(attach_ring(ring.name))
+        crashed.submit(spec(1))  # that gateway dies with the request running
+        (taken,) = engine.take_new()
+        backend = make_backend(ring)  # attaching adopts the slot and cancels it
+        backend.start()
+        assert backend.free_slots == 1
+        assert engine.cancelled(taken.slot, taken.seq)
+        engine.finish(taken.slot, FinishReason.CANCELLED)
+        await asyncio.sleep(0.1)
+        assert backend.free_slots == 2
+        await backend.close()
+    asyncio.run(main())
+
+
+def test_router_404_for_unknown_model(ring):
+    async def main():
+        backend = make_backend(ring)
+        with pytest.raises(ApiError) as exc:
+            Router([backend]).pick("other")
+        assert exc.value.status == 404 and exc.value.detail.code == "model_not_found"
+        backend._producer.ring.close()
+    asyncio.run(main())
