@@ -144,6 +144,25 @@ def _select_kernel(sorted_ptr, order_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_
     tl.store(tokens_ptr + row, token.to(tokens_ptr.dtype.element_ty), mask=~greedy)
 
 
+@triton.jit
+def _uniform_kernel(seed_ptr, pos_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    u = _uniform(tl.load(seed_ptr + i, mask=ok, other=0), tl.load(pos_ptr + i, mask=ok, other=0))
+    tl.store(out_ptr + i, u, mask=ok)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[N] float64 uniforms for int64 (seed, position) pairs: the draw `sample` uses, exposed so tests
+    can compare it bit for bit with `gpu_backend.engine.sampler.uniforms`. Graph-capturable."""
+    check("seeds", seeds, dtype=torch.int64, ndim=1)
+    check("positions", positions, dtype=torch.int64, shape=tuple(seeds.shape), device=seeds.device)
+    out = torch.empty(seeds.shape, dtype=torch.float64, device=seeds.device)
+    if seeds.numel():
+        _uniform_kernel[(triton.cdiv(seeds.numel(), 1024),)](seeds, positions, out, seeds.numel(), BLOCK=1024)
+    return out
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
            out: torch.Tensor | None = None) -> torch.Tensor:

@@ -52,15 +52,17 @@ def device(request) -> str:
 
 
 def _patch_interpreter_bf16() -> None:
-    """Triton's CPU interpreter (3.x) gets bf16 wrong in two ways the GPU does not: tl.dot multiplies the
-    raw uint16 bits it stores bf16 in, and float32 -> bf16 casts truncate instead of rounding to nearest
-    even. Fix both here, so the kernels run unchanged and round like the GPU."""
+    """Triton's CPU interpreter (3.x) differs from the GPU in three ways the kernels hit: tl.dot multiplies
+    the raw uint16 bits it stores bf16 in; float32 -> bf16 casts truncate instead of rounding to nearest
+    even; and comparisons return handles typed like their operands, so a scalar comparison splatted to a block
+    becomes int data that masks then reject.
+    Fix them here, so the kernels run unchanged and round like the GPU."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
-    original_dot, original_cast = builder.create_dot, builder.cast_impl
+    original_dot, original_cast, original_binary = builder.create_dot, builder.cast_impl, builder.binary_op
 
     def widen(handle):
         if handle.dtype != tl.bfloat16 or handle.data.dtype != np.uint16:
@@ -77,7 +79,13 @@ def _patch_interpreter_bf16() -> None:
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)   # round to nearest even
         return interpreter.TensorHandle(rounded.reshape(src.data.shape), tl.bfloat16)
 
-    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+    def binary_op(self, lhs, rhs, op):
+        out = original_binary(self, lhs, rhs, op)
+        if out.data.dtype == np.bool_ and out.dtype != tl.int1:
+            out = interpreter.TensorHandle(out.data, tl.int1)
+        return out
+
+    builder.create_dot, builder.cast_impl, builder.binary_op = create_dot, cast_impl, binary_op
 
 
 if INTERPRET:

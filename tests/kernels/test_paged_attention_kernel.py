@@ -1,0 +1,86 @@
+"""Paged attention over mixed prefill/decode batches against a float32 per-sequence reference."""
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (CI may not install it)")
+
+from kernel_batches import make_batch, reference_attention  # noqa: E402
+from kernels.paged_attention import paged_attention  # noqa: E402
+
+# name: (heads, kv_heads, head_dim, q_lens, ctx_lens, num_tokens (bucket T), max_seqs (bucket S))
+SMALL = {
+    # prefill chunks after cached context, a whole-prompt prefill, decodes at 1 and across block edges
+    "mixed": (4, 2, 32, [1, 20, 16, 1, 3], [1, 45, 16, 33, 17], 48, 8),
+    "decode": (4, 2, 32, [1] * 6, [1, 15, 16, 17, 32, 64], 8, 8),
+    "group3_d64": (6, 2, 64, [5, 1, 9], [5, 31, 40], 16, 4),
+}
+_DECODE_CTX = [1, 16, 17, 255, 256, 1000, 2047, 4000]
+LARGE = {
+    "llama8b_mixed": (32, 8, 128, [1] * 40 + [300, 64, 17, 1], [int(x) % 4000 + 1 for x in range(7, 40 * 97, 97)]
+                      + [300, 1100, 17, 2], 512, 64),
+    "llama8b_decode_b1": (32, 8, 128, [1], [4000], 1, 1),
+    "llama8b_decode_b8": (32, 8, 128, [1] * 8, _DECODE_CTX, 8, 8),
+    "llama8b_decode_b64": (32, 8, 128, [1] * 60, [int(x) % 4096 + 1 for x in range(13, 60 * 331, 331)], 64, 64),
+    "llama8b_prefill_1k": (32, 8, 128, [1024], [1024], 1024, 4),
+    "smollm_mixed": (9, 3, 64, [33, 1, 1, 7], [70, 1, 500, 7], 48, 8),
+}
+
+
+def _run(device, heads, kv_heads, head_dim, q_lens, ctx_lens, num_tokens, max_seqs, seed=0, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-c // 16) for c in ctx_lens) + 1
+    num_blocks = sum(-(-c // 16) for c in ctx_lens) + 7
+    batch = make_batch(q_lens, ctx_lens, num_tokens, max_seqs, max_blocks, num_blocks, device, gen)
+    cache = torch.randn(2, num_blocks, 16, kv_heads, head_dim, generator=gen).to(device, torch.bfloat16)
+    qkv = torch.randn(num_tokens, heads + 2 * kv_heads, head_dim, generator=gen).to(device, torch.bfloat16)
+    q = qkv[:, :heads]                                            # strided, like a view of the qkv GEMM
+    out = torch.full((num_tokens, heads, head_dim), float("nan"), dtype=torch.bfloat16, device=device)
+    scale = head_dim ** -0.5
+    paged_attention(q, cache, batch.seq_ids_of_token, batch.q_start, batch.ctx_lens_t, batch.block_tables,
+                    batch.num_seqs, scale, out=out, **kw)
+    return out, reference_attention(q, cache, batch, scale), batch
+
+
+def _check(out, ref, batch):
+    real = batch.num_real_tokens
+    assert not out[:real].isnan().any(), "a live row was not written"
+    torch.testing.assert_close(out[:real].float(), ref, atol=1.5e-2, rtol=2e-2)
+    assert (out[real:] == 0).all(), "padding rows must be zeros"
+
+
+@pytest.mark.parametrize("case", sorted(SMALL))
+@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 32), (None, None)])
+def test_small_batches(device, case, num_splits, block_n):
+    _check(*_run(device, *SMALL[case], num_splits=num_splits, block_n=block_n, block_m=16))
+
+
+@pytest.mark.parametrize("case", sorted(LARGE))
+def test_model_shaped_batches(device, case):
+    if device == "cpu":
+        pytest.skip("model-sized shapes run on the GPU only (too slow for the interpreter)")
+    _check(*_run(device, *LARGE[case]))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_no_live_sequences_writes_only_zeros(device, num_splits):
+    heads, kv_heads, head_dim = 4, 2, 32
+    out, _, batch = _run(device, heads, kv_heads, head_dim, [3], [3], 8, 2, num_splits=num_splits)
+    batch.num_seqs.zero_()
+    out.fill_(float("nan"))
+    cache = torch.zeros(2, 10, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+    q = torch.randn(8, heads, head_dim, device=device).to(torch.bfloat16)
+    paged_attention(q, cache, batch.seq_ids_of_token, batch.q_start, batch.ctx_lens_t, batch.block_tables,
+                    batch.num_seqs, 0.1, out=out, num_splits=num_splits)
+    assert (out == 0).all()
+
+
+def test_rejects_bad_metadata(device):
+    q = torch.zeros(4, 4, 32, dtype=torch.bfloat16, device=device)
+    cache = torch.zeros(2, 3, 16, 2, 32, dtype=torch.bfloat16, device=device)
+    i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention(q, cache, i32(4), i32(3), i32(2), i32(3, 2), i32(1), 0.1)
+    with pytest.raises(ValueError, match="seq_ids_of_token"):
+        paged_attention(q, cache, i32(4).long(), i32(3), i32(2), i32(2, 2), i32(1), 0.1)
+    with pytest.raises(ValueError, match="KV heads"):
+        paged_attention(q[:, :3], cache, i32(4), i32(3), i32(2), i32(2, 2), i32(1), 0.1)
