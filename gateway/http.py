@@ -16,7 +16,7 @@ from protocols.openai import (ChatCompletionRequest, CompletionRequest, InvalidR
 from .config import GatewayConfig
 from .errors import ApiError, bad_request
 from .formats import ChatFormat, CompletionFormat, OutputFormat
-from .generate import Generation
+from .generate import Generation, Piece
 from .limits import build_spec, check_prompt_ids
 from .route import Router
 from .tokenize import TemplateError, TokenizerService
@@ -133,10 +133,11 @@ async def _collect(gen: Generation, fmt: OutputFormat) -> web.Response:
 
 
 async def _stream(request: web.Request, gen: Generation, fmt: OutputFormat, include_usage: bool):
+    first = await gen.next_piece()  # a failure before the first token still gets its status code
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
     try:
-        await _stream_pieces(resp, gen, fmt, include_usage)
+        await _stream_pieces(resp, gen, first, fmt, include_usage)
     except ConnectionResetError:
         log.info("client went away during request %d: cancelling it", gen.handle.spec.request_id)
         return resp
@@ -145,15 +146,16 @@ async def _stream(request: web.Request, gen: Generation, fmt: OutputFormat, incl
     return resp
 
 
-async def _stream_pieces(resp: web.StreamResponse, gen: Generation, fmt: OutputFormat, include_usage: bool):
+async def _stream_pieces(resp: web.StreamResponse, gen: Generation, piece: Piece, fmt: OutputFormat,
+                         include_usage: bool) -> None:
     try:
         while True:
-            piece = await gen.next_piece()
             if piece.text:
                 await _send(resp, fmt.chunk(text=piece.text))
             if piece.finish_reason:
                 await _send(resp, fmt.chunk(finish_reason=piece.finish_reason))
                 break
+            piece = await gen.next_piece()
     except ApiError as err:  # headers are gone: the error travels as an event
         log.warning("request %d failed mid-stream: %s", gen.handle.spec.request_id, err)
         await _send(resp, err.body())

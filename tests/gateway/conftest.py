@@ -54,7 +54,7 @@ def model_dir(tmp_path_factory, byte_tokenizer) -> Path:
     return path
 
 
-ERROR_TOKEN = "<|endoftext|>"  # a prompt starting with this makes the echo engine fail the request
+ERROR_TOKEN = "<|endoftext|>"  # prompt [ERROR_TOKEN, n, ...]: the echo engine fails after n tokens
 
 
 class EchoEngine:
@@ -90,7 +90,7 @@ class EchoEngine:
         if self.consumer.cancelled(slot, seq):
             self.num_cancelled += 1
             return self._finish(slot, FinishReason.CANCELLED)
-        if spec.prompt_ids[0] == self.error_id:
+        if spec.prompt_ids[0] == self.error_id and produced >= spec.prompt_ids[1]:
             return self._finish(slot, FinishReason.ERROR, ErrorCode.INTERNAL)
         if self.consumer.room(slot) == 0:
             return

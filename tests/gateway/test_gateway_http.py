@@ -16,7 +16,7 @@ import urllib.parse
 import openai
 import pytest
 
-ERROR_TOKEN = "<|endoftext|>"  # the echo engine fails a request whose prompt starts with it
+ERROR_TOKEN = "<|endoftext|>"  # prompt [ERROR_TOKEN, n, ...]: the echo engine fails after n tokens
 
 
 @pytest.fixture(scope="module")
@@ -230,11 +230,25 @@ def test_body_too_large(harness):
 
 
 def test_engine_error_is_a_500_with_message(harness, client):
-    ids = [harness.tokenizer.token_to_id(ERROR_TOKEN), 5, 6]
+    ids = [harness.tokenizer.token_to_id(ERROR_TOKEN), 0, 5, 6]
     status, e = err(harness.post("/v1/completions", {"model": harness.model, "prompt": ids}))
     assert status == 500 and "engine" in e["message"] and e["type"] == "server_error"
-    with pytest.raises(openai.APIError, match="engine"):
+    with pytest.raises(openai.InternalServerError, match="engine"):  # before the first token: a status
         list(client.completions.create(model=harness.model, prompt=ids, stream=True))
+    wait_idle(harness)
+
+
+def test_engine_error_mid_stream_is_an_error_event(harness):
+    hello = harness.tokenizer.encode("hello world").ids
+    ids = [harness.tokenizer.token_to_id(ERROR_TOKEN), 6, *hello]
+    conn, resp = _open_stream(harness, {"model": harness.model, "prompt": ids, "stream": True})
+    assert resp.status == 200
+    events = [line[len(b"data: "):] for line in resp.read().split(b"\n\n") if line.startswith(b"data: ")]
+    conn.close()
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == b"[DONE]"
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == harness.tokenizer.decode(ids[:6])
+    assert chunks[-1]["error"]["type"] == "server_error" and "engine" in chunks[-1]["error"]["message"]
     wait_idle(harness)
 
 
