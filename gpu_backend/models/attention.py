@@ -36,7 +36,7 @@ class _Decode:
     rows: torch.Tensor | None     # [B] int64 input rows; None when they are rows 0..B-1
     num_rows: int
     blocks: torch.Tensor          # [B, max_blocks] int64 block ids, padded with block 0
-    mask: torch.Tensor            # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    mask: torch.Tensor            # [B, 1, 1, max_blocks * block_size] additive: 0 attend, -inf not
 
 
 @dataclass
@@ -45,7 +45,7 @@ class _Prefill:
     q_len: int
     ctx_len: int
     blocks: torch.Tensor | None   # [num_blocks] int64; None when the chunk is the whole context
-    mask: torch.Tensor | None     # [q_len, num_blocks * block_size] bool; None: plain causal
+    mask: torch.Tensor | None     # [q_len, num_blocks * block_size] additive; None: plain causal
 
 
 @dataclass
@@ -57,13 +57,14 @@ class AttnPlan:
     prefills: list[_Prefill] = field(default_factory=list)
 
     @classmethod
-    def build(cls, batch: AttnBatch, block_size: int, num_tokens: int, device: torch.device) -> "AttnPlan":
+    def build(cls, batch: AttnBatch, block_size: int, num_tokens: int, device: torch.device,
+              dtype: torch.dtype = torch.float32) -> "AttnPlan":
         _validate(batch, block_size, num_tokens)
         starts = _row_starts(batch.q_lens)
         decode_ids = [i for i, n in enumerate(batch.q_lens) if n == 1]
-        prefills = [_plan_prefill(batch, i, starts[i], block_size, device)
+        prefills = [_plan_prefill(batch, i, starts[i], block_size, device, dtype)
                     for i, n in enumerate(batch.q_lens) if n > 1]
-        decode = _plan_decode(batch, decode_ids, starts, block_size, device) if decode_ids else None
+        decode = _plan_decode(batch, decode_ids, starts, block_size, device, dtype) if decode_ids else None
         return cls(batch.slot_mapping.to(device=device, dtype=torch.long), decode, prefills)
 
 
@@ -91,9 +92,11 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_m
 
 
 def gather_kv(layer_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the given blocks as [..., KVH, L, D] with L = num_blocks * block_size."""
-    kv = layer_cache[:, blocks]                      # [2, ..., NBq, BS, KVH, D]
-    kv = kv.flatten(-4, -3).transpose(-3, -2)        # [2, ..., KVH, L, D]
+    """K and V of the given blocks ([...] block ids) as [..., KVH, L, D] with L = num_blocks * block_size."""
+    block_shape = layer_cache.shape[2:]                                        # BS, KVH, D
+    kv = layer_cache.flatten(2).index_select(1, blocks.flatten())             # [2, n, BS*KVH*D]
+    kv = kv.view(2, *blocks.shape, *block_shape).flatten(-4, -3)              # [2, ..., L, KVH, D]
+    kv = kv.transpose(-3, -2)                                                  # [2, ..., KVH, L, D]
     return kv[0].to(dtype), kv[1].to(dtype)
 
 
@@ -133,19 +136,24 @@ def _num_blocks(ctx_len: int, block_size: int) -> int:
     return -(-ctx_len // block_size)
 
 
-def _plan_decode(batch: AttnBatch, ids: list[int], starts: list[int], block_size: int, device) -> _Decode:
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # converted once per step instead of once per layer inside SDPA
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _plan_decode(batch: AttnBatch, ids: list[int], starts: list[int], block_size: int, device, dtype) -> _Decode:
     max_blocks = max(_num_blocks(batch.ctx_lens[i], block_size) for i in ids)
     table = [batch.block_tables[i][:max_blocks] + [0] * (max_blocks - len(batch.block_tables[i][:max_blocks]))
              for i in ids]
     ctx = torch.tensor([batch.ctx_lens[i] for i in ids], device=device)
-    mask = torch.arange(max_blocks * block_size, device=device)[None, :] < ctx[:, None]
+    mask = _additive(torch.arange(max_blocks * block_size, device=device)[None, :] < ctx[:, None], dtype)
     rows = [starts[i] for i in ids]
     in_order = rows == list(range(len(rows)))
     return _Decode(rows=None if in_order else torch.tensor(rows, device=device), num_rows=len(rows),
                    blocks=torch.tensor(table, device=device), mask=mask[:, None, None, :])
 
 
-def _plan_prefill(batch: AttnBatch, i: int, start: int, block_size: int, device) -> _Prefill:
+def _plan_prefill(batch: AttnBatch, i: int, start: int, block_size: int, device, dtype) -> _Prefill:
     q_len, ctx_len = batch.q_lens[i], batch.ctx_lens[i]
     if q_len == ctx_len:
         return _Prefill(start, q_len, ctx_len, None, None)
@@ -153,7 +161,7 @@ def _plan_prefill(batch: AttnBatch, i: int, start: int, block_size: int, device)
     blocks = torch.tensor(batch.block_tables[i][:num_blocks], device=device)
     key_pos = torch.arange(num_blocks * block_size, device=device)
     query_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
-    return _Prefill(start, q_len, ctx_len, blocks, key_pos[None, :] <= query_pos[:, None])
+    return _Prefill(start, q_len, ctx_len, blocks, _additive(key_pos[None, :] <= query_pos[:, None], dtype))
 
 
 def _validate(batch: AttnBatch, block_size: int, num_tokens: int) -> None:

@@ -109,7 +109,7 @@ class LlamaModel(nn.Module):
         (final norm applied). Writes the new tokens' K/V into kv_cache."""
         h = self.model.embed_tokens(input_ids)                               # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)                   # [T, 1, D/2]
-        plan = AttnPlan.build(batch, kv_cache.shape[3], input_ids.shape[0], h.device)
+        plan = AttnPlan.build(batch, kv_cache.shape[3], input_ids.shape[0], h.device, h.dtype)
         for layer, layer_cache in zip(self.model.layers, kv_cache):
             h = layer(h, cos, sin, plan, layer_cache)
         return self.model.norm(h)
@@ -117,6 +117,15 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""
         return self.lm_head(hidden).float()
+
+
+def transpose_linear_storage_(model: nn.Module) -> None:
+    """Keep every Linear weight [out, in] as a view of a contiguous [in, out] buffer. On the CPU,
+    MKL's small-batch GEMM (decode) streams that layout about 1.5x faster. Names, shapes and
+    values are unchanged; state_dict() tensors become non-contiguous."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.weight.data = module.weight.data.t().contiguous().t()
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

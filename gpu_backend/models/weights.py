@@ -12,7 +12,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from .config import ModelConfig
-from .llama import LlamaModel
+from .llama import LlamaModel, transpose_linear_storage_
 from .presets import preset_config
 
 RANDOM_PREFIX = "random:"
@@ -55,6 +55,8 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
         model = LlamaModel(cfg).to(dtype)
     model = model.to_empty(device=device).eval()
     model.tie_weights()
+    if device.type == "cpu":
+        transpose_linear_storage_(model)
     model.requires_grad_(False)
     return model
 

