@@ -115,7 +115,7 @@ def _select_kernel(sorted_ptr, order_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_
     carry = tl.zeros([], tl.float64)
     total = tl.zeros([], tl.float64)
     num_pos = tl.zeros([], tl.int32)
-    start = 0
+    start = tl.zeros([], tl.int32)   # loop-carried: must be a tensor, not a Python int
     go = start < end
     while go:
         p, f, cdf, carry, total = _filtered_cdf(row_ptr, start, end, carry, total, top_k, top_p, min_prob, BLOCK)
@@ -130,7 +130,7 @@ def _select_kernel(sorted_ptr, order_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_
     carry = tl.zeros([], tl.float64)
     cdf_carry = tl.zeros([], tl.float64)
     pick = tl.zeros([], tl.int32)
-    start = 0
+    start = tl.zeros([], tl.int32)   # loop-carried: must be a tensor, not a Python int
     go = start < scan_end
     while go:
         p, f, cdf, carry, cdf_carry = _filtered_cdf(row_ptr, start, scan_end, carry, cdf_carry, top_k, top_p,
