@@ -1,26 +1,24 @@
 """Paged attention over a mixed batch of prefill chunks and decode tokens, in one launch (Triton).
 
 Every query token attends causally over its own sequence's context (keys at positions <= its own),
-reading K/V from the paged cache through the block table. Nothing is planned on the host: the kernel
-reads `num_seqs`, `q_start`, `ctx_lens` and `block_tables` from device memory, and the grid depends
+reading K/V from the paged cache through the block table. Nothing is planned on the host: the kernels
+read `num_seqs`, `q_start`, `ctx_lens` and `block_tables` from device memory, and the grid depends
 only on static shapes (the bucket), so one CUDA graph serves every batch of that bucket.
 
-Work decomposition (FlashAttention-style, with online softmax over key tiles):
-- A program owns one query tile: up to BLOCK_Q consecutive tokens of ONE sequence times the G query
-  heads that share a KV head (GQA), i.e. BLOCK_M = BLOCK_Q * G rows of the tile, and one KV head.
-  Sequence s has ceil(q_len_s / BLOCK_Q) tiles; tile ids of s start at q_start[s] // BLOCK_Q + s, so
-  T // BLOCK_Q + S tile ids always suffice. A program finds its sequence by counting the sequences
-  whose first tile id is <= its own (a vector compare over q_start, no host help). Surplus programs
-  find nothing to do and exit after the padding write below.
-- Split-K: with NUM_SPLITS > 1 each program takes 1/NUM_SPLITS of its tile's key range and writes a
-  float32 partial output and log-sum-exp; a reduce kernel merges them. The wrapper picks NUM_SPLITS
-  from static shapes only (more splits when the bucket has too few tiles to fill the GPU, i.e. small
-  decode buckets), so long decodes spread over many SMs.
-- Padding rows (seq_ids_of_token < 0 or >= num_seqs) get zeros: program (i, kv_head, split 0) zeroes
-  the padding tokens among tokens [i * BLOCK_Q, (i + 1) * BLOCK_Q) for its heads (T // BLOCK_Q + S >=
-  ceil(T / BLOCK_Q) programs cover all rows); with splits, the reduce kernel writes them.
-Loads are masked to the sequence's key range (and the block table's width), so padding, a context
-of 1 and ragged tails never read out of bounds.
+Work decomposition (FlashAttention-style, online softmax over key tiles of BLOCK_N):
+- A query tile is up to BLOCK_Q consecutive tokens of ONE sequence times the G query heads sharing
+  a KV head (GQA): BLOCK_M >= BLOCK_Q * G rows. Sequence s has ceil(q_len_s / BLOCK_Q) tiles whose
+  ids start at q_start[s] // BLOCK_Q + s, so T // BLOCK_Q + S tile ids always suffice. A program finds
+  its sequence by counting the sequences whose first tile id is <= its own (a vector compare over
+  q_start). Surplus tile ids find no work.
+- Split-K: grid axis 2 has NUM_SPLITS (static, from the bucket's shape). A tile whose key range is
+  long uses up to NUM_SPLITS of them, at least SPLIT_KEYS keys each (decided on device from the
+  lengths): each split writes a float32 partial output and log-sum-exp and `_attn_reduce_kernel`
+  merges them. A tile that uses one split writes `out` directly, so short contexts cost no partials.
+- Padding tokens (seq_ids_of_token < 0 or >= num_seqs) get zeros: program (i, kv_head, 0) zeroes
+  those among tokens [i * BLOCK_Q, (i + 1) * BLOCK_Q) (T // BLOCK_Q + S >= ceil(T / BLOCK_Q)).
+Loads are masked to the sequence's key range and the block table's width, so padding, a context of 1
+and ragged tails never read out of bounds.
 """
 
 from __future__ import annotations
@@ -35,6 +33,21 @@ from ._common import check, next_pow2, num_sms
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
+_SPLIT_KEYS = 256                 # fewest keys worth a split of their own
+_PARTIAL_BYTES = 64 << 20         # cap on the float32 partials of one call
+
+
+@triton.jit
+def _tile_keys(ctx_len, q_len, tile_q0, max_keys, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+               NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+    """Key range of the tile whose first query is `tile_q0` (within its sequence), and how it splits:
+    returns (kv_end, splits used, keys per split). Shared by both kernels so they agree."""
+    tile_q_num = tl.minimum(tl.maximum(q_len - tile_q0, 0), BLOCK_Q)
+    kv_end = tl.where(tile_q_num > 0, ctx_len - q_len + tile_q0 + tile_q_num, 0)
+    kv_end = tl.minimum(kv_end, max_keys)
+    used = tl.minimum(tl.maximum(tl.cdiv(kv_end, SPLIT_KEYS), 1), NUM_SPLITS)
+    per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), used) * BLOCK_N
+    return kv_end, used, per_split
 
 
 @triton.jit
@@ -46,7 +59,7 @@ def _attn_tile_kernel(
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
         MAX_SEQS_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -58,13 +71,13 @@ def _attn_tile_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
 
-    if NUM_SPLITS == 1:   # zero the padding tokens among [tile * BLOCK_Q, +BLOCK_Q) (see module doc)
-        pad_tok = tile * BLOCK_Q + row_tok
-        in_range = row_real & (pad_tok < num_tokens)
-        pad_seq = tl.load(seq_ids_ptr + pad_tok, mask=in_range, other=0)
-        pad = in_range & ((pad_seq < 0) | (pad_seq >= num_seqs))
-        tl.store(out_ptr + pad_tok.to(tl.int64)[:, None] * o_stride_t + row_head[:, None] * o_stride_h + d[None, :],
-                 tl.zeros([BLOCK_M, BLOCK_D], out_ptr.dtype.element_ty), mask=pad[:, None] & d_ok[None, :])
+    # padding tokens among [tile * BLOCK_Q, +BLOCK_Q) get zeros (see module doc)
+    pad_tok = tile * BLOCK_Q + row_tok
+    in_range = row_real & (pad_tok < num_tokens) & (split == 0)
+    pad_seq = tl.load(seq_ids_ptr + pad_tok, mask=in_range, other=0)
+    pad = in_range & ((pad_seq < 0) | (pad_seq >= num_seqs))
+    tl.store(out_ptr + pad_tok.to(tl.int64)[:, None] * o_stride_t + row_head[:, None] * o_stride_h + d[None, :],
+             tl.zeros([BLOCK_M, BLOCK_D], out_ptr.dtype.element_ty), mask=pad[:, None] & d_ok[None, :])
 
     # which sequence owns this tile id: the last one whose first tile id is <= tile
     s_idx = tl.arange(0, MAX_SEQS_P)
@@ -78,17 +91,15 @@ def _attn_tile_kernel(
     ctx_len = tl.load(ctx_lens_ptr + seq)
     tile_q0 = (tile - (q_lo // BLOCK_Q + seq)) * BLOCK_Q       # first query of the tile, within the sequence
     q_local = tile_q0 + row_tok
-    row_ok = row_real & (q_local < q_len)
     tok = (q_lo + q_local).to(tl.int64)
     q_pos = ctx_len - q_len + q_local                          # keys at positions <= q_pos are visible
 
-    # key range of the tile, then this split's share of it (whole BLOCK_N tiles)
-    tile_q_num = tl.minimum(tl.maximum(q_len - tile_q0, 0), BLOCK_Q)
-    kv_end = tl.where(tile_q_num > 0, ctx_len - q_len + tile_q0 + tile_q_num, 0)
-    kv_end = tl.minimum(kv_end, max_blocks * PAGE)
-    per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    kv_end, used, per_split = _tile_keys(ctx_len, q_len, tile_q0, max_blocks * PAGE,
+                                         BLOCK_Q, BLOCK_N, NUM_SPLITS, SPLIT_KEYS)
+    row_ok = row_real & (q_local < q_len) & (split < used)
     kv_lo = split * per_split
     kv_hi = tl.minimum(kv_end, kv_lo + per_split)
+    kv_hi = tl.where(split < used, kv_hi, 0)
 
     q = tl.load(q_ptr + tok[:, None] * q_stride_t + row_head[:, None] * q_stride_h + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -100,13 +111,11 @@ def _attn_tile_kernel(
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_hi
         block = tl.load(block_tables_ptr + seq * bt_stride + k_pos // PAGE, mask=k_ok, other=0)
-        slot = block.to(tl.int64) * PAGE + k_pos % PAGE
-        slot_off = slot * (NUM_KV_HEADS * HEAD_DIM)
+        slot_off = (block.to(tl.int64) * PAGE + k_pos % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
         k_t = tl.load(kv_head_ptr + slot_off[None, :] + d[:, None],
                       mask=k_ok[None, :] & d_ok[:, None], other=0.0)          # [BLOCK_D, BLOCK_N]
         s = tl.dot(q, k_t) * scale_log2
-        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
+        s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
         p = tl.exp2(s - m_safe[:, None])
@@ -119,54 +128,65 @@ def _attn_tile_kernel(
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     o_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + tok[:, None] * o_stride_t + row_head[:, None] * o_stride_h + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
+    direct = used == 1
+    tl.store(out_ptr + tok[:, None] * o_stride_t + row_head[:, None] * o_stride_h + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=o_mask & direct)
+    if NUM_SPLITS > 1:
         part = (tok * NUM_HEADS + row_head) * NUM_SPLITS + split              # [BLOCK_M]
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask & ~direct)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_lse_ptr + part, lse, mask=row_ok & ~direct)
 
 
 @triton.jit
-def _attn_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, seq_ids_ptr, num_seqs_ptr, o_stride_t, o_stride_h,
-                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+def _attn_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, seq_ids_ptr, q_start_ptr, ctx_lens_ptr,
+                        num_seqs_ptr, max_blocks, o_stride_t, o_stride_h,
+                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                        SPLITS_P: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+    """Merge the partials of tokens whose tile used several splits; others were written directly."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    seq_id = tl.load(seq_ids_ptr + tok)
-    live = (seq_id >= 0) & (seq_id < tl.load(num_seqs_ptr))
+    seq = tl.load(seq_ids_ptr + tok)
+    live = (seq >= 0) & (seq < tl.load(num_seqs_ptr))
+    seq = tl.where(live, seq, 0)
+    q_lo = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_start_ptr + seq + 1) - q_lo
+    tile_q0 = (tok.to(tl.int32) - q_lo) // BLOCK_Q * BLOCK_Q
+    kv_end, used, per_split = _tile_keys(tl.load(ctx_lens_ptr + seq), q_len, tile_q0, max_blocks * PAGE,
+                                         BLOCK_Q, BLOCK_N, NUM_SPLITS, SPLIT_KEYS)
+    merge = live & (used > 1)
     sp = tl.arange(0, SPLITS_P)
-    sp_ok = (sp < NUM_SPLITS) & live
+    sp_ok = (sp < used) & merge
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     part = (tok * NUM_HEADS + head) * NUM_SPLITS + sp
     lse = tl.load(part_lse_ptr + part, mask=sp_ok, other=float("-inf"))
     top = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))            # 0 for empty splits
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))            # 0 for unused splits
     o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
-    den = tl.sum(w, axis=0)
-    res = tl.sum(w[:, None] * o, axis=0) / tl.maximum(den, 1e-30)
-    tl.store(out_ptr + tok * o_stride_t + head * o_stride_h + d, res.to(out_ptr.dtype.element_ty), mask=d_ok)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    tl.store(out_ptr + tok * o_stride_t + head * o_stride_h + d, res.to(out_ptr.dtype.element_ty),
+             mask=d_ok & merge)
 
 
 def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, seq_ids_of_token: torch.Tensor,
                     q_start: torch.Tensor, ctx_lens: torch.Tensor, block_tables: torch.Tensor,
                     num_seqs: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                    num_splits: int | None = None, block_m: int | None = None,
-                    block_n: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, block_m: int | None = None, block_n: int | None = None,
+                    split_keys: int = _SPLIT_KEYS) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context. Returns out.
 
-    q: [T, H, D] (rows/heads may be strided, last dim contiguous), already rotated;
-    layer_cache: [2, num_blocks, block_size, KVH, D] contiguous, new tokens' K/V already written;
+    q: [T, H, D] bf16/fp16 (rows/heads may be strided, last dim contiguous), already rotated;
+    layer_cache: [2, num_blocks, block_size, KVH, D] contiguous, this step's K/V already written;
     seq_ids_of_token: [T] int32 (-1 = padding); q_start: [S+1] int32 cumulative query offsets;
     ctx_lens: [S] int32 tokens in cache after this step, new ones included; block_tables: [S, max_blocks]
     int32; num_seqs: [1] int32 live sequences (rows >= num_seqs are ignored). Token q_start[s] + i of
     sequence s sits at position ctx_lens[s] - q_len_s + i and sees keys 0 .. that position.
     out: [T, H, D] of q's dtype; rows of padding tokens are written with zeros.
-    num_splits / block_m / block_n override the static choice (tests, tuning).
-    Graph-capturable: grid and split count come from shapes only; no host sync, no .item().
+    num_splits, block_m, block_n, split_keys override the static choices (tests, tuning).
+    Graph-capturable: grid and launch parameters come from shapes only; no host sync, no .item().
+    Launch once per bucket shape before capture (the first launch compiles).
     """
     _check_args(q, layer_cache, seq_ids_of_token, q_start, ctx_lens, block_tables, num_seqs)
     num_tokens, num_heads, head_dim = q.shape
@@ -177,7 +197,8 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, seq_ids_of_token
         return out
     cfg = _config(num_tokens, q_start.shape[0] - 1, num_heads, layer_cache.shape[3], head_dim,
                   block_tables.shape[1] * layer_cache.shape[2], num_sms(q.device), num_splits, block_m, block_n)
-    _launch(q, layer_cache, seq_ids_of_token, q_start, ctx_lens, block_tables, num_seqs, scale, out, cfg)
+    _launch(q, layer_cache, seq_ids_of_token, q_start, ctx_lens, block_tables, num_seqs, scale, out,
+            dict(cfg, split_keys=split_keys))
     return out
 
 
@@ -187,15 +208,16 @@ def _config(num_tokens: int, max_seqs: int, num_heads: int, num_kv_heads: int, h
             block_n: int | None) -> dict:
     """Static launch parameters for one bucket shape."""
     group = num_heads // num_kv_heads
-    block_m = block_m or (64 if num_tokens >= 128 else 16)
-    block_m = max(block_m, next_pow2(group), 16)
+    prefill_heavy = num_tokens >= 128 and num_tokens >= 4 * max_seqs   # tiles of several tokens pay off
+    block_m = max(block_m or (64 if prefill_heavy else 16), next_pow2(group), 16)
     block_q = block_m // group
     block_n = block_n or (64 if head_dim <= 128 else 32)
     num_tiles = num_tokens // block_q + max_seqs
     if num_splits is None:
-        programs = num_tiles * num_kv_heads
-        num_splits = 1 if programs >= sms else min(_MAX_SPLITS, -(-2 * sms // programs),
-                                                    max(1, max_ctx_len // (2 * block_n)))
+        fill = -(-2 * sms // (num_tiles * num_kv_heads))      # enough programs for the GPU
+        long_ctx = 4 if max_ctx_len >= 4096 else 1             # keep one long decode off the critical path
+        cap = max(1, _PARTIAL_BYTES // (num_tokens * num_heads * head_dim * 4))
+        num_splits = min(_MAX_SPLITS, max(fill, long_ctx), cap, max(1, -(-max_ctx_len // _SPLIT_KEYS)))
     return dict(group=group, block_m=block_m, block_q=block_q, block_n=block_n, num_tiles=num_tiles,
                 num_splits=max(1, num_splits), max_seqs_p=next_pow2(max(max_seqs, 1)),
                 block_d=max(16, next_pow2(head_dim)))
@@ -203,24 +225,23 @@ def _config(num_tokens: int, max_seqs: int, num_heads: int, num_kv_heads: int, h
 
 def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, scale, out, cfg) -> None:
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, splits = layer_cache.shape[3], cfg["num_splits"]
+    num_kv_heads, page, splits = layer_cache.shape[3], layer_cache.shape[2], cfg["num_splits"]
     part_o = part_lse = out                       # unused placeholders when not splitting
     if splits > 1:
         part_o = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+    common = dict(PAGE=page, BLOCK_Q=cfg["block_q"], BLOCK_N=cfg["block_n"], NUM_SPLITS=splits,
+                  SPLIT_KEYS=cfg["split_keys"], NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg["block_d"])
     _attn_tile_kernel[(cfg["num_tiles"], num_kv_heads, splits)](
         q, layer_cache, out, part_o, part_lse, seq_ids, q_start, ctx_lens, block_tables, num_seqs,
         float(scale) * _LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         layer_cache.stride(0), block_tables.stride(0), block_tables.shape[1],
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=cfg["group"], HEAD_DIM=head_dim,
-        BLOCK_D=cfg["block_d"], PAGE=layer_cache.shape[2], MAX_SEQS_P=cfg["max_seqs_p"],
-        BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_SPLITS=splits,
-        num_warps=4)
+        NUM_KV_HEADS=num_kv_heads, GROUP=cfg["group"], MAX_SEQS_P=cfg["max_seqs_p"], BLOCK_M=cfg["block_m"],
+        num_warps=4, **common)
     if splits > 1:
         _attn_reduce_kernel[(num_tokens, num_heads)](
-            part_o, part_lse, out, seq_ids, num_seqs, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg["block_d"], NUM_SPLITS=splits,
-            SPLITS_P=next_pow2(splits), num_warps=4)
+            part_o, part_lse, out, seq_ids, q_start, ctx_lens, num_seqs, block_tables.shape[1],
+            out.stride(0), out.stride(1), SPLITS_P=next_pow2(splits), num_warps=4, **common)
 
 
 def _check_args(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs) -> None:

@@ -49,9 +49,11 @@ def _check(out, ref, batch):
 
 
 @pytest.mark.parametrize("case", sorted(SMALL))
-@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 32), (None, None)])
-def test_small_batches(device, case, num_splits, block_n):
-    _check(*_run(device, *SMALL[case], num_splits=num_splits, block_n=block_n, block_m=16))
+@pytest.mark.parametrize("num_splits,block_n,split_keys", [(1, 16, 256), (3, 32, 16), (4, 16, 32), (None, None, 256)],
+                         ids=["nosplit", "split3", "split4_mixed", "auto"])
+def test_small_batches(device, case, num_splits, block_n, split_keys):
+    """split_keys small: long tiles split (partials + reduce) while short ones write directly."""
+    _check(*_run(device, *SMALL[case], num_splits=num_splits, block_n=block_n, block_m=16, split_keys=split_keys))
 
 
 @pytest.mark.parametrize("case", sorted(LARGE))
@@ -61,16 +63,24 @@ def test_model_shaped_batches(device, case):
     _check(*_run(device, *LARGE[case]))
 
 
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_long_decode_beside_a_prefill_chunk(device, num_splits):
+    """One long decode next to a prefill chunk in a prefill-heavy bucket: split or not, same answer."""
+    if device == "cpu":
+        pytest.skip("model-sized shapes run on the GPU only (too slow for the interpreter)")
+    _check(*_run(device, 32, 8, 128, [1, 200, 1], [20000, 456, 3], 256, 4, num_splits=num_splits))
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_no_live_sequences_writes_only_zeros(device, num_splits):
     heads, kv_heads, head_dim = 4, 2, 32
-    out, _, batch = _run(device, heads, kv_heads, head_dim, [3], [3], 8, 2, num_splits=num_splits)
+    out, _, batch = _run(device, heads, kv_heads, head_dim, [3], [3], 8, 2, num_splits=num_splits, split_keys=16)
     batch.num_seqs.zero_()
     out.fill_(float("nan"))
     cache = torch.zeros(2, 10, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
     q = torch.randn(8, heads, head_dim, device=device).to(torch.bfloat16)
     paged_attention(q, cache, batch.seq_ids_of_token, batch.q_start, batch.ctx_lens_t, batch.block_tables,
-                    batch.num_seqs, 0.1, out=out, num_splits=num_splits)
+                    batch.num_seqs, 0.1, out=out, num_splits=num_splits, split_keys=16)
     assert (out == 0).all()
 
 
