@@ -1,0 +1,12 @@
+"""GPU kernels of the model step (Triton), one module per family, each with a thin wrapper that checks
+shapes and dtypes on the host and launches with a grid fixed by the shapes (graph-capturable, no sync):
+
+- `rmsnorm`: `rmsnorm`, `add_rmsnorm` (fused residual add)
+- `rope_kv`: `rope_and_cache_kv` (RoPE on q and k, k/v written into the paged cache)
+- `paged_attention`: `paged_attention` (mixed prefill/decode batch, GQA, split-K, one launch + reduce)
+- `swiglu`: `swiglu`
+- `sampling`: `sample`, `uniforms` (the CPU engine's counter-based RNG, bit for bit)
+
+Modules import triton; import them only where it is installed. `device_check.sh` runs the GPU tests and
+a timing table on a GPU host; `python -m kernels.compile_check` compiles everything for sm_90 without one.
+"""

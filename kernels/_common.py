@@ -8,7 +8,6 @@ contents, so a wrapper that calls them stays capturable in a CUDA graph.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -34,11 +33,6 @@ def check(name: str, t: torch.Tensor, *, dtype: torch.dtype | tuple[torch.dtype,
         raise ValueError(f"{name} is on {t.device}, expected {device}")
     if inner_contiguous and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU with its interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.cache

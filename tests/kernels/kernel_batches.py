@@ -59,7 +59,6 @@ def make_batch(q_lens: list[int], ctx_lens: list[int], num_tokens: int, max_seqs
 
 def gather_context(layer_cache: torch.Tensor, table: list[int], ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of one sequence as float32 [ctx_len, KVH, D]."""
-    block_size = layer_cache.shape[2]
     blocks = torch.tensor(table, device=layer_cache.device)
     kv = layer_cache[:, blocks].flatten(1, 2)[:, :ctx_len].float()
     return kv[0], kv[1]
