@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("gateway", help="run the OpenAI-compatible gateway (see `blink gateway --help`)", add_help=False)
     from gpu_backend.models.cli import add_model_commands
 
-    add_model_commands(sub.add_parser("model", help="import and inspect models").add_subparsers(dest="model_command", required=True))
+    add_model_commands(sub)
     return parser
 
 
