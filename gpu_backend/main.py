@@ -26,38 +26,51 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output-len", type=int, default=1024, help="per-slot response buffer, in tokens")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache size (cpu mode)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                   help="share of the GPU's memory for weights, activations and KV cache (host mode)")
+    p.add_argument("--no-graphs", action="store_true", help="host mode: run steps eagerly (debugging)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (overrides --kv-cache-mb)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="per-step token budget")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="per-step token budget = the largest graph bucket (default: 256 cpu, 512 host)")
+    p.add_argument("--max-num-seqs", type=int, default=0, help="running sequences at most (default: 64 cpu, 256 host)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: all cores)")
 
 
 def run_backend(args: argparse.Namespace) -> int:
-    if args.mode != "cpu":
-        log.error("--mode %s needs the GPU engine, which this build does not have yet; use --mode cpu", args.mode)
+    if args.mode == "persistent":
+        log.error("--mode persistent (the GPU-resident loop) is not built yet; use --mode host or cpu")
         return 2
     import torch
 
+    if args.mode == "host" and not torch.cuda.is_available():
+        log.error("--mode host needs a CUDA GPU and none is visible; use --mode cpu")
+        return 2
     from gpu_backend.control_server import ControlServer, Description
-    from gpu_backend.engine.cpu_engine import CpuEngine, EngineConfig
+    from gpu_backend.engine.loop import EngineConfig, EngineLoop
     from gpu_backend.models import load_model, model_fingerprint
-    from gpu_backend.models.demo import ensure_demo_model
+    from gpu_backend.models.demo import default_cache_dir, ensure_demo_model
+    from gpu_backend.models.random_tokenizer import ensure_random_tokenizer
     from protocols.shm import RingConsumer, create_ring
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = "cuda" if args.mode == "host" else "cpu"
     spec = str(ensure_demo_model()) if args.model == "demo" else args.model
-    cfg, model, model_dir = load_model(spec, device="cpu", progress=True)
+    cfg, model, model_dir = load_model(spec, device=device, progress=True)
     model.eval()
     context_len = args.context_len or min(cfg.max_position_embeddings, 8192)
     fingerprint = model_fingerprint(model_dir or cfg)
+    config = EngineConfig(
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
+        max_num_batched_tokens=args.max_num_batched_tokens or (512 if device == "cuda" else 256),
+        max_num_seqs=args.max_num_seqs or (256 if device == "cuda" else 64))
+    runner = _make_runner(args, model, cfg, config, context_len)
     geometry = RingGeometry(args.num_slots, context_len, args.max_output_len)
     ring = create_ring(args.ring or f"blink-{os.getpid()}", geometry, fingerprint)
-    engine = CpuEngine(model, cfg, RingConsumer(ring), EngineConfig(
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs), context_len)
+    engine = EngineLoop(runner, cfg, RingConsumer(ring), config, context_len)
     name = args.model_name or (Path(model_dir).name if model_dir else spec)
-    desc = Description(name, str(model_dir or ""), fingerprint, context_len, cfg.vocab_size,
+    tokenizer_dir = model_dir or ensure_random_tokenizer(cfg, default_cache_dir())
+    desc = Description(name, str(tokenizer_dir), fingerprint, context_len, cfg.vocab_size,
                        tuple(cfg.eos_token_ids), args.mode)
     control = ControlServer(args.control, desc, ring)
     control.start()
@@ -71,3 +84,20 @@ def run_backend(args: argparse.Namespace) -> int:
         control.stop()
         ring.close()
     return 0
+
+
+def _make_runner(args, model, cfg, config, context_len: int):
+    if args.mode == "cpu":
+        from gpu_backend.engine.cpu_runner import CpuRunner
+
+        return CpuRunner(model, cfg, config.num_blocks_for(cfg, context_len), config.block_size)
+    from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig
+
+    runner = GpuRunner(model, cfg, GpuRunnerConfig(
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        block_size=config.block_size, context_len=context_len, gpu_memory_fraction=args.gpu_memory_fraction,
+        num_kv_blocks=args.num_kv_blocks, use_graphs=not args.no_graphs))
+    print(f"GPU runner: {runner.num_blocks} KV blocks of {config.block_size} tokens "
+          f"({runner.num_blocks * runner.kv_block_bytes / 2**30:.1f} GiB), {len(runner.graphs)} graphs "
+          f"captured in {runner.capture_s:.1f} s", file=sys.stderr, flush=True)
+    return runner

@@ -1,0 +1,176 @@
+"""The GPU engine against the hardware: bucket-graph replay vs the HBM floor, and the cost of the host.
+
+    python bench/gpu_host.py [--model random:llama-3-8b] [--out bench/results]
+
+On a GPU host, in one process:
+1. copy bandwidth of the card (a 1 GiB device-to-device copy; bytes read + written);
+2. load the model (random bf16 weights with real shapes), build the GpuRunner (KV sized from free memory,
+   one graph per token bucket);
+3. bare graph replay of decode steps at batch B (B sequences, one token each, context L each): step time,
+   tokens/s, and achieved GB/s = (weight bytes + KV bytes read) / step time, against the copy bandwidth;
+4. the host engine (`EngineLoop` + `GpuRunner`, fed through a real shm ring) decoding the same shapes:
+   its step time minus the bare replay is the host in the loop; its CPU time per generated token is
+   `time.thread_time()` of the engine's thread around `loop.step()` only (the ring producer's polling in
+   the same thread is left out).
+Writes a JSON file (commit, GPU, driver, torch) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig  # noqa: E402
+from gpu_backend.engine.loop import EngineConfig, EngineLoop  # noqa: E402
+from gpu_backend.engine.scheduler import Batch, ScheduledSeq, Sequence  # noqa: E402
+from gpu_backend.models import load_model  # noqa: E402
+from protocols.ring import FinishReason, RequestSpec, RingGeometry  # noqa: E402
+from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring  # noqa: E402
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or os.environ.get("BLINK_COMMIT", "unknown")
+
+
+def copy_gbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() / statistics.median(times) / 1e9
+
+
+def decode_batch(runner: GpuRunner, batch_size: int, ctx_len: int) -> Batch:
+    """B sequences, each with ctx_len - 1 tokens cached, feeding one token (blocks laid out in order)."""
+    per_seq = -(-ctx_len // runner.config.block_size)
+    entries = []
+    for i in range(batch_size):
+        spec = RequestSpec(i, [1] * ctx_len, 1, temperature=0.0)
+        seq = Sequence(slot=i, seq=i + 1, spec=spec, arrival=i, rng_seed=i, token_ids=[1] * ctx_len,
+                       prompt_len=ctx_len, num_computed=ctx_len - 1,
+                       block_table=list(range(i * per_seq, (i + 1) * per_seq)))
+        entries.append(ScheduledSeq(seq, 1, True))
+    return Batch(entries)
+
+
+def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
+    bucket, greedy, _ = runner.fill(batch)
+    runner.bufs.upload(len(batch.entries))
+    graph = runner.graphs[(bucket, greedy)]
+    for _ in range(5):
+        graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, new_tokens: int) -> dict:
+    """Decode `new_tokens` for `batch_size` streams through the ring; time the decode-only steps."""
+    ring = create_ring(f"blink-bench-host-{os.getpid()}", RingGeometry(max(batch_size, 16), 4096, 1024), "bench")
+    try:
+        prod = RingProducer(attach_ring(ring.name))
+        loop = EngineLoop(runner, cfg, RingConsumer(ring), EngineConfig(
+            block_size=runner.config.block_size, max_num_batched_tokens=runner.config.max_num_batched_tokens,
+            max_num_seqs=runner.config.max_num_seqs), context_len=runner.config.context_len)
+        slots = [prod.submit(RequestSpec(i, [7 + i] * prompt_len, new_tokens, temperature=0.0, ignore_eos=True))
+                 for i in range(batch_size)]
+        live, produced = set(slots), 0
+        step_s, cpu_s, decode_steps, tokens_in_decode = [], 0.0, 0, 0
+        while live:
+            decoding = all(s.num_computed == len(s.token_ids) - 1 for s in loop.scheduler.running) and \
+                len(loop.scheduler.running) == batch_size
+            w0, c0 = time.perf_counter(), time.thread_time()
+            loop.step()
+            w1, c1 = time.perf_counter(), time.thread_time()
+            if decoding:
+                step_s.append(w1 - w0)
+                cpu_s += c1 - c0
+                decode_steps += 1
+            for s in list(live):
+                upd = prod.poll(s)
+                produced += len(upd.tokens)
+                if decoding:
+                    tokens_in_decode += len(upd.tokens)
+                if upd.finish is not FinishReason.NONE:
+                    live.discard(s)
+                    prod.release(s)
+        assert produced == batch_size * new_tokens, f"{produced} tokens, expected {batch_size * new_tokens}"
+        return {"decode_steps": decode_steps, "step_ms_median": 1e3 * statistics.median(step_s),
+                "cpu_us_per_token": 1e6 * cpu_s / max(tokens_in_decode, 1),
+                "cpu_us_per_step": 1e6 * cpu_s / max(decode_steps, 1)}
+    finally:
+        ring.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama-3-8b")
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--ctx-len", type=int, default=512, help="context per sequence in the decode steps")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    gbps = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s", flush=True)
+    t0 = time.perf_counter()
+    cfg, model, _ = load_model(args.model, device="cuda")
+    runner = GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096))
+    setup_s = time.perf_counter() - t0
+    weight_bytes = runner.weights.num_bytes
+    kv_token_bytes = runner.kv_block_bytes // runner.config.block_size
+    rows = []
+    for bsz in map(int, args.batches.split(",")):
+        batch = decode_batch(runner, bsz, args.ctx_len)
+        ms = bare_replay_ms(runner, batch)
+        moved = weight_bytes + bsz * args.ctx_len * kv_token_bytes
+        host = host_engine(runner, cfg, bsz, args.ctx_len - args.new_tokens // 2, args.new_tokens)
+        rows.append({"batch": bsz, "ctx_len": args.ctx_len, "bare_step_ms": ms, "bare_tok_s": bsz / ms * 1e3,
+                     "achieved_gbps": moved / ms / 1e6, "floor_ms": moved / gbps / 1e6,
+                     "host": host, "host_overhead_us": 1e3 * (host["step_ms_median"] - ms)})
+        r = rows[-1]
+        print(f"B={bsz:4d} bare {ms:7.3f} ms ({r['achieved_gbps']:6.0f} GB/s, floor {r['floor_ms']:.3f} ms) | host "
+              f"{host['step_ms_median']:7.3f} ms (+{r['host_overhead_us']:6.0f} us), "
+              f"CPU {host['cpu_us_per_token']:8.1f} us/token", flush=True)
+    result = {"bench": "gpu_host", "commit": commit(), "gpu": torch.cuda.get_device_name(),
+              "driver": torch.cuda.get_device_properties(0).name, "torch": torch.__version__,
+              "host": platform.node(), "model": args.model, "weight_bytes": weight_bytes,
+              "kv_blocks": runner.num_blocks, "graphs": len(runner.graphs), "capture_s": runner.capture_s,
+              "setup_s": setup_s, "copy_gbps": gbps, "rows": rows}
+    out = Path(os.environ.get("OUT") or args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"gpu_host-{result['commit']}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    print("| batch | bare step ms | floor ms | GB/s | % copy | host step ms | host adds us | CPU us/token |")
+    for r in rows:
+        print(f"| {r['batch']} | {r['bare_step_ms']:.3f} | {r['floor_ms']:.3f} | {r['achieved_gbps']:.0f} | "
+              f"{100 * r['achieved_gbps'] / gbps:.0f}% | {r['host']['step_ms_median']:.3f} | "
+              f"{r['host_overhead_us']:.0f} | {r['host']['cpu_us_per_token']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,374 @@
+"""The GPU model runner: a Llama-family step over the paged KV cache in bf16, one CUDA graph per
+token-count bucket. The one engine module that touches device memory.
+
+Every dynamic quantity of a step lives in one fixed device buffer (`StepBuffers`): token ids,
+positions, KV slots, per-sequence query offsets, context lengths, block tables, the rows to sample and
+their sampling parameters. A graph captured over those buffers serves every batch of its bucket, so the
+host's work per step is: fill the pinned twin of the buffer, one copy, one replay, one copy back. The
+GPU-resident loop (issue 4) will fill the same buffer from the device and launch the same graphs.
+
+Per layer: fused residual add + RMSNorm -> qkv GEMM -> RoPE fused with the KV-cache write -> paged
+attention (mixed prefill/decode, one launch) -> o GEMM -> add + RMSNorm -> gate_up GEMM -> SwiGLU ->
+down GEMM. Then the final norm, the LM head over the sampled rows only, and sampling (argmax for
+all-greedy steps; the full sampler otherwise: two graphs per bucket, the host picks one).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gpu_backend.engine.scheduler import Batch
+from gpu_backend.models import ModelConfig, allocate_kv_cache
+from gpu_backend.models.rope import rope_inv_freq
+
+log = logging.getLogger("blink.gpu_runner")
+
+_GiB = 1 << 30
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to and including `max_tokens` (the last bucket need not be a power of two)."""
+    out, n = [], 1
+    while n < max_tokens:
+        out.append(n)
+        n *= 2
+    return (*out, max_tokens)
+
+
+def bucket_for(num_tokens: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= num_tokens:
+            return b
+    raise ValueError(f"{num_tokens} tokens exceed the largest bucket {buckets[-1]}")
+
+
+@dataclass(frozen=True)
+class GpuRunnerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    block_size: int = 16
+    context_len: int = 8192
+    gpu_memory_fraction: float = 0.9
+    num_kv_blocks: int = 0  # 0: size the cache from free memory and gpu_memory_fraction
+    use_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.05 <= self.gpu_memory_fraction <= 0.99:
+            raise ValueError(f"gpu_memory_fraction {self.gpu_memory_fraction} is outside 0.05..0.99")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError("max_num_seqs must be <= max_num_batched_tokens (a sequence feeds >= 1 token)")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.context_len // self.block_size)
+
+    def seqs_in(self, bucket: int) -> int:
+        """Sequence rows of a bucket's graph: a step of T tokens holds at most T sequences."""
+        return min(bucket, self.max_num_seqs)
+
+
+class StepBuffers:
+    """One step's inputs as a single byte buffer, pinned on the host and mirrored on the device.
+
+    Fields (T = max tokens, S = max sequences, MB = blocks per sequence), in this order so that a step
+    copies only the prefix it uses (the block tables come last, copied for the live rows only):
+      input_ids [T] i32, positions [T] i64, slot_mapping [T] i64 (-1: padding), seq_ids [T] i32 (-1),
+      sample_rows [S] i64, temperature [S] f32, top_k [S] i32, top_p [S] f32, min_p [S] f32,
+      seeds [S] i64, sample_pos [S] i64, q_start [S+1] i32, ctx_lens [S] i32, num_seqs [1] i32,
+      block_tables [S, MB] i32.
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        t, s = max_tokens, max_seqs
+        spec = [("input_ids", torch.int32, (t,)), ("positions", torch.int64, (t,)),
+                ("slot_mapping", torch.int64, (t,)), ("seq_ids", torch.int32, (t,)),
+                ("sample_rows", torch.int64, (s,)), ("temperature", torch.float32, (s,)),
+                ("top_k", torch.int32, (s,)), ("top_p", torch.float32, (s,)), ("min_p", torch.float32, (s,)),
+                ("seeds", torch.int64, (s,)), ("sample_pos", torch.int64, (s,)),
+                ("q_start", torch.int32, (s + 1,)), ("ctx_lens", torch.int32, (s,)),
+                ("num_seqs", torch.int32, (1,)), ("block_tables", torch.int32, (s, max_blocks))]
+        self.offsets: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        off = 0
+        for name, dtype, shape in spec:
+            off = -(-off // 8) * 8
+            self.offsets[name] = (off, dtype, shape)
+            off += int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        self.num_bytes = -(-off // 8) * 8
+        self.max_blocks = max_blocks
+        self.host = torch.zeros(self.num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.dev = torch.zeros(self.num_bytes, dtype=torch.uint8, device=device)
+        self.h = {n: self._np(n) for n in self.offsets}           # numpy views of the pinned buffer
+        self.d = {n: self._view(self.dev, n) for n in self.offsets}  # device views the graphs read
+
+    def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        off, dtype, shape = self.offsets[name]
+        size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        return buf[off: off + size].view(dtype).view(shape)
+
+    def _np(self, name: str) -> np.ndarray:
+        return self._view(self.host, name).numpy()
+
+    def upload(self, num_seqs: int) -> None:
+        """Copy the used prefix (block tables of `num_seqs` rows) to the device, asynchronously."""
+        end = self.offsets["block_tables"][0] + 4 * num_seqs * self.max_blocks
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+
+
+class GpuWeights:
+    """The model's tensors in the layout the step wants: fused qkv and gate_up, bf16, on the device."""
+
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig):
+        self.embed = model.model.embed_tokens.weight                     # [V, hidden]
+        self.lm_head = model.lm_head.weight                              # [V, hidden]
+        self.final_norm = model.model.norm.weight
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if hasattr(attn, "q_norm"):
+                raise ValueError("the GPU runner does not support per-head q/k norms (Qwen3) yet; use --mode cpu")
+            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            bias = (torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+                    if attn.q_proj.bias is not None else None)
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            # the fused copies replace the originals, so peak memory grows by one layer only
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                lin.weight = None
+            self.layers.append(dict(in_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=bias,
+                                    o=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
+                                    gate_up=gate_up, down=mlp.down_proj.weight))
+
+    @property
+    def num_bytes(self) -> int:
+        seen, total = set(), 0
+        tensors = [self.embed, self.lm_head, self.final_norm] + [t for layer in self.layers for t in layer.values()
+                                                                  if t is not None]
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+class GpuRunner:
+    """`run(batch)` -> sampled tokens; everything the GPU needs is allocated and captured in __init__."""
+
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, config: GpuRunnerConfig,
+                 device: torch.device | str = "cuda", progress: bool = True):
+        from kernels import paged_attention, rmsnorm, rope_kv, sampling, swiglu  # triton: GPU hosts only
+
+        self._k = dict(attn=paged_attention.paged_attention, rmsnorm=rmsnorm.rmsnorm,
+                       add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
+                       swiglu=swiglu.swiglu, sample=sampling.sample)
+        self.cfg, self.config, self.device = cfg, config, torch.device(device)
+        self.dtype = next(model.parameters()).dtype
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"the GPU runner needs bf16 or fp16 weights, got {self.dtype}")
+        self.weights = GpuWeights(model, cfg)
+        self.scale = cfg.head_dim ** -0.5
+        self.buckets = token_buckets(config.max_num_batched_tokens)
+        self.bufs = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, config.max_blocks_per_seq,
+                                self.device)
+        freqs = torch.arange(config.context_len, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+        self.cos = freqs.cos().to(self.device)                        # [context_len, D/2] float32
+        self.sin = freqs.sin().to(self.device)
+        self.tokens_dev = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.tokens_host = torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
+        self._done = torch.cuda.Event()
+        self.num_blocks = self._size_kv_cache()
+        self.kv_cache = allocate_kv_cache(cfg, self.num_blocks, config.block_size, self.dtype, self.device)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.capture_s = self._capture(progress) if config.use_graphs else 0.0
+
+    # ---- memory --------------------------------------------------------------------------------------
+    @property
+    def kv_block_bytes(self) -> int:
+        c = self.cfg
+        return self.config.block_size * c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    @torch.inference_mode()
+    def _size_kv_cache(self) -> int:
+        """Blocks that fit in gpu_memory_fraction of the card after weights and a max-bucket step."""
+        need = self.config.max_blocks_per_seq
+        if self.config.num_kv_blocks:
+            return max(self.config.num_kv_blocks, need)
+        probe = allocate_kv_cache(self.cfg, need, self.config.block_size, self.dtype, self.device)
+        self.kv_cache = probe
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._fill_dummy(self.buckets[-1], self.config.seqs_in(self.buckets[-1]))
+        self._step(self.buckets[-1], greedy=False)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - probe.numel() * probe.element_size()
+        del self.kv_cache, probe
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_now = torch.cuda.mem_get_info(self.device)[0]
+        graph_reserve = _GiB // 2  # pool fragments across buckets, cuBLAS workspaces
+        budget = min(int(total * self.config.gpu_memory_fraction) - peak - graph_reserve, free_now - graph_reserve)
+        blocks = budget // self.kv_block_bytes
+        if blocks < need:
+            raise RuntimeError(f"KV cache: room for {max(blocks, 0)} blocks, one {self.config.context_len}-token "
+                               f"sequence needs {need}; lower --context-len or raise --gpu-memory-fraction")
+        log.info("KV cache: %d blocks of %d tokens, %.1f GiB (weights %.1f GiB, step peak %.2f GiB)", blocks,
+                 self.config.block_size, blocks * self.kv_block_bytes / _GiB, self.weights.num_bytes / _GiB,
+                 (peak - self.weights.num_bytes) / _GiB)
+        return int(blocks)
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def _step(self, num_tokens: int, greedy: bool) -> None:
+        """The whole model step for a bucket of `num_tokens` (captured as a graph); writes tokens_dev."""
+        k, d, s = self._k, self.bufs.d, self.config.seqs_in(num_tokens)
+        x, residual = self._layers(num_tokens)
+        rows = torch.index_select(x, 0, d["sample_rows"][:s])                 # [s, hidden], before the last add
+        logits = self._head(rows, torch.index_select(residual, 0, d["sample_rows"][:s]))  # [s, V] float32
+        if greedy:
+            self.tokens_dev[:s].copy_(logits.argmax(dim=-1))
+        else:
+            k["sample"](logits, d["temperature"][:s], d["top_k"][:s], d["top_p"][:s], d["min_p"][:s],
+                        d["seeds"][:s], d["sample_pos"][:s], out=self.tokens_dev[:s])
+
+    def _layers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer over the bucket's tokens. Returns (last MLP output, residual), [t, hidden]."""
+        k, d, w, c = self._k, self.bufs.d, self.weights, self.cfg
+        t, s = num_tokens, self.config.seqs_in(num_tokens)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        h = F.embedding(d["input_ids"][:t], w.embed)                          # [t, hidden]
+        residual, x = h, None
+        attn_out = torch.empty((t, c.num_heads, c.head_dim), dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(w.layers):
+            if x is None:
+                x = k["rmsnorm"](h, layer["in_norm"], c.rms_norm_eps)
+            else:
+                x, residual = k["add_rmsnorm"](x, residual, layer["in_norm"], c.rms_norm_eps)
+            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])               # [t, q + 2 kv]
+            q = qkv[:, :q_size].unflatten(1, (c.num_heads, c.head_dim))
+            kk = qkv[:, q_size:q_size + kv_size].unflatten(1, (c.num_kv_heads, c.head_dim))
+            v = qkv[:, q_size + kv_size:].unflatten(1, (c.num_kv_heads, c.head_dim))
+            cache = self.kv_cache[i]
+            k["rope_kv"](q, kk, v, d["positions"][:t], self.cos, self.sin, d["slot_mapping"][:t], cache)
+            k["attn"](q, cache, d["seq_ids"][:t], d["q_start"][:s + 1], d["ctx_lens"][:s], d["block_tables"][:s],
+                      d["num_seqs"], self.scale, out=attn_out)
+            x = F.linear(attn_out.flatten(1), layer["o"])
+            x, residual = k["add_rmsnorm"](x, residual, layer["post_norm"], c.rms_norm_eps)
+            x = F.linear(k["swiglu"](F.linear(x, layer["gate_up"])), layer["down"])
+        return x, residual
+
+    def _head(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Final add + norm and the LM head: [n, hidden] rows -> [n, V] float32 logits."""
+        normed, _ = self._k["add_rmsnorm"](x, residual, self.weights.final_norm, self.cfg.rms_norm_eps)
+        return F.linear(normed, self.weights.lm_head).float()
+
+    @torch.inference_mode()
+    def _capture(self, progress: bool) -> float:
+        """Capture (bucket, greedy) graphs, largest first, sharing one memory pool."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        keys = [(b, g) for b in reversed(self.buckets) for g in (False, True)]
+        stream = torch.cuda.Stream(self.device)
+        for bucket, greedy in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, unit="graph"):
+            self._fill_dummy(bucket, self.config.seqs_in(bucket))
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._step(bucket, greedy)                                    # compiles, warms cuBLAS
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._step(bucket, greedy)
+            self.graphs[(bucket, greedy)] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d graphs (buckets %s) in %.1f s", len(self.graphs), self.buckets,
+                 time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    def _fill_dummy(self, num_tokens: int, num_seqs: int) -> None:
+        """A valid batch for warm-up and capture: `num_seqs` sequences sharing the tokens, blocks 0.."""
+        h = self.bufs.h
+        per = np.full(num_seqs, num_tokens // num_seqs)
+        per[: num_tokens % num_seqs] += 1
+        h["q_start"][: num_seqs + 1] = np.concatenate([[0], np.cumsum(per)])
+        h["ctx_lens"][:num_seqs] = per
+        h["num_seqs"][0] = num_seqs
+        h["seq_ids"][:num_tokens] = np.repeat(np.arange(num_seqs), per)
+        h["input_ids"][:num_tokens] = 1
+        h["positions"][:num_tokens] = 0
+        h["slot_mapping"][:num_tokens] = -1                                   # write nothing
+        h["block_tables"][:num_seqs] = 0
+        h["sample_rows"][:num_seqs] = np.cumsum(per) - 1
+        h["temperature"][:num_seqs], h["top_k"][:num_seqs] = 1.0, 0
+        h["top_p"][:num_seqs], h["min_p"][:num_seqs] = 1.0, 0.0
+        h["seeds"][:num_seqs], h["sample_pos"][:num_seqs] = 0, 0
+        self.bufs.upload(num_seqs)
+
+    # ---- per step, on the host -------------------------------------------------------------------------
+    def fill(self, batch: Batch) -> tuple[int, bool, int]:
+        return fill_step(self.bufs, batch, self.config, self.buckets)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> list[int]:
+        bucket, greedy, num_sampled = self.fill(batch)
+        self.bufs.upload(len(batch.entries))
+        if self.config.use_graphs:
+            self.graphs[(bucket, greedy)].replay()
+        else:
+            self._step(bucket, greedy)
+        self.tokens_host.copy_(self.tokens_dev, non_blocking=True)
+        self._done.record()
+        self._done.synchronize()
+        return self.tokens_host[:num_sampled].tolist()
+
+    @torch.inference_mode()
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """Eager step returning float32 logits for every fed token, [num_tokens, V] (teacher-forcing tests)."""
+        bucket, _, _ = self.fill(batch)
+        self.bufs.upload(len(batch.entries))
+        x, residual = self._layers(bucket)
+        n = sum(e.q_len for e in batch.entries)
+        return self._head(x[:n], residual[:n])
+
+
+def fill_step(bufs: StepBuffers, batch: Batch, config: GpuRunnerConfig, buckets: tuple[int, ...]) -> tuple[int, bool, int]:
+    """Write `batch` into the pinned buffer (padding rows: seq id and KV slot -1).
+
+    Returns (bucket, every sampled row greedy, number of sampled rows); sampled row r is entry order.
+    """
+    h, bs = bufs.h, config.block_size
+    n = num_sampled = 0
+    all_greedy = True
+    for i, entry in enumerate(batch.entries):
+        seq, start, q_len = entry.seq, entry.seq.num_computed, entry.q_len
+        pos = np.arange(start, start + q_len)
+        table = np.asarray(seq.block_table, dtype=np.int32)
+        h["input_ids"][n: n + q_len] = seq.token_ids[start: start + q_len]
+        h["positions"][n: n + q_len] = pos
+        h["slot_mapping"][n: n + q_len] = table[pos // bs].astype(np.int64) * bs + pos % bs
+        h["seq_ids"][n: n + q_len] = i
+        h["q_start"][i] = n
+        h["ctx_lens"][i] = start + q_len
+        h["block_tables"][i, : len(table)] = table
+        n += q_len
+        if entry.samples:
+            spec, r = seq.spec, num_sampled
+            h["sample_rows"][r] = n - 1
+            h["temperature"][r], h["top_k"][r], h["top_p"][r], h["min_p"][r] = (
+                spec.temperature, spec.top_k, spec.top_p, spec.min_p)
+            h["seeds"].view(np.uint64)[r] = seq.rng_seed
+            h["sample_pos"][r] = len(seq.token_ids)
+            all_greedy &= spec.temperature <= 0.0 or spec.top_k == 1
+            num_sampled += 1
+    num_seqs = len(batch.entries)
+    bucket = bucket_for(n, buckets)
+    h["q_start"][num_seqs: config.seqs_in(bucket) + 1] = n
+    h["num_seqs"][0] = num_seqs
+    h["seq_ids"][n:bucket] = -1
+    h["slot_mapping"][n:bucket] = -1
+    h["input_ids"][n:bucket] = 0
+    h["positions"][n:bucket] = 0
+    h["sample_rows"][num_sampled: config.seqs_in(bucket)] = 0
+    return bucket, bool(all_greedy), num_sampled
