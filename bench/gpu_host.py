@@ -88,8 +88,11 @@ def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
     return a.elapsed_time(b) / reps
 
 
-def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, new_tokens: int) -> dict:
-    """Decode `new_tokens` for `batch_size` streams through the ring; time the decode-only steps."""
+def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode_steps_wanted: int) -> dict:
+    """`batch_size` streams through the ring, long enough that all of them decode together for about
+    `decode_steps_wanted` steps after every prefill; times those all-decode steps only."""
+    prefill_steps = -(-batch_size * prompt_len // runner.config.max_num_batched_tokens) + 2
+    new_tokens = prefill_steps + decode_steps_wanted
     ring = create_ring(f"blink-bench-host-{os.getpid()}", RingGeometry(max(batch_size, 16), 4096, 1024), "bench")
     try:
         prod = RingProducer(attach_ring(ring.name))
@@ -99,10 +102,12 @@ def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, new_to
         slots = [prod.submit(RequestSpec(i, [7 + i] * prompt_len, new_tokens, temperature=0.0, ignore_eos=True))
                  for i in range(batch_size)]
         live, produced = set(slots), 0
-        step_s, cpu_s, decode_steps, tokens_in_decode = [], 0.0, 0, 0
+        step_s, cpu_s, decode_steps, tokens_in_decode, ctx = [], 0.0, 0, 0, []
         while live:
             decoding = all(s.num_computed == len(s.token_ids) - 1 for s in loop.scheduler.running) and \
                 len(loop.scheduler.running) == batch_size
+            if decoding:
+                ctx.append(statistics.mean(len(s.token_ids) for s in loop.scheduler.running))
             w0, c0 = time.perf_counter(), time.thread_time()
             loop.step()
             w1, c1 = time.perf_counter(), time.thread_time()
@@ -120,18 +125,42 @@ def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, new_to
                     prod.release(s)
         assert produced == batch_size * new_tokens, f"{produced} tokens, expected {batch_size * new_tokens}"
         return {"decode_steps": decode_steps, "step_ms_median": 1e3 * statistics.median(step_s),
+                "ctx_len_median": int(statistics.median(ctx)),
                 "cpu_us_per_token": 1e6 * cpu_s / max(tokens_in_decode, 1),
                 "cpu_us_per_step": 1e6 * cpu_s / max(decode_steps, 1)}
     finally:
         ring.close()
 
 
+def profile(runner: GpuRunner, batch: Batch) -> None:
+    """CUDA time per kernel family over 5 eager steps (CUPTI times each kernel; launches are eager)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    bucket, greedy, _ = runner.fill(batch)
+    runner.bufs.upload(len(batch.entries))
+    with torch.inference_mode():
+        runner._step(bucket, greedy)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner._step(bucket, greedy)
+            torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / 5, e.count // 5) for e in prof.key_averages()),
+                  key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"kernel time per eager step: {total / 1e3:.3f} ms")
+    for key, us, count in rows[:14]:
+        print(f"  {us:8.1f} us  x{count:<4d} {key[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama-3-8b")
     ap.add_argument("--batches", default="1,8,32,64,128,256")
-    ap.add_argument("--ctx-len", type=int, default=512, help="context per sequence in the decode steps")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=384, help="prompt tokens per stream")
+    ap.add_argument("--decode-steps", type=int, default=64, help="all-decode steps timed per batch size")
+    ap.add_argument("--profile", action="store_true", help="also print a per-kernel breakdown of a batch-1 step")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     gbps = copy_gbps()
@@ -142,13 +171,15 @@ def main() -> None:
     setup_s = time.perf_counter() - t0
     weight_bytes = runner.weights.num_bytes
     kv_token_bytes = runner.kv_block_bytes // runner.config.block_size
+    if args.profile:
+        profile(runner, decode_batch(runner, 1, args.prompt_len))
     rows = []
     for bsz in map(int, args.batches.split(",")):
-        batch = decode_batch(runner, bsz, args.ctx_len)
-        ms = bare_replay_ms(runner, batch)
-        moved = weight_bytes + bsz * args.ctx_len * kv_token_bytes
-        host = host_engine(runner, cfg, bsz, args.ctx_len - args.new_tokens // 2, args.new_tokens)
-        rows.append({"batch": bsz, "ctx_len": args.ctx_len, "bare_step_ms": ms, "bare_tok_s": bsz / ms * 1e3,
+        host = host_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
+        ctx_len = host["ctx_len_median"]
+        ms = bare_replay_ms(runner, decode_batch(runner, bsz, ctx_len))
+        moved = weight_bytes + bsz * ctx_len * kv_token_bytes
+        rows.append({"batch": bsz, "ctx_len": ctx_len, "bare_step_ms": ms, "bare_tok_s": bsz / ms * 1e3,
                      "achieved_gbps": moved / ms / 1e6, "floor_ms": moved / gbps / 1e6,
                      "host": host, "host_overhead_us": 1e3 * (host["step_ms_median"] - ms)})
         r = rows[-1]

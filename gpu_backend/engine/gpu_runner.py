@@ -337,38 +337,54 @@ def fill_step(bufs: StepBuffers, batch: Batch, config: GpuRunnerConfig, buckets:
     """Write `batch` into the pinned buffer (padding rows: seq id and KV slot -1).
 
     Returns (bucket, every sampled row greedy, number of sampled rows); sampled row r is entry order.
+    Built as Python lists, then one numpy store per field: per-entry numpy calls cost more than the
+    arithmetic at a few hundred sequences.
     """
     h, bs = bufs.h, config.block_size
-    n = num_sampled = 0
+    ids, pos, slots, seq_ids, q_start, ctx = [], [], [], [], [], []
+    rows, temp, top_k, top_p, min_p, seeds, sample_pos = [], [], [], [], [], [], []
     all_greedy = True
     for i, entry in enumerate(batch.entries):
         seq, start, q_len = entry.seq, entry.seq.num_computed, entry.q_len
-        pos = np.arange(start, start + q_len)
-        table = np.asarray(seq.block_table, dtype=np.int32)
-        h["input_ids"][n: n + q_len] = seq.token_ids[start: start + q_len]
-        h["positions"][n: n + q_len] = pos
-        h["slot_mapping"][n: n + q_len] = table[pos // bs].astype(np.int64) * bs + pos % bs
-        h["seq_ids"][n: n + q_len] = i
-        h["q_start"][i] = n
-        h["ctx_lens"][i] = start + q_len
+        table = seq.block_table
+        q_start.append(len(ids))
+        if q_len == 1:
+            ids.append(seq.token_ids[start])
+            pos.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+            seq_ids.append(i)
+        else:
+            span = range(start, start + q_len)
+            ids += seq.token_ids[start: start + q_len]
+            pos += span
+            slots += [table[p // bs] * bs + p % bs for p in span]
+            seq_ids += [i] * q_len
+        ctx.append(start + q_len)
         h["block_tables"][i, : len(table)] = table
-        n += q_len
         if entry.samples:
-            spec, r = seq.spec, num_sampled
-            h["sample_rows"][r] = n - 1
-            h["temperature"][r], h["top_k"][r], h["top_p"][r], h["min_p"][r] = (
-                spec.temperature, spec.top_k, spec.top_p, spec.min_p)
-            h["seeds"].view(np.uint64)[r] = seq.rng_seed
-            h["sample_pos"][r] = len(seq.token_ids)
-            all_greedy &= spec.temperature <= 0.0 or spec.top_k == 1
-            num_sampled += 1
-    num_seqs = len(batch.entries)
+            spec = seq.spec
+            rows.append(len(ids) - 1)
+            temp.append(spec.temperature)
+            top_k.append(spec.top_k)
+            top_p.append(spec.top_p)
+            min_p.append(spec.min_p)
+            seeds.append(seq.rng_seed)
+            sample_pos.append(len(seq.token_ids))
+            all_greedy = all_greedy and (spec.temperature <= 0.0 or spec.top_k == 1)
+    n, num_seqs, num_sampled = len(ids), len(batch.entries), len(rows)
     bucket = bucket_for(n, buckets)
-    h["q_start"][num_seqs: config.seqs_in(bucket) + 1] = n
+    pad = bucket - n
+    h["input_ids"][:bucket] = ids + [0] * pad
+    h["positions"][:bucket] = pos + [0] * pad
+    h["slot_mapping"][:bucket] = slots + [-1] * pad
+    h["seq_ids"][:bucket] = seq_ids + [-1] * pad
+    s = config.seqs_in(bucket)
+    h["q_start"][: s + 1] = q_start + [n] * (s + 1 - num_seqs)
+    h["ctx_lens"][:num_seqs] = ctx
     h["num_seqs"][0] = num_seqs
-    h["seq_ids"][n:bucket] = -1
-    h["slot_mapping"][n:bucket] = -1
-    h["input_ids"][n:bucket] = 0
-    h["positions"][n:bucket] = 0
-    h["sample_rows"][num_sampled: config.seqs_in(bucket)] = 0
-    return bucket, bool(all_greedy), num_sampled
+    h["sample_rows"][:s] = rows + [0] * (s - num_sampled)
+    for name, values in (("temperature", temp), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
+                         ("sample_pos", sample_pos)):
+        h[name][:num_sampled] = values
+    h["seeds"].view(np.uint64)[:num_sampled] = seeds
+    return bucket, all_greedy, num_sampled
