@@ -22,6 +22,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session")
+def pick_free_port():
+    """`free_port` for fixtures in other conftest files."""
+    return free_port
+
+
 @dataclass
 class LiveServer:
     base_url: str  # ".../v1"

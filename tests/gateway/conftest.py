@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from gateway.backends import Backend, BackendInfo
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer, start_gateway
-from protocols.ring import ErrorCode, FinishReason, RingGeometry
+from protocols.ring import EngineState, ErrorCode, FinishReason, RingGeometry
 from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -57,6 +57,9 @@ def model_dir(tmp_path_factory, byte_tokenizer) -> Path:
 ERROR_TOKEN = "<|endoftext|>"  # prompt [ERROR_TOKEN, n, ...]: the echo engine fails after n tokens
 
 
+KV_BLOCKS, KV_BLOCKS_PER_REQUEST = 64, 4
+
+
 class EchoEngine:
     """The consumer end of a ring: each step, every running request gets the next prompt token again
     (the prompt, cycled). Stops on EOS (unless ignore_eos), a stop id, max_tokens or a cancel."""
@@ -66,6 +69,7 @@ class EchoEngine:
         self.eos_id, self.error_id, self.step_s = eos_id, error_id, step_s
         self.running: dict[int, tuple] = {}  # slot -> (seq, spec, produced)
         self.num_cancelled = 0
+        self.request_ids: list[int] = []  # the ring's request_id word of each request taken
         self.paused = False
         self.failure: BaseException | None = None  # a broken fake must fail tests, not hang them
 
@@ -81,10 +85,15 @@ class EchoEngine:
 
     def step(self) -> None:
         self.consumer.beat()
+        self.consumer.set_state(EngineState.SERVING)
         for taken in self.consumer.take_new():
             self.running[taken.slot] = (taken.seq, taken.spec, 0)
+            self.request_ids.append(taken.spec.request_id)
         for slot, (seq, spec, produced) in list(self.running.items()):
             self._advance(slot, seq, spec, produced)
+        # KV_BLOCKS_PER_REQUEST blocks per running request: the metrics test reads this back as KV usage
+        self.consumer.set_stats(KV_BLOCKS - KV_BLOCKS_PER_REQUEST * len(self.running), KV_BLOCKS,
+                                len(self.running), 0)
 
     def _advance(self, slot: int, seq: int, spec, produced: int) -> None:
         if self.consumer.cancelled(slot, seq):
@@ -112,6 +121,7 @@ class Harness:
     """A gateway on a background event loop, an echo engine, and the backend between them."""
 
     url: str
+    grpc_addr: str
     api_key: str
     model: str
     context_len: int
@@ -168,17 +178,17 @@ async def _start(model_dir: Path, tokenizer: Tokenizer, ring_name: str, config: 
 
 
 @pytest.fixture(scope="module")
-def harness(model_dir, byte_tokenizer):
+def harness(model_dir, byte_tokenizer, pick_free_port):
     api_key = "key-" + os.urandom(4).hex()
-    config = GatewayConfig(host="127.0.0.1", port=0, api_keys=frozenset({api_key}), slot_wait_s=2.0,
-                           max_body_bytes=64 * 1024)
+    config = GatewayConfig(host="127.0.0.1", port=0, grpc_port=pick_free_port(), api_keys=frozenset({api_key}),
+                           slot_wait_s=2.0, max_body_bytes=64 * 1024)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     ring_name = f"blink-gw-test-{os.getpid()}"
     started = asyncio.run_coroutine_threadsafe(_start(model_dir, byte_tokenizer, ring_name, config), loop)
     ring, engine, engine_task, backend, server = started.result(timeout=30)
-    yield Harness(server.url, api_key, MODEL, CONTEXT_LEN, backend, engine, server, byte_tokenizer, loop)
+    yield Harness(server.url, f"127.0.0.1:{server.grpc_port}", api_key, MODEL, CONTEXT_LEN, backend, engine, server, byte_tokenizer, loop)
 
     async def stop():
         await server.close()
