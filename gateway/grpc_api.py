@@ -70,7 +70,9 @@ def generate_request(request: inference_pb2.GenerateRequest) -> tuple[ChatComple
     if which == "prompt":
         return parse(CompletionRequest, _json({**body, "prompt": request.prompt})), "prompt"
     if which == "prompt_token_ids":
-        body["prompt"] = list(request.prompt_token_ids.ids)
+        body["prompt"] = ids = list(request.prompt_token_ids.ids)
+        if any(t < 0 for t in ids):  # the JSON schema's message would list every shape `prompt` may take
+            raise bad_request(f"'{which}' holds a negative token id ({min(ids)})", which)
         return parse(CompletionRequest, _json(body), {"prompt": which}), which
     raise bad_request("set one of 'prompt', 'messages' or 'prompt_token_ids'", "prompt")
 

@@ -28,11 +28,12 @@ def parse(cls, body: bytes, rename: dict[str, str] | None = None):
     try:
         return parse_request(cls, body)
     except InvalidRequest as exc:
-        param = exc.param
+        param, message = exc.param, exc.message
         if param and rename:
             head = param.split("[", 1)[0].split(".", 1)[0]
             param = rename.get(head, head) + param[len(head):]
-        raise bad_request(exc.message, param) from None
+            message = message.replace(f"'{head}", f"'{rename.get(head, head)}", 1)
+        raise bad_request(message, param) from None
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:

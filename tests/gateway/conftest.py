@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -136,6 +137,17 @@ class Harness:
         async def run():
             return fn(*args)
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=10)
+
+    def wait_idle(self, timeout_s: float = 5.0) -> None:
+        """Until every ring slot is free again and the gateway tracks no request."""
+        deadline = time.monotonic() + timeout_s
+        idle = (0, GEOMETRY.num_slots)
+        while time.monotonic() < deadline:
+            if self.call(lambda: (self.backend.num_in_flight, self.backend.free_slots)) == idle:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"slots not returned: in flight {self.backend.num_in_flight}, "
+                             f"free {self.backend.free_slots}")
 
     def post(self, path: str, body, key: str | None = "default", raw: bool = False):
         """POST JSON (or raw bytes); returns (status, parsed JSON body)."""
