@@ -58,12 +58,11 @@ def model_dir(tmp_path_factory, byte_tokenizer) -> Path:
 ERROR_TOKEN = "<|endoftext|>"  # prompt [ERROR_TOKEN, n, ...]: the echo engine fails after n tokens
 
 
-KV_BLOCKS, KV_BLOCKS_PER_REQUEST = 64, 4
-
-
 class EchoEngine:
     """The consumer end of a ring: each step, every running request gets the next prompt token again
     (the prompt, cycled). Stops on EOS (unless ignore_eos), a stop id, max_tokens or a cancel."""
+
+    kv_blocks, kv_blocks_per_request = 64, 4  # what it reports in the ring header (the metrics test reads it)
 
     def __init__(self, ring, eos_id: int, error_id: int, step_s: float = 0.001):
         self.consumer = RingConsumer(ring)
@@ -92,8 +91,7 @@ class EchoEngine:
             self.request_ids.append(taken.spec.request_id)
         for slot, (seq, spec, produced) in list(self.running.items()):
             self._advance(slot, seq, spec, produced)
-        # KV_BLOCKS_PER_REQUEST blocks per running request: the metrics test reads this back as KV usage
-        self.consumer.set_stats(KV_BLOCKS - KV_BLOCKS_PER_REQUEST * len(self.running), KV_BLOCKS,
+        self.consumer.set_stats(self.kv_blocks - self.kv_blocks_per_request * len(self.running), self.kv_blocks,
                                 len(self.running), 0)
 
     def _advance(self, slot: int, seq: int, spec, produced: int) -> None:
