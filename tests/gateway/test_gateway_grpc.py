@@ -184,7 +184,7 @@ def test_busy_slots_are_unavailable(stub, auth, harness):
     try:
         calls = [stub.Generate(pb.GenerateRequest(model=harness.model, prompt="hi", max_tokens=2),
                                metadata=auth, timeout=10) for _ in range(5)]
-        time.sleep(2.5)  # slot_wait_s is 2 s in the harness: the fifth request gives up
+        time.sleep(3.0)  # slot_wait_s is 2 s in the harness: the fifth request gives up
         harness.call(setattr, harness.engine, "paused", False)
         codes = []
         for call in calls:
@@ -228,6 +228,27 @@ def test_health_is_serving(channel):
     with pytest.raises(grpc.RpcError) as info:
         health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _health_until(channel, status, timeout_s: float = 5.0) -> int:
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5).status
+        if got == status or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def test_health_follows_the_backends(channel, harness):
+    """A stalled backend (heartbeat stuck) turns the service NOT_SERVING until it moves again."""
+    harness.call(setattr, harness.backend, "stalled", True)
+    try:
+        assert _health_until(channel, health_pb2.HealthCheckResponse.NOT_SERVING) == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        harness.call(setattr, harness.backend, "stalled", False)
+    assert _health_until(channel, health_pb2.HealthCheckResponse.SERVING) == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_reflection_lists_and_describes_the_service(channel):

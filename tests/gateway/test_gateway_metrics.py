@@ -135,3 +135,13 @@ def test_backend_gauges_follow_a_running_request(harness, stub):
     assert value(idle, "blink:kv_cache_usage_perc", **backend) == 0
     assert value(idle, "blink:ring_slots_in_use", **backend) == 0
     assert delta(before, idle, "blink:request_success_total", model_name=harness.model, finished_reason="abort") == 1
+
+
+def test_backend_health_gauge_drops_when_the_heartbeat_stalls(harness):
+    backend = {"model_name": harness.model, "backend": "in-process"}
+    harness.call(setattr, harness.backend, "stalled", True)
+    try:
+        assert value(scrape(harness), "blink:backend_healthy", **backend) == 0
+    finally:
+        harness.call(setattr, harness.backend, "stalled", False)
+    assert value(scrape(harness), "blink:backend_healthy", **backend) == 1
