@@ -1,4 +1,4 @@
-"""Command line: `python -m gateway --backend 127.0.0.1:50051 --port 8000 --api-key KEY`."""
+"""Command line: `python -m gateway --backend 127.0.0.1:50051 --port 8000 --grpc-port 50052 --api-key KEY`."""
 
 from __future__ import annotations
 

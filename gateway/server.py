@@ -81,9 +81,11 @@ class GatewayServer:
         return f"http://{self.config.host}:{self.port}"
 
     async def close(self) -> None:
+        """Both front ends let open streams finish (up to shutdown_timeout_s, together), then the backends go."""
+        closing = [self.runner.cleanup()]
         if self.grpc_server is not None:
-            await self.grpc_server.close(self.config.shutdown_timeout_s)
-        await self.runner.cleanup()
+            closing.append(self.grpc_server.close(self.config.shutdown_timeout_s))
+        await asyncio.gather(*closing)
         for backend in self.backends:
             await backend.close()
 

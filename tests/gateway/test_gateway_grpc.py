@@ -258,3 +258,23 @@ def test_reflection_lists_and_describes_the_service(channel):
     generate_method = db.FindFileContainingSymbol(SERVICE)
     names = {m.name for s in generate_method.service for m in s.method}
     assert {"Generate", "Tokenize"} <= names
+
+
+def test_a_taken_grpc_port_fails_the_start(harness):
+    """Without SO_REUSEPORT a second gateway cannot share the port silently."""
+    import asyncio
+
+    from gateway.grpc_api import GrpcServer
+    from gateway.route import Router
+    from gateway.state import GatewayState
+
+    port = int(harness.grpc_addr.rsplit(":", 1)[1])  # the harness gateway holds it
+
+    async def start_second():
+        server = GrpcServer(GatewayState(config=harness.server.config, router=Router([]), tokenizers={}))
+        try:
+            await server.start("127.0.0.1", port)
+        finally:
+            await server.close(0)
+    with pytest.raises(OSError, match="gRPC"):
+        asyncio.run(start_second())
