@@ -1,1 +1,1 @@
-"""The blink gateway: OpenAI-compatible HTTP in front of backends reached through rings."""
+"""The blink gateway: OpenAI-compatible HTTP and a gRPC API in front of backends reached through rings."""

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from .errors import ApiError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # for load balancers and Prometheus scrapers
 
 
 def check_key(header: str | None, api_keys: Iterable[str]) -> None:

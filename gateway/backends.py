@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from protocols import control_pb2, control_pb2_grpc
-from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry
+from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry
 from protocols.shm import RingAttachError, RingFull, RingProducer, TokenUpdate, attach_ring
 
 from .config import GatewayConfig
@@ -135,6 +135,20 @@ class Backend:
     @property
     def heartbeat(self) -> int:
         return self._producer.heartbeat
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued in the gateway for a free ring slot."""
+        return len(self._waiters)
+
+    def engine_stats(self) -> dict[str, int]:
+        """What the engine last wrote into the ring header: KV blocks, running and waiting sequences."""
+        return self._producer.ring.stats()
+
+    @property
+    def serving(self) -> bool:
+        """The engine says it serves and its heartbeat moves."""
+        return not self.stalled and self._producer.ring.engine_state == EngineState.SERVING
 
     @property
     def load(self) -> float:

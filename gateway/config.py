@@ -15,6 +15,7 @@ MiB = 1 << 20
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    grpc_port: int = 50052  # the gRPC inference API (protocols/inference.proto); 0 turns it off
     backend_addrs: tuple[str, ...] = ("127.0.0.1:50051",)  # control-plane gRPC addresses
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
     max_body_bytes: int = 4 * MiB
@@ -30,10 +31,15 @@ class GatewayConfig:
     tokenizer_threads: int = 2
     shutdown_timeout_s: float = 5.0  # on SIGTERM, how long open streams may finish before they are cut
     access_log: bool = True
+    log_format: str = "text"  # or "json": one object per line, with request ids as fields
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"grpc_port must be in [0, 65535] (0: no gRPC API), got {self.grpc_port}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
         if not self.backend_addrs:
             raise ValueError("at least one backend address is needed")
         if self.max_body_bytes < 1024:
@@ -65,6 +71,10 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
         out["host"] = host
     if port := env.get(f"{ENV_PREFIX}GATEWAY_PORT"):
         out["port"] = int(port)
+    if grpc_port := env.get(f"{ENV_PREFIX}GRPC_PORT"):
+        out["grpc_port"] = int(grpc_port)
+    if log_format := env.get(f"{ENV_PREFIX}LOG_FORMAT"):
+        out["log_format"] = log_format
     if backends := env.get(f"{ENV_PREFIX}BACKENDS"):
         out["backend_addrs"] = tuple(b.strip() for b in backends.split(",") if b.strip())
     if size := env.get(f"{ENV_PREFIX}MAX_BODY_BYTES"):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protocols.ring import ErrorCode, FinishReason
 
 from .backends import RequestHandle
 from .detokenize import TextStream
 from .errors import ApiError, bad_request, server_error, unavailable
+from .metrics import Metrics
 
 log = logging.getLogger("blink.gateway.requests")
 
@@ -21,6 +22,7 @@ _FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 class Piece:
     text: str
     finish_reason: str | None = None  # "stop" or "length" on the last piece
+    token_ids: list[int] = field(default_factory=list)  # the tokens this text came from
 
 
 def engine_error(code: ErrorCode, message: str) -> ApiError:
@@ -40,13 +42,22 @@ class Generation:
     cancelled in the engine and its slot is released by the poller once the engine confirms.
     """
 
-    def __init__(self, handle: RequestHandle, stream: TextStream, prompt_len: int):
+    def __init__(self, handle: RequestHandle, stream: TextStream, prompt_len: int, model: str = "",
+                 metrics: Metrics | None = None, arrival_s: float | None = None):
         self.handle = handle
         self.stream = stream
         self.prompt_len = prompt_len
+        self.model = model
+        self.metrics = metrics
+        self.arrival_s = handle.submitted_s if arrival_s is None else arrival_s  # perf_counter s
         self.finish_reason: str | None = None
         self.first_token_s: float | None = None
+        self.last_token_s: float | None = None
         self._closed = False
+
+    @property
+    def request_id(self) -> int:
+        return self.handle.spec.request_id
 
     @property
     def completion_tokens(self) -> int:
@@ -54,26 +65,30 @@ class Generation:
 
     async def next_piece(self) -> Piece:
         """The next non-empty piece of text, or the last one (finish_reason set). Raises ApiError."""
+        ids: list[int] = []
         while True:
             update = await self.handle.next()
-            if update.tokens and self.first_token_s is None:
-                self.first_token_s = time.perf_counter()
+            if update.tokens:
+                self.last_token_s = time.perf_counter()
+                self.first_token_s = self.first_token_s or self.last_token_s
+            num_before = self.stream.num_tokens
             text = self.stream.add(update.tokens)
+            ids += update.tokens[:self.stream.num_tokens - num_before]  # none after a stop string
             if self.stream.stopped:
-                return self._finish(text, "stop")
+                return self._finish(text, "stop", ids)
             if update.finish == FinishReason.NONE:
                 if text:
-                    return Piece(text)
+                    return Piece(text, None, ids)
                 continue
             if update.finish not in _FINISH_NAMES:
                 raise self._failure(update.finish, update.error_code, update.error)
             text += self.stream.finish()
-            return self._finish(text, "stop" if self.stream.stopped else _FINISH_NAMES[update.finish])
+            return self._finish(text, "stop" if self.stream.stopped else _FINISH_NAMES[update.finish], ids)
 
-    def _finish(self, text: str, reason: str) -> Piece:
+    def _finish(self, text: str, reason: str, ids: list[int]) -> Piece:
         self.finish_reason = reason
         self.handle.close()  # a stop string ends the request here: the engine is cancelled
-        return Piece(text, reason)
+        return Piece(text, reason, ids)
 
     def _failure(self, finish: FinishReason, code: ErrorCode, message: str) -> ApiError:
         self.finish_reason = "error"
@@ -85,12 +100,20 @@ class Generation:
         if not self._closed:
             self._closed = True
             self.handle.close()
-            self._log()
+            end_s = time.perf_counter()
+            reason = self.finish_reason or "abort"
+            if self.metrics is not None and reason != "error":  # errors count as rejections
+                self.metrics.request_finished(self.model, self.prompt_len, self.completion_tokens, reason,
+                                              self.arrival_s, self.first_token_s, self.last_token_s, end_s)
+            self._log(reason, end_s)
 
-    def _log(self) -> None:
-        h = self.handle
-        now = time.perf_counter()
-        ttft_ms = (self.first_token_s - h.submitted_s) * 1e3 if self.first_token_s else float("nan")
-        log.info("request %d slot %d: prompt %d, completion %d, finish %s, ttft %.1f ms, e2e %.1f ms",
-                 h.spec.request_id, h.slot, self.prompt_len, self.completion_tokens,
-                 self.finish_reason or "aborted", ttft_ms, (now - h.submitted_s) * 1e3)
+    def _log(self, reason: str, end_s: float) -> None:
+        ttft_ms = round((self.first_token_s - self.arrival_s) * 1e3, 1) if self.first_token_s else None
+        fields = {"request_id": self.request_id, "slot": self.handle.slot, "model": self.model,
+                  "prompt_tokens": self.prompt_len, "completion_tokens": self.completion_tokens,
+                  "finish_reason": reason, "ttft_ms": ttft_ms,
+                  "queue_ms": round((self.handle.submitted_s - self.arrival_s) * 1e3, 1),
+                  "e2e_ms": round((end_s - self.arrival_s) * 1e3, 1)}
+        log.info("request %d slot %d: prompt %d, completion %d, finish %s, ttft %s ms, e2e %.1f ms",
+                 self.request_id, self.handle.slot, self.prompt_len, self.completion_tokens, reason,
+                 ttft_ms, fields["e2e_ms"], extra=fields)

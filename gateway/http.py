@@ -1,40 +1,27 @@
-"""OpenAI-compatible HTTP routes: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+"""OpenAI-compatible HTTP routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/tokenize,
+/v1/detokenize; /health and /metrics for operators (no API key)."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from protocols.openai import (ChatCompletionRequest, CompletionRequest, InvalidRequest, ModelCard,
-                              ModelList, parse_request)
+from protocols.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                              ModelList, TokenizeRequest)
 
-from .config import GatewayConfig
-from .errors import ApiError, bad_request
+from .errors import ApiError
 from .formats import ChatFormat, CompletionFormat, OutputFormat
 from .generate import Generation, Piece
-from .limits import build_spec, check_prompt_ids
-from .route import Router
-from .tokenize import TemplateError, TokenizerService
-from .detokenize import TextStream
+from .pipeline import detokenize, parse, start_generation, tokenize
+from .state import GatewayState
 
 log = logging.getLogger("blink.gateway.http")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-@dataclass
-class GatewayState:
-    config: GatewayConfig
-    router: Router
-    tokenizers: dict[str, TokenizerService]  # by model name
-    request_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
-    started: int = field(default_factory=lambda: int(time.time()))
-
+REQUEST_ID_HEADER = "X-Request-Id"  # the gateway's request number, as in its logs and the ring
 
 STATE = web.AppKey("state", GatewayState)
 
@@ -43,38 +30,37 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/tokenize", tokenize_route)
+    app.router.add_post("/v1/detokenize", detokenize_route)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
 
 
 # ---------------------------------------------------------------- handlers
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    req = _parse(ChatCompletionRequest, await request.read())
-    backend = state.router.pick(req.model)
-    tokenizer = state.tokenizers[req.model]
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in req.messages]
-    try:
-        prompt_ids = await tokenizer.encode_chat(messages)
-    except TemplateError as exc:
-        raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
+    arrival_s = time.perf_counter()
+    req = parse(ChatCompletionRequest, await request.read())
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model)
-    return await _generate(request, state, backend, req, prompt_ids, "messages", fmt)
+    return await _generate(request, req, fmt, arrival_s)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    req = _parse(CompletionRequest, await request.read())
-    backend = state.router.pick(req.model)
-    prompt = req.prompt_text_or_ids
-    if isinstance(prompt, str):
-        prompt_ids = await state.tokenizers[req.model].encode_prompt(prompt)
-    else:
-        prompt_ids = check_prompt_ids(prompt, backend.info.vocab_size)
+    arrival_s = time.perf_counter()
+    req = parse(CompletionRequest, await request.read())
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model)
-    return await _generate(request, state, backend, req, prompt_ids, "prompt", fmt)
+    return await _generate(request, req, fmt, arrival_s)
+
+
+async def tokenize_route(request: web.Request) -> web.Response:
+    req = parse(TokenizeRequest, await request.read())
+    return _json((await tokenize(request.app[STATE], req)).model_dump_json())
+
+
+async def detokenize_route(request: web.Request) -> web.Response:
+    req = parse(DetokenizeRequest, await request.read())
+    return _json((await detokenize(request.app[STATE], req)).model_dump_json())
 
 
 async def models(request: web.Request) -> web.Response:
@@ -96,27 +82,23 @@ async def health(request: web.Request) -> web.Response:
                              status=200 if ok else 503)
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition; open like /health, so scrapers need no API key."""
+    body, content_type = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
 # ---------------------------------------------------------------- shared path
 
 
-def _parse(cls, body: bytes):
-    try:
-        return parse_request(cls, body)
-    except InvalidRequest as exc:
-        raise bad_request(exc.message, exc.param) from None
-
-
-async def _generate(request, state: GatewayState, backend, req, prompt_ids: list[int], prompt_param: str,
-                    fmt: OutputFormat) -> web.StreamResponse:
-    spec = build_spec(next(state.request_ids), req, prompt_ids, backend.info, prompt_param,
-                      state.config.default_max_tokens)
-    tokenizer = state.tokenizers[req.model]
-    handle = await backend.submit(spec)
-    gen = Generation(handle, TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids), len(prompt_ids))
+async def _generate(request: web.Request, req, fmt: OutputFormat, arrival_s: float) -> web.StreamResponse:
+    gen = await start_generation(request.app[STATE], req, arrival_s=arrival_s)
     try:
         if req.stream:
             return await _stream(request, gen, fmt, req.include_usage)
-        return await _collect(gen, fmt)
+        resp = await _collect(gen, fmt)
+        resp.headers[REQUEST_ID_HEADER] = str(gen.request_id)
+        return resp
     finally:
         gen.close()
 
@@ -134,20 +116,21 @@ async def _collect(gen: Generation, fmt: OutputFormat) -> web.Response:
 
 async def _stream(request: web.Request, gen: Generation, fmt: OutputFormat, include_usage: bool):
     first = await gen.next_piece()  # a failure before the first token still gets its status code
-    resp = web.StreamResponse(headers=SSE_HEADERS)
+    resp = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: str(gen.request_id)})
     await resp.prepare(request)
     try:
-        await _stream_pieces(resp, gen, first, fmt, include_usage)
+        await _stream_pieces(request, resp, gen, first, fmt, include_usage)
     except ConnectionResetError:
-        log.info("client went away during request %d: cancelling it", gen.handle.spec.request_id)
+        log.info("client went away during request %d: cancelling it", gen.request_id,
+                 extra={"request_id": gen.request_id})
         return resp
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
 
 
-async def _stream_pieces(resp: web.StreamResponse, gen: Generation, piece: Piece, fmt: OutputFormat,
-                         include_usage: bool) -> None:
+async def _stream_pieces(request: web.Request, resp: web.StreamResponse, gen: Generation, piece: Piece,
+                         fmt: OutputFormat, include_usage: bool) -> None:
     try:
         while True:
             if piece.text:
@@ -157,7 +140,8 @@ async def _stream_pieces(resp: web.StreamResponse, gen: Generation, piece: Piece
                 break
             piece = await gen.next_piece()
     except ApiError as err:  # headers are gone: the error travels as an event
-        log.warning("request %d failed mid-stream: %s", gen.handle.spec.request_id, err)
+        log.warning("request %d failed mid-stream: %s", gen.request_id, err, extra={"request_id": gen.request_id})
+        request.app[STATE].metrics.rejected(err)
         await _send(resp, err.body())
         return
     if include_usage:

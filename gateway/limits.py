@@ -13,11 +13,11 @@ from .errors import bad_request
 CONTEXT_CODE = "context_length_exceeded"
 
 
-def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
-    """Token-id prompts must name tokens the model has."""
-    if vocab_size and (bad := [t for t in prompt_ids if t >= vocab_size]):
-        raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})", "prompt")
-    return list(prompt_ids)
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> list[int]:
+    """Token ids from a client must name tokens the model has."""
+    if vocab_size and (bad := [t for t in token_ids if t >= vocab_size]):
+        raise bad_request(f"{param} token id {bad[0]} is outside the vocabulary (size {vocab_size})", param)
+    return list(token_ids)
 
 
 def max_tokens_for(prompt_len: int, requested: int | None, info: BackendInfo, prompt_param: str,

@@ -1,4 +1,4 @@
-"""Command line: `python -m gateway --backend 127.0.0.1:50051 --port 8000 --api-key KEY`."""
+"""Command line: `python -m gateway --backend 127.0.0.1:50051 --port 8000 --grpc-port 50052 --api-key KEY`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from .backends import BackendConnectError
 from .config import GatewayConfig, env_overrides
+from .logs import LOG_FORMATS, setup_logging
 from .server import run_gateway
 
 log = logging.getLogger("blink.gateway")
@@ -17,6 +18,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="blink-gateway", description="OpenAI-compatible gateway for blink backends")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument("--grpc-port", type=int, help="port of the gRPC inference API (default 50052; 0: off; "
+                   "also BLINK_GRPC_PORT)")
     p.add_argument("--backend", action="append", dest="backends", metavar="HOST:PORT",
                    help="a backend's control-plane address; repeat for several (default 127.0.0.1:50051)")
     p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
@@ -27,13 +30,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--connect-timeout", type=float, dest="connect_timeout_s",
                    help="seconds to wait for each backend's Describe at start-up (default 300)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=LOG_FORMATS,
+                   help="text (default) or json: one JSON object per line (also BLINK_LOG_FORMAT)")
     return p.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
     """Defaults, then BLINK_* environment variables, then flags."""
     fields = env_overrides(environ)
-    flags = {"host": args.host, "port": args.port, "max_body_bytes": args.max_body_bytes,
+    flags = {"host": args.host, "port": args.port, "grpc_port": args.grpc_port, "log_format": args.log_format,
+             "max_body_bytes": args.max_body_bytes,
              "default_max_tokens": args.default_max_tokens, "connect_timeout_s": args.connect_timeout_s,
              "backend_addrs": tuple(args.backends) if args.backends else None,
              "api_keys": frozenset(args.api_keys) if args.api_keys else None}
@@ -43,12 +49,13 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
     except ValueError as exc:
+        setup_logging(args.log_level)
         log.error("bad gateway configuration: %s", exc)
         return 2
+    setup_logging(args.log_level, config.log_format)
     try:
         run_gateway(config)
     except (BackendConnectError, OSError) as exc:  # OSError: the port is taken, a file is missing

@@ -1,4 +1,5 @@
-"""Assembling and running the gateway: backends, tokenizers, the aiohttp app and its error handling."""
+"""Assembling and running the gateway: backends, tokenizers, the aiohttp app and its error handling,
+and the gRPC server beside it on the same event loop."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from .auth import auth_middleware
 from .backends import Backend
 from .config import GatewayConfig
 from .errors import ApiError, from_http_exception, server_error
-from .http import STATE, GatewayState, add_routes
+from .grpc_api import GrpcServer
+from .http import STATE, add_routes
+from .metrics import Metrics
 from .route import Router
+from .state import GatewayState
 from .tokenize import TokenizerService
 
 log = logging.getLogger("blink.gateway")
@@ -27,16 +31,21 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
     try:
         return await handler(request)
     except ApiError as err:
-        return err.response()
+        return _rejected(request, err)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return from_http_exception(exc, request.path).response()
+        return _rejected(request, from_http_exception(exc, request.path))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return server_error("the gateway failed to handle this request; see its log").response()
+        return _rejected(request, server_error("the gateway failed to handle this request; see its log"))
+
+
+def _rejected(request: web.Request, err: ApiError) -> web.Response:
+    request.app[STATE].metrics.rejected(err)
+    return err.response()
 
 
 def build_app(config: GatewayConfig, state: GatewayState) -> web.Application:
@@ -52,10 +61,16 @@ def build_app(config: GatewayConfig, state: GatewayState) -> web.Application:
 class GatewayServer:
     """A started gateway: `url` once listening; `close()` stops it."""
 
-    def __init__(self, config: GatewayConfig, runner: web.AppRunner, backends: Sequence[Backend]):
+    def __init__(self, config: GatewayConfig, runner: web.AppRunner, backends: Sequence[Backend],
+                 grpc_server: GrpcServer | None = None):
         self.config = config
         self.runner = runner
         self.backends = list(backends)
+        self.grpc_server = grpc_server
+
+    @property
+    def grpc_port(self) -> int | None:
+        return self.grpc_server.port if self.grpc_server else None
 
     @property
     def port(self) -> int:
@@ -66,7 +81,11 @@ class GatewayServer:
         return f"http://{self.config.host}:{self.port}"
 
     async def close(self) -> None:
-        await self.runner.cleanup()
+        """Both front ends let open streams finish (up to shutdown_timeout_s, together), then the backends go."""
+        closing = [self.runner.cleanup()]
+        if self.grpc_server is not None:
+            closing.append(self.grpc_server.close(self.config.shutdown_timeout_s))
+        await asyncio.gather(*closing)
         for backend in self.backends:
             await backend.close()
 
@@ -91,13 +110,24 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
     backends = list(backends) if backends is not None else await connect_backends(config)
     tokenizers = await asyncio.get_running_loop().run_in_executor(
         None, load_tokenizers, backends, config.tokenizer_threads)
-    state = GatewayState(config=config, router=Router(backends), tokenizers=tokenizers)
+    router = Router(backends)
+    state = GatewayState(config=config, router=router, tokenizers=tokenizers,
+                         metrics=Metrics(lambda: router.backends))
+    grpc_server = None
+    if config.grpc_port:  # before HTTP: once /health answers, gRPC does too
+        grpc_server = GrpcServer(state)
+        await grpc_server.start(config.host, config.grpc_port)
     # handler_cancellation: a client that goes away cancels its handler, which cancels its request.
     runner = web.AppRunner(build_app(config, state), access_log=None, handler_cancellation=True,
                            shutdown_timeout=config.shutdown_timeout_s)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    server = GatewayServer(config, runner, backends)
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+    except OSError:
+        if grpc_server is not None:
+            await grpc_server.close(0)
+        raise
+    server = GatewayServer(config, runner, backends, grpc_server)
     if config.auth_enabled is False:
         log.warning("no API key configured: every client is accepted (set BLINK_API_KEY or --api-key)")
     log.info("gateway listening on %s", server.url)

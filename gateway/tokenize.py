@@ -93,15 +93,21 @@ class TokenizerService:
             raise TemplateError(f"the model in {self.model_dir} has no chat template; use /v1/completions")
         return self.chat_template.render(messages, add_generation_prompt)
 
-    def encode_chat_sync(self, messages: Sequence[dict]) -> list[int]:
-        # The template writes BOS and the role markers itself: no special tokens added on top.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+    def encode_chat_sync(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                         add_special_tokens: bool = False) -> list[int]:
+        # The template writes BOS and the role markers itself: by default no special tokens on top.
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens)
 
-    async def encode_chat(self, messages: Sequence[dict]) -> list[int]:
-        return await self._run(self.encode_chat_sync, messages)
+    async def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
+        return await self._run(self.encode_chat_sync, messages, add_generation_prompt, add_special_tokens)
 
-    async def encode_prompt(self, text: str) -> list[int]:
-        return await self._run(self.encode, text, True)
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._run(self.encode, text, add_special_tokens)
+
+    async def decode(self, ids: Sequence[int]) -> str:
+        """Ids back to text, special tokens included (so tokenize -> detokenize round-trips)."""
+        return await self._run(self.tokenizer.decode, list(ids), False)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -139,6 +139,26 @@ class CompletionRequest(SamplingFields):
         return p[0]
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered with the model's template."""
+
+    model: str
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("send exactly one of 'prompt' or 'messages'",
+                                 "prompt" if self.prompt is None else "messages")
+
+
+class DetokenizeRequest(_Request):
+    model: str
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 def _refuse_unless_default(req: _Request, **defaults: Any) -> None:
     for name, default in defaults.items():
         value = getattr(req, name)
@@ -239,6 +259,16 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorDetail(BaseModel):

@@ -22,6 +22,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session")
+def pick_free_port():
+    """`free_port` for fixtures in other conftest files."""
+    return free_port
+
+
 @dataclass
 class LiveServer:
     base_url: str  # ".../v1"
@@ -31,6 +37,7 @@ class LiveServer:
     model_dir: str
     context_len: int
     control: str  # backend control-plane address
+    grpc_addr: str  # the gateway's gRPC inference API
     proc: subprocess.Popen
 
 
@@ -59,10 +66,10 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 @pytest.fixture(scope="session")
 def live_server():
-    port, control_port = free_port(), free_port()
+    port, control_port, grpc_port = free_port(), free_port(), free_port()
     control = f"127.0.0.1:{control_port}"
     api_key = "test-key-" + os.urandom(6).hex()
-    env = {**os.environ, "BLINK_API_KEY": api_key, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "BLINK_API_KEY": api_key, "PYTHONUNBUFFERED": "1", "BLINK_GRPC_PORT": str(grpc_port)}
     cmd = [sys.executable, "-m", "blink.cli", "serve", "--port", str(port), "--control", control,
            "--ring", f"blink-test-{os.getpid()}", "--context-len", "2048", "--kv-cache-mb", "256",
            "--num-slots", "32"]
@@ -71,7 +78,7 @@ def live_server():
         _wait_health(f"http://127.0.0.1:{port}/health", proc, timeout_s=600)
         desc = _describe(control)
         yield LiveServer(f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{port}", api_key, desc.model_name,
-                         desc.model_dir, desc.context_len, control, proc)
+                         desc.model_dir, desc.context_len, control, f"127.0.0.1:{grpc_port}", proc)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from gateway.backends import Backend, BackendInfo
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer, start_gateway
-from protocols.ring import ErrorCode, FinishReason, RingGeometry
+from protocols.ring import EngineState, ErrorCode, FinishReason, RingGeometry
 from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -61,11 +62,14 @@ class EchoEngine:
     """The consumer end of a ring: each step, every running request gets the next prompt token again
     (the prompt, cycled). Stops on EOS (unless ignore_eos), a stop id, max_tokens or a cancel."""
 
+    kv_blocks, kv_blocks_per_request = 64, 4  # what it reports in the ring header (the metrics test reads it)
+
     def __init__(self, ring, eos_id: int, error_id: int, step_s: float = 0.001):
         self.consumer = RingConsumer(ring)
         self.eos_id, self.error_id, self.step_s = eos_id, error_id, step_s
         self.running: dict[int, tuple] = {}  # slot -> (seq, spec, produced)
         self.num_cancelled = 0
+        self.request_ids: list[int] = []  # the ring's request_id word of each request taken
         self.paused = False
         self.failure: BaseException | None = None  # a broken fake must fail tests, not hang them
 
@@ -81,10 +85,14 @@ class EchoEngine:
 
     def step(self) -> None:
         self.consumer.beat()
+        self.consumer.set_state(EngineState.SERVING)
         for taken in self.consumer.take_new():
             self.running[taken.slot] = (taken.seq, taken.spec, 0)
+            self.request_ids.append(taken.spec.request_id)
         for slot, (seq, spec, produced) in list(self.running.items()):
             self._advance(slot, seq, spec, produced)
+        self.consumer.set_stats(self.kv_blocks - self.kv_blocks_per_request * len(self.running), self.kv_blocks,
+                                len(self.running), 0)
 
     def _advance(self, slot: int, seq: int, spec, produced: int) -> None:
         if self.consumer.cancelled(slot, seq):
@@ -112,6 +120,7 @@ class Harness:
     """A gateway on a background event loop, an echo engine, and the backend between them."""
 
     url: str
+    grpc_addr: str
     api_key: str
     model: str
     context_len: int
@@ -126,6 +135,17 @@ class Harness:
         async def run():
             return fn(*args)
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=10)
+
+    def wait_idle(self, timeout_s: float = 5.0) -> None:
+        """Until every ring slot is free again and the gateway tracks no request."""
+        deadline = time.monotonic() + timeout_s
+        idle = (0, GEOMETRY.num_slots)
+        while time.monotonic() < deadline:
+            if self.call(lambda: (self.backend.num_in_flight, self.backend.free_slots)) == idle:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"slots not returned: in flight {self.backend.num_in_flight}, "
+                             f"free {self.backend.free_slots}")
 
     def post(self, path: str, body, key: str | None = "default", raw: bool = False):
         """POST JSON (or raw bytes); returns (status, parsed JSON body)."""
@@ -168,17 +188,17 @@ async def _start(model_dir: Path, tokenizer: Tokenizer, ring_name: str, config: 
 
 
 @pytest.fixture(scope="module")
-def harness(model_dir, byte_tokenizer):
+def harness(model_dir, byte_tokenizer, pick_free_port):
     api_key = "key-" + os.urandom(4).hex()
-    config = GatewayConfig(host="127.0.0.1", port=0, api_keys=frozenset({api_key}), slot_wait_s=2.0,
-                           max_body_bytes=64 * 1024)
+    config = GatewayConfig(host="127.0.0.1", port=0, grpc_port=pick_free_port(), api_keys=frozenset({api_key}),
+                           slot_wait_s=2.0, max_body_bytes=64 * 1024)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     ring_name = f"blink-gw-test-{os.getpid()}"
     started = asyncio.run_coroutine_threadsafe(_start(model_dir, byte_tokenizer, ring_name, config), loop)
     ring, engine, engine_task, backend, server = started.result(timeout=30)
-    yield Harness(server.url, api_key, MODEL, CONTEXT_LEN, backend, engine, server, byte_tokenizer, loop)
+    yield Harness(server.url, f"127.0.0.1:{server.grpc_port}", api_key, MODEL, CONTEXT_LEN, backend, engine, server, byte_tokenizer, loop)
 
     async def stop():
         await server.close()

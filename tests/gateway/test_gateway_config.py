@@ -20,8 +20,18 @@ def test_env_then_flags():
     assert not config_from_args(parse_args([]), {}).auth_enabled
 
 
+def test_grpc_port_and_log_format():
+    assert GatewayConfig().grpc_port == 50052 and GatewayConfig().log_format == "text"
+    env = {"BLINK_GRPC_PORT": "6000", "BLINK_LOG_FORMAT": "json"}
+    cfg = config_from_args(parse_args([]), env)
+    assert (cfg.grpc_port, cfg.log_format) == (6000, "json")
+    cfg = config_from_args(parse_args(["--grpc-port", "0", "--log-format", "text"]), env)
+    assert (cfg.grpc_port, cfg.log_format) == (0, "text")  # 0: no gRPC API
+
+
 @pytest.mark.parametrize("bad", [{"port": 70000}, {"backend_addrs": ()}, {"max_body_bytes": 10},
-                                 {"default_max_tokens": 0}, {"slot_wait_s": 0}])
+                                 {"default_max_tokens": 0}, {"slot_wait_s": 0}, {"grpc_port": -1},
+                                 {"log_format": "xml"}])
 def test_invalid_config_is_refused(bad):
     with pytest.raises(ValueError):
         GatewayConfig(**bad)

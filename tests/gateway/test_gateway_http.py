@@ -34,13 +34,7 @@ def echo_ids(prompt_ids: list[int], n: int) -> list[int]:
 
 
 def wait_idle(harness, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if harness.call(lambda: (harness.backend.num_in_flight, harness.backend.free_slots)) == (0, 4):
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"slots not returned: in flight {harness.backend.num_in_flight}, "
-                         f"free {harness.backend.free_slots}")
+    harness.wait_idle(timeout_s)
 
 
 # ---------------------------------------------------------------- happy paths

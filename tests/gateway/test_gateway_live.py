@@ -213,3 +213,124 @@ def test_disconnect_mid_stream_frees_the_slot(live_server):
     health = backend_health(live_server)
     assert health.running == 0
     assert health.generated_tokens - generated_before < 1500  # cancelled, not run to max_tokens
+
+
+# ---------------------------------------------------------------- gRPC, tokenize, metrics on the real model
+
+
+def grpc_stub(live_server):
+    from protocols import inference_pb2_grpc
+
+    channel = grpc.insecure_channel(live_server.grpc_addr)
+    return channel, inference_pb2_grpc.InferenceStub(channel)
+
+
+def grpc_auth(live_server):
+    return (("authorization", f"Bearer {live_server.api_key}"),)
+
+
+def scrape_metrics(live_server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(live_server.root_url + "/metrics", timeout=10) as resp:  # no key
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_grpc_generate_streams_the_http_completion(client, live_server):
+    from protocols import inference_pb2 as pb
+
+    prompt = "The three primary colors are"
+    http_resp = client.completions.create(model=live_server.model, prompt=prompt, max_tokens=24, temperature=0)
+    channel, stub = grpc_stub(live_server)
+    with channel:
+        replies = list(stub.Generate(pb.GenerateRequest(model=live_server.model, prompt=prompt, max_tokens=24,
+                                                        temperature=0), metadata=grpc_auth(live_server), timeout=120))
+    assert len(replies) > 1
+    assert "".join(r.text for r in replies) == http_resp.choices[0].text
+    assert replies[-1].finish_reason == http_resp.choices[0].finish_reason
+    usage = replies[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (http_resp.usage.prompt_tokens,
+                                                              http_resp.usage.completion_tokens)
+    assert len([t for r in replies for t in r.token_ids]) == usage.completion_tokens
+
+
+def test_grpc_tokenize_matches_http_and_the_reference(live_server, hf_tokenizer):
+    from protocols import inference_pb2 as pb
+
+    text = "Hello, world! Ünïcödé 你好"
+    _, body = raw_post(live_server, "/v1/tokenize", json.dumps({"model": live_server.model, "prompt": text}).encode(),
+                       live_server.api_key)
+    channel, stub = grpc_stub(live_server)
+    with channel:
+        reply = stub.Tokenize(pb.TokenizeRequest(model=live_server.model, prompt=text),
+                              metadata=grpc_auth(live_server), timeout=30)
+    assert list(reply.tokens) == body["tokens"] == hf_tokenizer(text)["input_ids"]
+    assert reply.count == body["count"] and reply.max_model_len == body["max_model_len"] == live_server.context_len
+    _, detok = raw_post(live_server, "/v1/detokenize", json.dumps({"model": live_server.model,
+                                                                   "tokens": body["tokens"]}).encode(),
+                        live_server.api_key)
+    assert detok == {"prompt": text}
+
+
+def test_grpc_cancel_mid_stream_frees_the_slot(live_server):
+    from protocols import inference_pb2 as pb
+
+    free_before = wait_all_slots_free(live_server)["free_slots"]
+    generated_before = backend_health(live_server).generated_tokens
+    channel, stub = grpc_stub(live_server)
+    with channel:
+        call = stub.Generate(pb.GenerateRequest(model=live_server.model, prompt="Write a long story about a dragon.",
+                                                max_tokens=1500, ignore_eos=True), metadata=grpc_auth(live_server),
+                             timeout=120)
+        for _ in range(3):
+            next(call)
+        assert gateway_health(live_server)["backends"][0]["in_flight"] == 1
+        call.cancel()
+        after = wait_all_slots_free(live_server, timeout_s=10)
+        assert after["free_slots"] == free_before
+        assert backend_health(live_server).generated_tokens - generated_before < 1500
+        replies = list(stub.Generate(pb.GenerateRequest(model=live_server.model, prompt="Hi", max_tokens=3),
+                                     metadata=grpc_auth(live_server), timeout=60))
+    assert replies[-1].usage.completion_tokens == 3
+
+
+def test_grpc_health_reflection_and_auth(live_server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    from protocols import inference_pb2 as pb
+
+    channel, stub = grpc_stub(live_server)
+    with channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        assert "blink.inference.v1.Inference" in ProtoReflectionDescriptorDatabase(channel).get_services()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Tokenize(pb.TokenizeRequest(model=live_server.model, prompt="x"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_metrics_count_a_live_request(client, live_server):
+    wait_all_slots_free(live_server)
+    model = {"model_name": live_server.model}
+    before = scrape_metrics(live_server)
+    resp = client.completions.create(model=live_server.model, prompt="Count: one, two,", max_tokens=6, temperature=0)
+    deadline = time.monotonic() + 5
+    while True:
+        after = scrape_metrics(live_server)
+        key = ("blink:e2e_request_latency_seconds_count", tuple(model.items()))
+        if after.get(key, 0) > before.get(key, 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted({**model, **labels}.items())))
+        return after.get(key, 0) - before.get(key, 0)
+    assert delta("blink:prompt_tokens_total") == resp.usage.prompt_tokens
+    assert delta("blink:generation_tokens_total") == resp.usage.completion_tokens == 6
+    assert delta("blink:request_success_total", finished_reason="length") == 1
+    backend = tuple(sorted({**model, "backend": live_server.control}.items()))
+    assert after[("blink:backend_healthy", backend)] == 1
+    assert after[("blink:kv_cache_usage_perc", backend)] == 0  # idle: the engine holds no blocks

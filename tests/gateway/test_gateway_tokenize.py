@@ -58,9 +58,9 @@ def test_encoding_runs_off_the_event_loop(model_dir):
     seen = []
     original = service.encode_chat_sync
 
-    def spy(messages):
+    def spy(messages, *options):
         seen.append(threading.current_thread() is threading.main_thread())
-        return original(messages)
+        return original(messages, *options)
 
     service.encode_chat_sync = spy
     ids = asyncio.run(service.encode_chat(MESSAGES))

@@ -1,22 +1,34 @@
-"""The committed gRPC stubs were generated from the committed control.proto."""
+"""The committed gRPC stubs were generated from the committed .proto files."""
 from pathlib import Path
 
+import pytest
 from google.protobuf import descriptor_pb2
 
-from protocols import control_pb2
+from protocols import control_pb2, inference_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_stubs_match_the_proto(tmp_path):
+@pytest.mark.parametrize("proto, stub", [("protocols/control.proto", control_pb2),
+                                         ("protocols/inference.proto", inference_pb2)])
+def test_stubs_match_the_proto(tmp_path, proto, stub):
     from grpc_tools import protoc
 
-    out = tmp_path / "control.desc"
-    rc = protoc.main(["protoc", f"-I{ROOT}", f"--descriptor_set_out={out}", "protocols/control.proto"])
+    out = tmp_path / "stubs.desc"
+    rc = protoc.main(["protoc", f"-I{ROOT}", f"--descriptor_set_out={out}", proto])
     assert rc == 0
     fresh = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
-    committed = descriptor_pb2.FileDescriptorProto.FromString(control_pb2.DESCRIPTOR.serialized_pb)
+    committed = descriptor_pb2.FileDescriptorProto.FromString(stub.DESCRIPTOR.serialized_pb)
     for message in fresh.message_type:  # protoc adds derived json names; the stub leaves them out
         for f in message.field:
             f.ClearField("json_name")
-    assert fresh == committed, "regenerate: python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. protocols/control.proto"
+    assert fresh == committed, f"regenerate: python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. {proto}"
+
+
+def test_inference_service_shape():
+    """Generate streams its replies; Tokenize is unary (clients and reflection rely on both)."""
+    service = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
+    generate, tokenize = service.methods_by_name["Generate"], service.methods_by_name["Tokenize"]
+    assert generate.server_streaming and not generate.client_streaming
+    assert not tokenize.server_streaming and not tokenize.client_streaming
+    assert inference_pb2.DESCRIPTOR.package == "blink.inference.v1"

@@ -1,0 +1,90 @@
+"""The one request path behind every front end (HTTP, gRPC): parse, tokenize, check limits, submit.
+
+Front ends turn their wire format into the OpenAI request schemas of `protocols.openai`, so both
+validate alike and name the same fields in their errors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from protocols.openai import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                              DetokenizeResponse, InvalidRequest, TokenizeRequest, TokenizeResponse,
+                              parse_request)
+
+from .detokenize import TextStream
+from .errors import bad_request
+from .generate import Generation
+from .limits import build_spec, check_token_ids
+from .state import GatewayState
+from .tokenize import TemplateError, TokenizerService
+
+GenerateRequest = ChatCompletionRequest | CompletionRequest
+
+
+def parse(cls, body: bytes, rename: dict[str, str] | None = None):
+    """A request schema from a JSON body; a 400 naming the field (after `rename` of its first part)."""
+    try:
+        return parse_request(cls, body)
+    except InvalidRequest as exc:
+        param, message = exc.param, exc.message
+        if param and rename:
+            head = param.split("[", 1)[0].split(".", 1)[0]
+            param = rename.get(head, head) + param[len(head):]
+            message = message.replace(f"'{head}", f"'{rename.get(head, head)}", 1)
+        raise bad_request(message, param) from None
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
+    """Chat messages as chat templates read them."""
+    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+
+
+async def encode_messages(tokenizer: TokenizerService, messages: Sequence[ChatMessage],
+                          add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
+    try:
+        return await tokenizer.encode_chat(template_messages(messages), add_generation_prompt,
+                                           add_special_tokens)
+    except TemplateError as exc:
+        raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
+
+
+async def start_generation(state: GatewayState, req: GenerateRequest, prompt_param: str | None = None,
+                           arrival_s: float | None = None) -> Generation:
+    """Tokenize, check limits, submit to the least loaded backend. The caller must `close()` the result."""
+    arrival_s = time.perf_counter() if arrival_s is None else arrival_s
+    backend = state.router.pick(req.model)
+    tokenizer = state.tokenizers[req.model]
+    if isinstance(req, ChatCompletionRequest):
+        prompt_param = prompt_param or "messages"
+        prompt_ids = await encode_messages(tokenizer, req.messages)
+    else:
+        prompt_param = prompt_param or "prompt"
+        prompt = req.prompt_text_or_ids
+        if isinstance(prompt, str):
+            prompt_ids = await tokenizer.encode_prompt(prompt)
+        else:
+            prompt_ids = check_token_ids(prompt, backend.info.vocab_size, prompt_param)
+    spec = build_spec(next(state.request_ids), req, prompt_ids, backend.info, prompt_param,
+                      state.config.default_max_tokens)
+    handle = await backend.submit(spec)
+    stream = TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids)
+    return Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s)
+
+
+async def tokenize(state: GatewayState, req: TokenizeRequest) -> TokenizeResponse:
+    info = state.router.backends_for(req.model)[0].info
+    tokenizer = state.tokenizers[req.model]
+    if req.messages is not None:
+        ids = await encode_messages(tokenizer, req.messages, req.add_generation_prompt,
+                                    bool(req.add_special_tokens))
+    else:
+        ids = await tokenizer.encode_prompt(req.prompt, req.add_special_tokens is not False)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=info.context_len)
+
+
+async def detokenize(state: GatewayState, req: DetokenizeRequest) -> DetokenizeResponse:
+    info = state.router.backends_for(req.model)[0].info
+    ids = check_token_ids(req.tokens, info.vocab_size, "tokens")
+    return DetokenizeResponse(prompt=await state.tokenizers[req.model].decode(ids))

@@ -1,0 +1,23 @@
+"""What every front end (HTTP, gRPC) of one gateway shares."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from .config import GatewayConfig
+from .metrics import Metrics
+from .route import Router
+from .tokenize import TokenizerService
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    router: Router
+    tokenizers: dict[str, TokenizerService]  # by model name
+    metrics: Metrics = field(default_factory=Metrics)
+    # Request ids number requests in this gateway's logs, its replies and the ring's request_id word.
+    request_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    started: int = field(default_factory=lambda: int(time.time()))
