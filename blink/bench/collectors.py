@@ -36,6 +36,16 @@ def parent_map() -> dict[int, int]:
     return parents
 
 
+def live_group_members(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that are not zombies (a zombie waits for its reaper only)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))):
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry.name))
+    return members
+
+
 def process_tree(pid: int) -> list[int]:
     """`pid` and all its live descendants."""
     parents = parent_map()

@@ -28,6 +28,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .collectors import live_group_members
+
 KINDS = ("bz2", "build", "churn")
 PR_SET_PDEATHSIG = 1
 
@@ -112,6 +114,8 @@ class Interference:
                 pass
             _killpg(w.pid, signal.SIGKILL)  # also make's compilers left in the group
             w.proc.wait()
+        for w in self.workers:
+            _wait_group_gone(w.pid, deadline + grace_s)
         if self.tmp_dir:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
@@ -127,6 +131,12 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_group_gone(pgid: int, deadline: float) -> None:
+    """Until no process of the killed group runs (zombies left to init's reaping do not run)."""
+    while live_group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _project_root() -> str:
