@@ -88,6 +88,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-gbps", type=float, default=None, help="measured copy bandwidth in GB/s (roofline)")
     p.add_argument("--interference", type=int, default=0, help="interfering threads during each run")
     p.add_argument("--interference-seconds", type=float, default=900.0, help="upper bound per run")
+    p.add_argument("--interference-settle", type=float, default=1.0, help="seconds of interference before measuring")
     add_interference_args(p)
     sub = p.add_subparsers(dest="bench_command")
     i = sub.add_parser("interfere", help="run only the interference generator for a bounded time")
@@ -132,17 +133,19 @@ def measure(args, client: ClientConfig, workload: Workload, arrivals: ArrivalCon
     collectors = {"cpu": CpuCollector(pid) if pid else None, "nvml": NvmlCollector()}
     interference = make_interference(args, args.interference, args.interference_seconds) if args.interference else None
     with interference or contextlib.nullcontext():
+        if interference:
+            time.sleep(args.interference_settle)
         for c in filter(None, collectors.values()):
             c.start()
         records, duration_s = asyncio.run(run_requests(client, workload, arrivals, not args.no_progress))
         tokens = sum(r.completion_tokens for r in records if r.ok)
         server = {name: c.stop(tokens) if c else {"available": False, "reason": "not available: no --backend-pid"}
                   for name, c in collectors.items()}
+        interfered = {**interference.describe(), "running_at_end": interference.num_running()} if interference else None
     metrics = summarize(records, duration_s, parse_slos(args.goodput))
     server["roofline"] = _roofline(args, metrics, records)
     return {"label": args.label, "model": client.model, "url": client.base_url, "endpoint": client.endpoint,
-            "workload": workload.describe(), "arrivals": arrivals.describe(),
-            "interference": interference.describe() if interference else None,
+            "workload": workload.describe(), "arrivals": arrivals.describe(), "interference": interfered,
             "metrics": metrics, "server": server, "requests": [r.to_json() for r in records]}
 
 

@@ -88,6 +88,10 @@ class Interference:
         return {"threads": self.threads, "seconds": self.seconds, "cores": self.cores,
                 "workers": [{"kind": k, "jobs": j} for k, j in self.plan]}
 
+    def num_running(self) -> int:
+        """Workers still running (a run longer than `seconds` outlives its interference)."""
+        return sum(w.proc.poll() is None for w in self.workers)
+
     def start(self) -> "Interference":
         self.tmp_dir = tempfile.mkdtemp(prefix="blink-interfere-")
         cores = ",".join(map(str, self.cores))

@@ -78,7 +78,7 @@ def write_run(out_dir: str | Path, doc: dict) -> Path:
 
 COLUMNS = [("rate", 6), ("ok/n", 8), ("dur s", 7), ("tok/s", 9), ("req/s", 7), ("good/s", 7),
            ("TTFT mean", 10), ("TTFT p99", 9), ("TPOT mean", 10), ("TPOT p99", 9), ("ITL p99", 8),
-           ("E2EL p99", 9), ("queue p99", 10), ("cpu ms/tok", 11), ("mJ/tok", 8)]
+           ("E2EL p99", 9), ("queue p99", 10), ("cpu ms/tok", 11), ("mJ/tok", 8), ("GB/s", 8)]
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -90,11 +90,13 @@ def summary_row(doc: dict) -> list[str]:
     cpu = server.get("cpu", {}).get("cpu_s_per_token")
     energy = server.get("nvml", {}).get("energy_mj_per_token")
     good = (m.get("goodput") or {}).get("goodput_req_s")
+    gbps = server.get("roofline", {}).get("achieved_gbps")
     return [str(doc["arrivals"]["rate"]), f"{m['completed']}/{m['num_requests']}", _fmt(m["duration_s"], 2),
             _fmt(m["output_throughput_tok_s"]), _fmt(m["request_throughput_req_s"], 2), _fmt(good, 2),
             _fmt(m["ttft_ms"]["mean"]), _fmt(m["ttft_ms"]["p99"]), _fmt(m["tpot_ms"]["mean"]),
             _fmt(m["tpot_ms"]["p99"]), _fmt(m["itl_ms"]["p99"]), _fmt(m["e2el_ms"]["p99"]),
-            _fmt(m["queue_ms"]["p99"]), _fmt(cpu * 1000 if cpu is not None else None, 2), _fmt(energy, 1)]
+            _fmt(m["queue_ms"]["p99"]), _fmt(cpu * 1000 if cpu is not None else None, 2), _fmt(energy, 1),
+            _fmt(gbps, 1)]
 
 
 def format_table(docs: list[dict]) -> str:

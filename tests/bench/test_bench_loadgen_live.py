@@ -94,3 +94,30 @@ def test_chat_endpoint_and_errors_become_records(live_server):
     (good, bad), duration_s = run(live_server, [ok, too_long])
     assert good.ok and not bad.ok and bad.error.startswith("HTTP 400")
     assert duration_s > 0
+
+
+def interference_processes() -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and b"blink.bench.interference" in Path(entry.path, "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_runs_under_interference_and_cleans_up(live_server, tmp_path):
+    cmd = [sys.executable, "-m", "blink.bench", "--url", live_server.base_url, "--workload", "batch1",
+           "--num-requests", "2", "--prompt-len", "8", "--output-len", "4", "--warmup-requests", "0",
+           "--interference", "1", "--kinds", "bz2", "--cores", "0", "--interference-settle", "0.2",
+           "--out", str(tmp_path), "--no-progress"]
+    env = {**os.environ, "BLINK_API_KEY": live_server.api_key}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (path,) = tmp_path.glob("*_i1_*.json")
+    doc = json.loads(path.read_text())
+    assert doc["interference"]["threads"] == 1 and doc["interference"]["cores"] == [0]
+    assert doc["interference"]["running_at_end"] == 1  # it covered the whole run
+    assert doc["arrivals"]["max_concurrency"] is None and max(r["queue_s"] for r in doc["requests"]) > 0  # batch1 gate
+    assert not interference_processes()
