@@ -17,12 +17,14 @@ import signal
 import sys
 import time
 
+import aiohttp
+
 from .collectors import CpuCollector, NvmlCollector, child_pids_matching, roofline
 from .interference import KINDS, Interference
 from .loadgen import ArrivalConfig, ClientConfig, discover_model, run_requests
 from .metrics import parse_slos, summarize
 from .results import environment, format_table, write_run
-from .workloads import WORKLOADS, Workload, batch1, scaled
+from .workloads import WORKLOADS, BenchRequest, Workload, batch1, scaled
 
 NUM_SWEEP_RATES = 13
 
@@ -124,7 +126,7 @@ def make_interference(args: argparse.Namespace, threads: int, seconds: float) ->
 async def _warm_up(client: ClientConfig, workload: Workload, num: int) -> None:
     if num <= 0:
         return
-    reqs = tuple(type(r)(r.prompt_ids[:32], min(r.output_len, 4)) for r in workload.requests[:num])
+    reqs = tuple(BenchRequest(r.prompt_ids[:32], min(r.output_len, 4)) for r in workload.requests[:num])
     await run_requests(client, Workload("warmup", reqs), ArrivalConfig())
 
 
@@ -168,7 +170,10 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_interfere(args)
     signal.signal(signal.SIGTERM, _interrupt)
     api_key = args.api_key or os.environ.get("BLINK_API_KEY") or os.environ.get("OPENAI_API_KEY")
-    model = args.model or asyncio.run(discover_model(args.url, api_key))
+    try:
+        model = args.model or asyncio.run(discover_model(args.url, api_key))
+    except (OSError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise SystemExit(f"blink bench: cannot list models at {args.url}/models ({exc}); check --url and --api-key")
     client = ClientConfig(args.url.rstrip("/"), model, api_key, args.endpoint, args.temperature, args.request_timeout,
                           args.continuous_usage)
     workload, pid = build_workload(args), backend_pid(args)

@@ -91,7 +91,7 @@ def summary_row(doc: dict) -> list[str]:
     energy = server.get("nvml", {}).get("energy_mj_per_token")
     good = (m.get("goodput") or {}).get("goodput_req_s")
     gbps = server.get("roofline", {}).get("achieved_gbps")
-    return [str(doc["arrivals"]["rate"]), f"{m['completed']}/{m['num_requests']}", _fmt(m["duration_s"], 2),
+    return [rate_name(float(doc["arrivals"]["rate"])), f"{m['completed']}/{m['num_requests']}", _fmt(m["duration_s"], 2),
             _fmt(m["output_throughput_tok_s"]), _fmt(m["request_throughput_req_s"], 2), _fmt(good, 2),
             _fmt(m["ttft_ms"]["mean"]), _fmt(m["ttft_ms"]["p99"]), _fmt(m["tpot_ms"]["mean"]),
             _fmt(m["tpot_ms"]["p99"]), _fmt(m["itl_ms"]["p99"]), _fmt(m["e2el_ms"]["p99"]),
