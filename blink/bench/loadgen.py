@@ -49,6 +49,12 @@ class ArrivalConfig:
     seed: int = 0
     max_concurrency: int | None = None
 
+    def __post_init__(self):
+        if not self.rate > 0 or not self.burstiness > 0:
+            raise ValueError(f"arrivals: rate ({self.rate}) and burstiness ({self.burstiness}) must be > 0")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"arrivals: max_concurrency ({self.max_concurrency}) must be >= 1")
+
     def offsets_s(self, num_requests: int) -> list[float]:
         """Arrival times from the run start; the first request arrives at 0."""
         if math.isinf(self.rate):

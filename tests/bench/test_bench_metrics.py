@@ -50,6 +50,8 @@ def test_arrivals_are_seeded_gamma_or_all_at_once():
     assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:]))
     assert a[-1] / (len(a) - 1) == pytest.approx(0.1, rel=0.1)  # mean interval 1/rate
     assert ArrivalConfig(rate=math.inf).offsets_s(3) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="rate"):
+        ArrivalConfig(rate=0.0)
 
 
 def test_rates_and_cores_parsing():
