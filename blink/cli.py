@@ -1,4 +1,4 @@
-"""The `blink` command: `serve` (backend + gateway together), `gateway`, `backend`, `model`.
+"""The `blink` command: `serve` (backend + gateway together), `gateway`, `backend`, `model`, `bench`.
 
 This package only wires processes together: `gateway/` and `gpu_backend/` never import each other,
 and `serve` runs each as its own process, as they run on separate machines in production.
@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gpu_backend.models.cli import add_model_commands
 
     add_model_commands(sub)
+    from blink.bench.cli import add_bench_args
+
+    add_bench_args(sub.add_parser("bench", help="load generator and CPU interference (see `blink bench --help`)"))
     return parser
 
 
@@ -120,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "backend":
         return run_backend(args)
+    if args.command == "bench":
+        from blink.bench.cli import run_bench
+
+        return run_bench(args)
     return args.func(args) or 0
 
 
