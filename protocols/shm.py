@@ -366,21 +366,30 @@ class RingConsumer:
         return self.geometry.max_output_len - (self._produced[slot] - consumed)
 
     def publish(self, slot: int, tokens: list[int], now_ns: int | None = None) -> None:
-        """Append tokens (caller checked `room`), then advance `produced`."""
-        if not tokens:
+        """Append tokens (caller checked `room`), then advance `produced`.
+
+        Scalar stores, not fancy indexing: this runs once per sequence per step, and at a few hundred
+        sequences numpy's per-call set-up would cost more than the stores themselves.
+        """
+        n = len(tokens)
+        if not n:
             return
-        if len(tokens) > self.room(slot):
-            raise RingFull(f"slot {slot}: {len(tokens)} tokens but room for {self.room(slot)}")
-        ring, base = self.ring, self.ring.resp(slot)
-        cap, t0, produced = self.geometry.max_output_len, (base + R.RESP_TOKENS) // 4, self._produced[slot]
-        ring.i32[t0 + np.arange(produced, produced + len(tokens)) % cap] = tokens
+        ring, base, cap = self.ring, self.ring.resp(slot), self.geometry.max_output_len
+        u32, u64, i32 = ring.u32, ring.u64, ring.i32
+        produced = self._produced[slot]
+        room = cap - (produced - int(u32[(base + R.RESP_CONSUMED) // 4]))
+        if n > room:
+            raise RingFull(f"slot {slot}: {n} tokens but room for {room}")
+        t0 = (base + R.RESP_TOKENS) // 4
+        for k, token in enumerate(tokens):
+            i32[t0 + (produced + k) % cap] = token
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         if produced == 0:
-            ring.u64[(base + R.RESP_FIRST_TOKEN_NS) // 8] = now_ns
-        ring.u64[(base + R.RESP_LAST_TOKEN_NS) // 8] = now_ns
-        self._produced[slot] = produced + len(tokens)
-        ring.u32[(base + R.RESP_PRODUCED) // 4] = produced + len(tokens)
-        ring.u64[R.HDR_GENERATED_TOKENS // 8] += len(tokens)  # engine is this word's only writer
+            u64[(base + R.RESP_FIRST_TOKEN_NS) // 8] = now_ns
+        u64[(base + R.RESP_LAST_TOKEN_NS) // 8] = now_ns
+        self._produced[slot] = produced + n
+        u32[(base + R.RESP_PRODUCED) // 4] = produced + n
+        u64[R.HDR_GENERATED_TOKENS // 8] += n  # engine is this word's only writer
 
     def finish(self, slot: int, reason: FinishReason, error: ErrorCode = ErrorCode.NONE) -> None:
         """Last word on a slot: after this the engine never touches it again."""

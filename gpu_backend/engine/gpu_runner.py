@@ -240,6 +240,9 @@ class GpuRunner:
         h = F.embedding(d["input_ids"][:t], w.embed)                          # [t, hidden]
         residual, x = h, None
         attn_out = torch.empty((t, c.num_heads, c.head_dim), dtype=self.dtype, device=self.device)
+        # few query tiles: split the keys finer so more programs share the KV reads (a batch-1 step
+        # has one tile per KV head); many tiles fill the GPU on their own
+        split_keys = 64 if t <= 32 else 256
         for i, layer in enumerate(w.layers):
             if x is None:
                 x = k["rmsnorm"](h, layer["in_norm"], c.rms_norm_eps)
@@ -252,7 +255,7 @@ class GpuRunner:
             cache = self.kv_cache[i]
             k["rope_kv"](q, kk, v, d["positions"][:t], self.cos, self.sin, d["slot_mapping"][:t], cache)
             k["attn"](q, cache, d["seq_ids"][:t], d["q_start"][:s + 1], d["ctx_lens"][:s], d["block_tables"][:s],
-                      d["num_seqs"], self.scale, out=attn_out)
+                      d["num_seqs"], self.scale, out=attn_out, split_keys=split_keys)
             x = F.linear(attn_out.flatten(1), layer["o"])
             x, residual = k["add_rmsnorm"](x, residual, layer["post_norm"], c.rms_norm_eps)
             x = F.linear(k["swiglu"](F.linear(x, layer["gate_up"])), layer["down"])
