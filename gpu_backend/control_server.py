@@ -27,6 +27,8 @@ class Description:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     engine_mode: str
+    transport: str = "shm"  # shm | tcp
+    tcp_endpoint: str = ""  # HOST:PORT gateways reach the tcp agent at
 
 
 class HeartbeatWatch:
@@ -62,7 +64,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
             model_name=self.desc.model_name, model_dir=self.desc.model_dir,
             model_fingerprint=self.desc.model_fingerprint, context_len=self.desc.context_len,
             vocab_size=self.desc.vocab_size, eos_token_ids=list(self.desc.eos_token_ids),
-            engine_mode=self.desc.engine_mode, transport="shm", ring_name=self.ring.name,
+            engine_mode=self.desc.engine_mode, transport=self.desc.transport,
+            tcp_endpoint=self.desc.tcp_endpoint, ring_name=self.ring.name,
             geometry=control_pb2.RingGeometry(num_slots=g.num_slots, max_prompt_len=g.max_prompt_len,
                                               max_output_len=g.max_output_len, max_stop_ids=g.max_stop_ids),
             ring_version=RING_VERSION,

@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +31,12 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=256, help="per-step token budget")
     p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences at most")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: all cores)")
+    p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
+                   help="how gateways reach the ring: shm (same host) or tcp (through a `blink agent`)")
+    p.add_argument("--listen", default="127.0.0.1:50052", metavar="HOST:PORT",
+                   help="tcp transport: where the agent listens")
+    p.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                   help="tcp transport: the agent address Describe announces (default: --listen)")
 
 
 def run_backend(args: argparse.Namespace) -> int:
@@ -57,8 +64,10 @@ def run_backend(args: argparse.Namespace) -> int:
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs), context_len)
     name = args.model_name or (Path(model_dir).name if model_dir else spec)
+    endpoint = (args.advertise or args.listen) if args.transport == "tcp" else ""
     desc = Description(name, str(model_dir or ""), fingerprint, context_len, cfg.vocab_size,
-                       tuple(cfg.eos_token_ids), args.mode)
+                       tuple(cfg.eos_token_ids), args.mode, args.transport, endpoint)
+    agent = _start_agent(ring.name, args.listen) if args.transport == "tcp" else None
     control = ControlServer(args.control, desc, ring)
     control.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -69,5 +78,15 @@ def run_backend(args: argparse.Namespace) -> int:
         engine.run()
     finally:
         control.stop()
+        if agent is not None:
+            agent.terminate()
+            agent.wait(timeout=10)
         ring.close()
     return 0
+
+
+def _start_agent(ring_name: str, listen: str) -> subprocess.Popen:
+    """The tcp agent as a child process (its own interpreter: it never contends with the engine's)."""
+    cmd = [sys.executable, "-m", "blink.cli", "agent", "--ring", ring_name, "--listen", listen,
+           "--parent-pid", str(os.getpid())]
+    return subprocess.Popen(cmd)
