@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from protocols.ring import RingGeometry
@@ -67,7 +68,7 @@ def run_backend(args: argparse.Namespace) -> int:
     endpoint = (args.advertise or args.listen) if args.transport == "tcp" else ""
     desc = Description(name, str(model_dir or ""), fingerprint, context_len, cfg.vocab_size,
                        tuple(cfg.eos_token_ids), args.mode, args.transport, endpoint)
-    agent = _start_agent(ring.name, args.listen) if args.transport == "tcp" else None
+    agent = _start_agent(ring.name, args.listen, engine.stop_event) if args.transport == "tcp" else None
     control = ControlServer(args.control, desc, ring)
     control.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -85,8 +86,18 @@ def run_backend(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_agent(ring_name: str, listen: str) -> subprocess.Popen:
-    """The tcp agent as a child process (its own interpreter: it never contends with the engine's)."""
+def _start_agent(ring_name: str, listen: str, stop_event: threading.Event) -> subprocess.Popen:
+    """The tcp agent as a child process (its own interpreter: it never contends with the engine's).
+
+    A backend whose agent died is unreachable: it stops, so that its supervisor restarts both."""
     cmd = [sys.executable, "-m", "blink.cli", "agent", "--ring", ring_name, "--listen", listen,
            "--parent-pid", str(os.getpid())]
-    return subprocess.Popen(cmd)
+    agent = subprocess.Popen(cmd)
+
+    def watch() -> None:
+        code = agent.wait()
+        if not stop_event.is_set():
+            log.error("the tcp agent exited with code %s; stopping the backend", code)
+            stop_event.set()
+    threading.Thread(target=watch, name="agent-watch", daemon=True).start()
+    return agent
