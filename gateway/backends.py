@@ -17,12 +17,14 @@ from dataclasses import dataclass
 import grpc
 
 from protocols import control_pb2, control_pb2_grpc
+from protocols.rdma import RdmaProducer
 from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry
-from protocols.shm import RingAttachError, RingFull, RingProducer, TokenUpdate, attach_ring
+from protocols.shm import RingFull, RingProducer, TokenUpdate
 
 from .config import GatewayConfig
 from .errors import unavailable
-from .tcp_producer import AgentMismatch, TcpProducer
+from .tcp_producer import TcpProducer
+from .transports import BackendConnectError, connect_transport
 
 log = logging.getLogger("blink.gateway.backends")
 
@@ -53,10 +55,6 @@ class BackendInfo:
                    engine_mode=reply.engine_mode, ring_name=reply.ring_name,
                    geometry=RingGeometry(g.num_slots, g.max_prompt_len, g.max_output_len, g.max_stop_ids),
                    transport=reply.transport or "shm", tcp_endpoint=reply.tcp_endpoint)
-
-
-class BackendConnectError(RuntimeError):
-    """A backend did not answer Describe, or its ring could not be attached."""
 
 
 def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:
@@ -99,7 +97,7 @@ class RequestHandle:
 class Backend:
     """One backend: its description, the producer end of its ring, and its poller task."""
 
-    def __init__(self, info: BackendInfo, producer: RingProducer | TcpProducer, config: GatewayConfig):
+    def __init__(self, info: BackendInfo, producer: RingProducer | TcpProducer | RdmaProducer, config: GatewayConfig):
         self.info = info
         self.config = config
         self._producer = producer
@@ -116,7 +114,7 @@ class Backend:
         loop = asyncio.get_running_loop()
         reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s)
         info = BackendInfo.from_reply(addr, reply)
-        producer = await (_connect_tcp(info, config) if info.transport == "tcp" else _attach_shm(info))
+        producer = await connect_transport(info, config)
         log.info("backend %s: model %s, %s engine, %s transport, ring %s (%d slots), context %d", addr,
                  info.model_name, info.engine_mode, info.transport, info.ring_name, info.geometry.num_slots,
                  info.context_len)
@@ -288,22 +286,3 @@ class Backend:
 def _error_update(message: str) -> TokenUpdate:
     return TokenUpdate(finish=FinishReason.ERROR, error=message, error_code=ErrorCode.INTERNAL)
 
-
-async def _attach_shm(info: BackendInfo) -> RingProducer:
-    try:
-        ring = attach_ring(info.ring_name, expect=info.geometry, fingerprint=info.model_fingerprint or None)
-    except RingAttachError as exc:
-        raise BackendConnectError(f"backend {info.addr}: {exc} (the gateway must run on the backend's host "
-                                  f"for the shm transport)") from None
-    return RingProducer(ring)
-
-
-async def _connect_tcp(info: BackendInfo, config: GatewayConfig) -> TcpProducer:
-    """The producer end of a ring reached through the backend host's tcp agent (`blink agent`)."""
-    try:
-        producer = TcpProducer(info.tcp_endpoint, info.geometry, info.model_fingerprint or None,
-                               idle_timeout_s=config.tcp_idle_timeout_s)
-        await producer.start(config.connect_timeout_s)
-    except (ValueError, TimeoutError, AgentMismatch) as exc:
-        raise BackendConnectError(f"backend {info.addr}: {exc}") from None
-    return producer

@@ -54,8 +54,9 @@ class HeartbeatWatch:
 
 
 class ControlService(control_pb2_grpc.ControlServicer):
-    def __init__(self, desc: Description, ring: ShmRing, watch: HeartbeatWatch):
+    def __init__(self, desc: Description, ring: ShmRing, watch: HeartbeatWatch, rdma=None):
         self.desc, self.ring, self.watch = desc, ring, watch
+        self.rdma = rdma  # gpu_backend.rdma_export.RdmaExport when the rdma transport is served
         self._lock = threading.Lock()
 
     def Describe(self, request, context):
@@ -71,6 +72,17 @@ class ControlService(control_pb2_grpc.ControlServicer):
             ring_version=RING_VERSION,
         )
 
+    def ConnectRdma(self, request, context):
+        from protocols.rdma_verbs import endpoint_from_proto, endpoint_to_proto
+
+        if self.rdma is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this backend serves the {self.desc.transport} transport, not rdma")
+        try:
+            return endpoint_to_proto(self.rdma.connect(endpoint_from_proto(request)))
+        except Exception as exc:  # a verbs error: say what failed instead of a bare UNKNOWN
+            context.abort(grpc.StatusCode.INTERNAL, f"rdma connect failed: {exc}")
+
     def Health(self, request, context):
         with self._lock:
             stats = self.ring.stats()
@@ -84,10 +96,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
 class ControlServer:
     """gRPC server plus a thread that mirrors the heartbeat into grpc.health.v1 once a second."""
 
-    def __init__(self, address: str, desc: Description, ring: ShmRing, stale_after_s: float = 2.0):
+    def __init__(self, address: str, desc: Description, ring: ShmRing, stale_after_s: float = 2.0, rdma=None):
         self.watch = HeartbeatWatch(ring, stale_after_s)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        control_pb2_grpc.add_ControlServicer_to_server(ControlService(desc, ring, self.watch), self.server)
+        control_pb2_grpc.add_ControlServicer_to_server(ControlService(desc, ring, self.watch, rdma), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(address)

@@ -32,12 +32,15 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=256, help="per-step token budget")
     p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences at most")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: all cores)")
-    p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
-                   help="how gateways reach the ring: shm (same host) or tcp (through a `blink agent`)")
+    p.add_argument("--transport", choices=("shm", "tcp", "rdma"), default="shm",
+                   help="how gateways reach the ring: shm (same host), tcp (through a `blink agent`), "
+                        "rdma (one-sided verbs; untested on hardware)")
     p.add_argument("--listen", default="127.0.0.1:50052", metavar="HOST:PORT",
                    help="tcp transport: where the agent listens")
     p.add_argument("--advertise", default=None, metavar="HOST:PORT",
                    help="tcp transport: the agent address Describe announces (default: --listen)")
+    p.add_argument("--rdma-device", default=None, help="rdma transport: device name (default: the first)")
+    p.add_argument("--rdma-gid-index", type=int, default=0, help="rdma transport: GID table index (RoCE v2: often 3)")
 
 
 def run_backend(args: argparse.Namespace) -> int:
@@ -68,8 +71,9 @@ def run_backend(args: argparse.Namespace) -> int:
     endpoint = (args.advertise or args.listen) if args.transport == "tcp" else ""
     desc = Description(name, str(model_dir or ""), fingerprint, context_len, cfg.vocab_size,
                        tuple(cfg.eos_token_ids), args.mode, args.transport, endpoint)
+    rdma = _export_rdma(ring, args) if args.transport == "rdma" else None
     agent = _start_agent(ring.name, args.listen, engine.stop_event) if args.transport == "tcp" else None
-    control = ControlServer(args.control, desc, ring)
+    control = ControlServer(args.control, desc, ring, rdma=rdma)
     control.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: engine.stop_event.set())
@@ -84,6 +88,17 @@ def run_backend(args: argparse.Namespace) -> int:
             agent.wait(timeout=10)
         ring.close()
     return 0
+
+
+def _export_rdma(ring, args: argparse.Namespace):
+    from gpu_backend.rdma_export import export_shm_ring
+    from protocols.rdma_verbs import RdmaUnavailable
+
+    try:
+        return export_shm_ring(ring, args.rdma_device, args.rdma_gid_index)
+    except RdmaUnavailable as exc:
+        ring.close()
+        raise SystemExit(f"blink backend: --transport rdma: {exc}")
 
 
 def _start_agent(ring_name: str, listen: str, stop_event: threading.Event) -> subprocess.Popen:

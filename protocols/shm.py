@@ -322,6 +322,15 @@ class RingProducer:
                 done.append(slot)
         return done
 
+    def unfinished_slots(self) -> list[int]:
+        """Outstanding slots whose finish has not been seen yet."""
+        return [slot for slot, out in self._active.items() if not out.finished]
+
+    def give_up(self, slot: int) -> None:
+        """Treat an unfinished slot as finished (its transport is gone); it can then be released."""
+        if slot in self._active:
+            self._active[slot].finished = True
+
     def close(self) -> None:
         self.ring.close()
 

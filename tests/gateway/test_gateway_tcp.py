@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from gateway.backends import Backend, BackendInfo, _connect_tcp, BackendConnectError
+from gateway.backends import Backend, BackendConnectError, BackendInfo
+from gateway.transports import connect_tcp
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.tcp_producer import TcpProducer
@@ -44,7 +45,7 @@ async def start_backend(ring, port: int) -> Backend:
     info = BackendInfo(addr="test", model_name="m", model_dir="", model_fingerprint="fp", context_len=64,
                        vocab_size=100, eos_token_ids=(0,), engine_mode="test", ring_name=ring.name,
                        geometry=GEOMETRY, transport="tcp", tcp_endpoint=f"127.0.0.1:{port}")
-    backend = Backend(info, await _connect_tcp(info, CONFIG), CONFIG)
+    backend = Backend(info, await connect_tcp(info, CONFIG), CONFIG)
     backend.start()
     return backend
 
@@ -162,7 +163,7 @@ def test_an_agent_for_another_model_is_refused(ring):
                            vocab_size=100, eos_token_ids=(0,), engine_mode="test", ring_name=ring.name,
                            geometry=GEOMETRY, transport="tcp", tcp_endpoint="127.0.0.1:1")
         with pytest.raises(BackendConnectError, match="no session"):
-            await _connect_tcp(info, CONFIG.replace(connect_timeout_s=0.3))
+            await connect_tcp(info, CONFIG.replace(connect_timeout_s=0.3))
         agent.stop()
         await task
     asyncio.run(main())
