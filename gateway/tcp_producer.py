@@ -84,11 +84,11 @@ class TcpProducer:
     async def _run(self) -> None:
         delay = self.backoff_s[0]
         while True:
+            session = self.session
             try:
                 reader, writer = await asyncio.wait_for(asyncio.open_connection(self._host, self._port),
                                                         self.idle_timeout_s)
-                await self._session(reader, writer)
-                delay = self.backoff_s[0]  # it worked for a while: retry quickly
+                await self._session(reader, writer)  # returns only by raising
             except AgentMismatch as exc:
                 if self.session == 0:
                     raise  # at start-up: the gateway's configuration is wrong, say so
@@ -97,6 +97,8 @@ class TcpProducer:
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, W.WireError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
             self._disconnect(f"lost the connection to the backend's tcp agent at {self.endpoint} ({self.last_error})")
+            if self.session != session:
+                delay = self.backoff_s[0]  # a session worked: retry quickly
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, self.backoff_s[1])
 

@@ -148,19 +148,20 @@ def ok_request() -> bool:
     return bool(chat().choices[0].message.content)
 
 
-def stream_then(action, hosts: Hosts) -> BaseException | None:
-    """Start a long stream, read two chunks, do `action`, then read on; returns what the client raised."""
+def stream_then(action, hosts: Hosts) -> tuple[BaseException | None, float]:
+    """Start a long stream, read two chunks, do `action`, read on; returns what the client raised, and when."""
     def body():
         stream = chat(max_tokens=400, stream=True, ignore_eos=True)
         chunks = iter(stream)
         next(chunks), next(chunks)
         action()
+        t0 = time.monotonic()
         try:
             for _ in chunks:
                 pass
         except openai.APIError as exc:
-            return exc
-        return None
+            return exc, time.monotonic() - t0
+        return None, time.monotonic() - t0
     return hosts.run(body)
 
 
@@ -195,8 +196,9 @@ def test_two_hosts_over_tcp(hosts):
     wait_until(lambda: hosts.run(health)["backends"][0]["free_slots"] == NUM_SLOTS, 20, "slot freed after disconnect", hosts)
 
     # the link goes down mid-stream: that request fails (no hang), new ones get 503, then it recovers
-    failure = stream_then(lambda: hosts.link("down"), hosts)
-    assert isinstance(failure, openai.APIError), failure
+    failure, after_s = stream_then(lambda: hosts.link("down"), hosts)
+    assert isinstance(failure, openai.APIError) and "lost the connection" in str(failure), (failure, hosts.logs())
+    assert after_s < 10  # the gateway's idle timeout (3 s), not the client's own timeout
     with pytest.raises(openai.APIStatusError) as exc:
         hosts.run(lambda: chat())
     assert exc.value.status_code == 503
@@ -204,8 +206,9 @@ def test_two_hosts_over_tcp(hosts):
     wait_until(lambda: hosts.run(ok_request), 30, "serving again after the link came back", hosts)
 
     # the backend restarts: the request in flight fails cleanly, then the gateway reconnects
-    failure = stream_then(lambda: hosts.stop("backend"), hosts)
-    assert isinstance(failure, openai.APIError), failure
+    failure, after_s = stream_then(lambda: hosts.stop("backend"), hosts)
+    assert isinstance(failure, openai.APIError) and not isinstance(failure, openai.APITimeoutError), failure
+    assert after_s < 20, failure
     hosts.start_backend()
     wait_until(lambda: hosts.run(ok_request), 180, "serving again after the backend restarted", hosts)
     wait_until(lambda: hosts.run(health)["backends"][0]["free_slots"] == NUM_SLOTS, 20, "every slot free", hosts)
