@@ -145,3 +145,30 @@ def test_verbs_loopback_on_a_real_device(ring):
     assert prod.poll(slot).tokens == [1, 2]
     prod.close()
     export.close()
+
+
+def test_the_gateway_backend_runs_on_the_rdma_producer(ring):
+    """`Backend` uses the rdma producer exactly as it uses the shm one (same interface)."""
+    import asyncio
+
+    from gateway.backends import Backend, BackendInfo
+    from gateway.config import GatewayConfig
+
+    async def main():
+        info = BackendInfo(addr="rdma-test", model_name="m", model_dir="", model_fingerprint="fp", context_len=64,
+                           vocab_size=100, eos_token_ids=(0,), engine_mode="test", ring_name=ring.name,
+                           geometry=GEOM, transport="rdma")
+        backend = Backend(info, RdmaProducer(MemoryLink(ring)), GatewayConfig(heartbeat_check_s=0.02))
+        backend.start()
+        engine = RingConsumer(ring)
+        handle = await backend.submit(spec())
+        [taken] = engine.take_new()
+        engine.beat()
+        engine.publish(taken.slot, [3, 4])
+        engine.finish(taken.slot, FinishReason.STOP)
+        update = await asyncio.wait_for(handle.next(), 2)
+        assert update.tokens == [3, 4] and update.finish == FinishReason.STOP
+        await asyncio.sleep(0.05)
+        assert backend.free_slots == GEOM.num_slots and backend.heartbeat == 1
+        await backend.close()
+    asyncio.run(main())
