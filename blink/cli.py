@@ -16,6 +16,7 @@ import time
 import urllib.request
 
 from gpu_backend.main import add_backend_args, run_backend
+from gpu_backend.tcp_agent import add_agent_args
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_args(sub.add_parser("serve", help="run a backend and the gateway together"))
     add_backend_args(sub.add_parser("backend", help="run one backend (engine + ring + control plane)"))
     sub.add_parser("gateway", help="run the OpenAI-compatible gateway (see `blink gateway --help`)", add_help=False)
+    add_agent_args(sub.add_parser("agent", help="relay a backend's ring to gateways on other hosts (tcp transport)"))
     from gpu_backend.models.cli import add_model_commands
 
     add_model_commands(sub)

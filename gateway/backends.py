@@ -17,11 +17,14 @@ from dataclasses import dataclass
 import grpc
 
 from protocols import control_pb2, control_pb2_grpc
+from protocols.rdma import RdmaProducer
 from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry
-from protocols.shm import RingAttachError, RingFull, RingProducer, TokenUpdate, attach_ring
+from protocols.shm import RingFull, RingProducer, TokenUpdate
 
 from .config import GatewayConfig
 from .errors import unavailable
+from .tcp_producer import TcpProducer
+from .transports import BackendConnectError, connect_transport
 
 log = logging.getLogger("blink.gateway.backends")
 
@@ -40,6 +43,8 @@ class BackendInfo:
     engine_mode: str
     ring_name: str
     geometry: RingGeometry
+    transport: str = "shm"  # shm | tcp
+    tcp_endpoint: str = ""  # HOST:PORT of the backend's tcp agent
 
     @classmethod
     def from_reply(cls, addr: str, reply: control_pb2.DescribeReply) -> BackendInfo:
@@ -48,11 +53,8 @@ class BackendInfo:
                    model_fingerprint=reply.model_fingerprint, context_len=reply.context_len,
                    vocab_size=reply.vocab_size, eos_token_ids=tuple(reply.eos_token_ids),
                    engine_mode=reply.engine_mode, ring_name=reply.ring_name,
-                   geometry=RingGeometry(g.num_slots, g.max_prompt_len, g.max_output_len, g.max_stop_ids))
-
-
-class BackendConnectError(RuntimeError):
-    """A backend did not answer Describe, or its ring could not be attached."""
+                   geometry=RingGeometry(g.num_slots, g.max_prompt_len, g.max_output_len, g.max_stop_ids),
+                   transport=reply.transport or "shm", tcp_endpoint=reply.tcp_endpoint)
 
 
 def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:
@@ -95,7 +97,7 @@ class RequestHandle:
 class Backend:
     """One backend: its description, the producer end of its ring, and its poller task."""
 
-    def __init__(self, info: BackendInfo, producer: RingProducer, config: GatewayConfig):
+    def __init__(self, info: BackendInfo, producer: RingProducer | TcpProducer | RdmaProducer, config: GatewayConfig):
         self.info = info
         self.config = config
         self._producer = producer
@@ -112,14 +114,11 @@ class Backend:
         loop = asyncio.get_running_loop()
         reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s)
         info = BackendInfo.from_reply(addr, reply)
-        try:
-            ring = attach_ring(info.ring_name, expect=info.geometry, fingerprint=info.model_fingerprint or None)
-        except RingAttachError as exc:
-            raise BackendConnectError(f"backend {addr}: {exc} (the gateway must run on the backend's host "
-                                      f"for the shm transport)") from None
-        log.info("backend %s: model %s, %s engine, ring %s (%d slots), context %d", addr, info.model_name,
-                 info.engine_mode, info.ring_name, info.geometry.num_slots, info.context_len)
-        backend = cls(info, RingProducer(ring), config)
+        producer = await connect_transport(info, config)
+        log.info("backend %s: model %s, %s engine, %s transport, ring %s (%d slots), context %d", addr,
+                 info.model_name, info.engine_mode, info.transport, info.ring_name, info.geometry.num_slots,
+                 info.context_len)
+        backend = cls(info, producer, config)
         backend.start()
         return backend
 
@@ -143,12 +142,12 @@ class Backend:
 
     def engine_stats(self) -> dict[str, int]:
         """What the engine last wrote into the ring header: KV blocks, running and waiting sequences."""
-        return self._producer.ring.stats()
+        return self._producer.engine_stats()
 
     @property
     def serving(self) -> bool:
         """The engine says it serves and its heartbeat moves."""
-        return not self.stalled and self._producer.ring.engine_state == EngineState.SERVING
+        return not self.stalled and self._producer.engine_state == EngineState.SERVING
 
     @property
     def load(self) -> float:
@@ -160,6 +159,9 @@ class Backend:
         """Write a request into a free slot, waiting (FIFO) up to `slot_wait_s` for one."""
         if self.stalled:
             raise unavailable(f"backend {self.info.addr} is not making progress (heartbeat stale)")
+        if not self._producer.connected:
+            raise unavailable(f"backend {self.info.addr}: the connection to its tcp agent "
+                              f"{self.info.tcp_endpoint} is down; reconnecting")
         slot = await self._acquire_slot(spec)
         handle = RequestHandle(self, slot, spec)
         self._requests[slot] = handle
@@ -213,7 +215,7 @@ class Backend:
             await asyncio.gather(self._poller, return_exceptions=True)
         for handle in self._requests.values():
             handle.queue.put_nowait(_error_update("the gateway is shutting down"))
-        self._producer.ring.close()
+        self._producer.close()
 
     async def _poll_loop(self) -> None:
         while True:
@@ -249,6 +251,7 @@ class Backend:
             await asyncio.wait_for(self._wakeup.wait(), self.config.heartbeat_check_s)
         except TimeoutError:
             self._reclaim_adopted()
+            self._wake_free()
         self._beat = (self.heartbeat, time.monotonic())
 
     def _housekeeping(self) -> None:
@@ -257,6 +260,7 @@ class Backend:
             self._next_check_s = now + self.config.heartbeat_check_s
             self._check_heartbeat()
             self._reclaim_adopted()
+            self._wake_free()
 
     def _reclaim_adopted(self) -> None:
         """Slots an earlier gateway left running are released once their finish arrives."""
@@ -264,6 +268,11 @@ class Backend:
             if slot not in self._requests:
                 self._producer.release(slot)
                 self._wake_one()
+
+    def _wake_free(self) -> None:
+        """Slots can appear without a release here (a tcp agent frees those of a lost session)."""
+        for _ in range(min(self.free_slots, len(self._waiters))):
+            self._wake_one()
 
     def _check_heartbeat(self) -> None:
         beat, since = self._beat
@@ -290,3 +299,4 @@ class Backend:
 
 def _error_update(message: str) -> TokenUpdate:
     return TokenUpdate(finish=FinishReason.ERROR, error=message, error_code=ErrorCode.INTERNAL)
+

@@ -28,6 +28,8 @@ class GatewayConfig:
     poll_active_s: float = 0.001
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
     stall_timeout_s: float = 60.0  # heartbeat unchanged this long with requests in flight: fail them
+    tcp_idle_timeout_s: float = 3.0  # tcp transport: no frame from the agent this long = connection lost
+    rdma_device: str | None = None  # rdma transport: local device name (None: the first one)
     tokenizer_threads: int = 2
     shutdown_timeout_s: float = 5.0  # on SIGTERM, how long open streams may finish before they are cut
     access_log: bool = True

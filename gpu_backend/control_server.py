@@ -27,6 +27,8 @@ class Description:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     engine_mode: str
+    transport: str = "shm"  # shm | tcp
+    tcp_endpoint: str = ""  # HOST:PORT gateways reach the tcp agent at
 
 
 class HeartbeatWatch:
@@ -52,8 +54,9 @@ class HeartbeatWatch:
 
 
 class ControlService(control_pb2_grpc.ControlServicer):
-    def __init__(self, desc: Description, ring: ShmRing, watch: HeartbeatWatch):
+    def __init__(self, desc: Description, ring: ShmRing, watch: HeartbeatWatch, rdma=None):
         self.desc, self.ring, self.watch = desc, ring, watch
+        self.rdma = rdma  # gpu_backend.rdma_export.RdmaExport when the rdma transport is served
         self._lock = threading.Lock()
 
     def Describe(self, request, context):
@@ -62,11 +65,23 @@ class ControlService(control_pb2_grpc.ControlServicer):
             model_name=self.desc.model_name, model_dir=self.desc.model_dir,
             model_fingerprint=self.desc.model_fingerprint, context_len=self.desc.context_len,
             vocab_size=self.desc.vocab_size, eos_token_ids=list(self.desc.eos_token_ids),
-            engine_mode=self.desc.engine_mode, transport="shm", ring_name=self.ring.name,
+            engine_mode=self.desc.engine_mode, transport=self.desc.transport,
+            tcp_endpoint=self.desc.tcp_endpoint, ring_name=self.ring.name,
             geometry=control_pb2.RingGeometry(num_slots=g.num_slots, max_prompt_len=g.max_prompt_len,
                                               max_output_len=g.max_output_len, max_stop_ids=g.max_stop_ids),
             ring_version=RING_VERSION,
         )
+
+    def ConnectRdma(self, request, context):
+        from protocols.rdma_verbs import endpoint_from_proto, endpoint_to_proto
+
+        if self.rdma is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this backend serves the {self.desc.transport} transport, not rdma")
+        try:
+            return endpoint_to_proto(self.rdma.connect(endpoint_from_proto(request)))
+        except Exception as exc:  # a verbs error: say what failed instead of a bare UNKNOWN
+            context.abort(grpc.StatusCode.INTERNAL, f"rdma connect failed: {exc}")
 
     def Health(self, request, context):
         with self._lock:
@@ -81,10 +96,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
 class ControlServer:
     """gRPC server plus a thread that mirrors the heartbeat into grpc.health.v1 once a second."""
 
-    def __init__(self, address: str, desc: Description, ring: ShmRing, stale_after_s: float = 2.0):
+    def __init__(self, address: str, desc: Description, ring: ShmRing, stale_after_s: float = 2.0, rdma=None):
         self.watch = HeartbeatWatch(ring, stale_after_s)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        control_pb2_grpc.add_ControlServicer_to_server(ControlService(desc, ring, self.watch), self.server)
+        control_pb2_grpc.add_ControlServicer_to_server(ControlService(desc, ring, self.watch, rdma), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(address)

@@ -5,7 +5,9 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from protocols.ring import RingGeometry
@@ -34,6 +36,15 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="per-step token budget = the largest graph bucket (default: 256 cpu, 512 host)")
     p.add_argument("--max-num-seqs", type=int, default=0, help="running sequences at most (default: 64 cpu, 256 host)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: all cores)")
+    p.add_argument("--transport", choices=("shm", "tcp", "rdma"), default="shm",
+                   help="how gateways reach the ring: shm (same host), tcp (through a `blink agent`), "
+                        "rdma (one-sided verbs; untested on hardware)")
+    p.add_argument("--listen", default="127.0.0.1:50053", metavar="HOST:PORT",
+                   help="tcp transport: where the agent listens")
+    p.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                   help="tcp transport: the agent address Describe announces (default: --listen)")
+    p.add_argument("--rdma-device", default=None, help="rdma transport: device name (default: the first)")
+    p.add_argument("--rdma-gid-index", type=int, default=0, help="rdma transport: GID table index (RoCE v2: often 3)")
 
 
 def run_backend(args: argparse.Namespace) -> int:
@@ -70,9 +81,12 @@ def run_backend(args: argparse.Namespace) -> int:
     engine = EngineLoop(runner, cfg, RingConsumer(ring), config, context_len)
     name = args.model_name or (Path(model_dir).name if model_dir else spec)
     tokenizer_dir = model_dir or ensure_random_tokenizer(cfg, default_cache_dir())
+    endpoint = (args.advertise or args.listen) if args.transport == "tcp" else ""
     desc = Description(name, str(tokenizer_dir), fingerprint, context_len, cfg.vocab_size,
-                       tuple(cfg.eos_token_ids), args.mode)
-    control = ControlServer(args.control, desc, ring)
+                       tuple(cfg.eos_token_ids), args.mode, args.transport, endpoint)
+    rdma = _export_rdma(ring, args) if args.transport == "rdma" else None
+    agent = _start_agent(ring.name, args.listen, engine.stop_event) if args.transport == "tcp" else None
+    control = ControlServer(args.control, desc, ring, rdma=rdma)
     control.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: engine.stop_event.set())
@@ -82,6 +96,9 @@ def run_backend(args: argparse.Namespace) -> int:
         engine.run()
     finally:
         control.stop()
+        if agent is not None:
+            agent.terminate()
+            agent.wait(timeout=10)
         ring.close()
     return 0
 
@@ -101,3 +118,31 @@ def _make_runner(args, model, cfg, config, context_len: int):
           f"({runner.num_blocks * runner.kv_block_bytes / 2**30:.1f} GiB), {len(runner.graphs)} graphs "
           f"captured in {runner.capture_s:.1f} s", file=sys.stderr, flush=True)
     return runner
+
+
+def _export_rdma(ring, args: argparse.Namespace):
+    from gpu_backend.rdma_export import export_shm_ring
+    from protocols.rdma_verbs import RdmaUnavailable
+
+    try:
+        return export_shm_ring(ring, args.rdma_device, args.rdma_gid_index)
+    except RdmaUnavailable as exc:
+        ring.close()
+        raise SystemExit(f"blink backend: --transport rdma: {exc}")
+
+
+def _start_agent(ring_name: str, listen: str, stop_event: threading.Event) -> subprocess.Popen:
+    """The tcp agent as a child process (its own interpreter: it never contends with the engine's).
+
+    A backend whose agent died is unreachable: it stops, so that its supervisor restarts both."""
+    cmd = [sys.executable, "-m", "blink.cli", "agent", "--ring", ring_name, "--listen", listen,
+           "--parent-pid", str(os.getpid())]
+    agent = subprocess.Popen(cmd)
+
+    def watch() -> None:
+        code = agent.wait()
+        if not stop_event.is_set():
+            log.error("the tcp agent exited with code %s; stopping the backend", code)
+            stop_event.set()
+    threading.Thread(target=watch, name="agent-watch", daemon=True).start()
+    return agent

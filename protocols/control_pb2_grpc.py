@@ -45,6 +45,11 @@ class ControlStub:
                 request_serializer=protocols_dot_control__pb2.HealthRequest.SerializeToString,
                 response_deserializer=protocols_dot_control__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.ConnectRdma = channel.unary_unary(
+                '/blink.control.v1.Control/ConnectRdma',
+                request_serializer=protocols_dot_control__pb2.RdmaEndpoint.SerializeToString,
+                response_deserializer=protocols_dot_control__pb2.RdmaEndpoint.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -65,6 +70,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConnectRdma(self, request, context):
+        """rdma transport: the gateway sends its queue pair, the backend connects one of its own to it and
+        answers with it and the ring's address and rkey. FAILED_PRECONDITION where rdma is not served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=protocols_dot_control__pb2.HealthRequest.FromString,
                     response_serializer=protocols_dot_control__pb2.HealthReply.SerializeToString,
+            ),
+            'ConnectRdma': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConnectRdma,
+                    request_deserializer=protocols_dot_control__pb2.RdmaEndpoint.FromString,
+                    response_serializer=protocols_dot_control__pb2.RdmaEndpoint.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,33 @@ class Control:
             '/blink.control.v1.Control/Health',
             protocols_dot_control__pb2.HealthRequest.SerializeToString,
             protocols_dot_control__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConnectRdma(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blink.control.v1.Control/ConnectRdma',
+            protocols_dot_control__pb2.RdmaEndpoint.SerializeToString,
+            protocols_dot_control__pb2.RdmaEndpoint.FromString,
             options,
             channel_credentials,
             insecure,

@@ -169,10 +169,15 @@ class _Outstanding:
 
 
 class RingProducer:
-    """The gateway's end of a ring. Not thread-safe: use it from one thread (the event loop)."""
+    """The gateway's end of a ring. Not thread-safe: use it from one thread (the event loop).
 
-    def __init__(self, ring: ShmRing):
+    With `defer_consumed`, `poll` does not advance the ring's consumed counter; `set_consumed` does,
+    when the real reader says so (the tcp agent forwards tokens and waits for the gateway's count).
+    """
+
+    def __init__(self, ring: ShmRing, defer_consumed: bool = False):
         self.ring = ring
+        self.defer_consumed = defer_consumed
         self.geometry = ring.geometry
         self._tail = ring.hdr_u64(R.HDR_SQ_TAIL)
         self._active: dict[int, _Outstanding] = {}
@@ -200,19 +205,43 @@ class RingProducer:
         return len(self._free)
 
     @property
+    def free_slot_ids(self) -> list[int]:
+        return list(self._free)
+
+    @property
     def in_flight(self) -> int:
         return len(self._active)
+
+    @property
+    def connected(self) -> bool:
+        """Always: shared memory does not disconnect (the tcp producer's counterpart can)."""
+        return True
 
     @property
     def heartbeat(self) -> int:
         return self.ring.heartbeat
 
-    def submit(self, spec: RequestSpec) -> int:
-        """Write a request into a free slot and queue it. Raises RingFull or ValueError (bad spec)."""
+    @property
+    def engine_state(self) -> R.EngineState:
+        return self.ring.engine_state
+
+    def engine_stats(self) -> dict[str, int]:
+        """The engine's header words: KV blocks, running and waiting sequences, tokens."""
+        return self.ring.stats()
+
+    def submit(self, spec: RequestSpec, slot: int | None = None) -> int:
+        """Write a request into a free slot (or the given free one) and queue it.
+
+        Raises RingFull, or ValueError for a bad spec or a `slot` that is not free."""
         spec.validate(self.geometry)
         if not self._free:
             raise RingFull(f"all {self.geometry.num_slots} ring slots are in use")
-        slot = self._free.popleft()
+        if slot is None:
+            slot = self._free.popleft()
+        elif slot in self._free:
+            self._free.remove(slot)
+        else:
+            raise ValueError(f"slot {slot} is not free")
         seq = self._tail + 1
         self._write_request(slot, spec)
         self.ring.u32[(self.ring.resp(slot) + R.RESP_CONSUMED) // 4] = 0
@@ -262,12 +291,19 @@ class RingProducer:
             idx = np.arange(out.consumed, produced) % cap
             update.tokens = ring.i32[t0 + idx].tolist()
             out.consumed = produced
-            ring.u32[(base + R.RESP_CONSUMED) // 4] = produced
+            if not self.defer_consumed:
+                ring.u32[(base + R.RESP_CONSUMED) // 4] = produced
         if finish == FinishReason.ERROR:
             update.error_code = ErrorCode(int(ring.u32[(base + R.RESP_ERROR_CODE) // 4]))
             update.error = update.error_code.message
         out.finished = finish != FinishReason.NONE
         return update
+
+    def set_consumed(self, slot: int, consumed: int) -> None:
+        """Advance the slot's consumed counter (with `defer_consumed`) up to what `poll` has read."""
+        out = self._active.get(slot)
+        if out is not None and not out.finished:
+            self.ring.u32[(self.ring.resp(slot) + R.RESP_CONSUMED) // 4] = min(consumed, out.consumed)
 
     def token_times_ns(self, slot: int) -> tuple[int, int]:
         """Engine timestamps (first token, last token) of the slot's current request."""
@@ -293,6 +329,18 @@ class RingProducer:
             if out.finished and slot not in done:
                 done.append(slot)
         return done
+
+    def unfinished_slots(self) -> list[int]:
+        """Outstanding slots whose finish has not been seen yet."""
+        return [slot for slot, out in self._active.items() if not out.finished]
+
+    def give_up(self, slot: int) -> None:
+        """Treat an unfinished slot as finished (its transport is gone); it can then be released."""
+        if slot in self._active:
+            self._active[slot].finished = True
+
+    def close(self) -> None:
+        self.ring.close()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,263 @@
+"""The `tcp` transport's wire format: the ring's writes and reads as length-prefixed binary frames.
+
+A backend host without RDMA runs a small agent (`blink agent`) that is the shm ring's producer on that
+host. The gateway sends it the writes it would make to the ring (a request payload, a cancel word, the
+consumed counter) and the agent sends back what it reads there (new tokens, finish reason, error code,
+prompt length, the header's heartbeat, engine state and stats). The slot numbers on the wire are the
+shm ring's slot numbers. This puts the backend host's CPU on the I/O path (never inside the engine).
+
+Frame: `u32 body_len | u8 type | body`, little-endian. One dataclass per message; `encode(msg)` makes a
+frame and `decode(type, body)` reads one. Order of a session:
+
+    agent -> gateway   Hello (geometry, fingerprint, the slots free now)
+    gateway -> agent   Submit, Cancel, Consumed, Ping          (any order; applied in order)
+    agent -> gateway   Tokens (per slot, the finish last), Freed (slots drained from earlier sessions),
+                       State (every few tens of ms: also the agent's keepalive)
+
+Slot ownership: a slot the gateway submitted to belongs to it until a Tokens with a finish arrives; the
+agent has then already released it in the ring. Slots left running by a lost session are cancelled by
+the agent and announced in Freed once the engine confirms, so nothing is reused while still running.
+"""
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import dataclass, field
+from typing import ClassVar, Sequence
+
+from .ring import FINGERPRINT_BYTES, FLAG_HAS_SEED, FLAG_IGNORE_EOS, EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry
+
+WIRE_VERSION = 1
+WIRE_MAGIC = 0x4B4E_494C  # b"LINK"
+MAX_FRAME_BYTES = 16 << 20  # a frame larger than this is a protocol error, not an allocation
+_FRAME = struct.Struct("<IB")
+
+
+class WireError(ValueError):
+    """A frame that does not parse: the connection is unusable and is closed."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First frame of a session, agent -> gateway."""
+
+    TYPE: ClassVar[int] = 1
+    geometry: RingGeometry
+    fingerprint: str
+    free_slots: tuple[int, ...]
+    version: int = WIRE_VERSION
+    _HEAD: ClassVar = struct.Struct(f"<II4I{FINGERPRINT_BYTES}sI")
+
+    def pack(self) -> bytes:
+        g = self.geometry
+        fp = self.fingerprint.encode("ascii")[:FINGERPRINT_BYTES]
+        head = self._HEAD.pack(WIRE_MAGIC, self.version, g.num_slots, g.max_prompt_len, g.max_output_len,
+                               g.max_stop_ids, fp, len(self.free_slots))
+        return head + _u32s(self.free_slots)
+
+    @classmethod
+    def unpack(cls, body: bytes) -> Hello:
+        magic, version, n_slots, n_prompt, n_out, n_stop, fp, n_free = cls._HEAD.unpack_from(body)
+        if magic != WIRE_MAGIC:
+            raise WireError("not a blink tcp agent (bad magic)")
+        free = _read_u32s(body, cls._HEAD.size, n_free)
+        return cls(RingGeometry(n_slots, n_prompt, n_out, n_stop), fp.rstrip(b"\0").decode("ascii", "replace"),
+                   free, version)
+
+
+@dataclass(frozen=True)
+class Submit:
+    """gateway -> agent: write this request into `slot` and queue it (the ring's `submit`)."""
+
+    TYPE: ClassVar[int] = 2
+    slot: int
+    spec: RequestSpec
+    _HEAD: ClassVar = struct.Struct("<IQIffifQIIII")
+
+    def pack(self) -> bytes:
+        s = self.spec
+        head = self._HEAD.pack(self.slot, s.request_id & (2**64 - 1), s.max_tokens, s.temperature, s.top_p,
+                               s.top_k, s.min_p, (s.seed or 0) & (2**64 - 1), s.flags, s.priority,
+                               len(s.stop_ids), len(s.prompt_ids))
+        return head + _i32s(s.stop_ids) + _i32s(s.prompt_ids)
+
+    @classmethod
+    def unpack(cls, body: bytes) -> Submit:
+        (slot, request_id, max_tokens, temperature, top_p, top_k, min_p, seed, flags, priority, n_stop,
+         n_prompt) = cls._HEAD.unpack_from(body)
+        stop_ids = _read_i32s(body, cls._HEAD.size, n_stop)
+        prompt_ids = _read_i32s(body, cls._HEAD.size + 4 * n_stop, n_prompt)
+        spec = RequestSpec(request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens,
+                           temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                           seed=seed if flags & FLAG_HAS_SEED else None, stop_ids=stop_ids,
+                           ignore_eos=bool(flags & FLAG_IGNORE_EOS),
+                           priority=priority)
+        return cls(slot, spec)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """gateway -> agent: set the slot's cancel word (ignored if the slot already finished)."""
+
+    TYPE: ClassVar[int] = 3
+    slot: int
+
+    def pack(self) -> bytes:
+        return struct.pack("<I", self.slot)
+
+    @classmethod
+    def unpack(cls, body: bytes) -> Cancel:
+        return cls(*struct.unpack_from("<I", body))
+
+
+@dataclass(frozen=True)
+class Consumed:
+    """gateway -> agent: the consumed counters of these slots (backpressure reaches the engine)."""
+
+    TYPE: ClassVar[int] = 4
+    counts: tuple[tuple[int, int], ...]  # (slot, tokens consumed so far)
+
+    def pack(self) -> bytes:
+        return struct.pack(f"<I{2 * len(self.counts)}I", len(self.counts), *(x for pair in self.counts for x in pair))
+
+    @classmethod
+    def unpack(cls, body: bytes) -> Consumed:
+        flat = _read_u32s(body, 4, 2 * struct.unpack_from("<I", body)[0])
+        return cls(tuple(zip(flat[::2], flat[1::2])))
+
+
+@dataclass(frozen=True)
+class Ping:
+    """gateway -> agent keepalive: an agent that hears nothing for its idle timeout drops the session."""
+
+    TYPE: ClassVar[int] = 5
+
+    def pack(self) -> bytes:
+        return b""
+
+    @classmethod
+    def unpack(cls, body: bytes) -> Ping:
+        return cls()
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """agent -> gateway: what a poll of the slot found (new tokens; a finish is the slot's last word)."""
+
+    TYPE: ClassVar[int] = 6
+    slot: int
+    tokens: tuple[int, ...] = ()
+    finish: FinishReason = FinishReason.NONE
+    error_code: ErrorCode = ErrorCode.NONE
+    prompt_len: int = 0
+    _HEAD: ClassVar = struct.Struct("<IIIII")
+
+    def pack(self) -> bytes:
+        return self._HEAD.pack(self.slot, self.finish, self.error_code, self.prompt_len, len(self.tokens)) + _i32s(self.tokens)
+
+    @classmethod
+    def unpack(cls, body: bytes) -> Tokens:
+        slot, finish, code, prompt_len, n = cls._HEAD.unpack_from(body)
+        try:
+            finish, code = FinishReason(finish), ErrorCode(code)
+        except ValueError:
+            raise WireError(f"Tokens: unknown finish reason {finish} or error code {code}") from None
+        return cls(slot, _read_i32s(body, cls._HEAD.size, n), finish, code, prompt_len)
+
+
+@dataclass(frozen=True)
+class Freed:
+    """agent -> gateway: slots of an earlier session that the engine has finished; free to use."""
+
+    TYPE: ClassVar[int] = 7
+    slots: tuple[int, ...]
+
+    def pack(self) -> bytes:
+        return struct.pack("<I", len(self.slots)) + _u32s(self.slots)
+
+    @classmethod
+    def unpack(cls, body: bytes) -> Freed:
+        return cls(_read_u32s(body, 4, struct.unpack_from("<I", body)[0]))
+
+
+@dataclass(frozen=True)
+class State:
+    """agent -> gateway: the ring header's engine words (heartbeat, state, stats)."""
+
+    TYPE: ClassVar[int] = 8
+    heartbeat: int
+    engine_state: EngineState
+    stats: dict[str, int] = field(default_factory=dict)
+    STAT_NAMES: ClassVar = ("free_kv_blocks", "total_kv_blocks", "running", "waiting", "generated_tokens")
+    _BODY: ClassVar = struct.Struct("<QIIIIIQ")
+
+    def pack(self) -> bytes:
+        return self._BODY.pack(self.heartbeat, self.engine_state, *(self.stats.get(n, 0) for n in self.STAT_NAMES))
+
+    @classmethod
+    def unpack(cls, body: bytes) -> State:
+        heartbeat, state, *stats = cls._BODY.unpack_from(body)
+        return cls(heartbeat, EngineState(state), dict(zip(cls.STAT_NAMES, stats)))
+
+
+MESSAGES = {m.TYPE: m for m in (Hello, Submit, Cancel, Consumed, Ping, Tokens, Freed, State)}
+Message = Hello | Submit | Cancel | Consumed | Ping | Tokens | Freed | State
+
+
+def encode(msg: Message) -> bytes:
+    body = msg.pack()
+    return _FRAME.pack(len(body), msg.TYPE) + body
+
+
+def decode(msg_type: int, body: bytes) -> Message:
+    cls = MESSAGES.get(msg_type)
+    if cls is None:
+        raise WireError(f"unknown message type {msg_type}")
+    try:
+        return cls.unpack(body)
+    except (struct.error, ValueError) as exc:
+        if isinstance(exc, WireError):
+            raise
+        raise WireError(f"malformed {cls.__name__} frame ({len(body)} bytes): {exc}") from None
+
+
+async def read_message(reader: asyncio.StreamReader) -> Message:
+    """The next message; raises asyncio.IncompleteReadError at EOF and WireError on garbage."""
+    body_len, msg_type = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+    if body_len > MAX_FRAME_BYTES:
+        raise WireError(f"frame of {body_len} bytes is over the limit of {MAX_FRAME_BYTES}")
+    return decode(msg_type, await reader.readexactly(body_len))
+
+
+class Outbox:
+    """Frames queued during one pass of the event loop and written with one `write` (fewer syscalls)."""
+
+    def __init__(self) -> None:
+        self._frames: list[bytes] = []
+
+    def put(self, msg: Message) -> None:
+        self._frames.append(encode(msg))
+
+    def __bool__(self) -> bool:
+        return bool(self._frames)
+
+    def flush(self, writer: asyncio.StreamWriter) -> None:
+        if self._frames:
+            data, self._frames = b"".join(self._frames), []
+            writer.write(data)
+
+
+def _u32s(values: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(values)}I", *values)
+
+
+def _i32s(values: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(values)}i", *values)
+
+
+def _read_u32s(body: bytes, offset: int, n: int) -> tuple[int, ...]:
+    return struct.unpack_from(f"<{n}I", body, offset)
+
+
+def _read_i32s(body: bytes, offset: int, n: int) -> tuple[int, ...]:
+    return struct.unpack_from(f"<{n}i", body, offset)

@@ -1,0 +1,169 @@
+"""The tcp transport on loopback: a real shm ring driven by hand, a `TcpAgent`, and the gateway's
+`Backend` over a `TcpProducer`. Tokens, backpressure, cancel, a lost agent, a silent link, a mismatch."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from gateway.backends import Backend, BackendConnectError, BackendInfo
+from gateway.transports import connect_tcp
+from gateway.config import GatewayConfig
+from gateway.errors import ApiError
+from gateway.tcp_producer import TcpProducer
+from gpu_backend.tcp_agent import TcpAgent
+from protocols import tcp_wire as W
+from protocols.ring import FinishReason, RequestSpec, RingGeometry
+from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring
+
+GEOMETRY = RingGeometry(num_slots=2, max_prompt_len=16, max_output_len=4, max_stop_ids=2)
+CONFIG = GatewayConfig(slot_wait_s=2.0, heartbeat_check_s=0.02, tcp_idle_timeout_s=0.5)
+
+
+@pytest.fixture
+def ring():
+    ring = create_ring(f"blink-gw-tcp-{os.getpid()}", GEOMETRY, "fp")
+    yield ring
+    ring.close()
+
+
+def spec(i: int, max_tokens: int = 8) -> RequestSpec:
+    return RequestSpec(request_id=i, prompt_ids=[1, 2, 3], max_tokens=max_tokens)
+
+
+async def start_agent(ring, port: int = 0) -> tuple[TcpAgent, asyncio.Task]:
+    agent = TcpAgent(RingProducer(attach_ring(ring.name), defer_consumed=True), state_s=0.02, idle_timeout_s=1.0)
+    task = asyncio.create_task(agent.serve("127.0.0.1", port))
+    while not agent.port:
+        await asyncio.sleep(0.005)
+    return agent, task
+
+
+async def start_backend(ring, port: int) -> Backend:
+    info = BackendInfo(addr="test", model_name="m", model_dir="", model_fingerprint="fp", context_len=64,
+                       vocab_size=100, eos_token_ids=(0,), engine_mode="test", ring_name=ring.name,
+                       geometry=GEOMETRY, transport="tcp", tcp_endpoint=f"127.0.0.1:{port}")
+    backend = Backend(info, await connect_tcp(info, CONFIG), CONFIG)
+    backend.start()
+    return backend
+
+
+async def until(cond, timeout_s: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def test_tokens_flow_with_backpressure_and_the_slot_returns(ring):
+    async def main():
+        agent, task = await start_agent(ring)
+        backend = await start_backend(ring, agent.port)
+        engine = RingConsumer(ring)
+        handle = await backend.submit(spec(1))
+        taken = []
+        await until(lambda: taken.extend(engine.take_new()) or taken)
+        slot = taken[0].slot
+        engine.publish(slot, [7, 8, 9, 10])
+        assert engine.room(slot) == 0  # the output buffer is full until the gateway says it read them
+        first = await asyncio.wait_for(handle.next(), 2)
+        await until(lambda: engine.room(slot) == 4)  # Consumed crossed the wire
+        engine.publish(slot, [11])
+        engine.finish(slot, FinishReason.LENGTH)
+        rest = await asyncio.wait_for(handle.next(), 2)
+        assert first.tokens + rest.tokens == [7, 8, 9, 10, 11] and rest.finish == FinishReason.LENGTH
+        assert first.prompt_len == 3
+        await until(lambda: backend.free_slots == 2 and agent.producer.free_slots == 2)
+        await until(lambda: backend.heartbeat == 0 and backend.num_in_flight == 0)
+        engine.beat()
+        await until(lambda: backend.heartbeat == 1)  # State frames carry the heartbeat
+        await backend.close()
+        agent.stop()
+        await task
+    asyncio.run(main())
+
+
+def test_client_cancel_reaches_the_engine(ring):
+    async def main():
+        agent, task = await start_agent(ring)
+        backend = await start_backend(ring, agent.port)
+        engine = RingConsumer(ring)
+        handle = await backend.submit(spec(1))
+        taken = []
+        await until(lambda: taken.extend(engine.take_new()) or taken)
+        handle.close()  # the client went away
+        await until(lambda: engine.cancelled(taken[0].slot, taken[0].seq))
+        engine.finish(taken[0].slot, FinishReason.CANCELLED)
+        await until(lambda: backend.free_slots == 2 and backend.num_in_flight == 0)
+        await backend.close()
+        agent.stop()
+        await task
+    asyncio.run(main())
+
+
+def test_lost_agent_fails_requests_then_the_gateway_reconnects(ring):
+    async def main():
+        agent, task = await start_agent(ring)
+        port = agent.port
+        backend = await start_backend(ring, port)
+        engine = RingConsumer(ring)
+        handle = await backend.submit(spec(1))
+        taken = []
+        await until(lambda: taken.extend(engine.take_new()) or taken)
+        agent.stop()  # the agent dies with the request running
+        await task
+        update = await asyncio.wait_for(handle.next(), 2)
+        assert update.finish == FinishReason.ERROR and "lost the connection" in update.error
+        assert engine.cancelled(taken[0].slot, taken[0].seq)  # nothing keeps running unseen
+        with pytest.raises(ApiError) as exc:
+            await backend.submit(spec(2))
+        assert exc.value.status == 503
+        agent, task = await start_agent(ring, port)  # a new agent on the same ring
+        await until(lambda: backend.free_slots == 1, 5)  # the cancelled slot is still draining
+        engine.finish(taken[0].slot, FinishReason.CANCELLED)
+        await until(lambda: backend.free_slots == 2)  # Freed
+        handle = await backend.submit(spec(3, max_tokens=1))
+        taken = []
+        await until(lambda: taken.extend(engine.take_new()) or taken)
+        engine.publish(taken[0].slot, [5])
+        engine.finish(taken[0].slot, FinishReason.LENGTH)
+        update = await asyncio.wait_for(handle.next(), 2)
+        assert update.tokens == [5] and update.finish == FinishReason.LENGTH
+        await backend.close()
+        agent.stop()
+        await task
+    asyncio.run(main())
+
+
+def test_a_silent_link_counts_as_lost(ring):
+    """An agent that says Hello and then nothing (a link that went down) fails requests after the idle timeout."""
+    async def main():
+        async def mute(reader, writer):
+            writer.write(W.encode(W.Hello(GEOMETRY, "fp", (0, 1))))
+            await asyncio.sleep(5)
+        server = await asyncio.start_server(mute, "127.0.0.1", 0)
+        backend = await start_backend(ring, server.sockets[0].getsockname()[1])
+        handle = await backend.submit(spec(1))
+        update = await asyncio.wait_for(handle.next(), 3)
+        assert update.finish == FinishReason.ERROR and "no frame" in update.error
+        await backend.close()
+        server.close()
+    asyncio.run(main())
+
+
+def test_an_agent_for_another_model_is_refused(ring):
+    async def main():
+        agent, task = await start_agent(ring)
+        producer = TcpProducer(f"127.0.0.1:{agent.port}", GEOMETRY, "other-model")
+        with pytest.raises(Exception, match="Describe said"):
+            await producer.start(2)
+        info = BackendInfo(addr="x", model_name="m", model_dir="", model_fingerprint="fp", context_len=64,
+                           vocab_size=100, eos_token_ids=(0,), engine_mode="test", ring_name=ring.name,
+                           geometry=GEOMETRY, transport="tcp", tcp_endpoint="127.0.0.1:1")
+        with pytest.raises(BackendConnectError, match="no session"):
+            await connect_tcp(info, CONFIG.replace(connect_timeout_s=0.3))
+        agent.stop()
+        await task
+    asyncio.run(main())
