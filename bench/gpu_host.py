@@ -91,7 +91,8 @@ def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
 def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode_steps_wanted: int) -> dict:
     """`batch_size` streams through the ring, long enough that all of them decode together for about
     `decode_steps_wanted` steps after every prefill; times those all-decode steps only."""
-    prefill_steps = -(-batch_size * prompt_len // runner.config.max_num_batched_tokens) + 2
+    budget = runner.config.max_num_batched_tokens
+    prefill_steps = -(-batch_size * prompt_len // max(budget - batch_size, 1)) + 2   # decode goes first
     new_tokens = prefill_steps + decode_steps_wanted
     ring = create_ring(f"blink-bench-host-{os.getpid()}", RingGeometry(max(batch_size, 16), 4096, 1024), "bench")
     try:
