@@ -1,0 +1,59 @@
+"""Batch-1 decode GEMMs of Llama-3-8B: which torch/cuBLAS path streams the weights fastest.
+
+    python bench/gemv_probe.py
+
+Each variant runs inside a CUDA graph, 4 weight copies in rotation so the 60 MB L2 holds none of them;
+GB/s counts the weight bytes read once. Prints one row per (shape, variant).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fn(i)
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / reps)
+    return best
+
+
+def main() -> None:
+    for name, (n, k) in SHAPES.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x8 = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+        variants = {
+            "F.linear M=1": lambda i: F.linear(x, ws[i % 4]),
+            "torch.mv": lambda i: torch.mv(ws[i % 4], x[0]),
+            "F.linear M=8": lambda i: F.linear(x8, ws[i % 4]),
+        }
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            for vname, fn in variants.items():
+                us = graph_us(fn)
+                print(f"{name:8s} {lib:8s} {vname:14s} {us:8.1f} us {n * k * 2 / us / 1e3:7.0f} GB/s", flush=True)
+        torch.backends.cuda.preferred_blas_library("cublas")
+        del ws
+
+
+if __name__ == "__main__":
+    main()
