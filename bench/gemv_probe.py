@@ -52,7 +52,6 @@ def main() -> None:
                 us = graph_us(fn)
                 print(f"{name:8s} {lib:8s} {vname:14s} {us:8.1f} us {n * k * 2 / us / 1e3:7.0f} GB/s", flush=True)
         torch.backends.cuda.preferred_blas_library("cublas")
-        del ws
 
 
 if __name__ == "__main__":
