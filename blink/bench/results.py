@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _commit() -> str | None:
+    """BLINK_COMMIT (a tree copied to a GPU host travels without .git), else `git rev-parse HEAD`."""
+    if os.environ.get("BLINK_COMMIT"):
+        return os.environ["BLINK_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):

@@ -1,0 +1,197 @@
+"""BENCHMARK-ONLY ring traffic generator: a fake engine with no model, and the gateway's added TTFT.
+
+    .venv/bin/python bench/ring_traffic.py ttft [--samples 300] [--out bench/results]
+
+`TrafficEngine` plays a backend: it creates a ring, serves the control plane (Describe/Health) with a
+WordLevel tokenizer, and answers every request with tokens at `--tok-s` per stream (the first one as
+soon as it sees the request), honouring cancels and backpressure. It never runs a model: it exists so
+that the gateway's own cost can be measured without an engine's cost on top. Never serve clients with it.
+
+`ttft`: the engine runs in its own process, spinning, so it answers a request within microseconds.
+1. direct: a RingProducer in this process submits a 1-token request and polls for the token; the median
+   is the ring round trip (IPC + the fake engine's poll);
+2. HTTP: the gateway is started in front of the same ring; a raw aiohttp client (no SDK overhead) sends
+   streaming `max_tokens=1` completions one after another; TTFT = request sent -> first chunk with a
+   choice, as BENCH.md defines it; the official `openai` client is measured too.
+The gateway's added TTFT = median(HTTP) - median(direct). Writes JSON (commit, machine) and prints a row.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gpu_backend.control_server import ControlServer, Description  # noqa: E402
+from gpu_backend.models import preset_config  # noqa: E402
+from gpu_backend.models.demo import default_cache_dir  # noqa: E402
+from gpu_backend.models.random_tokenizer import ensure_random_tokenizer  # noqa: E402
+from protocols.ring import EngineState, FinishReason, RequestSpec, RingGeometry  # noqa: E402
+from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring  # noqa: E402
+from tests.conftest import _wait_health, free_port  # noqa: E402
+
+MODEL_NAME = "ring-traffic"
+TOKENIZER_CFG = preset_config("smollm2-135m")  # only its vocabulary size: the tokenizer is WordLevel w0..wN
+
+
+class TrafficEngine:
+    """The fake engine's loop (benchmark only): tokens at `tok_s` per stream, 0 = as fast as possible."""
+
+    def __init__(self, ring_name: str, control: str, tok_s: float, num_slots: int = 1024):
+        self.ring = create_ring(ring_name, RingGeometry(num_slots, 4096, 1024), MODEL_NAME)
+        self.consumer = RingConsumer(self.ring)
+        self.interval_s = 1.0 / tok_s if tok_s > 0 else 0.0
+        desc = Description(MODEL_NAME, str(ensure_random_tokenizer(TOKENIZER_CFG, default_cache_dir())),
+                           MODEL_NAME, 4096, TOKENIZER_CFG.vocab_size, (), "traffic")
+        self.control = ControlServer(control, desc, self.ring)
+        self.streams: dict[int, list] = {}  # slot -> [seq, produced, max_tokens, next_due_s]
+
+    def run(self, stop: mp.Event) -> None:
+        self.control.start()
+        self.consumer.set_state(EngineState.SERVING)
+        try:
+            while not stop.is_set():
+                self.step(time.monotonic())
+        finally:
+            self.control.stop()
+            self.ring.close()
+
+    def step(self, now: float) -> None:
+        self.consumer.beat()
+        for t in self.consumer.take_new():
+            self.streams[t.slot] = [t.seq, 0, t.spec.max_tokens, now]
+        for slot, s in list(self.streams.items()):
+            if self.consumer.cancelled(slot, s[0]):
+                self._finish(slot, FinishReason.CANCELLED)
+            elif now >= s[3] and self.consumer.room(slot) > 0:
+                self.consumer.publish(slot, [1 + s[1] % (TOKENIZER_CFG.vocab_size - 1)])
+                s[1] += 1
+                s[3] = now + self.interval_s
+                if s[1] >= s[2]:
+                    self._finish(slot, FinishReason.LENGTH)
+
+    def _finish(self, slot: int, reason: FinishReason) -> None:
+        self.consumer.finish(slot, reason)
+        del self.streams[slot]
+
+
+def _engine_main(ring: str, control: str, tok_s: float, stop: mp.Event) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    TrafficEngine(ring, control, tok_s).run(stop)
+
+
+def direct_ttft_ms(ring_name: str, samples: int) -> list[float]:
+    prod, out = RingProducer(attach_ring(ring_name)), []
+    for i in range(samples):
+        t0 = time.perf_counter()
+        slot = prod.submit(RequestSpec(i, [5, 6, 7, 8], 1, temperature=0.0))
+        while not prod.poll(slot).tokens:
+            pass
+        out.append(1e3 * (time.perf_counter() - t0))
+        while prod.poll(slot).finish is FinishReason.NONE:
+            pass
+        prod.release(slot)
+    return out
+
+
+async def http_ttft_ms(url: str, key: str, samples: int) -> list[float]:
+    import aiohttp
+
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8], "max_tokens": 1, "stream": True}
+    out = []
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
+        for _ in range(samples + 5):
+            t0 = time.perf_counter()
+            async with session.post(f"{url}/completions", json=body) as resp:
+                ttft = None
+                async for line in resp.content:
+                    if ttft is None and line.startswith(b"data: {") and b'"choices":[{' in line:
+                        ttft = 1e3 * (time.perf_counter() - t0)
+            out.append(ttft)
+    return out[5:]  # the first few open the connection and warm the gateway
+
+
+def openai_ttft_ms(url: str, key: str, samples: int) -> list[float]:
+    from openai import OpenAI
+
+    client, out = OpenAI(base_url=url, api_key=key, max_retries=0), []
+    for _ in range(samples + 5):
+        t0 = time.perf_counter()
+        ttft = None
+        for chunk in client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=1, stream=True):
+            if ttft is None and chunk.choices:
+                ttft = 1e3 * (time.perf_counter() - t0)
+        out.append(ttft)
+    return out[5:]
+
+
+def commit() -> str:
+    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return os.environ.get("BLINK_COMMIT") or run.stdout.strip() or "unknown"
+
+
+def ttft(args: argparse.Namespace) -> None:
+    ring, control, port = f"blink-traffic-{os.getpid()}", f"127.0.0.1:{free_port()}", free_port()
+    stop = mp.Event()
+    engine = mp.get_context("fork").Process(target=_engine_main, args=(ring, control, 0.0, stop), daemon=True)
+    engine.start()
+    gateway = None
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"/dev/shm/{ring}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        direct = direct_ttft_ms(ring, args.samples)
+        env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
+        gateway = subprocess.Popen([sys.executable, "-m", "blink.cli", "gateway", "--port", str(port),
+                                    "--grpc-port", "0", "--backend", control, "--log-level", "WARNING"],
+                                   cwd=ROOT, env=env)
+        _wait_health(f"http://127.0.0.1:{port}/health", gateway, 60)
+        url = f"http://127.0.0.1:{port}/v1"
+        http = asyncio.run(http_ttft_ms(url, "traffic-key", args.samples))
+        sdk = openai_ttft_ms(url, "traffic-key", args.samples)
+    finally:
+        if gateway is not None:
+            gateway.send_signal(signal.SIGTERM)
+            gateway.wait(timeout=30)
+        stop.set()
+        engine.join(timeout=10)
+    med = {k: statistics.median(v) for k, v in (("direct", direct), ("http", http), ("openai", sdk))}
+    result = {"bench": "gateway_ttft", "commit": commit(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "samples": args.samples, "direct_ms_median": med["direct"], "http_ms_median": med["http"],
+              "openai_ms_median": med["openai"], "gateway_added_ttft_ms_median": med["http"] - med["direct"],
+              "http_ms_p99": statistics.quantiles(http, n=100)[98], "direct_ms": direct, "http_ms": http,
+              "openai_ms": sdk}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"gateway_ttft-{result['commit']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    print(f"TTFT median: ring round trip {med['direct']:.3f} ms, over HTTP (aiohttp) {med['http']:.3f} ms "
+          f"(P99 {result['http_ms_p99']:.3f}), openai client {med['openai']:.3f} ms; "
+          f"gateway adds {result['gateway_added_ttft_ms_median']:.3f} ms at the median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("ttft", help="the gateway's added time to first token")
+    t.add_argument("--samples", type=int, default=300)
+    t.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    ttft(args)
+
+
+if __name__ == "__main__":
+    main()
