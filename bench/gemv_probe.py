@@ -7,8 +7,13 @@ GB/s counts the weight bytes read once. Prints one row per (shape, variant).
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -41,12 +46,13 @@ def main() -> None:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         x8 = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
-        variants = {
-            "F.linear M=1": lambda i: F.linear(x, ws[i % 4]),
-            "torch.mv": lambda i: torch.mv(ws[i % 4], x[0]),
-            "F.linear M=8": lambda i: F.linear(x8, ws[i % 4]),
-        }
-        for lib in ("cublas", "cublaslt"):
+        variants = {"F.linear M=1": lambda i: F.linear(x, ws[i % 4]), "F.linear M=8": lambda i: F.linear(x8, ws[i % 4])}
+        from kernels.gemv import gemv
+
+        for cfg in ((4, 512, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 256, 4), (8, 512, 8), (32, 256, 8)):
+            us = graph_us(lambda i, c=cfg: gemv(x, ws[i % 4], config=c))
+            print(f"{name:8s} triton   gemv {str(cfg):14s} {us:8.1f} us {n * k * 2 / us / 1e3:7.0f} GB/s", flush=True)
+        for lib in ("cublas",):
             torch.backends.cuda.preferred_blas_library(lib)
             for vname, fn in variants.items():
                 us = graph_us(fn)

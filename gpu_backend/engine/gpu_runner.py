@@ -56,6 +56,9 @@ class GpuRunnerConfig:
     gpu_memory_fraction: float = 0.9
     num_kv_blocks: int = 0  # 0: size the cache from free memory and gpu_memory_fraction
     use_graphs: bool = True
+    # projections that a one-token step runs through kernels/gemv.py instead of cuBLAS (measured faster
+    # for these shapes at batch 1 on an H200; see bench/NOTES.md)
+    gemv_projections: tuple[str, ...] = ("qkv", "o", "down")
 
     def __post_init__(self) -> None:
         if not 0.05 <= self.gpu_memory_fraction <= 0.99:
@@ -161,7 +164,9 @@ class GpuRunner:
                  device: torch.device | str = "cuda", progress: bool = True):
         from kernels import paged_attention, rmsnorm, rope_kv, sampling, swiglu  # triton: GPU hosts only
 
-        self._k = dict(attn=paged_attention.paged_attention, rmsnorm=rmsnorm.rmsnorm,
+        from kernels import gemv
+
+        self._k = dict(attn=paged_attention.paged_attention, rmsnorm=rmsnorm.rmsnorm, gemv=gemv.gemv,
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
                        swiglu=swiglu.swiglu, sample=sampling.sample)
         self.cfg, self.config, self.device = cfg, config, torch.device(device)
@@ -248,7 +253,7 @@ class GpuRunner:
                 x = k["rmsnorm"](h, layer["in_norm"], c.rms_norm_eps)
             else:
                 x, residual = k["add_rmsnorm"](x, residual, layer["in_norm"], c.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])               # [t, q + 2 kv]
+            qkv = self._linear("qkv", x, layer["qkv"], layer["qkv_bias"])    # [t, q + 2 kv]
             q = qkv[:, :q_size].unflatten(1, (c.num_heads, c.head_dim))
             kk = qkv[:, q_size:q_size + kv_size].unflatten(1, (c.num_kv_heads, c.head_dim))
             v = qkv[:, q_size + kv_size:].unflatten(1, (c.num_kv_heads, c.head_dim))
@@ -256,10 +261,15 @@ class GpuRunner:
             k["rope_kv"](q, kk, v, d["positions"][:t], self.cos, self.sin, d["slot_mapping"][:t], cache)
             k["attn"](q, cache, d["seq_ids"][:t], d["q_start"][:s + 1], d["ctx_lens"][:s], d["block_tables"][:s],
                       d["num_seqs"], self.scale, out=attn_out, split_keys=split_keys)
-            x = F.linear(attn_out.flatten(1), layer["o"])
+            x = self._linear("o", attn_out.flatten(1), layer["o"])
             x, residual = k["add_rmsnorm"](x, residual, layer["post_norm"], c.rms_norm_eps)
-            x = F.linear(k["swiglu"](F.linear(x, layer["gate_up"])), layer["down"])
+            x = self._linear("down", k["swiglu"](self._linear("gate_up", x, layer["gate_up"])), layer["down"])
         return x, residual
+
+    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if x.shape[0] == 1 and name in self.config.gemv_projections:
+            return self._k["gemv"](x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def _head(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Final add + norm and the LM head: [n, hidden] rows -> [n, V] float32 logits."""
