@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ._common import check
 
-# (BLOCK_N, BLOCK_K, num_warps); chosen on an H200 by bench/gemv_probe.py
+# (BLOCK_N, BLOCK_K, num_warps); the best all-round on an H200 (bench/gemv_probe.py, bench/NOTES.md)
 DEFAULT_CONFIG = (8, 512, 4)
 
 

@@ -56,9 +56,11 @@ class GpuRunnerConfig:
     gpu_memory_fraction: float = 0.9
     num_kv_blocks: int = 0  # 0: size the cache from free memory and gpu_memory_fraction
     use_graphs: bool = True
-    # projections that a one-token step runs through kernels/gemv.py instead of cuBLAS (measured faster
-    # for these shapes at batch 1 on an H200; see bench/NOTES.md)
-    gemv_projections: tuple[str, ...] = ("qkv", "o", "down")
+    # projections that a one-token step runs through kernels/gemv.py instead of cuBLAS, with the
+    # (BLOCK_N, BLOCK_K, num_warps) that streamed Llama-3-8B's shapes fastest on an H200 (bench/NOTES.md)
+    gemv_projections: tuple[tuple[str, tuple[int, int, int]], ...] = (
+        ("qkv", (8, 512, 4)), ("o", (8, 512, 4)), ("gate_up", (16, 256, 4)), ("down", (8, 512, 8)),
+        ("lm_head", (16, 256, 4)))
 
     def __post_init__(self) -> None:
         if not 0.05 <= self.gpu_memory_fraction <= 0.99:
@@ -170,6 +172,7 @@ class GpuRunner:
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
                        swiglu=swiglu.swiglu, sample=sampling.sample)
         self.cfg, self.config, self.device = cfg, config, torch.device(device)
+        self._gemv = dict(config.gemv_projections)
         self.dtype = next(model.parameters()).dtype
         if self.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"the GPU runner needs bf16 or fp16 weights, got {self.dtype}")
@@ -267,14 +270,15 @@ class GpuRunner:
         return x, residual
 
     def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        if x.shape[0] == 1 and name in self.config.gemv_projections:
-            return self._k["gemv"](x, weight, bias)
+        config = self._gemv.get(name) if x.shape[0] == 1 else None
+        if config is not None:
+            return self._k["gemv"](x, weight, bias, config=config)
         return F.linear(x, weight, bias)
 
     def _head(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Final add + norm and the LM head: [n, hidden] rows -> [n, V] float32 logits."""
         normed, _ = self._k["add_rmsnorm"](x, residual, self.weights.final_norm, self.cfg.rms_norm_eps)
-        return F.linear(normed, self.weights.lm_head).float()
+        return self._linear("lm_head", normed, self.weights.lm_head).float()
 
     @torch.inference_mode()
     def _capture(self, progress: bool) -> float:
