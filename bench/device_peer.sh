@@ -8,7 +8,7 @@ OUT=${OUT:-bench/results}; N=${N:-200}; CONC=${CONC:-64}; PY=${PYTHON:-python3};
 mkdir -p "$OUT"
 [ -f "$DIR/model.safetensors" ] || $PY bench/peer_hf_model.py random:llama-3-8b "$DIR" || exit 1
 transformers serve --help > "$OUT/hf_serve_help.txt" 2>&1
-transformers serve --force-model "$DIR" --continuous-batching --host 127.0.0.1 --port 8001 \
+transformers serve "$DIR" --continuous-batching --host 127.0.0.1 --port 8001 \
     > "$OUT/hf_serve.log" 2>&1 &
 serve=$!
 trap 'kill -TERM $serve 2>/dev/null; wait $serve' EXIT
@@ -19,5 +19,5 @@ for _ in $(seq 900); do
 done
 echo "transformers serve ready after $SECONDS s"
 $PY -m blink.bench --url http://127.0.0.1:8001/v1 --api-key none --model "$DIR" --endpoint chat \
-    --workload sharegpt --rates inf --max-concurrency "$CONC" --num-requests "$N" --label hf-serve-cb \
+    --workload sharegpt --rates inf --max-concurrency "$CONC" --num-requests "$N" --label hf-serve-cb --no-ignore-eos \
     --backend-pid $serve --out "$OUT" --no-progress --warmup-requests 2 --request-timeout 300 ${EXTRA:-}

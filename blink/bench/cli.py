@@ -81,6 +81,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-requests", type=int, default=1, help="short requests sent before measuring")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds of silence before a stream fails")
     p.add_argument("--continuous-usage", action="store_true", help="ask for usage in every chunk (vLLM)")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="do not send ignore_eos (servers that reject unknown fields; give the model no EOS instead)")
     p.add_argument("--out", default="bench/results", help="folder for the JSON files")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--backend-pid", type=int, default=None, help="backend process (tree) to charge CPU to")
@@ -175,7 +177,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except (OSError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise SystemExit(f"blink bench: cannot list models at {args.url}/models ({exc}); check --url and --api-key")
     client = ClientConfig(args.url.rstrip("/"), model, api_key, args.endpoint, args.temperature, args.request_timeout,
-                          args.continuous_usage)
+                          args.continuous_usage, not args.no_ignore_eos)
     workload, pid = build_workload(args), backend_pid(args)
     asyncio.run(_warm_up(client, workload, args.warmup_requests))
     env, docs = environment(), []

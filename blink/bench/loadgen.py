@@ -32,6 +32,9 @@ class ClientConfig:
     temperature: float | None = None  # None: the workload's
     request_timeout_s: float = 600.0  # longest silence while reading a stream
     continuous_usage: bool = False  # ask for usage in every chunk (vLLM extension): exact per-chunk counts
+    # send the `ignore_eos` extension; off for servers that reject unknown fields (transformers serve):
+    # there, a generation config without EOS does the same
+    ignore_eos: bool = True
 
     def __post_init__(self):
         if self.endpoint not in ("completions", "chat"):
@@ -74,9 +77,11 @@ class ArrivalConfig:
 
 
 def build_payload(cfg: ClientConfig, req: BenchRequest, temperature: float) -> dict:
-    body = {"model": cfg.model, "max_tokens": req.output_len, "ignore_eos": True, "stream": True,
+    body = {"model": cfg.model, "max_tokens": req.output_len, "stream": True,
             "temperature": temperature,
             "stream_options": {"include_usage": True, **({"continuous_usage_stats": True} if cfg.continuous_usage else {})}}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": " ".join(f"w{i}" for i in req.prompt_ids)}]
     else:
