@@ -105,6 +105,7 @@ def _select_kernel(sorted_ptr, order_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_
     top_k = tl.load(top_k_ptr + row)
     top_k = tl.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     top_p = tl.load(top_p_ptr + row)
+    top_p = tl.where(top_p < 1.0, top_p, 2.0)   # >= 1 keeps every token, as the CPU sampler does
     row_ptr = sorted_ptr + row * vocab
     min_prob = tl.load(min_p_ptr + row) * tl.load(row_ptr)
     end = tl.where(greedy, 0, top_k)      # greedy rows: nothing to do (argmax came from the softmax kernel)

@@ -75,7 +75,9 @@ def _filter(sorted_probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     ranks = torch.arange(vocab).unsqueeze(0)
     top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows]).unsqueeze(1)
     keep = ranks < top_k
-    top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32).unsqueeze(1)
+    # top_p >= 1 keeps every token: the float32 running mass can round up to 1.0 in the far tail, and a
+    # filter at 1.0 would then cut tokens that the user asked to keep
+    top_p = torch.tensor([r.top_p if r.top_p < 1.0 else 2.0 for r in rows], dtype=torch.float32).unsqueeze(1)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     keep &= mass_before < top_p  # the smallest prefix whose mass reaches top_p
     min_p = torch.tensor([r.min_p for r in rows], dtype=torch.float32).unsqueeze(1)
