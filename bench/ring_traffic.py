@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import multiprocessing as mp
 import os
@@ -45,10 +46,24 @@ MODEL_NAME = "ring-traffic"
 TOKENIZER_CFG = preset_config("smollm2-135m")  # only its vocabulary size: the tokenizer is WordLevel w0..wN
 
 
-class TrafficEngine:
-    """The fake engine's loop (benchmark only): tokens at `tok_s` per stream, 0 = as fast as possible."""
+TIME_UNIT_NS = 10_000  # streamed token ids encode their publish time in these units, modulo the vocabulary
 
-    def __init__(self, ring_name: str, control: str, tok_s: float, num_slots: int = 1024):
+
+def token_for(now_ns: int) -> int:
+    return 1 + (now_ns // TIME_UNIT_NS) % (TOKENIZER_CFG.vocab_size - 1)
+
+
+def lag_us(token: int, recv_ns: int) -> float:
+    """Publish-to-receipt time of a token made by `token_for` (unambiguous below ~0.49 s)."""
+    span = TOKENIZER_CFG.vocab_size - 1
+    return ((recv_ns // TIME_UNIT_NS) % span - (token - 1)) % span * TIME_UNIT_NS / 1e3
+
+
+class TrafficEngine:
+    """The fake engine's loop (benchmark only): tokens at `tok_s` per stream, 0 = as fast as possible.
+    Each token id encodes its publish time (`token_for`), so a client can measure per-token latency."""
+
+    def __init__(self, ring_name: str, control: str, tok_s: float, num_slots: int = 1024, idle_s: float = 0.0):
         self.ring = create_ring(ring_name, RingGeometry(num_slots, 4096, 1024), MODEL_NAME)
         self.consumer = RingConsumer(self.ring)
         self.interval_s = 1.0 / tok_s if tok_s > 0 else 0.0
@@ -56,6 +71,8 @@ class TrafficEngine:
                            MODEL_NAME, 4096, TOKENIZER_CFG.vocab_size, (), "traffic")
         self.control = ControlServer(control, desc, self.ring)
         self.streams: dict[int, list] = {}  # slot -> [seq, produced, max_tokens, next_due_s]
+        self.idle_s = idle_s  # sleep between loop iterations (0: spin)
+        self.due: list[tuple[float, int]] = []  # (due time, slot) heap
 
     def run(self, stop: mp.Event) -> None:
         self.control.start()
@@ -63,32 +80,46 @@ class TrafficEngine:
         try:
             while not stop.is_set():
                 self.step(time.monotonic())
+                if self.idle_s:
+                    time.sleep(self.idle_s)
         finally:
             self.control.stop()
             self.ring.close()
 
     def step(self, now: float) -> None:
+        """Publish every token that is due; a cancel is seen at the stream's next due time."""
         self.consumer.beat()
         for t in self.consumer.take_new():
             self.streams[t.slot] = [t.seq, 0, t.spec.max_tokens, now]
-        for slot, s in list(self.streams.items()):
+            heapq.heappush(self.due, (now, t.slot))
+        while self.due and self.due[0][0] <= now:
+            _, slot = heapq.heappop(self.due)
+            s = self.streams[slot]
             if self.consumer.cancelled(slot, s[0]):
                 self._finish(slot, FinishReason.CANCELLED)
-            elif now >= s[3] and self.consumer.room(slot) > 0:
-                self.consumer.publish(slot, [1 + s[1] % (TOKENIZER_CFG.vocab_size - 1)])
+                continue
+            if self.consumer.room(slot) > 0:
+                self.consumer.publish(slot, [token_for(time.monotonic_ns())])
                 s[1] += 1
-                s[3] = now + self.interval_s
-                if s[1] >= s[2]:
-                    self._finish(slot, FinishReason.LENGTH)
+            if s[1] >= s[2]:
+                self._finish(slot, FinishReason.LENGTH)
+            else:
+                s[3] = max(s[3] + self.interval_s, now) if self.interval_s else now
+                heapq.heappush(self.due, (s[3], slot))
+            if not self.interval_s:
+                break  # as fast as possible: one token per stream per iteration
 
     def _finish(self, slot: int, reason: FinishReason) -> None:
         self.consumer.finish(slot, reason)
         del self.streams[slot]
 
 
-def _engine_main(ring: str, control: str, tok_s: float, stop: mp.Event) -> None:
+def _engine_main(ring: str, control: str, tok_s: float, stop: mp.Event, idle_s: float = 0.0,
+                 cores: set[int] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    TrafficEngine(ring, control, tok_s).run(stop)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    TrafficEngine(ring, control, tok_s, idle_s=idle_s).run(stop)
 
 
 def direct_ttft_ms(ring_name: str, samples: int) -> list[float]:
@@ -183,14 +214,93 @@ def ttft(args: argparse.Namespace) -> None:
           f"gateway adds {result['gateway_added_ttft_ms_median']:.3f} ms at the median")
 
 
+async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> dict:
+    """`streams` concurrent streaming completions; per-token publish-to-receipt latency from the ids."""
+    import re
+
+    import aiohttp
+
+    word = re.compile(rb"w(\d+)")
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}
+    lags, counts = [], []
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        got = 0
+        async with session.post(f"{url}/completions", json=body) as resp:
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.monotonic_ns()
+                text = line.split(b'"text":"', 1)[1].split(b'"', 1)[0] if b'"text":"' in line else b""
+                for m in word.finditer(text):
+                    lags.append(lag_us(int(m.group(1)), now))
+                    got += 1
+        counts.append(got)
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, headers={"Authorization": f"Bearer {key}"}) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(session) for _ in range(streams)))
+        wall = time.perf_counter() - t0
+    lags.sort()
+    q = lambda f: lags[min(len(lags) - 1, int(f * len(lags)))]  # noqa: E731
+    return {"streams": streams, "max_tokens": max_tokens, "wall_s": wall, "tokens": sum(counts),
+            "complete_streams": sum(c == max_tokens for c in counts), "tok_s": sum(counts) / wall,
+            "lag_us_p50": q(0.5), "lag_us_p90": q(0.9), "lag_us_p99": q(0.99), "lag_us_max": lags[-1]}
+
+
+def stream(args: argparse.Namespace) -> None:
+    """The gateway on its own core(s), the fake engine and the clients on the others."""
+    cores = sorted(os.sched_getaffinity(0))
+    gw_cores, other = set(cores[-args.gateway_cores:]), set(cores[:-args.gateway_cores]) or set(cores)
+    ring, control, port = f"blink-traffic-{os.getpid()}", f"127.0.0.1:{free_port()}", free_port()
+    stop = mp.Event()
+    engine = mp.get_context("fork").Process(target=_engine_main, daemon=True,
+                                            args=(ring, control, args.tok_s, stop, 0.0005, other))
+    engine.start()
+    gateway = None
+    try:
+        env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
+        gateway = subprocess.Popen([sys.executable, "-m", "blink.cli", "gateway", "--port", str(port),
+                                    "--grpc-port", "0", "--backend", control, "--log-level", "WARNING"],
+                                   cwd=ROOT, env=env, preexec_fn=lambda: os.sched_setaffinity(0, gw_cores))
+        _wait_health(f"http://127.0.0.1:{port}/health", gateway, 60)
+        os.sched_setaffinity(0, other)
+        result = asyncio.run(stream_clients(f"http://127.0.0.1:{port}/v1", "traffic-key", args.streams, args.tokens))
+    finally:
+        if gateway is not None:
+            gateway.send_signal(signal.SIGTERM)
+            gateway.wait(timeout=30)
+        stop.set()
+        engine.join(timeout=10)
+    result = {"bench": "gateway_stream", "commit": commit(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "gateway_cores": sorted(gw_cores), "other_cores": sorted(other), "engine_tok_s_per_stream": args.tok_s,
+              **result}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"gateway_stream-{result['commit']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    print(f"{result['streams']} streams x {result['max_tokens']} tokens at {args.tok_s:g} tok/s each: "
+          f"{result['tok_s']:.0f} tok/s delivered, {result['complete_streams']} complete; per-token "
+          f"publish->client latency P50 {result['lag_us_p50'] / 1e3:.2f} ms, P99 {result['lag_us_p99'] / 1e3:.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("ttft", help="the gateway's added time to first token")
     t.add_argument("--samples", type=int, default=300)
     t.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    st = sub.add_parser("stream", help="streamed tokens/s and per-token latency through the gateway")
+    st.add_argument("--streams", type=int, default=512)
+    st.add_argument("--tokens", type=int, default=200, help="tokens per stream")
+    st.add_argument("--tok-s", type=float, default=50.0, help="fake engine tokens/s per stream")
+    st.add_argument("--gateway-cores", type=int, default=1, help="the last N cores are the gateway's")
+    st.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
-    ttft(args)
+    (ttft if args.cmd == "ttft" else stream)(args)
 
 
 if __name__ == "__main__":
