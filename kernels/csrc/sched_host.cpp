@@ -64,3 +64,5 @@ void blink_sched_host_update(void* mem, const int32_t* sampled) {
 }
 
 }  // extern "C"
+
+extern "C" void blink_sched_host_bind(void* mem, blink_sched* out) { *out = bound(mem); }
