@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from gpu_backend.engine.scheduler import BlockManager, Scheduler, SchedulerConfig, Status
+from gpu_backend.engine.scheduler import BlockManager, Scheduler, SchedulerConfig
 from kernels import sched_host
 from protocols.ring import ErrorCode, RequestSpec
 
@@ -211,3 +211,23 @@ def test_native_step_buffer_matches_fill_step_byte_for_byte():
         trace.run(NUM_FILL_STEPS)
     print(f"{filler.compared} step buffers compared")
     assert filler.compared > 1000
+
+
+@pytest.mark.xfail(strict=True, reason="the reference (and so the C++) stalls when every running sequence is mid-prefill "
+                   "and no block is free: prefill never preempts. Fix both together, then drop this mark")
+def test_prefill_stall_when_partial_prefills_hold_every_block():
+    cfg = SchedulerConfig(4, 2, 64, (EOS,))
+    py = Scheduler(cfg, BlockManager(8, 1))
+    nat = NativeScheduler(cfg, 8, 1, 2)
+    specs = [RequestSpec(1, [5] * 6, 1), RequestSpec(2, [6] * 6, 1)]
+    seqs = [py.add(slot, slot, spec, 0) for slot, spec in enumerate(specs)]
+    for slot, spec in enumerate(specs):
+        nat.add(slot, spec, 0)
+    for room in ([1, 1], [0, 1]):  # A prefills 4 of 6; A's last chunk waits for room while B takes 4 blocks
+        batch = py.schedule(lambda s: room[s.slot])
+        py.update(batch, {id(e.seq): 7 for e in batch.entries if e.samples})
+        nat.schedule(np.array(room, np.int32))
+        nat.update([7] * nat.h.num_sampled)
+    assert py.blocks.num_free == nat.num_free == 0 and [s.num_computed for s in seqs] == [4, 4]
+    progress = (bool(py.schedule(lambda s: 100)), bool(nat.schedule(np.array([100, 100], np.int32))))
+    assert progress == (True, True)  # today (False, False): both stall, every step, forever
