@@ -66,7 +66,7 @@ class Trace:
         self.rng = rng = random.Random(seed)
         self.cfg, num_blocks, block_size = random_setup(rng)
         self.py = Scheduler(self.cfg, BlockManager(num_blocks, block_size))
-        step = filler.geometry(self.cfg, rng) if filler else None
+        step = filler.geometry(self.cfg, block_size, rng) if filler else None
         self.nat = NativeScheduler(self.cfg, num_blocks, block_size, MAX_SLOTS, max_stop_ids=4, step=step)
         self.filler, self.free_slots, self.by_slot = filler, list(range(MAX_SLOTS)), {}
         self.steps = self.preemptions = self.finishes = self.stalls = 0
@@ -170,22 +170,19 @@ class StepFiller:
         self.torch, self.gr = torch, gpu_runner
         self.compared = 0
 
-    def geometry(self, cfg: SchedulerConfig, rng: random.Random) -> StepGeometry:
+    def geometry(self, cfg: SchedulerConfig, block_size: int, rng: random.Random) -> StepGeometry:
         budget = cfg.max_num_batched_tokens
-        self.runner_cfg = self.gr.GpuRunnerConfig(max_num_batched_tokens=budget,
-                                                  max_num_seqs=rng.randint(cfg.max_num_seqs, budget),
-                                                  block_size=0, context_len=cfg.context_len)
+        self.runner_cfg = rc = self.gr.GpuRunnerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=rng.randint(cfg.max_num_seqs, budget),
+            block_size=block_size, context_len=cfg.context_len)
         self.buckets = self.gr.token_buckets(budget)
-        return StepGeometry(budget, self.runner_cfg.max_num_seqs, self.buckets)
+        self.bufs = self.gr.StepBuffers(budget, rc.max_num_seqs, rc.max_blocks_per_seq, self.torch.device("cpu"))
+        return StepGeometry(budget, rc.max_num_seqs, self.buckets)
 
-    def setup(self, nat: NativeScheduler) -> None:
-        block_size = nat.h.cfg.block_size
-        self.runner_cfg = self.gr.GpuRunnerConfig(**{**self.runner_cfg.__dict__, "block_size": block_size})
-        self.bufs = self.gr.StepBuffers(self.runner_cfg.max_num_batched_tokens, self.runner_cfg.max_num_seqs,
-                                        self.runner_cfg.max_blocks_per_seq, self.torch.device("cpu"))
-        offsets = np.zeros(15, np.uint64)
-        total = nat.lib.blink_sched_step_layout(self.runner_cfg.max_num_batched_tokens, self.runner_cfg.max_num_seqs,
-                                                self.runner_cfg.max_blocks_per_seq, offsets.ctypes.data)
+    def check_layout(self, nat: NativeScheduler) -> None:
+        rc, offsets = self.runner_cfg, np.zeros(15, np.uint64)
+        total = nat.lib.blink_sched_step_layout(rc.max_num_batched_tokens, rc.max_num_seqs, rc.max_blocks_per_seq,
+                                                offsets.ctypes.data)
         assert offsets.tolist() == [off for off, _, _ in self.bufs.offsets.values()] and total == self.bufs.num_bytes
 
     def compare(self, batch, nat: NativeScheduler, rng: random.Random) -> None:
@@ -207,7 +204,7 @@ def test_native_step_buffer_matches_fill_step_byte_for_byte():
     filler = StepFiller()
     for seed in range(1000, 1000 + NUM_FILL_TRACES):
         trace = Trace(seed, filler)
-        filler.setup(trace.nat)
+        filler.check_layout(trace.nat)
         trace.run(NUM_FILL_STEPS)
     print(f"{filler.compared} step buffers compared")
     assert filler.compared > 1000
