@@ -18,7 +18,8 @@ from gpu_backend.engine.scheduler import SchedulerConfig
 from kernels import sched_host
 from protocols.ring import ErrorCode, FinishReason, RequestSpec
 
-MAX_EOS, MAX_BUCKETS = 8, 32
+MAX_EOS, MAX_BUCKETS = 8, 32  # BLINK_SCHED_MAX_EOS, BLINK_SCHED_MAX_BUCKETS
+SLOT_FREE = 2  # BLINK_SEQ_FINISHED: a finished slot is a free slot
 _i32 = ctypes.c_int32
 
 
@@ -115,7 +116,7 @@ class NativeScheduler:
                                                          spec.temperature, spec.top_p, spec.top_k, spec.min_p))
 
     def add(self, slot: int, spec: RequestSpec, rng_seed: int) -> None:
-        if not 0 <= slot < self.max_slots or self.a["status"][slot] != 2:
+        if not 0 <= slot < self.max_slots or self.a["status"][slot] != SLOT_FREE:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.max_slots - 1}")
         if len(spec.stop_ids) > self.max_stop_ids:
             raise ValueError(f"stop_ids: {len(spec.stop_ids)} ids, at most {self.max_stop_ids}")
