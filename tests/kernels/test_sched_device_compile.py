@@ -27,18 +27,29 @@ __global__ void sched_step(uint8_t* mem, uint8_t* step_buf, const int32_t* room,
 """
 
 
-def _nvcc() -> str | None:
+def nvcc_path() -> str | None:
     home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
     found = shutil.which("nvcc") or str(Path(home) / "bin" / "nvcc")
     return found if Path(found).exists() else None
 
 
 def test_blink_sched_compiles_as_sm90_device_code(tmp_path):
-    nvcc = _nvcc()
+    nvcc = nvcc_path()
     if nvcc is None:
         pytest.skip("nvcc not found (PATH, $CUDA_HOME/bin): cannot check the device build of blink_sched.h")
     src = tmp_path / "sched_step.cu"
     src.write_text(KERNEL)
     res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-Werror", "all-warnings", "-I", str(INCLUDE),
                           "-c", str(src), "-o", str(tmp_path / "sched_step.o")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_device_check_harness_compiles(tmp_path):
+    """The GPU lockstep harness (run by test_sched_device.py on a GPU host) builds here too."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH, $CUDA_HOME/bin): cannot build tests/kernels/sched_device_check.cu")
+    harness = Path(__file__).resolve().parent / "sched_device_check.cu"
+    res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-Werror", "all-warnings", "-I", str(INCLUDE), "-c",
+                          str(harness), "-o", str(tmp_path / "check.o")], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
