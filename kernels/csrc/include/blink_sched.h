@@ -3,7 +3,9 @@
 // order (FCFS inside a class), then chunked prefill within the token budget; admission only when blocks
 // exist; preemption by recompute of the latest, lowest-priority running sequence; a sequence with no room
 // in its output buffer is skipped; finished and cancelled sequences free their blocks the same step.
-// tests/gpu_backend/test_sched_native.py diffs this against the reference step by step.
+// tests/gpu_backend/test_sched_native.py diffs this against the reference step by step, bugs included: when
+// every running sequence is mid-prefill and no block is free, both stall (prefill never preempts; an xfail
+// test pins it until both are fixed together).
 //
 // All state lives in one caller-owned buffer (device memory in the loop, a numpy array on the host):
 // a header (config + counters), then fixed arrays carved by blink_sched_bind. No allocation, no recursion.
