@@ -7,6 +7,10 @@ shapes and dtypes on the host and launches with a grid fixed by the shapes (grap
 - `swiglu`: `swiglu`
 - `sampling`: `sample`, `uniforms` (the CPU engine's counter-based RNG, bit for bit)
 
+The scheduling step of the GPU-resident loop is C++ (`csrc/include/blink_sched.h`, device and host);
+`sched_host` builds its host library with the C++ compiler on first use (no triton, no torch) for
+`gpu_backend/engine/sched_native.py`.
+
 Modules import triton; import them only where it is installed. `device_check.sh` runs the GPU tests and
 a timing table on a GPU host; `python -m kernels.compile_check` compiles everything for sm_90 without one.
 """

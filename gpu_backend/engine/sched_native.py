@@ -1,0 +1,186 @@
+"""The native scheduler: `kernels/csrc/include/blink_sched.h`, the very code the GPU-resident loop runs,
+built for the host (`kernels/sched_host.py`) and driven through ctypes. No torch, no device memory.
+
+It makes the same decisions as the reference (`engine/scheduler.py`), with state in the device loop's
+shapes: sequences indexed by ring slot, fixed arrays in one buffer (`state`, a numpy array here, device
+memory in the loop). `tests/gpu_backend/test_sched_native.py` diffs the two step by step.
+The one interface difference: sequences are named by slot, and `update` takes the sampled tokens as a
+list in entry order (what the runner returns), not a dict keyed by sequence.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpu_backend.engine.scheduler import SchedulerConfig
+from kernels import sched_host
+from protocols.ring import ErrorCode, FinishReason, RequestSpec
+
+MAX_EOS, MAX_BUCKETS = 8, 32  # BLINK_SCHED_MAX_EOS, BLINK_SCHED_MAX_BUCKETS
+SLOT_FREE = 2  # BLINK_SEQ_FINISHED: a finished slot is a free slot
+_i32 = ctypes.c_int32
+
+
+class _Config(ctypes.Structure):  # blink_sched_config
+    _fields_ = [("max_slots", _i32), ("num_blocks", _i32), ("block_size", _i32), ("context_len", _i32),
+                ("budget", _i32), ("max_num_seqs", _i32), ("max_stop_ids", _i32), ("num_eos", _i32),
+                ("eos_ids", _i32 * MAX_EOS), ("step_max_tokens", _i32), ("step_max_seqs", _i32),
+                ("num_buckets", _i32), ("buckets", _i32 * MAX_BUCKETS)]
+
+
+class _Header(ctypes.Structure):  # blink_sched_header
+    _fields_ = [("cfg", _Config), ("next_arrival", ctypes.c_int64)] + [
+        (n, _i32) for n in ("free_head", "num_free", "num_running", "num_waiting", "num_entries", "num_preempted",
+                            "num_new", "num_finished", "bucket", "num_tokens", "num_sampled", "all_greedy")]
+
+
+_ARRAYS = [  # blink_sched's pointers after `h`, in order: (name, dtype, shape key)
+    ("status", np.int32, "n"), ("prompt_len", np.int32, "n"), ("num_tokens", np.int32, "n"),
+    ("num_computed", np.int32, "n"), ("num_table", np.int32, "n"), ("num_preemptions", np.int32, "n"),
+    ("priority", np.int64, "n"), ("arrival", np.int64, "n"), ("max_tokens", np.int64, "n"),
+    ("ignore_eos", np.int32, "n"), ("num_stop", np.int32, "n"), ("stop_ids", np.int32, "n,stop"),
+    ("temperature", np.float32, "n"), ("top_p", np.float32, "n"), ("min_p", np.float32, "n"),
+    ("top_k", np.int32, "n"), ("seed", np.uint64, "n"), ("block_table", np.int32, "n,mb"),
+    ("tokens", np.int32, "n,ctx"), ("scheduled", np.uint8, "n"), ("free_blocks", np.int32, "blocks"),
+    ("running", np.int32, "n"), ("waiting", np.int32, "n"), ("entry_slot", np.int32, "n"),
+    ("entry_q_len", np.int32, "n"), ("entry_samples", np.int32, "n"), ("entry_start", np.int32, "n"),
+    ("entry_q_start", np.int32, "n+1"), ("preempted", np.int32, "n"), ("new_slot", np.int32, "n"),
+    ("new_token", np.int32, "n"), ("fin_slot", np.int32, "n"), ("fin_reason", np.int32, "n"),
+]
+
+
+class _Bound(ctypes.Structure):  # blink_sched
+    _fields_ = [("h", ctypes.c_void_p)] + [(name, ctypes.c_void_p) for name, _, _ in _ARRAYS]
+
+
+@dataclass(frozen=True)
+class StepGeometry:
+    """The step buffer the bucket graphs read (gpu_runner.StepBuffers): T tokens, S rows, the buckets."""
+
+    max_tokens: int
+    max_seqs: int
+    buckets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NativeEntry:
+    slot: int
+    q_len: int
+    samples: bool
+
+
+class NativeScheduler:
+    """`add` -> `schedule` -> `fill` (the step buffer) -> (model runs) -> `update`; `finish` between steps."""
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_slots: int,
+                 max_stop_ids: int = 16, step: StepGeometry | None = None):
+        step = step or StepGeometry(config.max_num_batched_tokens, config.max_num_seqs, (config.max_num_batched_tokens,))
+        if len(config.eos_token_ids) > MAX_EOS or len(step.buckets) > MAX_BUCKETS:
+            raise ValueError(f"at most {MAX_EOS} eos ids and {MAX_BUCKETS} buckets")
+        self.lib = sched_host.load()
+        c = _Config(max_slots, num_blocks, block_size, config.context_len, config.max_num_batched_tokens,
+                    config.max_num_seqs, max_stop_ids, len(config.eos_token_ids))
+        c.eos_ids[: len(config.eos_token_ids)] = list(config.eos_token_ids)
+        c.step_max_tokens, c.step_max_seqs, c.num_buckets = step.max_tokens, step.max_seqs, len(step.buckets)
+        c.buckets[: len(step.buckets)] = list(step.buckets)
+        self.config, self.max_slots, self.max_stop_ids = config, max_slots, max_stop_ids
+        nbytes = self.lib.blink_sched_state_bytes(ctypes.byref(c))
+        self.state = np.zeros(-(-nbytes // 8), dtype=np.uint64)  # [bytes/8] u64: 8-byte aligned, host
+        self.lib.blink_sched_host_init(self._mem, ctypes.byref(c))
+        self.h = _Header.from_address(self._mem)
+        self.a = self._views(max_slots, num_blocks, -(-config.context_len // block_size), config.context_len)
+        self._scratch = np.zeros(max_slots, dtype=np.int32)
+
+    @property
+    def _mem(self) -> int:
+        return self.state.ctypes.data
+
+    def _views(self, n: int, blocks: int, mb: int, ctx: int) -> dict[str, np.ndarray]:
+        bound = _Bound()
+        self.lib.blink_sched_host_bind(self._mem, ctypes.byref(bound))
+        dims = {"n": (n,), "n,stop": (n, self.max_stop_ids), "n,mb": (n, mb), "n,ctx": (n, ctx),
+                "blocks": (blocks,), "n+1": (n + 1,)}
+        views = {}
+        for name, dtype, key in _ARRAYS:
+            shape = dims[key]
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            raw = (ctypes.c_uint8 * nbytes).from_address(getattr(bound, name))
+            views[name] = np.frombuffer(raw, dtype=dtype).reshape(shape)
+        return views
+
+    # ---- admission -------------------------------------------------------------------------------
+    def check(self, spec: RequestSpec) -> ErrorCode:
+        return ErrorCode(self.lib.blink_sched_host_check(self._mem, len(spec.prompt_ids), spec.max_tokens,
+                                                         spec.temperature, spec.top_p, spec.top_k, spec.min_p))
+
+    def add(self, slot: int, spec: RequestSpec, rng_seed: int) -> None:
+        if not 0 <= slot < self.max_slots or self.a["status"][slot] != SLOT_FREE:
+            raise ValueError(f"slot {slot} is not a free slot of 0..{self.max_slots - 1}")
+        if len(spec.stop_ids) > self.max_stop_ids:
+            raise ValueError(f"stop_ids: {len(spec.stop_ids)} ids, at most {self.max_stop_ids}")
+        prompt = np.asarray(spec.prompt_ids, dtype=np.int32)
+        stops = np.asarray(spec.stop_ids, dtype=np.int32)
+        self.lib.blink_sched_host_add(self._mem, slot, prompt.ctypes.data, len(prompt), spec.max_tokens, spec.priority,
+                                      stops.ctypes.data, len(stops), int(spec.ignore_eos), spec.temperature,
+                                      spec.top_k, spec.top_p, spec.min_p, rng_seed % (1 << 64))
+
+    def finish(self, slot: int) -> None:
+        """Remove the sequence in `slot` wherever it is and free its blocks now (cancel, error)."""
+        self.lib.blink_sched_host_finish(self._mem, slot)
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def schedule(self, room: np.ndarray) -> list[NativeEntry]:
+        """room: [max_slots] int32, free space in each slot's output buffer."""
+        room = np.ascontiguousarray(room, dtype=np.int32)
+        if room.shape != (self.max_slots,):
+            raise ValueError(f"room must have shape ({self.max_slots},), got {room.shape}")
+        n = self.lib.blink_sched_host_schedule(self._mem, room.ctypes.data, self._scratch.ctypes.data)
+        a = self.a
+        return [NativeEntry(int(s), int(q), bool(x))
+                for s, q, x in zip(a["entry_slot"][:n], a["entry_q_len"][:n], a["entry_samples"][:n])]
+
+    @property
+    def preempted(self) -> list[int]:
+        return self.a["preempted"][: self.h.num_preempted].tolist()
+
+    def fill(self, buf: np.ndarray, nthreads: int = 1) -> int:
+        """Write the step into `buf` (a StepBuffers byte buffer); returns the bucket."""
+        if buf.dtype != np.uint8 or not buf.flags.c_contiguous:
+            raise ValueError("buf must be a contiguous uint8 array")
+        return self.lib.blink_sched_host_fill(self._mem, buf.ctypes.data, nthreads)
+
+    def update(self, sampled: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, FinishReason]]]:
+        """Apply one token per sampling entry, in entry order. Returns (slot, token) to publish and
+        (slot, reason) of the sequences that finished; their blocks are already free."""
+        tokens = np.asarray(sampled, dtype=np.int32)
+        self.lib.blink_sched_host_update(self._mem, tokens.ctypes.data)
+        a, h = self.a, self.h
+        new = list(zip(a["new_slot"][: h.num_new].tolist(), a["new_token"][: h.num_new].tolist()))
+        done = [(s, FinishReason(r)) for s, r in zip(a["fin_slot"][: h.num_finished].tolist(),
+                                                     a["fin_reason"][: h.num_finished].tolist())]
+        return new, done
+
+    # ---- state, for stats and tests -----------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self.h.num_free
+
+    def free_list(self) -> list[int]:
+        nb, head = self.h.cfg.num_blocks, self.h.free_head
+        return [int(self.a["free_blocks"][(head + k) % nb]) for k in range(self.h.num_free)]
+
+    @property
+    def running(self) -> list[int]:
+        return self.a["running"][: self.h.num_running].tolist()
+
+    @property
+    def waiting(self) -> list[int]:
+        return self.a["waiting"][: self.h.num_waiting].tolist()
+
+    def block_table(self, slot: int) -> list[int]:
+        return self.a["block_table"][slot, : self.a["num_table"][slot]].tolist()
+
+    def token_ids(self, slot: int) -> list[int]:
+        return self.a["tokens"][slot, : self.a["num_tokens"][slot]].tolist()

@@ -1,0 +1,492 @@
+// The scheduling step of the GPU-resident loop, written once for the device and the host.
+// Same rules, same choices as gpu_backend/engine/scheduler.py (the reference): decode first in priority
+// order (FCFS inside a class), then chunked prefill within the token budget; admission only when blocks
+// exist; preemption by recompute of the latest, lowest-priority running sequence; a sequence with no room
+// in its output buffer is skipped; finished and cancelled sequences free their blocks the same step.
+// tests/gpu_backend/test_sched_native.py diffs this against the reference step by step, bugs included: when
+// every running sequence is mid-prefill and no block is free, both stall (prefill never preempts; an xfail
+// test pins it until both are fixed together).
+//
+// All state lives in one caller-owned buffer (device memory in the loop, a numpy array on the host):
+// a header (config + counters), then fixed arrays carved by blink_sched_bind. No allocation, no recursion.
+// The serial parts run on one thread (tid 0 of the scheduler block); filling the step buffer is split
+// over (tid, nthreads) and runs with nthreads = 1 on the host.
+#ifndef BLINK_SCHED_H
+#define BLINK_SCHED_H
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define BLINK_HD __host__ __device__ inline
+#else
+#define BLINK_HD static inline
+#endif
+
+#define BLINK_SCHED_MAX_EOS 8
+#define BLINK_SCHED_MAX_BUCKETS 32
+#define BLINK_STEP_NUM_FIELDS 15
+
+enum blink_seq_status { BLINK_SEQ_WAITING = 0, BLINK_SEQ_RUNNING = 1, BLINK_SEQ_FINISHED = 2 };  // FINISHED: slot free
+enum blink_sched_error { BLINK_ERR_NONE = 0, BLINK_ERR_PROMPT_TOO_LONG = 1, BLINK_ERR_INVALID_PARAMS = 2,
+                         BLINK_ERR_NO_KV_CAPACITY = 3 };
+// StepBuffers fields, in gpu_runner.py's order (the order fixes the byte offsets)
+enum blink_step_field { BLINK_F_INPUT_IDS, BLINK_F_POSITIONS, BLINK_F_SLOT_MAPPING, BLINK_F_SEQ_IDS,
+                        BLINK_F_SAMPLE_ROWS, BLINK_F_TEMPERATURE, BLINK_F_TOP_K, BLINK_F_TOP_P, BLINK_F_MIN_P,
+                        BLINK_F_SEEDS, BLINK_F_SAMPLE_POS, BLINK_F_Q_START, BLINK_F_CTX_LENS, BLINK_F_NUM_SEQS,
+                        BLINK_F_BLOCK_TABLES };
+
+typedef struct blink_sched_config {
+  int32_t max_slots;           // ring slots: sequence state is indexed by slot
+  int32_t num_blocks;
+  int32_t block_size;
+  int32_t context_len;         // prompt + generated tokens a sequence may hold
+  int32_t budget;              // max_num_batched_tokens
+  int32_t max_num_seqs;        // running sequences at most
+  int32_t max_stop_ids;
+  int32_t num_eos;
+  int32_t eos_ids[BLINK_SCHED_MAX_EOS];
+  // the step buffer the bucket graphs read (gpu_runner.StepBuffers)
+  int32_t step_max_tokens;     // T
+  int32_t step_max_seqs;       // S (GpuRunnerConfig.max_num_seqs: a bucket's graph has min(bucket, S) rows)
+  int32_t num_buckets;
+  int32_t buckets[BLINK_SCHED_MAX_BUCKETS];
+} blink_sched_config;
+
+typedef struct blink_sched_header {
+  blink_sched_config cfg;
+  int64_t next_arrival;
+  int32_t free_head, num_free;  // free blocks: a FIFO ring (the reference's deque: pop left, push right)
+  int32_t num_running, num_waiting;
+  int32_t num_entries, num_preempted;
+  int32_t num_new, num_finished;
+  int32_t bucket, num_tokens, num_sampled, all_greedy;
+} blink_sched_header;
+
+typedef struct blink_sched {
+  blink_sched_header* h;
+  // per slot
+  int32_t *status, *prompt_len, *num_tokens, *num_computed, *num_table, *num_preemptions;
+  int64_t *priority, *arrival, *max_tokens;
+  int32_t *ignore_eos, *num_stop, *stop_ids;     // stop_ids [slots, max_stop_ids]
+  float *temperature, *top_p, *min_p;
+  int32_t* top_k;
+  uint64_t* seed;
+  int32_t* block_table;                          // [slots, max_blocks_per_seq]
+  int32_t* tokens;                               // [slots, context_len]: prompt + generated
+  uint8_t* scheduled;                            // [slots] scratch of one step
+  // shared
+  int32_t* free_blocks;                          // [num_blocks]
+  int32_t *running, *waiting;                    // [slots] slot ids, in the reference's list order
+  // one step's batch
+  int32_t *entry_slot, *entry_q_len, *entry_samples, *entry_start, *entry_q_start;  // [slots (+1)]
+  int32_t* preempted;                            // [slots]
+  int32_t *new_slot, *new_token, *fin_slot, *fin_reason;  // update's results [slots]
+} blink_sched;
+
+BLINK_HD int32_t blink_max_blocks_per_seq(const blink_sched_config* c) {
+  return (c->context_len + c->block_size - 1) / c->block_size;
+}
+
+BLINK_HD uint64_t blink_align8(uint64_t n) { return (n + 7u) & ~(uint64_t)7u; }
+
+// Carve the arrays from `mem` (8-byte aligned); returns the bytes used. mem may be 0 to size only.
+BLINK_HD uint64_t blink_sched_bind(blink_sched* s, void* mem, const blink_sched_config* c) {
+  uint8_t* base = (uint8_t*)mem;
+  uint64_t off = blink_align8(sizeof(blink_sched_header));
+  const uint64_t n = (uint64_t)c->max_slots, mb = (uint64_t)blink_max_blocks_per_seq(c);
+#define BLINK_CARVE(field, type, count) \
+  s->field = (type*)(base + off); off = blink_align8(off + sizeof(type) * (uint64_t)(count));
+  s->h = (blink_sched_header*)base;
+  BLINK_CARVE(status, int32_t, n) BLINK_CARVE(prompt_len, int32_t, n) BLINK_CARVE(num_tokens, int32_t, n)
+  BLINK_CARVE(num_computed, int32_t, n) BLINK_CARVE(num_table, int32_t, n) BLINK_CARVE(num_preemptions, int32_t, n)
+  BLINK_CARVE(priority, int64_t, n) BLINK_CARVE(arrival, int64_t, n) BLINK_CARVE(max_tokens, int64_t, n)
+  BLINK_CARVE(ignore_eos, int32_t, n) BLINK_CARVE(num_stop, int32_t, n)
+  BLINK_CARVE(stop_ids, int32_t, n * (uint64_t)c->max_stop_ids)
+  BLINK_CARVE(temperature, float, n) BLINK_CARVE(top_p, float, n) BLINK_CARVE(min_p, float, n)
+  BLINK_CARVE(top_k, int32_t, n) BLINK_CARVE(seed, uint64_t, n)
+  BLINK_CARVE(block_table, int32_t, n * mb) BLINK_CARVE(tokens, int32_t, n * (uint64_t)c->context_len)
+  BLINK_CARVE(scheduled, uint8_t, n) BLINK_CARVE(free_blocks, int32_t, c->num_blocks)
+  BLINK_CARVE(running, int32_t, n) BLINK_CARVE(waiting, int32_t, n)
+  BLINK_CARVE(entry_slot, int32_t, n) BLINK_CARVE(entry_q_len, int32_t, n) BLINK_CARVE(entry_samples, int32_t, n)
+  BLINK_CARVE(entry_start, int32_t, n) BLINK_CARVE(entry_q_start, int32_t, n + 1) BLINK_CARVE(preempted, int32_t, n)
+  BLINK_CARVE(new_slot, int32_t, n) BLINK_CARVE(new_token, int32_t, n)
+  BLINK_CARVE(fin_slot, int32_t, n) BLINK_CARVE(fin_reason, int32_t, n)
+#undef BLINK_CARVE
+  return off;
+}
+
+// Every slot free, every block free, in id order (the reference's deque(range(num_blocks))).
+BLINK_HD void blink_sched_init(blink_sched* s, const blink_sched_config* c) {
+  blink_sched_header* h = s->h;
+  h->cfg = *c;
+  h->next_arrival = 0;
+  h->free_head = 0;
+  h->num_free = c->num_blocks;
+  h->num_running = h->num_waiting = h->num_entries = h->num_preempted = h->num_new = h->num_finished = 0;
+  h->bucket = h->num_tokens = h->num_sampled = 0;
+  h->all_greedy = 1;
+  for (int32_t b = 0; b < c->num_blocks; ++b) s->free_blocks[b] = b;
+  for (int32_t i = 0; i < c->max_slots; ++i) { s->status[i] = BLINK_SEQ_FINISHED; s->num_table[i] = 0; }
+}
+
+// ---- blocks ------------------------------------------------------------------------------------------
+BLINK_HD int32_t blink_blocks_for(const blink_sched* s, int64_t num_tokens) {
+  const int32_t bs = s->h->cfg.block_size;
+  return (int32_t)((num_tokens + bs - 1) / bs);
+}
+
+BLINK_HD int32_t blink_extra_blocks(const blink_sched* s, int32_t slot, int32_t num_tokens) {
+  const int32_t need = blink_blocks_for(s, num_tokens) - s->num_table[slot];
+  return need > 0 ? need : 0;
+}
+
+BLINK_HD void blink_grow(blink_sched* s, int32_t slot, int32_t num_tokens) {
+  blink_sched_header* h = s->h;
+  const int32_t nb = h->cfg.num_blocks, mb = blink_max_blocks_per_seq(&h->cfg);
+  for (int32_t k = blink_extra_blocks(s, slot, num_tokens); k > 0; --k) {
+    s->block_table[(int64_t)slot * mb + s->num_table[slot]++] = s->free_blocks[h->free_head];
+    h->free_head = (h->free_head + 1) % nb;
+    h->num_free -= 1;
+  }
+}
+
+BLINK_HD void blink_free_blocks(blink_sched* s, int32_t slot) {
+  blink_sched_header* h = s->h;
+  const int32_t nb = h->cfg.num_blocks, mb = blink_max_blocks_per_seq(&h->cfg);
+  for (int32_t k = 0; k < s->num_table[slot]; ++k) {
+    s->free_blocks[(h->free_head + h->num_free) % nb] = s->block_table[(int64_t)slot * mb + k];
+    h->num_free += 1;
+  }
+  s->num_table[slot] = 0;
+}
+
+// ---- ordered slot lists (the reference's running/waiting lists) ----------------------------------------
+BLINK_HD int blink_before(const blink_sched* s, int32_t a, int32_t b) {  // (priority, arrival) order
+  if (s->priority[a] != s->priority[b]) return s->priority[a] < s->priority[b];
+  return s->arrival[a] < s->arrival[b];
+}
+
+BLINK_HD void blink_sort(const blink_sched* s, int32_t* list, int32_t n) {  // insertion sort: keys unique
+  for (int32_t i = 1; i < n; ++i) {
+    const int32_t x = list[i];
+    int32_t j = i;
+    for (; j > 0 && blink_before(s, x, list[j - 1]); --j) list[j] = list[j - 1];
+    list[j] = x;
+  }
+}
+
+BLINK_HD int blink_remove(int32_t* list, int32_t* n, int32_t slot) {
+  for (int32_t i = 0; i < *n; ++i) {
+    if (list[i] != slot) continue;
+    for (int32_t j = i + 1; j < *n; ++j) list[j - 1] = list[j];
+    *n -= 1;
+    return 1;
+  }
+  return 0;
+}
+
+// ---- admission ---------------------------------------------------------------------------------------
+// Why a request can never run (blink_sched_error), as Scheduler.check.
+BLINK_HD int32_t blink_sched_check(const blink_sched* s, int32_t prompt_len, int64_t max_tokens, double temperature,
+                                   double top_p, int32_t top_k, double min_p) {
+  const blink_sched_config* c = &s->h->cfg;
+  if (prompt_len >= c->context_len) return BLINK_ERR_PROMPT_TOO_LONG;
+  if (temperature < 0 || !(0 < top_p && top_p <= 1) || top_k < 0 || !(0 <= min_p && min_p <= 1))
+    return BLINK_ERR_INVALID_PARAMS;
+  int64_t final_len = prompt_len + max_tokens - 1;
+  if (final_len > c->context_len) final_len = c->context_len;
+  if (blink_blocks_for(s, final_len) > c->num_blocks) return BLINK_ERR_NO_KV_CAPACITY;
+  return BLINK_ERR_NONE;
+}
+
+// Queue a checked request in a free slot (Scheduler.add). Sampling parameters go to the step buffer.
+BLINK_HD void blink_sched_add(blink_sched* s, int32_t slot, const int32_t* prompt, int32_t prompt_len,
+                              int64_t max_tokens, int64_t priority, const int32_t* stop_ids, int32_t num_stop,
+                              int32_t ignore_eos, float temperature, int32_t top_k, float top_p, float min_p,
+                              uint64_t seed) {
+  blink_sched_header* h = s->h;
+  const int64_t ctx = h->cfg.context_len;
+  for (int32_t i = 0; i < prompt_len; ++i) s->tokens[slot * ctx + i] = prompt[i];
+  for (int32_t i = 0; i < num_stop; ++i) s->stop_ids[(int64_t)slot * h->cfg.max_stop_ids + i] = stop_ids[i];
+  s->prompt_len[slot] = s->num_tokens[slot] = prompt_len;
+  s->num_computed[slot] = s->num_table[slot] = s->num_preemptions[slot] = 0;
+  s->max_tokens[slot] = max_tokens;
+  s->priority[slot] = priority;
+  s->arrival[slot] = h->next_arrival++;
+  s->num_stop[slot] = num_stop;
+  s->ignore_eos[slot] = ignore_eos;
+  s->temperature[slot] = temperature;
+  s->top_k[slot] = top_k;
+  s->top_p[slot] = top_p;
+  s->min_p[slot] = min_p;
+  s->seed[slot] = seed;
+  s->status[slot] = BLINK_SEQ_WAITING;
+  s->waiting[h->num_waiting++] = slot;
+}
+
+// Remove a sequence wherever it is and free its blocks now (Scheduler.finish; cancels use this).
+BLINK_HD void blink_sched_finish(blink_sched* s, int32_t slot) {
+  blink_sched_header* h = s->h;
+  blink_free_blocks(s, slot);
+  blink_remove(s->running, &h->num_running, slot);
+  blink_remove(s->waiting, &h->num_waiting, slot);
+  s->status[slot] = BLINK_SEQ_FINISHED;
+}
+
+// ---- one step ----------------------------------------------------------------------------------------
+BLINK_HD void blink_push_entry(blink_sched* s, int32_t slot, int32_t q_len, int32_t samples) {
+  blink_sched_header* h = s->h;
+  const int32_t e = h->num_entries++;
+  s->entry_slot[e] = slot;
+  s->entry_q_len[e] = q_len;
+  s->entry_samples[e] = samples;
+  s->entry_start[e] = s->num_computed[slot];
+  s->scheduled[slot] = 1;
+}
+
+BLINK_HD void blink_preempt(blink_sched* s, int32_t slot) {
+  blink_sched_header* h = s->h;
+  blink_free_blocks(s, slot);
+  s->num_computed[slot] = 0;
+  s->num_preemptions[slot] += 1;
+  s->status[slot] = BLINK_SEQ_WAITING;
+  blink_remove(s->running, &h->num_running, slot);
+  s->waiting[h->num_waiting++] = slot;
+  blink_sort(s, s->waiting, h->num_waiting);
+  s->preempted[h->num_preempted++] = slot;
+}
+
+// Grow `slot` to `num_tokens`, preempting the latest, lowest-priority unscheduled running sequence while
+// blocks run out; with nothing else to take, the sequence itself gives way (Scheduler._reserve).
+BLINK_HD int blink_reserve(blink_sched* s, int32_t slot, int32_t num_tokens) {
+  blink_sched_header* h = s->h;
+  while (blink_extra_blocks(s, slot, num_tokens) > h->num_free) {
+    int32_t victim = -1;
+    for (int32_t i = 0; i < h->num_running; ++i) {
+      const int32_t v = s->running[i];
+      if (v == slot || s->scheduled[v]) continue;
+      if (victim < 0 || blink_before(s, victim, v)) victim = v;
+    }
+    if (victim < 0) {
+      blink_preempt(s, slot);
+      return 0;
+    }
+    blink_preempt(s, victim);
+  }
+  blink_grow(s, slot, num_tokens);
+  return 1;
+}
+
+// Tokens of `slot` to prefill this step, 0 for none (Scheduler._prefill_chunk).
+BLINK_HD int32_t blink_prefill_chunk(const blink_sched* s, int32_t slot, int32_t budget, const int32_t* room) {
+  const blink_sched_header* h = s->h;
+  if (s->status[slot] == BLINK_SEQ_WAITING && h->num_running >= h->cfg.max_num_seqs) return 0;
+  int32_t q_len = s->num_tokens[slot] - s->num_computed[slot];
+  if (budget < q_len) q_len = budget;
+  const int32_t fits = (s->num_table[slot] + h->num_free) * h->cfg.block_size - s->num_computed[slot];
+  if (fits < q_len) q_len = fits;
+  if (q_len > 0 && s->num_computed[slot] + q_len == s->num_tokens[slot] && room[slot] <= 0) return 0;
+  return q_len > 0 ? q_len : 0;
+}
+
+BLINK_HD int32_t blink_decode_phase(blink_sched* s, const int32_t* room, int32_t* order, int32_t budget) {
+  blink_sched_header* h = s->h;
+  const int32_t n = h->num_running;
+  for (int32_t i = 0; i < n; ++i) order[i] = s->running[i];  // a snapshot: preemption edits the list
+  for (int32_t i = 0; i < n && budget > 0; ++i) {
+    const int32_t slot = order[i];
+    if (s->status[slot] != BLINK_SEQ_RUNNING || s->num_tokens[slot] - s->num_computed[slot] != 1 || room[slot] <= 0)
+      continue;
+    if (!blink_reserve(s, slot, s->num_computed[slot] + 1)) continue;
+    blink_push_entry(s, slot, 1, 1);
+    budget -= 1;
+  }
+  return budget;
+}
+
+BLINK_HD void blink_prefill_phase(blink_sched* s, const int32_t* room, int32_t* order, int32_t budget) {
+  blink_sched_header* h = s->h;
+  int32_t n = 0;
+  for (int32_t i = 0; i < h->num_running; ++i) {
+    const int32_t slot = s->running[i];
+    if (s->num_tokens[slot] - s->num_computed[slot] > 1) order[n++] = slot;
+  }
+  for (int32_t i = 0; i < h->num_waiting; ++i) order[n++] = s->waiting[i];
+  for (int32_t i = 0; i < n && budget > 0; ++i) {
+    const int32_t slot = order[i];
+    if (s->scheduled[slot] || s->status[slot] == BLINK_SEQ_FINISHED) continue;
+    const int32_t q_len = blink_prefill_chunk(s, slot, budget, room);
+    if (q_len == 0) {
+      if (s->status[slot] == BLINK_SEQ_WAITING) break;  // FCFS within strict priority: nobody overtakes a waiting head
+      continue;
+    }
+    blink_grow(s, slot, s->num_computed[slot] + q_len);
+    if (s->status[slot] == BLINK_SEQ_WAITING) {
+      blink_remove(s->waiting, &h->num_waiting, slot);
+      s->running[h->num_running++] = slot;
+      s->status[slot] = BLINK_SEQ_RUNNING;
+    }
+    blink_push_entry(s, slot, q_len, s->num_computed[slot] + q_len == s->num_tokens[slot]);
+    budget -= q_len;
+  }
+}
+
+// Choose this step's entries (Scheduler.schedule). room[slot]: free space in the slot's output buffer.
+// `order` is scratch of max_slots ints (shared memory on the device). Serial: one thread.
+BLINK_HD int32_t blink_sched_schedule(blink_sched* s, const int32_t* room, int32_t* order) {
+  blink_sched_header* h = s->h;
+  h->num_entries = h->num_preempted = 0;
+  for (int32_t i = 0; i < h->cfg.max_slots; ++i) s->scheduled[i] = 0;
+  blink_sort(s, s->running, h->num_running);
+  blink_sort(s, s->waiting, h->num_waiting);
+  const int32_t budget = blink_decode_phase(s, room, order, h->cfg.budget);
+  blink_prefill_phase(s, room, order, budget);
+  return h->num_entries;
+}
+
+// ---- the step buffer (gpu_runner.StepBuffers / fill_step) -------------------------------------------------
+BLINK_HD int32_t blink_step_field_size(int32_t field) {
+  const int32_t eight = (1 << BLINK_F_POSITIONS) | (1 << BLINK_F_SLOT_MAPPING) | (1 << BLINK_F_SAMPLE_ROWS) |
+                        (1 << BLINK_F_SEEDS) | (1 << BLINK_F_SAMPLE_POS);
+  return (eight >> field) & 1 ? 8 : 4;
+}
+
+// Byte offsets of the fields (T tokens, S sequences, MB blocks per sequence); returns the total bytes.
+BLINK_HD uint64_t blink_step_layout(int32_t t, int32_t s, int32_t mb, uint64_t* offsets) {
+  const int64_t counts[BLINK_STEP_NUM_FIELDS] = {t, t, t, t, s, s, s, s, s, s, s, s + 1, s, 1, (int64_t)s * mb};
+  uint64_t off = 0;
+  for (int32_t f = 0; f < BLINK_STEP_NUM_FIELDS; ++f) {
+    off = blink_align8(off);
+    offsets[f] = off;
+    off += (uint64_t)counts[f] * (uint64_t)blink_step_field_size(f);
+  }
+  return blink_align8(off);
+}
+
+BLINK_HD int32_t blink_bucket_for(const blink_sched_config* c, int32_t num_tokens) {
+  for (int32_t i = 0; i < c->num_buckets; ++i)
+    if (c->buckets[i] >= num_tokens) return c->buckets[i];
+  return -1;  // the scheduler's budget never exceeds the largest bucket
+}
+
+#define BLINK_FIELD(buf, offs, f, type) ((type*)((buf) + (offs)[f]))
+
+// Serial part of filling the step buffer: q_start, ctx_lens, num_seqs, sample rows and parameters,
+// the bucket. Returns the bucket; h->num_sampled and h->all_greedy say which graph to launch.
+BLINK_HD int32_t blink_fill_prologue(blink_sched* s, uint8_t* buf) {
+  blink_sched_header* h = s->h;
+  const blink_sched_config* c = &h->cfg;
+  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  blink_step_layout(c->step_max_tokens, c->step_max_seqs, blink_max_blocks_per_seq(c), offs);
+  int32_t* q_start = BLINK_FIELD(buf, offs, BLINK_F_Q_START, int32_t);
+  int64_t* rows = BLINK_FIELD(buf, offs, BLINK_F_SAMPLE_ROWS, int64_t);
+  int32_t n = 0, k = 0, greedy = 1;
+  for (int32_t e = 0; e < h->num_entries; ++e) {
+    const int32_t slot = s->entry_slot[e];
+    s->entry_q_start[e] = q_start[e] = n;
+    n += s->entry_q_len[e];
+    BLINK_FIELD(buf, offs, BLINK_F_CTX_LENS, int32_t)[e] = s->entry_start[e] + s->entry_q_len[e];
+    if (!s->entry_samples[e]) continue;
+    rows[k] = n - 1;
+    BLINK_FIELD(buf, offs, BLINK_F_TEMPERATURE, float)[k] = s->temperature[slot];
+    BLINK_FIELD(buf, offs, BLINK_F_TOP_K, int32_t)[k] = s->top_k[slot];
+    BLINK_FIELD(buf, offs, BLINK_F_TOP_P, float)[k] = s->top_p[slot];
+    BLINK_FIELD(buf, offs, BLINK_F_MIN_P, float)[k] = s->min_p[slot];
+    BLINK_FIELD(buf, offs, BLINK_F_SEEDS, uint64_t)[k] = s->seed[slot];
+    BLINK_FIELD(buf, offs, BLINK_F_SAMPLE_POS, int64_t)[k] = s->num_tokens[slot];
+    greedy = greedy && (s->temperature[slot] <= 0.0f || s->top_k[slot] == 1);
+    ++k;
+  }
+  s->entry_q_start[h->num_entries] = n;
+  const int32_t bucket = blink_bucket_for(c, n);
+  const int32_t rows_in_graph = bucket < c->step_max_seqs ? bucket : c->step_max_seqs;
+  for (int32_t e = h->num_entries; e <= rows_in_graph; ++e) q_start[e] = n;
+  for (int32_t r = k; r < rows_in_graph; ++r) rows[r] = 0;
+  *BLINK_FIELD(buf, offs, BLINK_F_NUM_SEQS, int32_t) = h->num_entries;
+  h->bucket = bucket;
+  h->num_tokens = n;
+  h->num_sampled = k;
+  h->all_greedy = greedy;
+  return bucket;
+}
+
+BLINK_HD int32_t blink_entry_of_token(const blink_sched* s, int32_t i) {  // last e with q_start[e] <= i
+  int32_t lo = 0, hi = s->h->num_entries - 1;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi + 1) / 2;
+    if (s->entry_q_start[mid] <= i) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Parallel part: token rows [0, bucket) (padding: id 0, position 0, KV slot -1, seq id -1) and the
+// block-table rows of the batch. Runs after blink_fill_prologue (a barrier between them on the device).
+BLINK_HD void blink_fill_tokens(const blink_sched* s, uint8_t* buf, int32_t tid, int32_t nthreads) {
+  const blink_sched_header* h = s->h;
+  const blink_sched_config* c = &h->cfg;
+  const int32_t mb = blink_max_blocks_per_seq(c), bs = c->block_size;
+  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  blink_step_layout(c->step_max_tokens, c->step_max_seqs, mb, offs);
+  for (int32_t i = tid; i < h->bucket; i += nthreads) {
+    int32_t id = 0, seq_id = -1;
+    int64_t pos = 0, kv = -1;
+    if (i < h->num_tokens) {
+      seq_id = blink_entry_of_token(s, i);
+      const int32_t slot = s->entry_slot[seq_id];
+      pos = s->entry_start[seq_id] + (i - s->entry_q_start[seq_id]);
+      id = s->tokens[(int64_t)slot * c->context_len + pos];
+      kv = (int64_t)s->block_table[(int64_t)slot * mb + pos / bs] * bs + pos % bs;
+    }
+    BLINK_FIELD(buf, offs, BLINK_F_INPUT_IDS, int32_t)[i] = id;
+    BLINK_FIELD(buf, offs, BLINK_F_POSITIONS, int64_t)[i] = pos;
+    BLINK_FIELD(buf, offs, BLINK_F_SLOT_MAPPING, int64_t)[i] = kv;
+    BLINK_FIELD(buf, offs, BLINK_F_SEQ_IDS, int32_t)[i] = seq_id;
+  }
+  int32_t* tables = BLINK_FIELD(buf, offs, BLINK_F_BLOCK_TABLES, int32_t);
+  for (int32_t e = 0; e < h->num_entries; ++e) {
+    const int32_t slot = s->entry_slot[e];
+    for (int32_t b = tid; b < s->num_table[slot]; b += nthreads)
+      tables[(int64_t)e * mb + b] = s->block_table[(int64_t)slot * mb + b];
+  }
+}
+
+// ---- after the model ran -------------------------------------------------------------------------------
+BLINK_HD int32_t blink_stop_reason(const blink_sched* s, int32_t slot, int32_t token) {
+  const blink_sched_config* c = &s->h->cfg;
+  int is_stop = 0;
+  if (!s->ignore_eos[slot])
+    for (int32_t i = 0; i < c->num_eos; ++i) is_stop |= token == c->eos_ids[i];
+  for (int32_t i = 0; i < s->num_stop[slot]; ++i) is_stop |= token == s->stop_ids[(int64_t)slot * c->max_stop_ids + i];
+  if (is_stop) return 1;  // FinishReason.STOP
+  const int64_t generated = s->num_tokens[slot] - s->prompt_len[slot];
+  if (generated + 1 >= s->max_tokens[slot] || s->num_tokens[slot] + 1 >= c->context_len) return 2;  // LENGTH
+  return 0;
+}
+
+// Apply a step's sampled tokens (one per sampling entry, in entry order), as Scheduler.update: tokens to
+// publish go to new_slot/new_token (stop tokens are not published), finishes to fin_slot/fin_reason,
+// with their blocks already free. Serial: one thread.
+BLINK_HD void blink_sched_update(blink_sched* s, const int32_t* sampled) {
+  blink_sched_header* h = s->h;
+  const int64_t ctx = h->cfg.context_len;
+  int32_t k = 0;
+  h->num_new = h->num_finished = 0;
+  for (int32_t e = 0; e < h->num_entries; ++e) {
+    const int32_t slot = s->entry_slot[e];
+    s->num_computed[slot] += s->entry_q_len[e];
+    if (!s->entry_samples[e]) continue;
+    const int32_t token = sampled[k++];
+    const int32_t reason = blink_stop_reason(s, slot, token);
+    if (reason != 1) {
+      s->tokens[slot * ctx + s->num_tokens[slot]++] = token;
+      s->new_slot[h->num_new] = slot;
+      s->new_token[h->num_new++] = token;
+    }
+    if (reason == 0) continue;
+    blink_sched_finish(s, slot);
+    s->fin_slot[h->num_finished] = slot;
+    s->fin_reason[h->num_finished++] = reason;
+  }
+}
+
+#endif  // BLINK_SCHED_H

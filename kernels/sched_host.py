@@ -1,0 +1,75 @@
+"""Loader of the host build of the scheduling step (`csrc/sched_host.cpp` over `csrc/include/blink_sched.h`):
+compiled with the host C++ compiler on first use, cached by a hash of the sources, loaded with ctypes.
+
+No triton, no torch: the `cpu` engine and CI load it on machines with no GPU. The scheduler's Python face
+is `gpu_backend/engine/sched_native.py`.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "sched_host.cpp", CSRC / "include" / "blink_sched.h")
+FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror")
+
+
+def host_compiler() -> str | None:
+    """$CXX, else the first of g++, c++, clang++ on PATH; None when there is none."""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cache_dir() -> Path:
+    # the cache gpu_backend/models/demo.py uses ($BLINK_CACHE, else ~/.cache/blink); kernels/ imports no gpu_backend
+    return Path(os.environ.get("BLINK_CACHE") or Path.home() / ".cache" / "blink").expanduser() / "kernels"
+
+
+def build() -> Path:
+    """The shared library's path, compiled now unless a build of these exact sources is cached."""
+    cxx = host_compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler on PATH (set CXX or install g++): the native scheduler needs one")
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join((cxx, *FLAGS)).encode())
+    out = _cache_dir() / f"sched_host-{digest.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        res = subprocess.run([cxx, *FLAGS, "-I", str(CSRC / "include"), str(SOURCES[0]), "-o", str(tmp_so)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"building {SOURCES[0].name} failed:\n{res.stderr}")
+        os.replace(tmp_so, out)  # atomic: a concurrent build loads either copy
+    return out
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build()))
+    p, i32, i64, u64, f32, f64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float, ctypes.c_double
+    sigs = {
+        "blink_sched_state_bytes": (u64, [p]),
+        "blink_sched_step_layout": (u64, [i32, i32, i32, p]),
+        "blink_sched_host_init": (None, [p, p]),
+        "blink_sched_host_bind": (None, [p, p]),
+        "blink_sched_host_check": (i32, [p, i32, i64, f64, f64, i32, f64]),
+        "blink_sched_host_add": (None, [p, i32, p, i32, i64, i64, p, i32, i32, f32, i32, f32, f32, u64]),
+        "blink_sched_host_finish": (None, [p, i32]),
+        "blink_sched_host_schedule": (i32, [p, p, p]),
+        "blink_sched_host_fill": (i32, [p, p, i32]),
+        "blink_sched_host_update": (None, [p, p]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib

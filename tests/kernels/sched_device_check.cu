@@ -1,0 +1,146 @@
+// Lockstep check of blink_sched.h on the GPU against the same header on the host: one pseudo-random
+// trace (arrivals, cancels, full output buffers, sampled tokens with EOS and stop ids, a pool small enough
+// to preempt) applied to a device copy and a host copy of the state; after every step the whole state
+// buffer and the step buffer must be equal byte for byte. The device runs the serial steps on thread 0
+// and the step-buffer fill over 256 threads, as the loop kernel will.
+// Built and run by tests/kernels/test_sched_device.py (marked gpu). Prints "OK <steps> ..." on success.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <cuda_runtime.h>
+#include "blink_sched.h"
+
+#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
+  std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); std::exit(2); } } while (0)
+
+static const int kSlots = 16, kMaxPrompt = 40;
+
+__device__ blink_sched bind_dev(uint8_t* mem) {
+  blink_sched s;
+  blink_sched_bind(&s, mem, &((blink_sched_header*)mem)->cfg);
+  return s;
+}
+
+__global__ void k_add(uint8_t* mem, int32_t slot, const int32_t* prompt, int32_t len, int64_t max_tokens,
+                      int64_t prio, const int32_t* stops, int32_t num_stop, int32_t ignore_eos, uint64_t seed) {
+  blink_sched s = bind_dev(mem);
+  blink_sched_add(&s, slot, prompt, len, max_tokens, prio, stops, num_stop, ignore_eos, 0.7f, 5, 0.9f, 0.0f, seed);
+}
+
+__global__ void k_finish(uint8_t* mem, int32_t slot) {
+  blink_sched s = bind_dev(mem);
+  blink_sched_finish(&s, slot);
+}
+
+__global__ void k_step(uint8_t* mem, uint8_t* buf, const int32_t* room) {
+  __shared__ int32_t order[kSlots];
+  blink_sched s = bind_dev(mem);
+  if (threadIdx.x == 0) {
+    blink_sched_schedule(&s, room, order);
+    if (s.h->num_entries) blink_fill_prologue(&s, buf);
+  }
+  __syncthreads();
+  if (s.h->num_entries) blink_fill_tokens(&s, buf, threadIdx.x, blockDim.x);
+}
+
+__global__ void k_update(uint8_t* mem, const int32_t* sampled) {
+  blink_sched s = bind_dev(mem);
+  blink_sched_update(&s, sampled);
+}
+
+static uint64_t rng_state = 88172645463325252ull;
+static uint32_t rnd(uint32_t n) {  // xorshift64
+  rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
+  return (uint32_t)(rng_state % n);
+}
+
+struct Pair {
+  blink_sched host;
+  std::vector<uint64_t> host_mem, host_buf;
+  uint8_t *dev_mem, *dev_buf;
+  int32_t* dev_args;  // scratch for prompts, rooms, sampled tokens
+  size_t mem_bytes, buf_bytes;
+};
+
+static void compare(Pair& p, int step, const char* what) {
+  std::vector<uint8_t> m(p.mem_bytes), b(p.buf_bytes);
+  CHECK(cudaMemcpy(m.data(), p.dev_mem, p.mem_bytes, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(b.data(), p.dev_buf, p.buf_bytes, cudaMemcpyDeviceToHost));
+  if (std::memcmp(m.data(), p.host_mem.data(), p.mem_bytes) || std::memcmp(b.data(), p.host_buf.data(), p.buf_bytes)) {
+    std::printf("MISMATCH at step %d after %s\n", step, what);
+    std::exit(1);
+  }
+}
+
+int main(int argc, char** argv) {
+  const int num_steps = argc > 1 ? std::atoi(argv[1]) : 20000;
+  blink_sched_config c = {};
+  c.max_slots = kSlots; c.num_blocks = 12; c.block_size = 2; c.context_len = 48; c.budget = 16;
+  c.max_num_seqs = 6; c.max_stop_ids = 2; c.num_eos = 1; c.eos_ids[0] = 0;
+  c.step_max_tokens = 16; c.step_max_seqs = 8; c.num_buckets = 5;
+  for (int i = 0; i < 5; ++i) c.buckets[i] = 1 << i;
+  Pair p;
+  p.mem_bytes = blink_sched_bind(&p.host, 0, &c);
+  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  p.buf_bytes = blink_step_layout(c.step_max_tokens, c.step_max_seqs, blink_max_blocks_per_seq(&c), offs);
+  p.host_mem.assign(p.mem_bytes / 8, 0);
+  p.host_buf.assign(p.buf_bytes / 8, 0);
+  blink_sched_bind(&p.host, p.host_mem.data(), &c);
+  blink_sched_init(&p.host, &c);
+  CHECK(cudaMalloc(&p.dev_mem, p.mem_bytes));
+  CHECK(cudaMalloc(&p.dev_buf, p.buf_bytes));
+  CHECK(cudaMalloc(&p.dev_args, 4 * 64));
+  CHECK(cudaMemcpy(p.dev_mem, p.host_mem.data(), p.mem_bytes, cudaMemcpyHostToDevice));
+  CHECK(cudaMemset(p.dev_buf, 0, p.buf_bytes));
+  long entries = 0, preemptions = 0, finishes = 0;
+  int32_t args[64];
+  for (int step = 0; step < num_steps; ++step) {
+    if (rnd(3) == 0) {  // an arrival, in the first free slot
+      int32_t slot = -1, len = 1 + rnd(kMaxPrompt), stops[2] = {(int32_t)(2 + rnd(50)), (int32_t)(2 + rnd(50))};
+      const int64_t max_tokens = 1 + rnd(20);
+      for (int32_t i = 0; i < kSlots && slot < 0; ++i) if (p.host.status[i] == BLINK_SEQ_FINISHED) slot = i;
+      if (slot >= 0 && blink_sched_check(&p.host, len, max_tokens, 0.7, 0.9, 5, 0.0) == BLINK_ERR_NONE) {
+        for (int i = 0; i < len; ++i) args[i] = 2 + rnd(50);
+        args[kMaxPrompt] = stops[0]; args[kMaxPrompt + 1] = stops[1];
+        const int32_t num_stop = rnd(3), ignore_eos = rnd(5) == 0;
+        const int64_t prio = rnd(3);
+        const uint64_t seed = rng_state;
+        blink_sched_add(&p.host, slot, args, len, max_tokens, prio, stops, num_stop, ignore_eos, 0.7f, 5, 0.9f, 0.0f, seed);
+        CHECK(cudaMemcpy(p.dev_args, args, 4 * (kMaxPrompt + 2), cudaMemcpyHostToDevice));
+        k_add<<<1, 1>>>(p.dev_mem, slot, p.dev_args, len, max_tokens, prio, p.dev_args + kMaxPrompt, num_stop,
+                        ignore_eos, seed);
+      }
+    }
+    if (rnd(25) == 0) {  // a cancel
+      const int32_t slot = rnd(kSlots);
+      if (p.host.status[slot] != BLINK_SEQ_FINISHED) {
+        blink_sched_finish(&p.host, slot);
+        k_finish<<<1, 1>>>(p.dev_mem, slot);
+        ++finishes;
+      }
+    }
+    for (int i = 0; i < kSlots; ++i) args[i] = rnd(7) == 0 ? 0 : 1 + rnd(50);
+    CHECK(cudaMemcpy(p.dev_args, args, 4 * kSlots, cudaMemcpyHostToDevice));
+    int32_t scratch[kSlots];
+    blink_sched_schedule(&p.host, args, scratch);
+    if (p.host.h->num_entries) {
+      blink_fill_prologue(&p.host, (uint8_t*)p.host_buf.data());
+      blink_fill_tokens(&p.host, (uint8_t*)p.host_buf.data(), 0, 1);
+    }
+    k_step<<<1, 256>>>(p.dev_mem, p.dev_buf, p.dev_args);
+    CHECK(cudaGetLastError());
+    compare(p, step, "schedule + fill");
+    entries += p.host.h->num_entries;
+    preemptions += p.host.h->num_preempted;
+    for (int i = 0; i < p.host.h->num_sampled; ++i) args[i] = rnd(12) == 0 ? 0 : 2 + rnd(50);
+    CHECK(cudaMemcpy(p.dev_args, args, 4 * kSlots, cudaMemcpyHostToDevice));
+    blink_sched_update(&p.host, args);
+    k_update<<<1, 1>>>(p.dev_mem, p.dev_args);
+    compare(p, step, "update");
+    finishes += p.host.h->num_finished;
+  }
+  std::printf("OK %d steps, %ld entries, %ld preemptions, %ld finishes, %d blocks free of %d\n", num_steps, entries,
+              preemptions, finishes, p.host.h->num_free, c.num_blocks);
+  return 0;
+}
