@@ -15,11 +15,11 @@ if [ "${1:-}" = start ]; then
     echo $! > /tmp/hf_serve.pid
 fi
 for _ in $(seq 1100); do
-    curl -sf http://127.0.0.1:8001/v1/models >/dev/null && break
+    curl -sf http://127.0.0.1:8001/health >/dev/null && break
     kill -0 "$(cat /tmp/hf_serve.pid)" 2>/dev/null || { echo "transformers serve exited"; tail -40 /tmp/hf_serve.log; exit 1; }
     sleep 0.5
 done
-curl -sf http://127.0.0.1:8001/v1/models >/dev/null || { echo "transformers serve not ready yet"; exit 3; }
+curl -sf http://127.0.0.1:8001/health >/dev/null || { echo "transformers serve not ready yet"; exit 3; }
 echo "transformers serve ready after $SECONDS s"
 [ "${1:-}" = bench ] || exit 0
 $PY -m blink.bench --url http://127.0.0.1:8001/v1 --api-key none --model "$DIR" --endpoint chat \

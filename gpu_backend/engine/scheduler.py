@@ -15,7 +15,8 @@ Rules (DESIGN.md, "Scheduling on the GPU"):
 - KV blocks come from a free list; a sequence is admitted only when blocks for its chunk exist;
 - when a running sequence needs a block and none is free, the latest, lowest-priority running sequence
   is preempted by recompute: its blocks return to the free list, and it re-enters the waiting queue with
-  its generated tokens, which are recomputed as part of its prompt;
+  its generated tokens, which are recomputed as part of its prompt; likewise when partial prefills hold
+  every block and no step could run at all;
 - a sequence whose output buffer in the ring is full is skipped this step (backpressure), not dropped;
 - finished and cancelled sequences free their blocks in the same step.
 """
@@ -175,7 +176,20 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------------
     def schedule(self, room: Callable[[Sequence], int] = lambda s: 1 << 30) -> Batch:
-        """Choose this step's tokens. `room(seq)` is the free space in the sequence's output buffer."""
+        """Choose this step's tokens. `room(seq)` is the free space in the sequence's output buffer.
+
+        Liveness: when partial prefills hold every block and none can grow, nothing would ever run
+        again; then the latest, lowest-priority running sequence gives its blocks back (recompute) and
+        the step is chosen again."""
+        batch = self._schedule_pass(room)
+        if not batch and self.blocks.num_free == 0 and any(s.num_remaining > 1 for s in self.running):
+            stalled = Batch(preempted=batch.preempted)
+            self._preempt(max(self.running, key=lambda s: s.order), stalled)
+            batch = self._schedule_pass(room)
+            batch.preempted[:0] = stalled.preempted
+        return batch
+
+    def _schedule_pass(self, room: Callable[[Sequence], int]) -> Batch:
         batch, budget = Batch(), self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: s.order)
         self.waiting.sort(key=lambda s: s.order)

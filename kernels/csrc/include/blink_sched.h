@@ -3,9 +3,8 @@
 // order (FCFS inside a class), then chunked prefill within the token budget; admission only when blocks
 // exist; preemption by recompute of the latest, lowest-priority running sequence; a sequence with no room
 // in its output buffer is skipped; finished and cancelled sequences free their blocks the same step.
-// tests/gpu_backend/test_sched_native.py diffs this against the reference step by step, bugs included: when
-// every running sequence is mid-prefill and no block is free, both stall (prefill never preempts; an xfail
-// test pins it until both are fixed together).
+// tests/gpu_backend/test_sched_native.py diffs this against the reference step by step; a change to one
+// is made to both (as was the liveness rule: partial prefills holding every block preempt the latest one).
 //
 // All state lives in one caller-owned buffer (device memory in the loop, a numpy array on the host):
 // a header (config + counters), then fixed arrays carved by blink_sched_bind. No allocation, no recursion.
@@ -333,14 +332,34 @@ BLINK_HD void blink_prefill_phase(blink_sched* s, const int32_t* room, int32_t* 
 
 // Choose this step's entries (Scheduler.schedule). room[slot]: free space in the slot's output buffer.
 // `order` is scratch of max_slots ints (shared memory on the device). Serial: one thread.
-BLINK_HD int32_t blink_sched_schedule(blink_sched* s, const int32_t* room, int32_t* order) {
+BLINK_HD void blink_schedule_pass(blink_sched* s, const int32_t* room, int32_t* order) {
   blink_sched_header* h = s->h;
-  h->num_entries = h->num_preempted = 0;
+  h->num_entries = 0;
   for (int32_t i = 0; i < h->cfg.max_slots; ++i) s->scheduled[i] = 0;
   blink_sort(s, s->running, h->num_running);
   blink_sort(s, s->waiting, h->num_waiting);
   const int32_t budget = blink_decode_phase(s, room, order, h->cfg.budget);
   blink_prefill_phase(s, room, order, budget);
+}
+
+// Liveness (as Scheduler.schedule): when partial prefills hold every block and none can grow, the latest,
+// lowest-priority running sequence gives its blocks back and the step is chosen again.
+BLINK_HD int32_t blink_sched_schedule(blink_sched* s, const int32_t* room, int32_t* order) {
+  blink_sched_header* h = s->h;
+  h->num_preempted = 0;
+  blink_schedule_pass(s, room, order);
+  if (h->num_entries == 0 && h->num_free == 0) {
+    int32_t victim = -1, partial = 0;
+    for (int32_t i = 0; i < h->num_running; ++i) {
+      const int32_t v = s->running[i];
+      if (s->num_tokens[v] - s->num_computed[v] > 1) partial = 1;
+      if (victim < 0 || blink_before(s, victim, v)) victim = v;
+    }
+    if (partial) {
+      blink_preempt(s, victim);
+      blink_schedule_pass(s, room, order);
+    }
+  }
   return h->num_entries;
 }
 
