@@ -16,7 +16,7 @@ from .keys import KeyStore, Principal
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # for load balancers and Prometheus scrapers
 ADMIN_PREFIX = "/admin/"
-PRINCIPAL = "principal"  # request key: the Principal of an authenticated request (None: auth off)
+PRINCIPAL = web.RequestKey("principal", object)  # the Principal of an authenticated request (None: auth off)
 
 
 def _unauthorized(message: str) -> ApiError:

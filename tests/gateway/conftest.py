@@ -208,3 +208,34 @@ def harness(model_dir, byte_tokenizer, pick_free_port):
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=10)
     assert engine.failure is None, f"the echo engine failed: {engine.failure!r}"
+
+
+@pytest.fixture(scope="module")
+def start_harness(model_dir, byte_tokenizer):
+    """A factory: `start_harness(config)` runs another gateway + echo engine (a test's own config); all stop
+    when the module's tests are done."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    started = []
+
+    def start(config: GatewayConfig, api_key: str = "") -> Harness:
+        ring_name = f"blink-gw-test-{os.getpid()}-{len(started)}"
+        parts = asyncio.run_coroutine_threadsafe(_start(model_dir, byte_tokenizer, ring_name, config), loop)
+        ring, engine, engine_task, backend, server = parts.result(timeout=30)
+        started.append((ring, engine, engine_task, server))
+        return Harness(server.url, f"127.0.0.1:{server.grpc_port}", api_key, MODEL, CONTEXT_LEN, backend, engine,
+                       server, byte_tokenizer, loop)
+
+    yield start
+
+    async def stop():
+        for ring, _, engine_task, server in started:
+            await server.close()
+            engine_task.cancel()
+            ring.close()
+    asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    for _, engine, _, _ in started:
+        assert engine.failure is None, f"the echo engine failed: {engine.failure!r}"
