@@ -43,5 +43,14 @@ def supervise(num_workers: int, argv: list[str]) -> int:
         failed = next(p for p in procs if p.poll() is not None)
         log.error("gateway worker %d exited with %s: stopping the others", procs.index(failed), failed.returncode)
         stop(signal.SIGTERM, None)
-    codes = [p.wait() for p in procs]
+    codes = [_wait(p) for p in procs]
     return 0 if stopping else max(1, *codes)
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """A worker gets `timeout_s` to finish its open streams after SIGTERM, then it is killed."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
