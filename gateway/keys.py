@@ -34,6 +34,7 @@ import yaml
 ROLES = ("client", "admin", "both")
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_streams", "max_tokens_per_request")
 KEY_PREFIX = "blk-"
+MAX_KNOWN = 4096  # keys remembered after a first match (bounded: a full cache is simply dropped)
 
 
 class KeysFileError(ValueError):
@@ -171,6 +172,8 @@ class KeyStore:
         self._plain_client = tuple(plain_client_keys)
         self._plain_admin = tuple(plain_admin_keys)
         self.records: dict[str, KeyRecord] = {}
+        # sha256(key) -> record name, in memory only: one hash per request instead of one per stored key.
+        self._known: dict[bytes, str] = {}
         self._stamp: tuple[int, int, int] | None = None
         self.reload()
 
@@ -187,6 +190,7 @@ class KeyStore:
         if self.path is not None:
             self._stamp = _stamp(self.path)
             self.records = read_keys_file(self.path)
+            self._known = {}
 
     def maybe_reload(self) -> bool:
         if self.path is None or _stamp(self.path) == self._stamp:
@@ -198,12 +202,24 @@ class KeyStore:
         # Every candidate is compared (constant time each), so timing does not say which nearly matched.
         client = any([hmac.compare_digest(key.encode(), k.encode()) for k in self._plain_client])
         admin = any([hmac.compare_digest(key.encode(), k.encode()) for k in self._plain_admin])
-        matched = [r for r in self.records.values() if r.matches(key)]
-        if matched:
-            r = matched[0]
+        r = self._record_of(key)
+        if r is not None:
             return Principal(r.name, client or r.role != "admin", admin or r.role != "client", r.limits)
         if client or admin:
             return Principal("admin" if admin and not client else "default", client, admin)
+        return None
+
+    def _record_of(self, key: str) -> KeyRecord | None:
+        digest = hashlib.sha256(key.encode()).digest()
+        name = self._known.get(digest)
+        if name is not None and name in self.records:
+            return self.records[name]
+        for r in self.records.values():
+            if r.matches(key):
+                if len(self._known) >= MAX_KNOWN:
+                    self._known.clear()
+                self._known[digest] = r.name
+                return r
         return None
 
     def add(self, name: str, role: str = "client", limits: KeyLimits | None = None) -> str:

@@ -235,3 +235,33 @@ def test_token_bucket_and_quotas_without_a_server():
     admission.close()  # once only
     assert quotas.in_flight() == {"k": 0}
     quotas.admit(who).close()
+
+
+def test_config_flags_environment_and_file_errors(tmp_path):
+    from gateway.config import env_overrides
+    from gateway.main import config_from_args, parse_args
+
+    env = {"BLINK_ADMIN_KEY": "a1,a2", "BLINK_KEYS_FILE": "/etc/blink/keys.yaml", "BLINK_WORKERS": "3"}
+    assert env_overrides(env) == {"admin_keys": frozenset({"a1", "a2"}), "keys_file": "/etc/blink/keys.yaml",
+                                  "workers": 3}
+    cfg = config_from_args(parse_args(["--admin-key", "x", "--keys", "k.yaml", "--workers", "2"]), env)
+    assert cfg.admin_keys == {"x"} and cfg.keys_file == "k.yaml" and cfg.workers == 2 and cfg.worker_index == 0
+    with pytest.raises(ValueError, match="fixed port"):
+        GatewayConfig(port=0, workers=2)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("keys:\n  x: {salt: aa, sha256: bb, rpm: 3}\n")
+    with pytest.raises(KeysFileError, match="unknown field.*rpm"):
+        KeyStore(bad)
+    bad.write_text("keys:\n  x: {salt: aa, sha256: bb, role: root}\n")
+    with pytest.raises(KeysFileError, match="role"):
+        KeyStore(bad)
+    store = KeyStore(tmp_path / "k.yaml", plain_client_keys=["plain"], plain_admin_keys=["adm"])
+    both = store.add("ops", "both")
+    assert store.identify(both).client and store.identify(both).admin
+    assert store.identify("plain").client and not store.identify("plain").admin
+    assert store.identify("adm").admin and not store.identify("adm").client
+    assert store.identify("nope") is None
+    with pytest.raises(KeysFileError, match="exists"):
+        store.add("ops")
+    with pytest.raises(KeysFileError, match="no keys file"):
+        KeyStore().add("x")
