@@ -9,8 +9,9 @@
     DELETE /admin/keys/{name}
     POST   /admin/reload              re-read the keys file
 
-With `--workers N` each call reaches one worker: status, in-flight counts and drains are that
-worker's. Keys are shared through the file: every worker re-reads it when it changes.
+With `--workers N` each call reaches one worker: status and in-flight counts are that worker's.
+Keys are shared through the keys file, drains through a small file named after the port
+(`drain_file`): every worker re-reads both within a second of a change.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import asyncio
 import json
 import logging
 import os
+import tempfile
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -97,6 +100,10 @@ async def _set_draining(request: web.Request, draining: bool) -> web.Response:
         raise ApiError(404, f"no backend {addr!r}; this gateway has: {known}", param="addr", code="not_found")
     for backend in matched:
         backend.draining = draining  # the router skips draining backends; requests in flight finish
+    path = drain_file(_state(request).config)
+    if path is not None:  # tell the other workers
+        drained = read_drained(path)
+        write_drained(path, drained | {addr} if draining else drained - {addr})
     log.warning("backend %s %s by the admin API", addr, "drained" if draining else "undrained")
     return web.json_response({"backends": [backend_report(b) for b in matched]})
 
@@ -150,8 +157,30 @@ async def _body(request: web.Request) -> dict:
     return body
 
 
+def drain_file(config) -> Path | None:
+    """Where the workers of one port share their drained backends (None: a single worker)."""
+    if config.workers == 1:
+        return None
+    return Path(tempfile.gettempdir()) / f"blink-gateway-{config.port}.drained.json"
+
+
+def read_drained(path: Path) -> set[str]:
+    try:
+        return set(json.loads(path.read_text()))
+    except (FileNotFoundError, ValueError):
+        return set()
+
+
+def write_drained(path: Path, addrs: set[str]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(sorted(addrs)))
+    os.replace(tmp, path)
+
+
 async def watch_keys_file(state: GatewayState) -> None:
-    """Re-read the keys file when it changes (another worker or `blinkctl keys` wrote it)."""
+    """Re-read the keys file when it changes (another worker or `blinkctl keys` wrote it), and the
+    drained backends of the other workers."""
+    path, drained_stamp = drain_file(state.config), None
     while True:
         await asyncio.sleep(KEYS_CHECK_S)
         try:
@@ -159,3 +188,14 @@ async def watch_keys_file(state: GatewayState) -> None:
                 log.info("keys file %s reloaded: %d keys", state.keys.path, len(state.keys.records))
         except (KeysFileError, OSError) as exc:  # keep the keys we have; say why
             log.error("keys file %s not reloaded: %s", state.keys.path, exc)
+        if path is not None and (stamp := _mtime(path)) != drained_stamp:
+            drained_stamp, drained = stamp, read_drained(path)
+            for backend in state.router.backends:
+                backend.draining = backend.info.addr in drained
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None

@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging(args.log_level, config.log_format)
     if config.workers > 1 and args.worker_index is None:
-        return supervise(config.workers, list(argv if argv is not None else sys.argv[1:]))
+        return supervise(config, list(argv if argv is not None else sys.argv[1:]))
     try:
         run_gateway(config)
     except (BackendConnectError, OSError) as exc:  # OSError: the port is taken, a file is missing

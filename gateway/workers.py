@@ -1,9 +1,10 @@
 """`--workers N`: N gateway processes on one port (SO_REUSEPORT), each with its own event loop.
 
 The supervisor starts `python -m gateway ARGS --worker-index i` N times and stops them together.
-What is per worker: per-key limits (a key can reach N times them), drains set through the admin API,
-`/admin/status`, `/metrics` and `/health` (each answers for the worker the connection reached).
-Shared: the port, the keys file (each worker re-reads it when it changes) and the backends' rings.
+What is per worker: per-key limits (a key can reach N times them), `/admin/status`, `/metrics` and
+`/health` (each answers for the worker the connection reached), request ids.
+Shared: the port, the keys file and the drained backends (each worker re-reads them within a second
+of a change; `gateway/admin.py`) and the backends' rings.
 On an shm ring worker i owns slots i, i + N, i + 2N, ...; submissions to the ring's one queue are
 serialized by a lock file, so the queue's tail word still has one writer at a time.
 """
@@ -16,6 +17,9 @@ import subprocess
 import sys
 import time
 
+from .admin import drain_file
+from .config import GatewayConfig
+
 log = logging.getLogger("blink.gateway.workers")
 
 
@@ -23,8 +27,12 @@ def worker_command(argv: list[str], index: int) -> list[str]:
     return [sys.executable, "-m", "gateway", *argv, "--worker-index", str(index)]
 
 
-def supervise(num_workers: int, argv: list[str]) -> int:
+def supervise(config: GatewayConfig, argv: list[str]) -> int:
     """Run the workers until a signal or until one exits; then stop the rest. Returns an exit code."""
+    num_workers = config.workers
+    drained = drain_file(config)
+    if drained is not None:
+        drained.unlink(missing_ok=True)  # drains do not outlive the gateway that set them
     procs = [subprocess.Popen(worker_command(argv, i)) for i in range(num_workers)]
     log.info("gateway supervisor: %d workers, pids %s", num_workers, " ".join(str(p.pid) for p in procs))
     stopping = []

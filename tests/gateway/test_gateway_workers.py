@@ -54,9 +54,19 @@ def test_two_workers_share_one_port(echo_backend, pick_free_port):
         request_ids = asyncio.run_coroutine_threadsafe(ids(), loop).result(timeout=5)
         # Each worker numbers its requests from 1: a number seen twice came from both workers.
         assert len(request_ids) == 24 and len(set(request_ids)) < 24
+        _drain_reaches_every_worker(url, control, body)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def _drain_reaches_every_worker(url: str, control: str, body: dict) -> None:
+    from blink.ctl import main as blinkctl
+
+    for verb, status in (("drain", 503), ("undrain", 200)):
+        assert blinkctl([verb, control, "--url", url, "--admin-key", "admin-k"]) == 0  # reaches one worker
+        time.sleep(1.5)  # the others read the drain file within a second
+        assert {_call(url + "/v1/completions", "client-k", body)[0] for _ in range(12)} == {status}
 
 
 def test_two_producers_share_a_ring_slot_by_slot(tmp_path):
