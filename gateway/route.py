@@ -32,6 +32,6 @@ class Router:
         candidates = self.backends_for(model)
         live = [b for b in candidates if not b.stalled and not getattr(b, "draining", False)]
         if not live:
-            why = "draining" if any(getattr(b, "draining", False) for b in candidates) else "stalled"
-            raise unavailable(f"every backend serving '{model}' is stalled or {why}; retry later")
+            why = "stalled or draining" if any(getattr(b, "draining", False) for b in candidates) else "stalled"
+            raise unavailable(f"every backend serving '{model}' is {why}; retry later")
         return min(live, key=lambda b: b.load)
