@@ -163,7 +163,8 @@ class GrpcServer:
     def __init__(self, state: GatewayState):
         self.state = state
         # so_reuseport only for `--workers N`: otherwise a second gateway on the port must fail, not share it.
-        options = [("grpc.so_reuseport", int(state.config.workers > 1)), ("grpc.max_receive_message_length", state.config.max_body_bytes)]
+        options = [("grpc.so_reuseport", int(state.config.workers > 1)),
+                   ("grpc.max_receive_message_length", state.config.max_body_bytes)]
         self.server = grpc.aio.server(options=options)
         inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(state), self.server)
         self.health = health.aio.HealthServicer()

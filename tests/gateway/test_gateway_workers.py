@@ -29,9 +29,9 @@ def _call(url: str, key: str, body: dict | None = None) -> tuple[int, dict]:
 
 def test_two_workers_share_one_port(echo_backend, pick_free_port):
     control, engine, loop = echo_backend
-    port = pick_free_port()
+    port, grpc_port = pick_free_port(), pick_free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "gateway", "--backend", control, "--port", str(port), "--grpc-port", "0",
+    cmd = [sys.executable, "-m", "gateway", "--backend", control, "--port", str(port), "--grpc-port", str(grpc_port),
            "--workers", "2", "--api-key", "client-k", "--admin-key", "admin-k", "--connect-timeout", "10"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -55,9 +55,23 @@ def test_two_workers_share_one_port(echo_backend, pick_free_port):
         # Each worker numbers its requests from 1: a number seen twice came from both workers.
         assert len(request_ids) == 24 and len(set(request_ids)) < 24
         _drain_reaches_every_worker(url, control, body)
+        _grpc_serves(f"127.0.0.1:{grpc_port}")
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def _grpc_serves(addr: str) -> None:
+    import grpc
+
+    from protocols import inference_pb2, inference_pb2_grpc
+
+    for _ in range(4):  # new channels: new connections, spread over the workers' gRPC servers
+        with grpc.insecure_channel(addr) as ch:
+            request = inference_pb2.GenerateRequest(model=MODEL, prompt="hello world", max_tokens=3)
+            replies = list(inference_pb2_grpc.InferenceStub(ch).Generate(
+                request, metadata=[("authorization", "Bearer client-k")], timeout=10))
+            assert replies[-1].finish_reason == "length"
 
 
 def _drain_reaches_every_worker(url: str, control: str, body: dict) -> None:
