@@ -1,7 +1,10 @@
-"""`blinkctl`: operating a gateway appliance. `blinkctl net apply|check|show` manages its network.
+"""`blinkctl`: operating a gateway appliance. `blinkctl net apply|check|show` manages its network;
+`status`, `backends`, `drain`, `undrain`, `keys`, `reload` talk to a gateway's admin API
+(`blink/admin_client.py`) with the admin key.
 
-Exit codes: 0 done (or in sync), 1 drift found (`check`) or an apply failed (rolled back),
-2 the profile is invalid or the command cannot run (not root, pyroute2 missing).
+Exit codes: 0 done (or in sync), 1 drift found (`check`), an apply failed (rolled back) or the gateway
+refused a call, 2 the profile is invalid or the command cannot run (not root, pyroute2 missing,
+gateway unreachable).
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import logging
 import os
 import sys
 
+from blink.admin_client import AdminError, add_admin_commands
 from gateway.netprofile import ProfileError, load_profile
 
 
@@ -29,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = net.add_parser("show", help="links, addresses and routes")
     show.add_argument("--netns", default=None, help="a network namespace (default: this one)")
     show.set_defaults(func=cmd_show)
+    add_admin_commands(sub)
     return parser
 
 
@@ -86,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"blinkctl: {exc}", file=sys.stderr)
         return 2
+    except AdminError as exc:
+        print(f"blinkctl: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

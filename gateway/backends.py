@@ -108,6 +108,7 @@ class Backend:
         self._beat = (producer.heartbeat, time.monotonic())  # last heartbeat value, when it changed
         self._next_check_s = 0.0
         self.stalled = False
+        self.draining = False  # set by the admin API: the router sends no new request here
 
     @classmethod
     async def connect(cls, addr: str, config: GatewayConfig) -> Backend:

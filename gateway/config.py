@@ -18,6 +18,10 @@ class GatewayConfig:
     grpc_port: int = 50052  # the gRPC inference API (protocols/inference.proto); 0 turns it off
     backend_addrs: tuple[str, ...] = ("127.0.0.1:50051",)  # control-plane gRPC addresses
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
+    admin_keys: frozenset[str] = field(default_factory=frozenset)  # plain admin keys (--admin-key)
+    keys_file: str | None = None  # hashed client/admin keys with limits (gateway/keys.py)
+    workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT)
+    worker_index: int = 0  # which of them this one is (it owns ring slots i, i + workers, ...)
     max_body_bytes: int = 4 * MiB
     default_max_tokens: int | None = None  # None: whatever the context leaves after the prompt
     slot_wait_s: float = 30.0  # how long a request waits for a free ring slot before a 503
@@ -48,6 +52,10 @@ class GatewayConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if not 0 <= self.worker_index < self.workers:
+            raise ValueError(f"worker_index must be in [0, workers={self.workers}), got {self.worker_index}")
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("workers > 1 needs a fixed port (with port 0 each worker would pick its own)")
         if self.slot_wait_s <= 0 or self.poll_active_s <= 0:
             raise ValueError("slot_wait_s and poll_active_s must be positive")
 
@@ -69,6 +77,12 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
     out: dict = {}
     if keys := env.get(f"{ENV_PREFIX}API_KEY"):
         out["api_keys"] = frozenset(k.strip() for k in keys.split(",") if k.strip())
+    if keys := env.get(f"{ENV_PREFIX}ADMIN_KEY"):
+        out["admin_keys"] = frozenset(k.strip() for k in keys.split(",") if k.strip())
+    if path := env.get(f"{ENV_PREFIX}KEYS_FILE"):
+        out["keys_file"] = path
+    if workers := env.get(f"{ENV_PREFIX}WORKERS"):
+        out["workers"] = int(workers)
     if host := env.get(f"{ENV_PREFIX}GATEWAY_HOST"):
         out["host"] = host
     if port := env.get(f"{ENV_PREFIX}GATEWAY_PORT"):

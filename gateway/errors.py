@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from aiohttp import web
 
 from protocols.openai import ErrorBody, ErrorDetail
@@ -11,9 +13,10 @@ class ApiError(Exception):
     """An error the client can act on: HTTP status plus an OpenAI error object."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}  # e.g. Retry-After; gRPC sends them as trailing metadata
         self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
 
     def body(self) -> ErrorBody:
@@ -21,7 +24,7 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         return web.Response(status=self.status, text=self.body().model_dump_json(),
-                            content_type="application/json")
+                            content_type="application/json", headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -30,6 +33,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def server_error(message: str) -> ApiError:
     return ApiError(500, message, type="server_error", code="internal_error")
+
+
+def rate_limited(message: str, retry_after_s: float, type: str = "requests") -> ApiError:
+    """A 429 as OpenAI sends it (type `requests` or `tokens`), with Retry-After in whole seconds."""
+    retry_after = str(max(1, math.ceil(retry_after_s)))
+    return ApiError(429, f"{message}; retry after {retry_after} s", type=type, code="rate_limit_exceeded",
+                    headers={"Retry-After": retry_after})
+
+
+def forbidden(message: str) -> ApiError:
+    return ApiError(403, message, type="permission_error", code="permission_denied")
 
 
 def unavailable(message: str) -> ApiError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocols.ring import ErrorCode, FinishReason
@@ -43,8 +44,12 @@ class Generation:
     """
 
     def __init__(self, handle: RequestHandle, stream: TextStream, prompt_len: int, model: str = "",
-                 metrics: Metrics | None = None, arrival_s: float | None = None):
+                 metrics: Metrics | None = None, arrival_s: float | None = None, budget_tokens: int | None = None,
+                 on_close: Callable[[int], None] | None = None):
         self.handle = handle
+        # A key's completion budget: reaching it ends the stream with "length" and cancels the engine's request.
+        self.budget_tokens = budget_tokens
+        self.on_close = on_close  # called once with the completion token count (quota accounting)
         self.stream = stream
         self.prompt_len = prompt_len
         self.model = model
@@ -72,10 +77,13 @@ class Generation:
                 self.last_token_s = time.perf_counter()
                 self.first_token_s = self.first_token_s or self.last_token_s
             num_before = self.stream.num_tokens
-            text = self.stream.add(update.tokens)
-            ids += update.tokens[:self.stream.num_tokens - num_before]  # none after a stop string
+            tokens = self._within_budget(update.tokens)
+            text = self.stream.add(tokens)
+            ids += tokens[:self.stream.num_tokens - num_before]  # none after a stop string
             if self.stream.stopped:
                 return self._finish(text, "stop", ids)
+            if len(tokens) < len(update.tokens) or (update.finish == FinishReason.NONE and self._budget_spent):
+                return self._finish(text + self.stream.finish(), "length", ids)
             if update.finish == FinishReason.NONE:
                 if text:
                     return Piece(text, None, ids)
@@ -84,6 +92,15 @@ class Generation:
                 raise self._failure(update.finish, update.error_code, update.error)
             text += self.stream.finish()
             return self._finish(text, "stop" if self.stream.stopped else _FINISH_NAMES[update.finish], ids)
+
+    def _within_budget(self, tokens: list[int]) -> list[int]:
+        if self.budget_tokens is None:
+            return tokens
+        return tokens[:max(0, self.budget_tokens - self.stream.num_tokens)]
+
+    @property
+    def _budget_spent(self) -> bool:
+        return self.budget_tokens is not None and self.stream.num_tokens >= self.budget_tokens
 
     def _finish(self, text: str, reason: str, ids: list[int]) -> Piece:
         self.finish_reason = reason
@@ -102,6 +119,8 @@ class Generation:
             self.handle.close()
             end_s = time.perf_counter()
             reason = self.finish_reason or "abort"
+            if self.on_close is not None:
+                self.on_close(self.completion_tokens)
             if self.metrics is not None and reason != "error":  # errors count as rejections
                 self.metrics.request_finished(self.model, self.prompt_len, self.completion_tokens, reason,
                                               self.arrival_s, self.first_token_s, self.last_token_s, end_s)

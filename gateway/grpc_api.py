@@ -22,9 +22,10 @@ from grpc_reflection.v1alpha import reflection
 from protocols import inference_pb2, inference_pb2_grpc
 from protocols.openai import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 
-from .auth import check_key
+from .auth import client_principal
 from .errors import ApiError, bad_request, server_error
 from .generate import Generation
+from .keys import Principal
 from .pipeline import parse, start_generation, tokenize
 from .state import GatewayState
 
@@ -45,7 +46,8 @@ def status_code(err: ApiError) -> grpc.StatusCode:
 
 
 def error_metadata(err: ApiError) -> tuple[tuple[str, str], ...]:
-    pairs = (("error-type", err.detail.type), ("error-param", err.detail.param), ("error-code", err.detail.code))
+    pairs = (("error-type", err.detail.type), ("error-param", err.detail.param), ("error-code", err.detail.code),
+             *((k.lower(), v) for k, v in err.headers.items()))  # retry-after on a 429
     return tuple((k, v) for k, v in pairs if v)
 
 
@@ -102,18 +104,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.state = state
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
-        await self._guard(context, lambda: self._generate(request, context))
+        await self._guard(context, lambda principal: self._generate(request, context, principal))
 
     async def Tokenize(self, request, context: grpc.aio.ServicerContext) -> inference_pb2.TokenizeResponse:
-        return await self._guard(context, lambda: self._tokenize(request))
+        return await self._guard(context, lambda principal: self._tokenize(request))
 
-    async def _guard(self, context: grpc.aio.ServicerContext, work: Callable[[], Awaitable]):
+    async def _guard(self, context: grpc.aio.ServicerContext, work: Callable[[Principal | None], Awaitable]):
         """Check the key, run `work`, and turn an ApiError (or a bug) into a gRPC status."""
         try:
-            if self.state.config.auth_enabled:
-                check_key(dict(context.invocation_metadata() or ()).get("authorization"),
-                          self.state.config.api_keys)
-            return await work()
+            header = dict(context.invocation_metadata() or ()).get("authorization")
+            return await work(client_principal(header, self.state.keys))
         except ApiError as err:
             self.state.metrics.rejected(err)
             await context.abort(status_code(err), err.detail.message, error_metadata(err))
@@ -123,10 +123,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self.state.metrics.rejected(err)
             await context.abort(grpc.StatusCode.INTERNAL, err.detail.message, error_metadata(err))
 
-    async def _generate(self, request, context: grpc.aio.ServicerContext) -> None:
+    async def _generate(self, request, context: grpc.aio.ServicerContext, principal: Principal | None) -> None:
         arrival_s = time.perf_counter()
         req, prompt_param = generate_request(request)
-        gen = await start_generation(self.state, req, prompt_param, arrival_s)
+        gen = await start_generation(self.state, req, prompt_param, arrival_s, principal)
         try:
             await context.send_initial_metadata(((REQUEST_ID_KEY, str(gen.request_id)),))
             await _stream(gen, context)
@@ -162,8 +162,9 @@ class GrpcServer:
 
     def __init__(self, state: GatewayState):
         self.state = state
-        # so_reuseport off: a second gateway on the same port must fail, not share it silently.
-        options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", state.config.max_body_bytes)]
+        # so_reuseport only for `--workers N`: otherwise a second gateway on the port must fail, not share it.
+        options = [("grpc.so_reuseport", int(state.config.workers > 1)),
+                   ("grpc.max_receive_message_length", state.config.max_body_bytes)]
         self.server = grpc.aio.server(options=options)
         inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(state), self.server)
         self.health = health.aio.HealthServicer()

@@ -12,6 +12,7 @@ from aiohttp import web
 from protocols.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                               ModelList, TokenizeRequest)
 
+from .auth import PRINCIPAL
 from .errors import ApiError
 from .formats import ChatFormat, CompletionFormat, OutputFormat
 from .generate import Generation, Piece
@@ -92,7 +93,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _generate(request: web.Request, req, fmt: OutputFormat, arrival_s: float) -> web.StreamResponse:
-    gen = await start_generation(request.app[STATE], req, arrival_s=arrival_s)
+    gen = await start_generation(request.app[STATE], req, arrival_s=arrival_s, principal=request.get(PRINCIPAL))
     try:
         if req.stream:
             return await _stream(request, gen, fmt, req.include_usage)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
 
 from .backends import BackendConnectError
 from .config import GatewayConfig, env_overrides
 from .logs import LOG_FORMATS, setup_logging
 from .server import run_gateway
+from .workers import supervise
 
 log = logging.getLogger("blink.gateway")
 
@@ -24,6 +26,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="a backend's control-plane address; repeat for several (default 127.0.0.1:50051)")
     p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
                    help="accepted API key; repeat for several (also BLINK_API_KEY, comma-separated)")
+    p.add_argument("--admin-key", action="append", dest="admin_keys", metavar="KEY",
+                   help="key of the admin API (/admin/, blinkctl); repeat for several (also BLINK_ADMIN_KEY)")
+    p.add_argument("--keys", dest="keys_file", metavar="FILE",
+                   help="YAML keys file: hashed client/admin keys with per-key limits (also BLINK_KEYS_FILE; "
+                   "`blinkctl keys add` writes it)")
+    p.add_argument("--workers", type=int, help="gateway processes sharing the port (SO_REUSEPORT; default 1; "
+                   "also BLINK_WORKERS); per-key limits apply per worker")
+    p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor for its workers
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--default-max-tokens", type=int,
                    help="output budget when a request sets none (default: what the context leaves)")
@@ -42,7 +52,9 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
              "max_body_bytes": args.max_body_bytes,
              "default_max_tokens": args.default_max_tokens, "connect_timeout_s": args.connect_timeout_s,
              "backend_addrs": tuple(args.backends) if args.backends else None,
-             "api_keys": frozenset(args.api_keys) if args.api_keys else None}
+             "api_keys": frozenset(args.api_keys) if args.api_keys else None,
+             "admin_keys": frozenset(args.admin_keys) if args.admin_keys else None,
+             "keys_file": args.keys_file, "workers": args.workers, "worker_index": args.worker_index}
     fields.update({k: v for k, v in flags.items() if v is not None})
     return GatewayConfig(**fields)
 
@@ -56,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("bad gateway configuration: %s", exc)
         return 2
     setup_logging(args.log_level, config.log_format)
+    if config.workers > 1 and args.worker_index is None:
+        return supervise(config, list(argv if argv is not None else sys.argv[1:]))
     try:
         run_gateway(config)
     except (BackendConnectError, OSError) as exc:  # OSError: the port is taken, a file is missing

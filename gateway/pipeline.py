@@ -16,7 +16,9 @@ from protocols.openai import (ChatCompletionRequest, ChatMessage, CompletionRequ
 from .detokenize import TextStream
 from .errors import bad_request
 from .generate import Generation
+from .keys import Principal
 from .limits import build_spec, check_token_ids
+from .quotas import Admission
 from .state import GatewayState
 from .tokenize import TemplateError, TokenizerService
 
@@ -51,9 +53,23 @@ async def encode_messages(tokenizer: TokenizerService, messages: Sequence[ChatMe
 
 
 async def start_generation(state: GatewayState, req: GenerateRequest, prompt_param: str | None = None,
-                           arrival_s: float | None = None) -> Generation:
-    """Tokenize, check limits, submit to the least loaded backend. The caller must `close()` the result."""
+                           arrival_s: float | None = None, principal: Principal | None = None) -> Generation:
+    """Check the key's limits, tokenize, check the context, submit to the least loaded backend.
+    The caller must `close()` the result. Raises ApiError (429 over a key's limits)."""
     arrival_s = time.perf_counter() if arrival_s is None else arrival_s
+    admission = state.quotas.admit(principal)
+    try:
+        gen = await _start(state, req, prompt_param, arrival_s, admission)
+    except BaseException:
+        admission.close()
+        raise
+    gen.budget_tokens = principal.limits.max_tokens_per_request if principal else None
+    gen.on_close = admission.close
+    return gen
+
+
+async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | None, arrival_s: float,
+                 admission: Admission) -> Generation:
     backend = state.router.pick(req.model)
     tokenizer = state.tokenizers[req.model]
     if isinstance(req, ChatCompletionRequest):
@@ -68,6 +84,7 @@ async def start_generation(state: GatewayState, req: GenerateRequest, prompt_par
             prompt_ids = check_token_ids(prompt, backend.info.vocab_size, prompt_param)
     spec = build_spec(next(state.request_ids), req, prompt_ids, backend.info, prompt_param,
                       state.config.default_max_tokens)
+    admission.charge(len(prompt_ids))
     handle = await backend.submit(spec)
     stream = TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids)
     return Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s)

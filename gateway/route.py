@@ -29,7 +29,9 @@ class Router:
         return candidates
 
     def pick(self, model: str) -> Backend:
-        live = [b for b in self.backends_for(model) if not b.stalled]
+        candidates = self.backends_for(model)
+        live = [b for b in candidates if not b.stalled and not getattr(b, "draining", False)]
         if not live:
-            raise unavailable(f"every backend serving '{model}' is stalled; retry later")
+            why = "stalled or draining" if any(getattr(b, "draining", False) for b in candidates) else "stalled"
+            raise unavailable(f"every backend serving '{model}' is {why}; retry later")
         return min(live, key=lambda b: b.load)

@@ -11,12 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
+from .admin import add_admin_routes, watch_keys_file
 from .auth import auth_middleware
 from .backends import Backend
 from .config import GatewayConfig
 from .errors import ApiError, from_http_exception, server_error
 from .grpc_api import GrpcServer
 from .http import STATE, add_routes
+from .keys import KeyStore
 from .metrics import Metrics
 from .route import Router
 from .state import GatewayState
@@ -49,12 +51,11 @@ def _rejected(request: web.Request, err: ApiError) -> web.Response:
 
 
 def build_app(config: GatewayConfig, state: GatewayState) -> web.Application:
-    middlewares = [error_middleware]
-    if config.auth_enabled:
-        middlewares.append(auth_middleware(config.api_keys))
-    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware, auth_middleware(state.keys)],
+                          client_max_size=config.max_body_bytes)
     app[STATE] = state
     add_routes(app)
+    add_admin_routes(app)
     return app
 
 
@@ -67,6 +68,7 @@ class GatewayServer:
         self.runner = runner
         self.backends = list(backends)
         self.grpc_server = grpc_server
+        self.keys_watcher: asyncio.Task | None = None
 
     @property
     def grpc_port(self) -> int | None:
@@ -82,6 +84,8 @@ class GatewayServer:
 
     async def close(self) -> None:
         """Both front ends let open streams finish (up to shutdown_timeout_s, together), then the backends go."""
+        if self.keys_watcher is not None:
+            self.keys_watcher.cancel()
         closing = [self.runner.cleanup()]
         if self.grpc_server is not None:
             closing.append(self.grpc_server.close(self.config.shutdown_timeout_s))
@@ -112,7 +116,8 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
         None, load_tokenizers, backends, config.tokenizer_threads)
     router = Router(backends)
     state = GatewayState(config=config, router=router, tokenizers=tokenizers,
-                         metrics=Metrics(lambda: router.backends))
+                         metrics=Metrics(lambda: router.backends),
+                         keys=KeyStore(config.keys_file, config.api_keys, config.admin_keys))
     grpc_server = None
     if config.grpc_port:  # before HTTP: once /health answers, gRPC does too
         grpc_server = GrpcServer(state)
@@ -122,13 +127,15 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
                            shutdown_timeout=config.shutdown_timeout_s)
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.port).start()
+        # reuse_port: the workers of `--workers N` share the port; the kernel spreads connections.
+        await web.TCPSite(runner, config.host, config.port, reuse_port=config.workers > 1).start()
     except OSError:
         if grpc_server is not None:
             await grpc_server.close(0)
         raise
     server = GatewayServer(config, runner, backends, grpc_server)
-    if config.auth_enabled is False:
+    server.keys_watcher = asyncio.create_task(watch_keys_file(state), name="keys file")
+    if not state.keys.auth_enabled:
         log.warning("no API key configured: every client is accepted (set BLINK_API_KEY or --api-key)")
     log.info("gateway listening on %s", server.url)
     return server

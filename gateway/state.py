@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass, field
 
 from .config import GatewayConfig
+from .keys import KeyStore
 from .metrics import Metrics
+from .quotas import Quotas
 from .route import Router
 from .tokenize import TokenizerService
 
@@ -21,3 +23,5 @@ class GatewayState:
     # Request ids number requests in this gateway's logs, its replies and the ring's request_id word.
     request_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     started: int = field(default_factory=lambda: int(time.time()))
+    keys: KeyStore = field(default_factory=KeyStore)  # who may call what (start_gateway fills it)
+    quotas: Quotas = field(default_factory=Quotas)  # per-key usage in this worker

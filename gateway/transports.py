@@ -6,13 +6,15 @@ heartbeat, free_slots, connected, close), so nothing above this module depends o
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 from typing import TYPE_CHECKING
 
 import grpc
 
 from protocols import control_pb2_grpc
 from protocols.rdma import RdmaLinkError, RdmaProducer
-from protocols.shm import RingAttachError, RingProducer, attach_ring
+from protocols.shm import RingAttachError, RingProducer, SqLock, attach_ring
 
 from .config import GatewayConfig
 from .tcp_producer import AgentMismatch, TcpProducer
@@ -26,22 +28,30 @@ class BackendConnectError(RuntimeError):
 
 
 async def connect_transport(info: BackendInfo, config: GatewayConfig) -> RingProducer | TcpProducer | RdmaProducer:
+    if config.workers > 1 and info.transport not in ("", "shm"):
+        raise BackendConnectError(f"backend {info.addr}: --workers > 1 needs the shm transport (its ring is "
+                                  f"shared slot by slot); {info.transport} has one gateway session per ring")
     if info.transport == "tcp":
         return await connect_tcp(info, config)
     if info.transport == "rdma":
         return await asyncio.get_running_loop().run_in_executor(None, connect_rdma, info, config)
     if info.transport not in ("", "shm"):
         raise BackendConnectError(f"backend {info.addr}: unknown transport {info.transport!r}")
-    return attach_shm(info)
+    return attach_shm(info, config)
 
 
-def attach_shm(info: BackendInfo) -> RingProducer:
+def attach_shm(info: BackendInfo, config: GatewayConfig | None = None) -> RingProducer:
     try:
         ring = attach_ring(info.ring_name, expect=info.geometry, fingerprint=info.model_fingerprint or None)
     except RingAttachError as exc:
         raise BackendConnectError(f"backend {info.addr}: {exc} (the gateway must run on the backend's host "
                                   f"for the shm transport)") from None
-    return RingProducer(ring)
+    if config is None or config.workers == 1:
+        return RingProducer(ring)
+    # Gateway workers share the ring: each owns every workers-th slot; one lock file orders the queue.
+    lock = SqLock(os.path.join(tempfile.gettempdir(), f"{info.ring_name.strip('/')}.sq.lock"))
+    return RingProducer(ring, slots=range(config.worker_index, info.geometry.num_slots, config.workers),
+                        sq_lock=lock)
 
 
 async def connect_tcp(info: BackendInfo, config: GatewayConfig) -> TcpProducer:

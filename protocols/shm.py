@@ -13,10 +13,12 @@ the payload-then-sequence-word rule needs between two CPU processes. The GPU sid
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -168,6 +170,24 @@ class _Outstanding:
     finished: bool = False
 
 
+class SqLock:
+    """An exclusive lock file (flock) shared by the producers of one ring, one per process."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def __enter__(self) -> SqLock:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class RingProducer:
     """The gateway's end of a ring. Not thread-safe: use it from one thread (the event loop).
 
@@ -175,14 +195,18 @@ class RingProducer:
     when the real reader says so (the tcp agent forwards tokens and waits for the gateway's count).
     """
 
-    def __init__(self, ring: ShmRing, defer_consumed: bool = False):
+    def __init__(self, ring: ShmRing, defer_consumed: bool = False, slots: Sequence[int] | None = None,
+                 sq_lock: SqLock | None = None):
+        """`slots`: the slots this producer owns (default all); several producers on one ring (gateway
+        workers) own disjoint sets and share `sq_lock`, which serializes writes of the submission queue."""
         self.ring = ring
         self.defer_consumed = defer_consumed
         self.geometry = ring.geometry
+        self._sq_lock = sq_lock
         self._tail = ring.hdr_u64(R.HDR_SQ_TAIL)
         self._active: dict[int, _Outstanding] = {}
         self._free: deque[int] = deque()
-        for slot in range(self.geometry.num_slots):
+        for slot in (range(self.geometry.num_slots) if slots is None else slots):
             self._adopt(slot)
 
     def _adopt(self, slot: int) -> None:
@@ -242,6 +266,16 @@ class RingProducer:
             self._free.remove(slot)
         else:
             raise ValueError(f"slot {slot} is not free")
+        if self._sq_lock is None:
+            seq = self._queue(slot, spec)
+        else:
+            with self._sq_lock:  # another producer may have moved the tail: read it afresh
+                self._tail = self.ring.hdr_u64(R.HDR_SQ_TAIL)
+                seq = self._queue(slot, spec)
+        self._active[slot] = _Outstanding(seq=seq)
+        return slot
+
+    def _queue(self, slot: int, spec: RequestSpec) -> int:
         seq = self._tail + 1
         self._write_request(slot, spec)
         self.ring.u32[(self.ring.resp(slot) + R.RESP_CONSUMED) // 4] = 0
@@ -249,8 +283,7 @@ class RingProducer:
         self.ring.u32[(self.geometry.sq_offset + 4 * (self._tail % self.geometry.num_slots)) // 4] = slot
         self._tail += 1
         self.ring.u64[R.HDR_SQ_TAIL // 8] = self._tail  # publishes the queue entry
-        self._active[slot] = _Outstanding(seq=seq)
-        return slot
+        return seq
 
     def _write_request(self, slot: int, spec: RequestSpec) -> None:
         ring, base = self.ring, self.ring.req(slot)

@@ -17,6 +17,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gateway.backends import Backend, BackendInfo
+from gpu_backend.control_server import ControlServer, Description
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer, start_gateway
 from protocols.ring import EngineState, ErrorCode, FinishReason, RingGeometry
@@ -208,3 +209,65 @@ def harness(model_dir, byte_tokenizer, pick_free_port):
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=10)
     assert engine.failure is None, f"the echo engine failed: {engine.failure!r}"
+
+
+@pytest.fixture(scope="module")
+def start_harness(model_dir, byte_tokenizer):
+    """A factory: `start_harness(config)` runs another gateway + echo engine (a test's own config); all stop
+    when the module's tests are done."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    started = []
+
+    def start(config: GatewayConfig, api_key: str = "") -> Harness:
+        ring_name = f"blink-gw-test-{os.getpid()}-{len(started)}"
+        parts = asyncio.run_coroutine_threadsafe(_start(model_dir, byte_tokenizer, ring_name, config), loop)
+        ring, engine, engine_task, backend, server = parts.result(timeout=30)
+        started.append((ring, engine, engine_task, server))
+        return Harness(server.url, f"127.0.0.1:{server.grpc_port}", api_key, MODEL, CONTEXT_LEN, backend, engine,
+                       server, byte_tokenizer, loop)
+
+    yield start
+
+    async def stop():
+        for ring, _, engine_task, server in started:
+            await server.close()
+            engine_task.cancel()
+            ring.close()
+    asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    for _, engine, _, _ in started:
+        assert engine.failure is None, f"the echo engine failed: {engine.failure!r}"
+
+
+WORKERS_GEOMETRY = RingGeometry(num_slots=8, max_prompt_len=256, max_output_len=16, max_stop_ids=4)
+
+
+@pytest.fixture()
+def echo_backend(model_dir, byte_tokenizer, pick_free_port):
+    """An echo engine on a shm ring with a real control plane, in this process."""
+    ring = create_ring(f"blink-workers-test-{os.getpid()}", WORKERS_GEOMETRY, "fp-workers")
+    engine = EchoEngine(ring, byte_tokenizer.token_to_id("<|im_end|>"), byte_tokenizer.token_to_id(ERROR_TOKEN))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    async def spawn():
+        return asyncio.create_task(engine.run())
+    task = asyncio.run_coroutine_threadsafe(spawn(), loop).result(timeout=5)
+    desc = Description(MODEL, str(model_dir), "fp-workers", CONTEXT_LEN, byte_tokenizer.get_vocab_size(),
+                       (engine.eos_id,), "echo")
+    control = f"127.0.0.1:{pick_free_port()}"
+    server = ControlServer(control, desc, ring)
+    server.start()
+    yield control, engine, loop
+    server.stop(0)
+    async def stop():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=5)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    ring.close()
+    assert engine.failure is None

@@ -1,0 +1,64 @@
+"""`--workers N`: N gateway processes on one port (SO_REUSEPORT), each with its own event loop.
+
+The supervisor starts `python -m gateway ARGS --worker-index i` N times and stops them together.
+What is per worker: per-key limits (a key can reach N times them), `/admin/status`, `/metrics` and
+`/health` (each answers for the worker the connection reached), request ids.
+Shared: the port, the keys file and the drained backends (each worker re-reads them within a second
+of a change; `gateway/admin.py`) and the backends' rings.
+On an shm ring worker i owns slots i, i + N, i + 2N, ...; submissions to the ring's one queue are
+serialized by a lock file, so the queue's tail word still has one writer at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+
+from .admin import drain_file
+from .config import GatewayConfig
+
+log = logging.getLogger("blink.gateway.workers")
+
+
+def worker_command(argv: list[str], index: int) -> list[str]:
+    return [sys.executable, "-m", "gateway", *argv, "--worker-index", str(index)]
+
+
+def supervise(config: GatewayConfig, argv: list[str]) -> int:
+    """Run the workers until a signal or until one exits; then stop the rest. Returns an exit code."""
+    num_workers = config.workers
+    drained = drain_file(config)
+    if drained is not None:
+        drained.unlink(missing_ok=True)  # drains do not outlive the gateway that set them
+    procs = [subprocess.Popen(worker_command(argv, i)) for i in range(num_workers)]
+    log.info("gateway supervisor: %d workers, pids %s", num_workers, " ".join(str(p.pid) for p in procs))
+    stopping = []
+
+    def stop(signum, _frame):
+        stopping.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    while all(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    if not stopping:
+        failed = next(p for p in procs if p.poll() is not None)
+        log.error("gateway worker %d exited with %s: stopping the others", procs.index(failed), failed.returncode)
+        stop(signal.SIGTERM, None)
+    codes = [_wait(p) for p in procs]
+    return 0 if stopping else max(1, *codes)
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """A worker gets `timeout_s` to finish its open streams after SIGTERM, then it is killed."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
