@@ -6,19 +6,25 @@ validate alike and name the same fields in their errors.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
 from protocols.openai import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               DetokenizeResponse, InvalidRequest, TokenizeRequest, TokenizeResponse,
                               parse_request)
+from protocols.ring import RequestSpec
 
+from .backends import RequestHandle
 from .detokenize import TextStream
-from .errors import bad_request
+from .errors import ApiError, bad_request
 from .generate import Generation
 from .limits import build_spec, check_token_ids
+from .route import Router
 from .state import GatewayState
 from .tokenize import TemplateError, TokenizerService
+
+log = logging.getLogger("blink.gateway.requests")
 
 GenerateRequest = ChatCompletionRequest | CompletionRequest
 
@@ -52,9 +58,9 @@ async def encode_messages(tokenizer: TokenizerService, messages: Sequence[ChatMe
 
 async def start_generation(state: GatewayState, req: GenerateRequest, prompt_param: str | None = None,
                            arrival_s: float | None = None) -> Generation:
-    """Tokenize, check limits, submit to the least loaded backend. The caller must `close()` the result."""
+    """Tokenize, check limits, submit to the backend routing picks. The caller must `close()` the result."""
     arrival_s = time.perf_counter() if arrival_s is None else arrival_s
-    backend = state.router.pick(req.model)
+    info = state.router.backends_for(req.model)[0].info  # backends of one model share its limits
     tokenizer = state.tokenizers[req.model]
     if isinstance(req, ChatCompletionRequest):
         prompt_param = prompt_param or "messages"
@@ -65,12 +71,52 @@ async def start_generation(state: GatewayState, req: GenerateRequest, prompt_par
         if isinstance(prompt, str):
             prompt_ids = await tokenizer.encode_prompt(prompt)
         else:
-            prompt_ids = check_token_ids(prompt, backend.info.vocab_size, prompt_param)
-    spec = build_spec(next(state.request_ids), req, prompt_ids, backend.info, prompt_param,
+            prompt_ids = check_token_ids(prompt, info.vocab_size, prompt_param)
+    spec = build_spec(next(state.request_ids), req, prompt_ids, info, prompt_param,
                       state.config.default_max_tokens)
-    handle = await backend.submit(spec)
+    failover = Failover(state.router, req.model, spec)
+    handle = await failover.submit()
     stream = TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids)
-    return Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s)
+    return Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s, failover)
+
+
+class Failover:
+    """Submits one request where routing says; again elsewhere (each backend once) if it fails there
+    before its first token."""
+
+    def __init__(self, router: Router, model: str, spec: RequestSpec):
+        self.router = router
+        self.model = model
+        self.spec = spec
+        self.tried: list[str] = []  # backend addresses
+
+    async def submit(self) -> RequestHandle:
+        """A handle on a backend not tried yet; the last refusal (or routing's 503) when none takes it."""
+        refused: ApiError | None = None
+        while True:
+            try:
+                backend = self.router.pick(self.model, self.spec.prompt_ids, exclude=self.tried)
+            except ApiError:
+                if refused is not None:
+                    raise refused from None
+                raise
+            self.tried.append(backend.info.addr)
+            try:
+                return await backend.submit(self.spec)
+            except ApiError as err:
+                if err.status != 503:
+                    raise
+                refused = err
+
+    async def __call__(self, failed: RequestHandle, reason: str) -> RequestHandle | None:
+        try:
+            handle = await self.submit()
+        except ApiError:
+            return None
+        log.warning("request %d: backend %s failed before the first token (%s); retrying on %s",
+                    self.spec.request_id, failed.backend.info.addr, reason, handle.backend.info.addr,
+                    extra={"request_id": self.spec.request_id})
+        return handle
 
 
 async def tokenize(state: GatewayState, req: TokenizeRequest) -> TokenizeResponse:
