@@ -52,7 +52,11 @@ class BackendPool:
         """Connect to `addrs` together and add them; raises the first BackendConnectError."""
         backends = await asyncio.gather(*(Backend.connect(addr, self.config) for addr in addrs))
         for backend in backends:
-            await self.add(backend, grpc.aio.insecure_channel(backend.info.addr))
+            try:
+                await self.add(backend, grpc.aio.insecure_channel(backend.info.addr))
+            except Exception:  # e.g. its tokenizer does not load: close it rather than leak its poller
+                await backend.close()
+                raise
         return list(backends)
 
     async def add(self, backend: Backend, channel: grpc.aio.Channel | None = None) -> None:
@@ -78,7 +82,7 @@ class BackendPool:
     async def _finish_drain(self, backend: Backend) -> None:
         while backend.draining and (backend.num_in_flight or backend.num_waiting) and not backend.dead:
             await asyncio.sleep(DRAIN_POLL_S)
-        if backend.draining:
+        if backend.draining and not backend.dead:  # a dead one was closed already
             log.info("backend %s: drained; closing it", backend.info.addr)
             await self._remove(backend)
 

@@ -169,3 +169,27 @@ def test_drain_lets_the_stream_finish_and_sends_new_work_elsewhere(model_dir, by
         finally:
             await _stop(server, engines, rings)
     asyncio.run(main())
+
+
+def test_deploy_gateway_configs_load():
+    from tests.conftest import ROOT
+    paths = sorted((ROOT / "deploy" / "configs").glob("*/gateway.yaml"))
+    assert paths
+    for path in paths:
+        GatewayConfig(**read_config_file(path))
+
+
+def test_a_failure_before_the_first_token_is_tried_once_on_each_backend(model_dir, byte_tokenizer):
+    async def main():
+        server, engines, backends, rings = await _two_backends(model_dir, byte_tokenizer, CONFIG)
+        try:
+            error_id = byte_tokenizer.token_to_id(ERROR_TOKEN)  # the echo engine fails it at once
+            async with aiohttp.ClientSession() as session:
+                async with session.post(server.url + "/v1/completions",
+                                        json={"model": "tiny", "prompt": [error_id, 0], "max_tokens": 4}) as resp:
+                    body = await resp.json()
+            assert resp.status == 500 and "engine failed" in body["error"]["message"]
+            assert [b.num_requests for b in backends] == [1, 1]
+        finally:
+            await _stop(server, engines, rings)
+    asyncio.run(main())
