@@ -192,7 +192,7 @@ class Backend:
     # ---------------------------------------------------------------- requests
     async def submit(self, spec: RequestSpec) -> RequestHandle:
         """Write a request into a free slot, waiting (FIFO) up to `slot_wait_s` for one."""
-        if not self.healthy or self.draining:
+        if self.stalled or self.dead or self.draining:  # ejected is routing's business: it may still queue here
             state = "draining" if self.draining else "dead" if self.dead else "not making progress"
             raise unavailable(f"backend {self.info.addr} is {state}")
         if not self._producer.connected:

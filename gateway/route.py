@@ -96,10 +96,13 @@ class Router:
         return candidates
 
     def pick(self, model: str, prompt_ids: Sequence[int] = (), exclude: Iterable[str] = ()) -> Backend:
-        """A backend for a request, never one whose address is in `exclude` (tried already)."""
+        """A backend for a request, never one whose address is in `exclude` (tried already), nor a draining,
+        dead or stalled one; an ejected one only when no other is left."""
         exclude = set(exclude)
-        candidates = [b for b in self.backends_for(model)
-                      if b.healthy and not b.draining and b.info.addr not in exclude]
+        open_ = [b for b in self.backends_for(model) if not b.draining and b.info.addr not in exclude]
+        candidates = [b for b in open_ if b.healthy]
+        if not candidates:  # every one ejected (a slow step?): queue there rather than refuse
+            candidates = [b for b in open_ if not (b.stalled or b.dead)]
         if not candidates:
             tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
             raise unavailable(f"no healthy backend serving '{model}' is available{tried}; retry later")

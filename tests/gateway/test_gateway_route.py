@@ -34,6 +34,7 @@ class FakeBackend:
         self.info = FakeInfo(addr)
         self.outstanding_tokens, self.free_kv = outstanding, free_kv
         self.healthy, self.draining = True, False
+        self.stalled = self.dead = False
 
     def engine_stats(self) -> dict[str, int]:
         return {"free_kv_blocks": self.free_kv}
@@ -65,7 +66,12 @@ def test_router_skips_ejected_draining_and_tried_backends():
     assert router.pick("m") is a
     a.healthy = False
     assert router.pick("m") is b
-    a.healthy, b.draining = True, False
+    b.healthy = False  # both ejected: still served rather than refused
+    assert router.pick("m") is a
+    b.dead = True
+    with pytest.raises(ApiError):  # a dead one never
+        router.pick("m", exclude=["a"])
+    a.healthy, b.healthy, b.dead = True, True, False
     assert router.pick("m", exclude=["a"]) is b
     b.draining = True
     with pytest.raises(ApiError) as exc:
