@@ -79,6 +79,13 @@ class RequestHandle:
         self.finished = False  # the engine reported a finish (or the gateway gave up on the engine)
         self.abandoned = False  # nobody reads `queue` any more
         self.submitted_s = time.perf_counter()
+        self.num_produced = 0  # tokens pushed into `queue` so far
+
+    @property
+    def outstanding_tokens(self) -> int:
+        """Work still ahead: the prompt until the first token arrives, then what max_tokens leaves."""
+        prompt_len = len(self.spec.prompt_ids) if self.num_produced == 0 else 0
+        return prompt_len + max(self.spec.max_tokens - self.num_produced, 0)
 
     async def next(self) -> TokenUpdate:
         update = await self.queue.get()
@@ -107,8 +114,12 @@ class Backend:
         self._poller: asyncio.Task | None = None
         self._beat = (producer.heartbeat, time.monotonic())  # last heartbeat value, when it changed
         self._next_check_s = 0.0
-        self.stalled = False
-        self.draining = False  # set by the admin API: the router sends no new request here
+        self._queued_tokens = 0  # outstanding tokens of requests waiting here for a ring slot
+        self.stalled = False  # heartbeat stuck for stall_timeout_s with requests in flight: they were failed
+        self._ejected_at: int | None = None  # the heartbeat that stood still when the pool ejected it
+        self.dead = False  # control plane unreachable: its requests were failed (set by the pool)
+        self.draining = False  # no new work; closed by the pool once its requests finish
+        self.num_requests = 0  # submitted here since the gateway started
 
     @classmethod
     async def connect(cls, addr: str, config: GatewayConfig) -> Backend:
@@ -146,6 +157,29 @@ class Backend:
         return self._producer.engine_stats()
 
     @property
+    def ejected(self) -> bool:
+        """Ejected for a stuck heartbeat, and it has not moved since (re-admitted the moment it does)."""
+        return self._ejected_at is not None and self.heartbeat == self._ejected_at
+
+    def eject(self) -> None:
+        self._ejected_at = self.heartbeat
+
+    def readmit(self) -> bool:
+        """Forget an ejection; True if there was one."""
+        was, self._ejected_at = self._ejected_at is not None, None
+        return was
+
+    @property
+    def healthy(self) -> bool:
+        """Fit for new work as far as liveness goes (draining is a separate matter)."""
+        return not (self.stalled or self.ejected or self.dead)
+
+    @property
+    def outstanding_tokens(self) -> int:
+        """Prompt plus output tokens still to be produced for requests here (the gateway's own count)."""
+        return self._queued_tokens + sum(h.outstanding_tokens for h in self._requests.values())
+
+    @property
     def serving(self) -> bool:
         """The engine says it serves and its heartbeat moves."""
         return not self.stalled and self._producer.engine_state == EngineState.SERVING
@@ -158,12 +192,19 @@ class Backend:
     # ---------------------------------------------------------------- requests
     async def submit(self, spec: RequestSpec) -> RequestHandle:
         """Write a request into a free slot, waiting (FIFO) up to `slot_wait_s` for one."""
-        if self.stalled:
-            raise unavailable(f"backend {self.info.addr} is not making progress (heartbeat stale)")
+        if self.stalled or self.dead or self.draining:  # ejected is routing's business: it may still queue here
+            state = "draining" if self.draining else "dead" if self.dead else "not making progress"
+            raise unavailable(f"backend {self.info.addr} is {state}")
         if not self._producer.connected:
             raise unavailable(f"backend {self.info.addr}: the connection to its tcp agent "
                               f"{self.info.tcp_endpoint} is down; reconnecting")
-        slot = await self._acquire_slot(spec)
+        tokens = len(spec.prompt_ids) + spec.max_tokens
+        self._queued_tokens += tokens
+        try:
+            slot = await self._acquire_slot(spec)
+        finally:
+            self._queued_tokens -= tokens
+        self.num_requests += 1
         handle = RequestHandle(self, slot, spec)
         self._requests[slot] = handle
         self._wakeup.set()
@@ -174,6 +215,8 @@ class Backend:
         deadline = loop.time() + self.config.slot_wait_s
         woken = False  # a woken waiter goes first, ahead of the queue it left
         while True:
+            if self.dead:
+                raise unavailable(f"backend {self.info.addr} died while this request waited for a slot")
             if woken or not self._waiters:
                 try:
                     return self._producer.submit(spec)
@@ -240,6 +283,7 @@ class Backend:
             if not update.tokens and update.finish == FinishReason.NONE:
                 continue
             if not handle.abandoned:
+                handle.num_produced += len(update.tokens)
                 handle.queue.put_nowait(update)
             if update.finish != FinishReason.NONE:
                 del self._requests[slot]
@@ -289,13 +333,29 @@ class Backend:
                       self.info.addr, beat, now - since)
             self._fail_all(f"backend {self.info.addr} stopped making progress")
 
-    def _fail_all(self, message: str) -> None:
+    def fail_unstarted(self, message: str) -> int:
+        """Fail (so that they move elsewhere) the requests that have no token yet; streams go on."""
+        return self._fail_all(message, unstarted_only=True)
+
+    def fail_all(self, message: str) -> int:
+        return self._fail_all(message)
+
+    def _fail_all(self, message: str, unstarted_only: bool = False) -> int:
         """Tell every reader its request failed; cancel in the engine; slots return if it ever finishes."""
+        num_failed = 0
         for handle in self._requests.values():
+            if unstarted_only and handle.num_produced:
+                continue
+            num_failed += 1
             if not handle.abandoned:
                 handle.queue.put_nowait(_error_update(message))
                 handle.abandoned = True
             self._producer.cancel(handle.slot)
+        if not unstarted_only:
+            for waiter in self._waiters:  # requests still waiting for a slot find the backend unusable
+                if not waiter.done():
+                    waiter.set_result(None)
+        return num_failed
 
 
 def _error_update(message: str) -> TokenUpdate:

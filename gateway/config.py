@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 ENV_PREFIX = "BLINK_"
 MiB = 1 << 20
+ROUTING_POLICIES = ("least_outstanding_tokens", "most_free_kv", "prefix_affinity")  # gateway/route.py
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,14 @@ class GatewayConfig:
     shutdown_timeout_s: float = 5.0  # on SIGTERM, how long open streams may finish before they are cut
     access_log: bool = True
     log_format: str = "text"  # or "json": one object per line, with request ids as fields
+    # Many backends (gateway/pool.py, gateway/route.py).
+    config_file: str | None = None  # YAML file of backends and settings, read again on SIGHUP
+    routing: str = "least_outstanding_tokens"  # or most_free_kv, prefix_affinity
+    heartbeat_timeout_s: float = 1.0  # heartbeat unchanged this long: no new work goes to the backend
+    health_check_s: float = 0.2  # how often the pool looks at heartbeats (ejection within timeout + this)
+    probe_interval_s: float = 0.5  # how often the pool asks each backend's control plane whether it lives
+    affinity_prefix_len: int = 64  # prefix_affinity: leading prompt tokens hashed (in whole 16-token blocks)
+    affinity_max_extra_tokens: int = 2048  # prefix_affinity: leave the chosen backend when this much busier
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -58,6 +67,10 @@ class GatewayConfig:
             raise ValueError("workers > 1 needs a fixed port (with port 0 each worker would pick its own)")
         if self.slot_wait_s <= 0 or self.poll_active_s <= 0:
             raise ValueError("slot_wait_s and poll_active_s must be positive")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if min(self.heartbeat_timeout_s, self.health_check_s, self.probe_interval_s) <= 0:
+            raise ValueError("heartbeat_timeout_s, health_check_s and probe_interval_s must be positive")
 
     @property
     def auth_enabled(self) -> bool:
@@ -93,6 +106,8 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
         out["log_format"] = log_format
     if backends := env.get(f"{ENV_PREFIX}BACKENDS"):
         out["backend_addrs"] = tuple(b.strip() for b in backends.split(",") if b.strip())
+    if config_file := env.get(f"{ENV_PREFIX}CONFIG"):
+        out["config_file"] = config_file
     if size := env.get(f"{ENV_PREFIX}MAX_BODY_BYTES"):
         out["max_body_bytes"] = int(size)
     return out

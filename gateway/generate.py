@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from protocols.ring import ErrorCode, FinishReason
@@ -17,6 +17,10 @@ from .metrics import Metrics
 log = logging.getLogger("blink.gateway.requests")
 
 _FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+# The client's own doing: another backend of the same model would answer the same.
+_CLIENT_ERRORS = (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_PARAMS, ErrorCode.NO_KV_CAPACITY)
+# Given the failed handle and the error, a handle on another backend, or None when none is left.
+Failover = Callable[[RequestHandle, str], Awaitable[RequestHandle | None]]
 
 
 @dataclass
@@ -45,11 +49,12 @@ class Generation:
 
     def __init__(self, handle: RequestHandle, stream: TextStream, prompt_len: int, model: str = "",
                  metrics: Metrics | None = None, arrival_s: float | None = None, budget_tokens: int | None = None,
-                 on_close: Callable[[int], None] | None = None):
+                 on_close: Callable[[int], None] | None = None, failover: Failover | None = None):
         self.handle = handle
         # A key's completion budget: reaching it ends the stream with "length" and cancels the engine's request.
         self.budget_tokens = budget_tokens
         self.on_close = on_close  # called once with the completion token count (quota accounting)
+        self.failover = failover  # retries a request that failed before its first token
         self.stream = stream
         self.prompt_len = prompt_len
         self.model = model
@@ -89,6 +94,8 @@ class Generation:
                     return Piece(text, None, ids)
                 continue
             if update.finish not in _FINISH_NAMES:
+                if await self._failed_over(update):
+                    continue
                 raise self._failure(update.finish, update.error_code, update.error)
             text += self.stream.finish()
             return self._finish(text, "stop" if self.stream.stopped else _FINISH_NAMES[update.finish], ids)
@@ -101,6 +108,17 @@ class Generation:
     @property
     def _budget_spent(self) -> bool:
         return self.budget_tokens is not None and self.stream.num_tokens >= self.budget_tokens
+
+    async def _failed_over(self, update) -> bool:
+        """Before the first token, a backend's failure (not the client's) moves the request to another."""
+        if self.failover is None or self.first_token_s is not None or update.error_code in _CLIENT_ERRORS:
+            return False
+        handle = await self.failover(self.handle, update.error or update.error_code.name)
+        if handle is None:
+            return False
+        self.handle.close()
+        self.handle = handle
+        return True
 
     def _finish(self, text: str, reason: str, ids: list[int]) -> Piece:
         self.finish_reason = reason

@@ -76,9 +76,11 @@ async def health(request: web.Request) -> web.Response:
     """200 while some backend makes progress; per-backend heartbeat and load for operators."""
     backends = request.app[STATE].router.backends
     report = [{"addr": b.info.addr, "model": b.info.model_name, "heartbeat": b.heartbeat,
-               "stalled": b.stalled, "in_flight": b.num_in_flight, "free_slots": b.free_slots}
+               "stalled": b.stalled, "ejected": b.ejected, "draining": b.draining,
+               "in_flight": b.num_in_flight, "free_slots": b.free_slots,
+               "outstanding_tokens": b.outstanding_tokens, "requests": b.num_requests}
               for b in backends]
-    ok = any(not b.stalled for b in backends)
+    ok = any(b.healthy and not b.draining for b in backends)
     return web.json_response({"status": "ok" if ok else "stalled", "backends": report},
                              status=200 if ok else 503)
 

@@ -8,7 +8,8 @@ import sys
 from collections.abc import Sequence
 
 from .backends import BackendConnectError
-from .config import GatewayConfig, env_overrides
+from .config import ROUTING_POLICIES, GatewayConfig, env_overrides
+from .config_file import read_config_file
 from .logs import LOG_FORMATS, setup_logging
 from .server import run_gateway
 from .workers import supervise
@@ -22,6 +23,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, help="port to listen on (default 8000; 0 picks a free one)")
     p.add_argument("--grpc-port", type=int, help="port of the gRPC inference API (default 50052; 0: off; "
                    "also BLINK_GRPC_PORT)")
+    p.add_argument("--config", dest="config_file", metavar="FILE",
+                   help="YAML file of backends, routing and other settings; re-read on SIGHUP (also BLINK_CONFIG)")
+    p.add_argument("--routing", choices=ROUTING_POLICIES, help="how requests are spread over backends "
+                   "(default least_outstanding_tokens)")
     p.add_argument("--backend", action="append", dest="backends", metavar="HOST:PORT",
                    help="a backend's control-plane address; repeat for several (default 127.0.0.1:50051)")
     p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
@@ -46,11 +51,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
-    """Defaults, then BLINK_* environment variables, then flags."""
-    fields = env_overrides(environ)
+    """Defaults, then the config file, then BLINK_* environment variables, then flags."""
+    env = env_overrides(environ)
+    config_file = args.config_file or env.get("config_file")
+    fields = read_config_file(config_file) if config_file else {}
+    fields.update(env)
     flags = {"host": args.host, "port": args.port, "grpc_port": args.grpc_port, "log_format": args.log_format,
              "max_body_bytes": args.max_body_bytes,
-             "default_max_tokens": args.default_max_tokens, "connect_timeout_s": args.connect_timeout_s,
+             "default_max_tokens": args.default_max_tokens, "config_file": args.config_file,
+             "routing": args.routing, "connect_timeout_s": args.connect_timeout_s,
              "backend_addrs": tuple(args.backends) if args.backends else None,
              "api_keys": frozenset(args.api_keys) if args.api_keys else None,
              "admin_keys": frozenset(args.admin_keys) if args.admin_keys else None,

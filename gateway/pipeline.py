@@ -6,21 +6,27 @@ validate alike and name the same fields in their errors.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
 from protocols.openai import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               DetokenizeResponse, InvalidRequest, TokenizeRequest, TokenizeResponse,
                               parse_request)
+from protocols.ring import RequestSpec
 
+from .backends import RequestHandle
 from .detokenize import TextStream
-from .errors import bad_request
+from .errors import ApiError, bad_request
 from .generate import Generation
 from .keys import Principal
 from .limits import build_spec, check_token_ids
 from .quotas import Admission
+from .route import Router
 from .state import GatewayState
 from .tokenize import TemplateError, TokenizerService
+
+log = logging.getLogger("blink.gateway.requests")
 
 GenerateRequest = ChatCompletionRequest | CompletionRequest
 
@@ -54,8 +60,9 @@ async def encode_messages(tokenizer: TokenizerService, messages: Sequence[ChatMe
 
 async def start_generation(state: GatewayState, req: GenerateRequest, prompt_param: str | None = None,
                            arrival_s: float | None = None, principal: Principal | None = None) -> Generation:
-    """Check the key's limits, tokenize, check the context, submit to the least loaded backend.
-    The caller must `close()` the result. Raises ApiError (429 over a key's limits)."""
+    """Check the key's limits, tokenize, check the context, submit to the backend routing picks (and to
+    another if it fails before the first token). The caller must `close()` the result. Raises ApiError
+    (429 over a key's limits)."""
     arrival_s = time.perf_counter() if arrival_s is None else arrival_s
     admission = state.quotas.admit(principal)
     try:
@@ -70,7 +77,7 @@ async def start_generation(state: GatewayState, req: GenerateRequest, prompt_par
 
 async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | None, arrival_s: float,
                  admission: Admission) -> Generation:
-    backend = state.router.pick(req.model)
+    info = state.router.backends_for(req.model)[0].info  # backends of one model share its limits
     tokenizer = state.tokenizers[req.model]
     if isinstance(req, ChatCompletionRequest):
         prompt_param = prompt_param or "messages"
@@ -81,13 +88,53 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
         if isinstance(prompt, str):
             prompt_ids = await tokenizer.encode_prompt(prompt)
         else:
-            prompt_ids = check_token_ids(prompt, backend.info.vocab_size, prompt_param)
-    spec = build_spec(next(state.request_ids), req, prompt_ids, backend.info, prompt_param,
+            prompt_ids = check_token_ids(prompt, info.vocab_size, prompt_param)
+    spec = build_spec(next(state.request_ids), req, prompt_ids, info, prompt_param,
                       state.config.default_max_tokens)
     admission.charge(len(prompt_ids))
-    handle = await backend.submit(spec)
+    failover = Failover(state.router, req.model, spec)
+    handle = await failover.submit()
     stream = TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids)
-    return Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s)
+    return Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s, failover=failover)
+
+
+class Failover:
+    """Submits one request where routing says; again elsewhere (each backend once) if it fails there
+    before its first token."""
+
+    def __init__(self, router: Router, model: str, spec: RequestSpec):
+        self.router = router
+        self.model = model
+        self.spec = spec
+        self.tried: list[str] = []  # backend addresses
+
+    async def submit(self) -> RequestHandle:
+        """A handle on a backend not tried yet; the last refusal (or routing's 503) when none takes it."""
+        refused: ApiError | None = None
+        while True:
+            try:
+                backend = self.router.pick(self.model, self.spec.prompt_ids, exclude=self.tried)
+            except ApiError:
+                if refused is not None:
+                    raise refused from None
+                raise
+            self.tried.append(backend.info.addr)
+            try:
+                return await backend.submit(self.spec)
+            except ApiError as err:
+                if err.status != 503:
+                    raise
+                refused = err
+
+    async def __call__(self, failed: RequestHandle, reason: str) -> RequestHandle | None:
+        try:
+            handle = await self.submit()
+        except ApiError:
+            return None
+        log.warning("request %d: backend %s failed before the first token (%s); retrying on %s",
+                    self.spec.request_id, failed.backend.info.addr, reason, handle.backend.info.addr,
+                    extra={"request_id": self.spec.request_id})
+        return handle
 
 
 async def tokenize(state: GatewayState, req: TokenizeRequest) -> TokenizeResponse:

@@ -20,7 +20,8 @@ from .grpc_api import GrpcServer
 from .http import STATE, add_routes
 from .keys import KeyStore
 from .metrics import Metrics
-from .route import Router
+from .pool import BackendPool
+from .route import Router, make_policy
 from .state import GatewayState
 from .tokenize import TokenizerService
 
@@ -62,13 +63,17 @@ def build_app(config: GatewayConfig, state: GatewayState) -> web.Application:
 class GatewayServer:
     """A started gateway: `url` once listening; `close()` stops it."""
 
-    def __init__(self, config: GatewayConfig, runner: web.AppRunner, backends: Sequence[Backend],
+    def __init__(self, config: GatewayConfig, runner: web.AppRunner, pool: BackendPool,
                  grpc_server: GrpcServer | None = None):
         self.config = config
         self.runner = runner
-        self.backends = list(backends)
+        self.pool = pool
         self.grpc_server = grpc_server
         self.keys_watcher: asyncio.Task | None = None
+
+    @property
+    def backends(self) -> list[Backend]:
+        return self.pool.backends
 
     @property
     def grpc_port(self) -> int | None:
@@ -90,31 +95,27 @@ class GatewayServer:
         if self.grpc_server is not None:
             closing.append(self.grpc_server.close(self.config.shutdown_timeout_s))
         await asyncio.gather(*closing)
-        for backend in self.backends:
-            await backend.close()
-
-
-async def connect_backends(config: GatewayConfig) -> list[Backend]:
-    return list(await asyncio.gather(*(Backend.connect(addr, config) for addr in config.backend_addrs)))
-
-
-def load_tokenizers(backends: Sequence[Backend], threads: int) -> dict[str, TokenizerService]:
-    """One tokenizer per model (backends serving the same model share it) and one thread pool for all."""
-    executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
-    services: dict[str, TokenizerService] = {}
-    for backend in backends:
-        name = backend.info.model_name
-        if name not in services:
-            services[name] = TokenizerService(backend.info.model_dir, executor)
-    return services
+        await self.pool.close()
 
 
 async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | None = None) -> GatewayServer:
     """Connect to the backends (unless given), then listen. Logs 'gateway listening on URL' when ready."""
-    backends = list(backends) if backends is not None else await connect_backends(config)
-    tokenizers = await asyncio.get_running_loop().run_in_executor(
-        None, load_tokenizers, backends, config.tokenizer_threads)
-    router = Router(backends)
+    router = Router((), make_policy(config))
+    tokenizers: dict[str, TokenizerService] = {}
+    executor = ThreadPoolExecutor(max_workers=config.tokenizer_threads, thread_name_prefix="tokenize")
+
+    async def load_tokenizer(backend: Backend) -> None:  # the first backend of each model brings its tokenizer
+        name = backend.info.model_name
+        if name not in tokenizers:
+            tokenizers[name] = await asyncio.get_running_loop().run_in_executor(
+                None, TokenizerService, backend.info.model_dir, executor)
+    pool = BackendPool(config, router, load_tokenizer)
+    if backends is None:
+        await pool.connect(config.backend_addrs)
+    else:
+        for backend in backends:
+            await pool.add(backend)
+    pool.start()
     state = GatewayState(config=config, router=router, tokenizers=tokenizers,
                          metrics=Metrics(lambda: router.backends),
                          keys=KeyStore(config.keys_file, config.api_keys, config.admin_keys))
@@ -133,7 +134,7 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
         if grpc_server is not None:
             await grpc_server.close(0)
         raise
-    server = GatewayServer(config, runner, backends, grpc_server)
+    server = GatewayServer(config, runner, pool, grpc_server)
     server.keys_watcher = asyncio.create_task(watch_keys_file(state), name="keys file")
     if not state.keys.auth_enabled:
         log.warning("no API key configured: every client is accepted (set BLINK_API_KEY or --api-key)")
@@ -147,6 +148,7 @@ async def serve_forever(config: GatewayConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.pool.request_reload)
     try:
         await stop.wait()
     finally:
