@@ -105,5 +105,7 @@ class Router:
             candidates = [b for b in open_ if not (b.stalled or b.dead)]
         if not candidates:
             tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
-            raise unavailable(f"no healthy backend serving '{model}' is available{tried}; retry later")
+            draining = [b.info.addr for b in self.backends_for(model) if b.draining]
+            why = f"; draining: {', '.join(draining)}" if draining else ""
+            raise unavailable(f"no healthy backend serving '{model}' is available{tried}{why}; retry later")
         return self.policy.choose(candidates, prompt_ids)
