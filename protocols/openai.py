@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_STRINGS = 4
+INT32_MAX = 2**31 - 1  # top_k and token ids travel as int32 in the ring
 
 
 class InvalidRequest(ValueError):
@@ -64,16 +65,16 @@ class SamplingFields(_Request):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1: disabled
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None  # 0 or -1: disabled
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # the ring's 64-bit word
     stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions (vLLM names): benchmarks need ignore_eos; priority is the ring's priority class.
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     priority: Annotated[int, Field(ge=0, le=255)] = 0
     # Accepted so clients that send defaults work; anything but the default is refused, never ignored.
     n: int = 1

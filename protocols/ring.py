@@ -266,7 +266,10 @@ class RequestSpec:
             raise ValueError(f"max_tokens: {self.max_tokens} must be positive")
         if len(self.stop_ids) > geometry.max_stop_ids:
             raise ValueError(f"stop_ids: {len(self.stop_ids)} ids, at most {geometry.max_stop_ids}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or not 0 <= self.min_p <= 1:
+        if not all(0 <= t < 1 << 31 for t in self.stop_ids):  # int32 words: a bad id must not leak a slot
+            raise ValueError("stop_ids: every id must be a non-negative 32-bit int")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.top_k < 1 << 31 \
+                or not 0 <= self.min_p <= 1:
             raise ValueError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, 0 <= min_p <= 1")
         if not 0 <= self.priority < 1 << 32:
             raise ValueError(f"priority: {self.priority} must be a non-negative 32-bit int")
