@@ -138,6 +138,10 @@ def test_bad_spec_is_refused_before_it_reaches_the_ring(ring):
         prod.submit(spec(n=GEOM.max_prompt_len + 1))
     with pytest.raises(ValueError, match="stop_ids"):
         prod.submit(spec(stop_ids=(1, 2, 3, 4, 5)))
+    # Values that overflow an int32 word once raised after the slot was taken, leaking it.
+    for bad in (spec(stop_ids=(-1,)), spec(stop_ids=(2**40,)), spec(top_k=2**63)):
+        with pytest.raises(ValueError):
+            prod.submit(bad)
     assert prod.free_slots == GEOM.num_slots
 
 
