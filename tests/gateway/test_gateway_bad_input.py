@@ -3,6 +3,10 @@
 Every case must get the status OpenAI would send (400 invalid_request_error for bad params, 401 for
 auth, 404 for an unknown model or path, 405 for a wrong method, 413 over max_body_bytes) and an OpenAI
 error object naming the field where there is one. Afterwards the gateway still serves a normal request.
+
+The gateway defines no 415: it reads JSON whatever the Content-Type (curl -d sends form-urlencoded), so a
+wrong Content-Type is judged by its body. Stalled partial requests are held open (aiohttp has no header
+read timeout); the test checks they block no one and can be abandoned.
 """
 
 from __future__ import annotations
@@ -292,16 +296,10 @@ def test_corpus_is_large():
 
 def test_json_without_json_content_type_is_served(harness):
     """The gateway does not answer 415: a JSON body is read whatever the Content-Type says."""
-    body = json.dumps({"model": MODEL, "messages": USER, "max_tokens": 2}).encode()
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2}
     case = Case(CHAT, body, headers={"Authorization": AUTH, "Content-Type": "text/plain"})
-    url = urllib.parse.urlsplit(harness.url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
-    conn.request("POST", CHAT, body=case.body, headers={"Authorization": f"Bearer {harness.api_key}",
-                                                        "Content-Type": "text/plain"})
-    resp = conn.getresponse()
-    assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
-    conn.close()
-
+    status, reply = send(harness, case)
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2, reply
 
 # ---------------------------------------------------------------- slowloris
 
