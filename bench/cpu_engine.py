@@ -1,4 +1,4 @@
-"""CPU engine throughput at 1/4/16 streams vs transformers `generate`, and the gateway's added TTFT.
+"""CPU engine throughput at 1/4/16 streams vs transformers `generate`.
 
     .venv/bin/python bench/cpu_engine.py [--tokens 128] [--out bench/results]
 
@@ -6,9 +6,9 @@ Steps, all on this machine in one run:
 1. start `blink backend --mode cpu` on the demo model;
 2. submit straight into its ring (no gateway): N concurrent greedy streams of `--tokens` tokens each,
    EOS ignored, so every stream does the same work -> output tokens/s; and batch-1 TTFT (max_tokens=1);
-3. start the gateway in front of the same backend and measure TTFT of the same prompt over HTTP with
-   the official `openai` client, streaming: the gateway's added TTFT is the difference of the medians;
-4. stop both, then time transformers `generate` (greedy, static length) at batch 1 on the same weights.
+3. stop it, then time transformers `generate` (greedy, static length) at batch 1 on the same weights.
+The gateway's added TTFT is `bench/ring_traffic.py ttft`: over a real engine the prefill's own variance
+(±15 ms on 2 cores) swamps a sub-millisecond difference.
 Writes a JSON file with the commit hash and prints a summary row for bench/RESULTS.md.
 """
 from __future__ import annotations
@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
 from protocols.shm import RingProducer, attach_ring  # noqa: E402
-from tests.conftest import _describe, _wait_health, free_port  # noqa: E402
+from blink.bench.results import commit  # noqa: E402
+from tests.conftest import _describe, free_port  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -89,22 +90,6 @@ def direct_ttft_ms(prod: RingProducer, prompt_ids: list[int], n: int) -> list[fl
     return out
 
 
-def http_ttft_ms(base_url: str, key: str, model: str, prompt_ids: list[int], n: int) -> list[float]:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=base_url, api_key=key, max_retries=0)
-    out = []
-    for _ in range(n + 2):
-        t0 = time.perf_counter()
-        stream = client.completions.create(model=model, prompt=prompt_ids, max_tokens=1, temperature=0.0, stream=True)
-        ttft = None
-        for chunk in stream:
-            if ttft is None and chunk.choices:
-                ttft = 1e3 * (time.perf_counter() - t0)
-        out.append(ttft)
-    return out[2:]  # the first two warm the connection pool
-
-
 def hf_generate_tok_s(model_dir: str, prompt_ids: list[int], tokens: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -120,14 +105,10 @@ def hf_generate_tok_s(model_dir: str, prompt_ids: list[int], tokens: int) -> dic
     return {"streams": 1, "tokens_per_stream": tokens, "wall_s": wall, "output_tok_s": tokens / wall}
 
 
-def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--ttft-samples", type=int, default=30)
+    ap.add_argument("--ttft-samples", type=int, default=30, help="1-token requests timed through the ring")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     from tokenizers import Tokenizer
@@ -136,36 +117,28 @@ def main() -> None:
 
     model_dir = str(ensure_demo_model())
     prompt_ids = Tokenizer.from_file(f"{model_dir}/tokenizer.json").encode(PROMPT).ids
-    control, port, ring = f"127.0.0.1:{free_port()}", free_port(), f"blink-bench-{os.getpid()}"
-    env = {**os.environ, "BLINK_API_KEY": "bench-key", "BLINK_LOG_LEVEL": "WARNING"}
+    control, ring = f"127.0.0.1:{free_port()}", f"blink-bench-{os.getpid()}"
+    env = {**os.environ, "BLINK_LOG_LEVEL": "WARNING"}
     backend = start(["backend", "--mode", "cpu", "--model", model_dir, "--ring", ring, "--control", control,
                      "--context-len", "2048"], env)
-    gateway = None
     try:
         desc = wait_backend(control, backend)
         prod = RingProducer(attach_ring(ring))
         run_streams(prod, prompt_ids, 1, 8)  # warm-up
         engine = [run_streams(prod, prompt_ids, n, args.tokens) for n in (1, 4, 16)]
         direct = direct_ttft_ms(prod, prompt_ids, args.ttft_samples)
-        del prod
-        gateway = start(["gateway", "--port", str(port), "--backend", control], env)
-        _wait_health(f"http://127.0.0.1:{port}/health", gateway, 120)
-        http = http_ttft_ms(f"http://127.0.0.1:{port}/v1", "bench-key", desc.model_name, prompt_ids, args.ttft_samples)
     finally:
-        for p in (gateway, backend):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=30)
+        if backend.poll() is None:
+            backend.send_signal(signal.SIGTERM)
+            backend.wait(timeout=30)
     hf = hf_generate_tok_s(model_dir, prompt_ids, args.tokens)
     import torch
 
     result = {
-        "bench": "cpu_engine", "commit": commit(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "bench": "cpu_engine", "commit": commit(short=True) or "unknown", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "cpu": platform.processor() or "unknown", "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "model": desc.model_name, "prompt_tokens": len(prompt_ids), "engine": engine, "hf_generate_batch1": hf,
-        "ttft_direct_ms_median": statistics.median(direct), "ttft_http_ms_median": statistics.median(http),
-        "gateway_added_ttft_ms_median": statistics.median(http) - statistics.median(direct),
-        "ttft_direct_ms": direct, "ttft_http_ms": http,
+        "ttft_direct_ms_median": statistics.median(direct), "ttft_direct_ms": direct,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -176,8 +149,7 @@ def main() -> None:
     for e in engine:
         print(f"| {e['streams']} | {e['output_tok_s']:.1f} | {e['output_tok_s'] / hf['output_tok_s']:.2f}x |")
     print(f"HF generate batch 1: {hf['output_tok_s']:.1f} tok/s")
-    print(f"TTFT median: direct ring {result['ttft_direct_ms_median']:.2f} ms, over HTTP "
-          f"{result['ttft_http_ms_median']:.2f} ms, gateway adds {result['gateway_added_ttft_ms_median']:.2f} ms")
+    print(f"TTFT median (1 token, straight into the ring): {result['ttft_direct_ms_median']:.2f} ms")
 
 
 if __name__ == "__main__":

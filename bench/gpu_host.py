@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,17 +30,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from blink.bench.results import commit  # noqa: E402
 from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig  # noqa: E402
 from gpu_backend.engine.loop import EngineConfig, EngineLoop  # noqa: E402
 from gpu_backend.engine.scheduler import Batch, ScheduledSeq, Sequence  # noqa: E402
 from gpu_backend.models import load_model  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec, RingGeometry  # noqa: E402
 from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring  # noqa: E402
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or os.environ.get("BLINK_COMMIT", "unknown")
 
 
 def copy_gbps() -> float:
@@ -187,7 +182,7 @@ def main() -> None:
         print(f"B={bsz:4d} bare {ms:7.3f} ms ({r['achieved_gbps']:6.0f} GB/s, floor {r['floor_ms']:.3f} ms) | host "
               f"{host['step_ms_median']:7.3f} ms (+{r['host_overhead_us']:6.0f} us), "
               f"CPU {host['cpu_us_per_token']:8.1f} us/token", flush=True)
-    result = {"bench": "gpu_host", "commit": commit(), "gpu": torch.cuda.get_device_name(),
+    result = {"bench": "gpu_host", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
               "driver": torch.cuda.get_device_properties(0).name, "torch": torch.__version__,
               "host": platform.node(), "model": args.model, "weight_bytes": weight_bytes,
               "kv_blocks": runner.num_blocks, "graphs": len(runner.graphs), "capture_s": runner.capture_s,

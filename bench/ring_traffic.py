@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import heapq
 import json
 import multiprocessing as mp
@@ -34,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from blink.bench.results import commit  # noqa: E402
 from gpu_backend.control_server import ControlServer, Description  # noqa: E402
 from gpu_backend.models import preset_config  # noqa: E402
 from gpu_backend.models.demo import default_cache_dir  # noqa: E402
@@ -167,48 +169,63 @@ def openai_ttft_ms(url: str, key: str, samples: int) -> list[float]:
     return out[5:]
 
 
-def commit() -> str:
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return os.environ.get("BLINK_COMMIT") or run.stdout.strip() or "unknown"
-
-
-def ttft(args: argparse.Namespace) -> None:
-    ring, control, port = f"blink-traffic-{os.getpid()}", f"127.0.0.1:{free_port()}", free_port()
+@contextlib.contextmanager
+def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = None):
+    """A TrafficEngine process with its ring and control plane; yields (ring name, control address)."""
+    ring, control = f"blink-traffic-{os.getpid()}", f"127.0.0.1:{free_port()}"
     stop = mp.Event()
-    engine = mp.get_context("fork").Process(target=_engine_main, args=(ring, control, 0.0, stop), daemon=True)
+    engine = mp.get_context("fork").Process(target=_engine_main, daemon=True,
+                                            args=(ring, control, tok_s, stop, idle_s, cores))
     engine.start()
-    gateway = None
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(f"/dev/shm/{ring}") and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.5)
-        direct = direct_ttft_ms(ring, args.samples)
-        env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
-        gateway = subprocess.Popen([sys.executable, "-m", "blink.cli", "gateway", "--port", str(port),
-                                    "--grpc-port", "0", "--backend", control, "--log-level", "WARNING"],
-                                   cwd=ROOT, env=env)
-        _wait_health(f"http://127.0.0.1:{port}/health", gateway, 60)
-        url = f"http://127.0.0.1:{port}/v1"
-        http = asyncio.run(http_ttft_ms(url, "traffic-key", args.samples))
-        sdk = openai_ttft_ms(url, "traffic-key", args.samples)
+        time.sleep(0.5)  # the control plane starts right after the ring
+        yield ring, control
     finally:
-        if gateway is not None:
-            gateway.send_signal(signal.SIGTERM)
-            gateway.wait(timeout=30)
         stop.set()
         engine.join(timeout=10)
+
+
+@contextlib.contextmanager
+def gateway_in_front(control: str, cores: set[int] | None = None):
+    """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL."""
+    port = free_port()
+    env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
+    gateway = subprocess.Popen([sys.executable, "-m", "blink.cli", "gateway", "--port", str(port), "--grpc-port", "0",
+                                "--backend", control, "--log-level", "WARNING"], cwd=ROOT, env=env,
+                               preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+    try:
+        _wait_health(f"http://127.0.0.1:{port}/health", gateway, 60)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        gateway.wait(timeout=30)
+
+
+def record(result: dict, out: str, name: str) -> None:
+    """Stamp commit and machine, write the JSON under `out`."""
+    result.update(commit=commit(short=True) or "unknown", machine=f"{platform.machine()}, {os.cpu_count()} cores")
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    path = path / f"{name}-{result['commit']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+def ttft(args: argparse.Namespace) -> None:
+    with traffic_engine(0.0) as (ring, control):
+        direct = direct_ttft_ms(ring, args.samples)  # before the gateway: a ring has one producer
+        with gateway_in_front(control) as url:
+            http = asyncio.run(http_ttft_ms(url, "traffic-key", args.samples))
+            sdk = openai_ttft_ms(url, "traffic-key", args.samples)
     med = {k: statistics.median(v) for k, v in (("direct", direct), ("http", http), ("openai", sdk))}
-    result = {"bench": "gateway_ttft", "commit": commit(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "samples": args.samples, "direct_ms_median": med["direct"], "http_ms_median": med["http"],
+    result = {"bench": "gateway_ttft", "samples": args.samples, "direct_ms_median": med["direct"], "http_ms_median": med["http"],
               "openai_ms_median": med["openai"], "gateway_added_ttft_ms_median": med["http"] - med["direct"],
               "http_ms_p99": statistics.quantiles(http, n=100)[98], "direct_ms": direct, "http_ms": http,
               "openai_ms": sdk}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"gateway_ttft-{result['commit']}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    record(result, args.out, "gateway_ttft")
     print(f"TTFT median: ring round trip {med['direct']:.3f} ms, over HTTP (aiohttp) {med['http']:.3f} ms "
           f"(P99 {result['http_ms_p99']:.3f}), openai client {med['openai']:.3f} ms; "
           f"gateway adds {result['gateway_added_ttft_ms_median']:.3f} ms at the median")
@@ -254,34 +271,13 @@ def stream(args: argparse.Namespace) -> None:
     """The gateway on its own core(s), the fake engine and the clients on the others."""
     cores = sorted(os.sched_getaffinity(0))
     gw_cores, other = set(cores[-args.gateway_cores:]), set(cores[:-args.gateway_cores]) or set(cores)
-    ring, control, port = f"blink-traffic-{os.getpid()}", f"127.0.0.1:{free_port()}", free_port()
-    stop = mp.Event()
-    engine = mp.get_context("fork").Process(target=_engine_main, daemon=True,
-                                            args=(ring, control, args.tok_s, stop, 0.0005, other))
-    engine.start()
-    gateway = None
-    try:
-        env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
-        gateway = subprocess.Popen([sys.executable, "-m", "blink.cli", "gateway", "--port", str(port),
-                                    "--grpc-port", "0", "--backend", control, "--log-level", "WARNING"],
-                                   cwd=ROOT, env=env, preexec_fn=lambda: os.sched_setaffinity(0, gw_cores))
-        _wait_health(f"http://127.0.0.1:{port}/health", gateway, 60)
-        os.sched_setaffinity(0, other)
-        result = asyncio.run(stream_clients(f"http://127.0.0.1:{port}/v1", "traffic-key", args.streams, args.tokens))
-    finally:
-        if gateway is not None:
-            gateway.send_signal(signal.SIGTERM)
-            gateway.wait(timeout=30)
-        stop.set()
-        engine.join(timeout=10)
-    result = {"bench": "gateway_stream", "commit": commit(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "gateway_cores": sorted(gw_cores), "other_cores": sorted(other), "engine_tok_s_per_stream": args.tok_s,
+    with traffic_engine(args.tok_s, idle_s=0.0005, cores=other) as (_, control):
+        with gateway_in_front(control, gw_cores) as url:
+            os.sched_setaffinity(0, other)
+            result = asyncio.run(stream_clients(url, "traffic-key", args.streams, args.tokens))
+    result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other), "engine_tok_s_per_stream": args.tok_s,
               **result}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"gateway_stream-{result['commit']}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    record(result, args.out, "gateway_stream")
     print(f"{result['streams']} streams x {result['max_tokens']} tokens at {args.tok_s:g} tok/s each: "
           f"{result['tok_s']:.0f} tok/s delivered, {result['complete_streams']} complete; per-token "
           f"publish->client latency P50 {result['lag_us_p50'] / 1e3:.2f} ms, P99 {result['lag_us_p99'] / 1e3:.2f} ms")

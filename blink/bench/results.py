@@ -14,12 +14,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _commit() -> str | None:
-    """BLINK_COMMIT (a tree copied to a GPU host travels without .git), else `git rev-parse HEAD`."""
+def commit(short: bool = False) -> str | None:
+    """BLINK_COMMIT (a tree copied to a GPU host travels without .git), else `git rev-parse HEAD`.
+    Every benchmark stamps its results with this."""
     if os.environ.get("BLINK_COMMIT"):
         return os.environ["BLINK_COMMIT"]
+    cmd = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:
@@ -56,7 +58,7 @@ def _str(value) -> str:
 
 def environment() -> dict:
     """Where and with what a run was measured (BENCH.md "Recording")."""
-    return {"commit": _commit(), "host": socket.gethostname(), "platform": platform.platform(),
+    return {"commit": commit(), "host": socket.gethostname(), "platform": platform.platform(),
             "python": platform.python_version(), "cpu_count": os.cpu_count(), "torch": _version("torch"),
             "aiohttp": _version("aiohttp"), **_gpus(),
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
