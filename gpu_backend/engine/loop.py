@@ -30,11 +30,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     idle_sleep_max_s: float = 0.002  # longest poll interval while idle (the first few polls spin shorter)
 
-    def num_blocks_for(self, model_cfg: ModelConfig, context_len: int, bytes_per_elem: int = 4) -> int:
+    def num_blocks_for(self, model_cfg: ModelConfig, context_len: int) -> int:
+        """KV blocks of the cpu engine's float32 cache (the GPU runner sizes its own from free memory)."""
         if self.num_kv_blocks:
             return self.num_kv_blocks
-        per_block = self.block_size * model_cfg.num_layers * 2 * model_cfg.num_kv_heads * model_cfg.head_dim
-        blocks = self.kv_cache_mb * (1 << 20) // (per_block * bytes_per_elem)
+        per_block = self.block_size * model_cfg.num_layers * 2 * model_cfg.num_kv_heads * model_cfg.head_dim * 4
+        blocks = self.kv_cache_mb * (1 << 20) // per_block
         return max(blocks, -(-context_len // self.block_size))  # at least one full-context sequence
 
 
