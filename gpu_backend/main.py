@@ -49,12 +49,12 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 def run_backend(args: argparse.Namespace) -> int:
     if args.mode == "persistent":
-        log.error("--mode persistent (the GPU-resident loop) is not built yet; use --mode host or cpu")
-        return 2
+        # a spinning loop kernel and lazy module loading can deadlock: load every kernel up front
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     import torch
 
-    if args.mode == "host" and not torch.cuda.is_available():
-        log.error("--mode host needs a CUDA GPU and none is visible; use --mode cpu")
+    if args.mode != "cpu" and not torch.cuda.is_available():
+        log.error("--mode %s needs a CUDA GPU and none is visible; use --mode cpu", args.mode)
         return 2
     from gpu_backend.control_server import ControlServer, Description
     from gpu_backend.engine.loop import EngineConfig, EngineLoop
@@ -65,7 +65,7 @@ def run_backend(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = "cuda" if args.mode == "host" else "cpu"
+    device = "cpu" if args.mode == "cpu" else "cuda"
     spec = str(ensure_demo_model()) if args.model == "demo" else args.model
     cfg, model, model_dir = load_model(spec, device=device, progress=True)
     model.eval()
@@ -78,7 +78,12 @@ def run_backend(args: argparse.Namespace) -> int:
     runner = _make_runner(args, model, cfg, config, context_len)
     geometry = RingGeometry(args.num_slots, context_len, args.max_output_len)
     ring = create_ring(args.ring or f"blink-{os.getpid()}", geometry, fingerprint)
-    engine = EngineLoop(runner, cfg, RingConsumer(ring), config, context_len)
+    if args.mode == "persistent":
+        from gpu_backend.engine.persistent import PersistentEngine
+
+        engine = PersistentEngine(runner, cfg, ring, config, context_len)
+    else:
+        engine = EngineLoop(runner, cfg, RingConsumer(ring), config, context_len)
     name = args.model_name or (Path(model_dir).name if model_dir else spec)
     tokenizer_dir = model_dir or ensure_random_tokenizer(cfg, default_cache_dir())
     endpoint = (args.advertise or args.listen) if args.transport == "tcp" else ""
@@ -91,9 +96,11 @@ def run_backend(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: engine.stop_event.set())
     print(f"backend ready: model={name} mode={args.mode} ring={ring.name} control={args.control} "
-          f"kv_blocks={engine.blocks.num_blocks}", file=sys.stderr, flush=True)
+          f"kv_blocks={runner.num_blocks}", file=sys.stderr, flush=True)
     try:
         engine.run()
+        if getattr(engine, "failed", None):
+            return 1  # the GPU loop died: exit non-zero so that a supervisor restarts the backend
     finally:
         control.stop()
         if agent is not None:
@@ -113,7 +120,8 @@ def _make_runner(args, model, cfg, config, context_len: int):
     runner = GpuRunner(model, cfg, GpuRunnerConfig(
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         block_size=config.block_size, context_len=context_len, gpu_memory_fraction=args.gpu_memory_fraction,
-        num_kv_blocks=args.num_kv_blocks, use_graphs=not args.no_graphs))
+        num_kv_blocks=args.num_kv_blocks, use_graphs=not args.no_graphs or args.mode == "persistent"),
+        keep_graphs=args.mode == "persistent")
     print(f"GPU runner: {runner.num_blocks} KV blocks of {config.block_size} tokens "
           f"({runner.num_blocks * runner.kv_block_bytes / 2**30:.1f} GiB), {len(runner.graphs)} graphs "
           f"captured in {runner.capture_s:.1f} s", file=sys.stderr, flush=True)

@@ -38,17 +38,21 @@ def build() -> Path:
     cxx = host_compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler on PATH (set CXX or install g++): the native scheduler needs one")
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join((cxx, *FLAGS)).encode())
-    out = _cache_dir() / f"sched_host-{digest.hexdigest()[:16]}.so"
+    return cached_build("sched_host", SOURCES, [cxx, *FLAGS, "-I", str(CSRC / "include"), str(SOURCES[0])])
+
+
+def cached_build(stem: str, sources: tuple[Path, ...], argv: list[str]) -> Path:
+    """Run `argv + ["-o", <lib>]` unless a library built from these exact sources and flags is cached."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(argv).encode())
+    out = _cache_dir() / f"{stem}-{digest.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        res = subprocess.run([cxx, *FLAGS, "-I", str(CSRC / "include"), str(SOURCES[0]), "-o", str(tmp_so)],
-                             capture_output=True, text=True)
+        res = subprocess.run([*argv, "-o", str(tmp_so)], capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"building {SOURCES[0].name} failed:\n{res.stderr}")
+            raise RuntimeError(f"building {sources[0].name} failed:\n{res.stderr}")
         os.replace(tmp_so, out)  # atomic: a concurrent build loads either copy
     return out
 

@@ -5,7 +5,8 @@ Every dynamic quantity of a step lives in one fixed device buffer (`StepBuffers`
 positions, KV slots, per-sequence query offsets, context lengths, block tables, the rows to sample and
 their sampling parameters. A graph captured over those buffers serves every batch of its bucket, so the
 host's work per step is: fill the pinned twin of the buffer, one copy, one replay, one copy back. The
-GPU-resident loop (issue 4) will fill the same buffer from the device and launch the same graphs.
+GPU-resident loop (`engine/persistent.py`) fills the same buffer from the device and launches the same
+graphs as children of its own.
 
 Per layer: fused residual add + RMSNorm -> qkv GEMM -> RoPE fused with the KV-cache write -> paged
 attention (mixed prefill/decode, one launch) -> o GEMM -> add + RMSNorm -> gate_up GEMM -> SwiGLU ->
@@ -163,7 +164,7 @@ class GpuRunner:
     """`run(batch)` -> sampled tokens; everything the GPU needs is allocated and captured in __init__."""
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, config: GpuRunnerConfig,
-                 device: torch.device | str = "cuda", progress: bool = True):
+                 device: torch.device | str = "cuda", progress: bool = True, keep_graphs: bool = False):
         from kernels import paged_attention, rmsnorm, rope_kv, sampling, swiglu  # triton: GPU hosts only
 
         from kernels import gemv
@@ -172,6 +173,8 @@ class GpuRunner:
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
                        swiglu=swiglu.swiglu, sample=sampling.sample)
         self.cfg, self.config, self.device = cfg, config, torch.device(device)
+        # keep each graph's cudaGraph_t (raw_cuda_graph()) for the persistent loop, which clones them
+        self.keep_graphs = keep_graphs
         self._gemv = dict(config.gemv_projections)
         self.dtype = next(model.parameters()).dtype
         if self.dtype not in (torch.bfloat16, torch.float16):
@@ -295,7 +298,7 @@ class GpuRunner:
             with torch.cuda.stream(stream):
                 self._step(bucket, greedy)                                    # compiles, warms cuBLAS
             torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graphs)
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._step(bucket, greedy)
             self.graphs[(bucket, greedy)] = graph

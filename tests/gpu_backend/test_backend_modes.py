@@ -14,14 +14,9 @@ def _backend(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-def test_persistent_mode_is_refused_until_it_exists():
-    run = _backend("--mode", "persistent", "--model", "random:smollm2-135m")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the mode would start")
+@pytest.mark.parametrize("mode", ["host", "persistent"])
+def test_gpu_modes_without_a_gpu_say_so(mode):
+    run = _backend("--mode", mode, "--model", "random:smollm2-135m")
     assert run.returncode == 2
-    assert "--mode persistent" in run.stderr and "--mode host or cpu" in run.stderr
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: host mode would start")
-def test_host_mode_without_a_gpu_says_so():
-    run = _backend("--mode", "host", "--model", "random:smollm2-135m")
-    assert run.returncode == 2
-    assert "needs a CUDA GPU" in run.stderr and "--mode cpu" in run.stderr
+    assert f"--mode {mode} needs a CUDA GPU" in run.stderr and "--mode cpu" in run.stderr

@@ -1,0 +1,194 @@
+"""The `persistent` mode: one GPU-resident loop serves the ring; the host thread only watches it.
+
+Set-up (host, once): the GpuRunner captures its bucket graphs; the scheduler state (`blink_sched.h`,
+initialised by the host build, `sched_native.py`) is copied to device memory; the ring's shared memory is
+registered with CUDA (pinned, mapped); `kernels/csrc/persistent_loop.cu` wraps the bucket graphs in one
+graph (WHILE: schedule kernel -> SWITCH over the bucket graphs -> commit kernel), launched once.
+
+After the launch the host does nothing per request or per token. `run()` wakes four times a second to
+see whether the loop's stream ended (a CUDA error: the loop died) and whether its heartbeat is stale (the
+control plane's Health reports STALLED on its own; this logs it too). `stop_event` (SIGTERM) sets the
+loop's stop flag: the loop reports every request in flight as failed (ENGINE_STOPPING) and ends. Then the
+host sweeps the ring so that nothing is left unanswered: requests queued after the loop's last look are
+failed, and if the loop died, so is every slot it had not finished.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import threading
+import time
+
+import numpy as np
+import torch
+
+from gpu_backend.engine.gpu_runner import GpuRunner
+from gpu_backend.engine.loop import EngineConfig
+from gpu_backend.engine.sched_native import NativeScheduler, StepGeometry, _Header
+from gpu_backend.engine.scheduler import SchedulerConfig
+from gpu_backend.models import ModelConfig
+from kernels import persistent_loop as native
+from protocols import ring as R
+from protocols.ring import EngineState, ErrorCode, FinishReason
+from protocols.shm import RingConsumer, ShmRing
+
+log = logging.getLogger("blink.persistent")
+
+
+class PersistentEngine:
+    """`run()` launches the loop and watches it until `stop_event` is set; `num_blocks` as the other engines."""
+
+    def __init__(self, runner: GpuRunner, model_cfg: ModelConfig, ring: ShmRing, config: EngineConfig,
+                 context_len: int, watch_interval_s: float = 0.25, stale_after_s: float = 2.0):
+        if not runner.config.use_graphs or not runner.keep_graphs:
+            raise ValueError("the persistent loop runs the runner's bucket graphs: build it with graphs kept")
+        self.runner, self.ring, self.geometry = runner, ring, ring.geometry
+        self.watch_interval_s, self.stale_after_s = watch_interval_s, stale_after_s
+        self.lib = native.load()
+        self.num_blocks = runner.num_blocks
+        g, dev, rc = ring.geometry, runner.device, runner.config
+        sched = NativeScheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, context_len,
+                            tuple(model_cfg.eos_token_ids)),
+            runner.num_blocks, rc.block_size, g.num_slots, g.max_stop_ids,
+            StepGeometry(rc.max_num_batched_tokens, rc.max_num_seqs, runner.buckets))
+        self.sched_state = torch.from_numpy(sched.state.view(np.uint8)).to(dev)
+        n = g.num_slots
+        self._scratch = dict(
+            sampled32=torch.zeros(rc.max_num_seqs, dtype=torch.int32, device=dev),
+            slot_seq=torch.zeros(n, dtype=torch.int64, device=dev),
+            slot_produced=torch.zeros(n, dtype=torch.int32, device=dev),
+            room=torch.zeros(n, dtype=torch.int32, device=dev),
+            order=torch.zeros(n, dtype=torch.int32, device=dev),
+            cancel=torch.zeros(n, dtype=torch.uint8, device=dev))
+        self.stop_event = threading.Event()
+        self.ctl: native.LoopCtl | None = None
+        self.failed: str | None = None
+        self.final_ctl: dict[str, int] = {}
+        self._loop = ctypes.c_void_p()
+        self._registered = False
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    def _register_ring(self) -> int:
+        host = self.ring.buf.ctypes.data
+        nbytes = -(-self.geometry.total_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # the mapping's whole pages
+        dev = ctypes.c_void_p()
+        native.check(self.lib.blink_loop_register(host, nbytes, ctypes.byref(dev)), "cudaHostRegister(ring)")
+        self._registered = True
+        return dev.value
+
+    def _clock_offset_ns(self) -> int:
+        """CLOCK_MONOTONIC minus the GPU's %globaltimer, from the tightest of a few bracketed reads."""
+        best = None
+        for _ in range(5):
+            gt = ctypes.c_uint64()
+            t0 = time.monotonic_ns()
+            native.check(self.lib.blink_loop_read_globaltimer(ctypes.byref(gt)), "read %globaltimer")
+            t1 = time.monotonic_ns()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, (t0 + t1) // 2 - gt.value)
+        return best[1]
+
+    def start(self) -> None:
+        """Build the loop graph and launch it; returns at once (the loop runs until stopped)."""
+        g, runner, hdr = self.geometry, self.runner, self.ring
+        ctl_host, ctl_dev = ctypes.c_void_p(), ctypes.c_void_p()
+        native.check(self.lib.blink_loop_alloc_ctl(ctypes.byref(ctl_host), ctypes.byref(ctl_dev)), "cudaHostAlloc(ctl)")
+        self.ctl = native.LoopCtl.from_address(ctl_host.value)
+        self.ctl.clock_offset_ns = self._clock_offset_ns()
+        ring_dev = self._register_ring()
+        sc = self._scratch
+        args = native.LoopArgs(
+            ring=ring_dev, sq_offset=g.sq_offset, requests_offset=g.requests_offset,
+            responses_offset=g.responses_offset, request_bytes=g.request_bytes, response_bytes=g.response_bytes,
+            prompt_offset=g.prompt_offset, num_slots=g.num_slots, max_prompt_len=g.max_prompt_len,
+            max_output_len=g.max_output_len, max_stop_ids=g.max_stop_ids,
+            sched_mem=self.sched_state.data_ptr(), step_buf=runner.bufs.dev.data_ptr(),
+            sampled=runner.tokens_dev.data_ptr(), ctl=ctl_dev.value,
+            sq_head=int(hdr.u64[R.HDR_SQ_HEAD // 8]), beats=hdr.heartbeat,
+            generated=int(hdr.u64[R.HDR_GENERATED_TOKENS // 8]),
+            **{name: t.data_ptr() for name, t in sc.items()})
+        children = [runner.graphs[(bucket, greedy)].raw_cuda_graph()
+                    for bucket in runner.buckets for greedy in (False, True)]
+        child_array = (ctypes.c_void_p * len(children))(*children)
+        torch.cuda.synchronize(runner.device)  # every set-up copy done before the loop reads its state
+        t0 = time.perf_counter()
+        native.check(self.lib.blink_loop_create(ctypes.byref(args), child_array, len(children),
+                                                ctypes.byref(self._loop)), "building the loop graph")
+        log.info("loop graph: %d bucket graphs under one WHILE/SWITCH graph, instantiated in %.2f s",
+                 len(children), time.perf_counter() - t0)
+        consumer = RingConsumer(self.ring)
+        consumer.set_stats(self.num_blocks, self.num_blocks, 0, 0)  # the loop keeps free/running/waiting current
+        consumer.set_state(EngineState.SERVING)
+        native.check(self.lib.blink_loop_launch(self._loop), "launching the loop")
+
+    # ---- the host's whole job while serving -----------------------------------------------------------
+    def run(self) -> None:
+        self.start()
+        try:
+            self._watch()
+        finally:
+            self.shutdown()
+
+    def _watch(self) -> None:
+        beat, beat_at, stale_logged = self.ring.heartbeat, time.monotonic(), False
+        while not self.stop_event.wait(self.watch_interval_s):
+            status = self.lib.blink_loop_poll(self._loop)
+            if status != 1:
+                self.failed = (f"the GPU loop ended on its own (internal error {self.ctl.error})" if status == 0
+                               else f"the GPU loop failed: cudaError {status}")
+                log.error("%s; failing the requests in flight and stopping", self.failed)
+                return
+            now, current = time.monotonic(), self.ring.heartbeat
+            if current != beat:
+                beat, beat_at, stale_logged = current, now, False
+            elif now - beat_at > self.stale_after_s and not stale_logged:
+                log.error("the GPU loop's heartbeat has not moved for %.1f s (Health reports STALLED)", now - beat_at)
+                stale_logged = True
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stop the loop (it fails what is in flight), then make sure no request is left unanswered."""
+        consumer = RingConsumer(self.ring)
+        consumer.set_state(EngineState.STOPPING)
+        running = self._loop.value is not None and self.lib.blink_loop_poll(self._loop) == 1
+        if running:
+            self.ctl.stop = 1
+            deadline = time.monotonic() + timeout_s
+            while (status := self.lib.blink_loop_poll(self._loop)) == 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            running = status == 1
+            if status not in (0, 1):
+                self.failed = f"the GPU loop failed while stopping: cudaError {status}"
+        if self.ctl is not None:
+            self.final_ctl = {name: getattr(self.ctl, name) for name, _ in native.LoopCtl._fields_ if name != "_pad"}
+        if running:
+            log.error("the GPU loop did not stop within %.0f s; leaving it to the process exit", timeout_s)
+        self._sweep(consumer, died=self.failed is not None)
+        consumer.set_state(EngineState.STOPPED)
+        if not running and self._loop.value is not None:
+            native.check(self.lib.blink_loop_destroy(self._loop), "destroying the loop")
+            self._loop = ctypes.c_void_p()
+        if not running and self._registered:
+            native.check(self.lib.blink_loop_unregister(self.ring.buf.ctypes.data), "cudaHostUnregister(ring)")
+            self._registered = False
+
+    def _sweep(self, consumer: RingConsumer, died: bool) -> None:
+        """Fail what the loop never answered: requests queued after its last look, and, if it died, every
+        slot whose response still belongs to its request and has no finish reason."""
+        ring = self.ring
+        if died:
+            for slot in range(self.geometry.num_slots):
+                req, resp = ring.req(slot), ring.resp(slot)
+                seq = int(ring.u64[req // 8])
+                if (seq and int(ring.u64[(resp + R.RESP_SEQ) // 8]) == seq
+                        and int(ring.u32[(resp + R.RESP_FINISH_REASON) // 4]) == FinishReason.NONE):
+                    consumer.finish(slot, FinishReason.ERROR, ErrorCode.INTERNAL)
+        for taken in consumer.take_new():
+            consumer.finish(taken.slot, FinishReason.ERROR, ErrorCode.ENGINE_STOPPING)
+
+    # ---- for tests and benchmarks (after the loop ended) -----------------------------------------------
+    def scheduler_header(self) -> _Header:
+        """The device scheduler's header (free blocks, running, waiting), copied back to the host."""
+        host = self.sched_state[: ctypes.sizeof(_Header)].cpu().numpy().copy()
+        return _Header.from_buffer_copy(host.tobytes())

@@ -1,0 +1,473 @@
+// The GPU-resident loop: one CUDA graph, launched once, that serves the ring with no host CPU per token.
+//
+//   WHILE (loop_handle) {
+//     schedule kernel   admit new requests from the ring, honour cancels, choose the step (blink_sched.h),
+//                       fill the step buffer, pick the bucket graph -- or spin (one block) until work comes
+//     SWITCH (branch)   branch 2i: bucket i sampled, 2i+1: bucket i greedy (PyTorch-captured child graphs)
+//     commit kernel     apply the sampled tokens (blink_sched_update), publish them and the finishes to the
+//                       response areas with the ring's fences, bump the heartbeat
+//   }
+//
+// The ring lives in host memory (the shm transport's file), registered with cudaHostRegister: the loop reads
+// it over PCIe with volatile or acquire loads (L1 would keep stale lines across slot reuse) and writes it
+// with the ring's order: payload first, the validating word last with a release store at system scope.
+// Scheduling state, the step buffer and the sampled tokens stay in device memory. The host thread only sets
+// `ctl->stop` (pinned, mapped) and watches the stream; gpu_backend/engine/persistent.py drives this file.
+// DESIGN.md "The GPU-resident loop" explains the choice of WHILE + SWITCH over device graph launch.
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "blink_ring.h"
+#include "blink_sched.h"
+
+#define BLINK_LOOP_THREADS 256
+#define BLINK_LOOP_IDLE_SLEEP_MAX_NS 2000u
+#define BLINK_LOOP_IDLE_BEAT_NS 1000000ull  // heartbeat while idle: every 1 ms
+// ErrorCode values of protocols/ring.py beyond the scheduler's own (blink_sched_error)
+#define BLINK_ERROR_ENGINE_STOPPING 4u
+#define BLINK_ERROR_INTERNAL 5u
+
+// Shared with the host (pinned, mapped): the host writes `stop`; the loop writes the rest.
+struct blink_loop_ctl {
+  uint32_t stop;             // host: 1 = fail what is in flight, leave the loop
+  uint32_t exited;           // loop: 1 once the last iteration ran
+  int64_t clock_offset_ns;   // host, before launch: CLOCK_MONOTONIC = %globaltimer + offset
+  uint64_t iterations;       // loop body runs
+  uint64_t steps;            // model steps
+  uint64_t tokens;           // tokens published
+  uint64_t busy_ns;          // sum over back-to-back steps of commit-to-commit time
+  uint64_t busy_steps;
+  uint64_t sched_ns;         // sum over steps of the schedule kernel's time (admission to launch)
+  uint64_t idle_polls;
+  uint32_t error;            // nonzero: the loop stopped on an internal error (a bucket it has no graph for)
+  uint32_t _pad;
+};
+
+// Everything the two kernels need, in device memory (written once by the host before the launch).
+struct blink_loop_args {
+  uint8_t* ring;                          // device address of the ring
+  uint64_t sq_offset, requests_offset, responses_offset, request_bytes, response_bytes, prompt_offset;
+  uint32_t num_slots, max_prompt_len, max_output_len, max_stop_ids;
+  uint8_t* sched_mem;                     // blink_sched state (device)
+  uint8_t* step_buf;                      // gpu_runner.StepBuffers.dev
+  const int64_t* sampled;                 // gpu_runner.tokens_dev: the graphs' sampled tokens
+  int32_t* sampled32;                     // [max_seqs] scratch
+  uint64_t* slot_seq;                     // [num_slots] the request seq a slot serves
+  uint32_t* slot_produced;                // [num_slots] tokens published (the response's `produced`)
+  int32_t* room;                          // [num_slots] scratch: output space per slot
+  int32_t* order;                         // [num_slots] scratch of blink_sched_schedule
+  uint8_t* cancel;                        // [num_slots] scratch
+  blink_loop_ctl* ctl;                    // device address of the mapped control block
+  cudaGraphConditionalHandle loop_handle, branch_handle;
+  uint32_t num_branches;
+  // the loop's own words (device memory, read and written only by the kernels)
+  uint64_t sq_head, beats, generated, last_commit_ns;
+};
+
+// ---- memory access to the ring ------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ T ld_v(const T* p) { return *(const volatile T*)p; }
+template <typename T>
+__device__ __forceinline__ void st_v(T* p, T v) { *(volatile T*)p = v; }
+
+__device__ __forceinline__ uint64_t ld_acquire_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_u32(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ blink_ring_header* ring_header(const blink_loop_args* a) {
+  return (blink_ring_header*)a->ring;
+}
+__device__ __forceinline__ blink_request_slot* request(const blink_loop_args* a, uint32_t slot) {
+  return (blink_request_slot*)(a->ring + a->requests_offset + (uint64_t)slot * a->request_bytes);
+}
+__device__ __forceinline__ blink_response_slot* response(const blink_loop_args* a, uint32_t slot) {
+  return (blink_response_slot*)(a->ring + a->responses_offset + (uint64_t)slot * a->response_bytes);
+}
+
+// Response words as RingConsumer writes them: counters first, `seq` last (they now belong to `seq`).
+__device__ void reset_response(const blink_loop_args* a, uint32_t slot, uint64_t seq, uint32_t prompt_len) {
+  blink_response_slot* r = response(a, slot);
+  st_v(&r->produced, 0u);
+  st_v(&r->finish_reason, (uint32_t)BLINK_FINISH_NONE);
+  st_v(&r->error_code, 0u);
+  st_v(&r->prompt_len, prompt_len);
+  st_v(&r->first_token_ns, (uint64_t)0);
+  st_v(&r->last_token_ns, (uint64_t)0);
+  st_release_u64(&r->seq, seq);
+}
+
+// The last word on a slot: error code, then the finish reason (release: after every token of the slot).
+__device__ void finish_response(const blink_loop_args* a, uint32_t slot, uint32_t reason, uint32_t error) {
+  blink_response_slot* r = response(a, slot);
+  st_v(&r->error_code, error);
+  st_release_u32(&r->finish_reason, reason);
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {  // splitmix64's finalizer: seeds for unseeded requests
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// ---- admission (RingConsumer.take_new + EngineLoop._admit) ------------------------------------------------
+// Thread 0: read the request's fixed part, reset its response, check it, queue it or fail it.
+__device__ void take_request(blink_loop_args* a, blink_sched* s, uint32_t slot, int32_t prompt_len) {
+  const blink_request_slot* req = request(a, slot);
+  const uint64_t seq = ld_v(&req->seq);
+  const uint32_t flags = ld_v(&req->flags);
+  const int64_t max_tokens = ld_v(&req->max_tokens);
+  const float temperature = ld_v(&req->temperature), top_p = ld_v(&req->top_p), min_p = ld_v(&req->min_p);
+  const int32_t top_k = ld_v(&req->top_k);
+  const uint32_t priority = ld_v(&req->priority);
+  uint32_t num_stop = ld_v(&req->num_stop_ids);
+  if (num_stop > a->max_stop_ids) num_stop = a->max_stop_ids;
+  int32_t* stops = s->stop_ids + (int64_t)slot * s->h->cfg.max_stop_ids;  // copied in, then added in place
+  for (uint32_t i = 0; i < num_stop; ++i) stops[i] = ld_v(&req->stop_ids[i]);
+  reset_response(a, slot, seq, (uint32_t)prompt_len);
+  const int32_t err = blink_sched_check(s, prompt_len, max_tokens, temperature, top_p, top_k, min_p);
+  if (err != BLINK_ERR_NONE) {
+    finish_response(a, slot, BLINK_FINISH_ERROR, (uint32_t)err);
+    return;
+  }
+  const uint64_t seed = flags & BLINK_RING_FLAG_HAS_SEED
+                            ? ld_v(&req->seed)
+                            : mix64(now_ns() ^ ((uint64_t)slot << 40) ^ ld_v(&req->request_id));
+  const int32_t* prompt = s->tokens + (int64_t)slot * s->h->cfg.context_len;  // already copied there
+  blink_sched_add(s, (int32_t)slot, prompt, prompt_len, max_tokens, priority, stops, (int32_t)num_stop,
+                  (flags & BLINK_RING_FLAG_IGNORE_EOS) ? 1 : 0, temperature, top_k, top_p, min_p, seed);
+  a->slot_seq[slot] = seq;
+  a->slot_produced[slot] = 0;
+}
+
+// All threads: take every request queued since the last call, in submission order.
+__device__ void admit(blink_loop_args* a, blink_sched* s) {
+  __shared__ uint64_t sh_tail;
+  __shared__ uint32_t sh_slot;
+  __shared__ int32_t sh_len;
+  blink_ring_header* hdr = ring_header(a);
+  if (threadIdx.x == 0) sh_tail = ld_acquire_u64(&hdr->sq_tail);
+  __syncthreads();
+  const uint64_t tail = sh_tail;
+  const uint64_t head0 = a->sq_head;
+  if (tail == head0) return;  // uniform: every thread read the same words
+  const uint32_t* sq = (const uint32_t*)(a->ring + a->sq_offset);
+  const int32_t ctx = s->h->cfg.context_len;
+  for (uint64_t head = head0; head < tail; ++head) {
+    if (threadIdx.x == 0) {
+      const uint32_t slot = ld_v(&sq[head % a->num_slots]);
+      uint32_t len = ld_v(&request(a, slot)->prompt_len);
+      if (len > a->max_prompt_len) len = a->max_prompt_len;
+      sh_slot = slot;
+      sh_len = (int32_t)len;
+    }
+    __syncthreads();
+    // the prompt goes straight to the scheduler's token array (at most context_len of it: longer is refused)
+    const int32_t n = sh_len < ctx ? sh_len : ctx;
+    const int32_t* src = (const int32_t*)((const uint8_t*)request(a, sh_slot) + a->prompt_offset);
+    int32_t* dst = s->tokens + (int64_t)sh_slot * ctx;
+    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = ld_v(&src[i]);
+    __syncthreads();
+    if (threadIdx.x == 0) take_request(a, s, sh_slot, sh_len);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    a->sq_head = tail;
+    st_v(&hdr->sq_head, tail);
+  }
+  __syncthreads();
+}
+
+// All threads: cancels (the producer wrote the slot's seq into cancel_seq) and the output room of each
+// live slot; thread 0 then finishes the cancelled sequences (EngineLoop._apply_cancels).
+__device__ void cancels_and_room(blink_loop_args* a, blink_sched* s) {
+  for (uint32_t slot = threadIdx.x; slot < a->num_slots; slot += blockDim.x) {
+    uint8_t cancelled = 0;
+    if (s->status[slot] != BLINK_SEQ_FINISHED) {
+      cancelled = ld_v(&request(a, slot)->cancel_seq) == a->slot_seq[slot];
+      const uint32_t consumed = ld_v(&response(a, slot)->consumed);
+      a->room[slot] = (int32_t)a->max_output_len - (int32_t)(a->slot_produced[slot] - consumed);
+    }
+    a->cancel[slot] = cancelled;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (uint32_t slot = 0; slot < a->num_slots; ++slot) {
+      if (!a->cancel[slot]) continue;
+      blink_sched_finish(s, (int32_t)slot);
+      finish_response(a, slot, BLINK_FINISH_CANCELLED, 0);
+    }
+  }
+  __syncthreads();
+}
+
+__device__ void publish_stats(blink_loop_args* a, const blink_sched* s) {  // thread 0
+  blink_ring_header* hdr = ring_header(a);
+  st_v(&hdr->free_kv_blocks, (uint32_t)s->h->num_free);
+  st_v(&hdr->running, (uint32_t)s->h->num_running);
+  st_v(&hdr->waiting, (uint32_t)s->h->num_waiting);
+}
+
+__device__ void beat(blink_loop_args* a) {  // thread 0
+  a->beats += 1;
+  st_v(&ring_header(a)->heartbeat, a->beats);
+}
+
+// Thread 0, on `stop`: every live sequence is reported failed (never dropped silently), the loop ends.
+__device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
+  for (uint32_t slot = 0; slot < a->num_slots; ++slot) {
+    if (s->status[slot] == BLINK_SEQ_FINISHED) continue;
+    blink_sched_finish(s, (int32_t)slot);
+    finish_response(a, slot, BLINK_FINISH_ERROR, error);
+  }
+  s->h->num_entries = 0;  // the commit kernel of this iteration does nothing
+  publish_stats(a, s);
+  beat(a);
+  cudaGraphSetConditional(a->branch_handle, a->num_branches);  // no branch
+  cudaGraphSetConditional(a->loop_handle, 0);
+  __threadfence_system();
+  st_v(&a->ctl->exited, 1u);
+}
+
+// ---- the two kernels of the loop body -------------------------------------------------------------------
+__global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_schedule(blink_loop_args* a) {
+  __shared__ blink_sched s;
+  __shared__ int32_t sh_go;  // 1: run a step, -1: stop, 0: nothing to run yet
+  if (threadIdx.x == 0) blink_sched_bind(&s, a->sched_mem, &((blink_sched_header*)a->sched_mem)->cfg);
+  __syncthreads();
+  const uint64_t t0 = now_ns();
+  uint64_t last_beat = t0;
+  uint32_t sleep_ns = 0;
+  for (;;) {
+    admit(a, &s);
+    cancels_and_room(a, &s);
+    if (threadIdx.x == 0) {
+      if (ld_v(&a->ctl->stop)) sh_go = -1;
+      else sh_go = blink_sched_schedule(&s, a->room, a->order) > 0 ? 1 : 0;
+      publish_stats(a, &s);
+    }
+    __syncthreads();
+    if (sh_go != 0) break;
+    if (threadIdx.x == 0) {  // idle: one block polls, with a short sleep, and keeps the heartbeat fresh
+      a->ctl->idle_polls += 1;
+      const uint64_t t = now_ns();
+      if (t - last_beat > BLINK_LOOP_IDLE_BEAT_NS) {
+        beat(a);
+        last_beat = t;
+      }
+      a->last_commit_ns = 0;  // the next step does not follow a step back to back
+    }
+    sleep_ns = sleep_ns ? (sleep_ns * 2 > BLINK_LOOP_IDLE_SLEEP_MAX_NS ? BLINK_LOOP_IDLE_SLEEP_MAX_NS : sleep_ns * 2) : 100;
+    __nanosleep(sleep_ns);
+    __syncthreads();
+  }
+  if (sh_go < 0) {
+    if (threadIdx.x == 0) shut_down(a, &s, BLINK_ERROR_ENGINE_STOPPING);
+    return;
+  }
+  __shared__ int32_t sh_bucket;
+  if (threadIdx.x == 0) sh_bucket = blink_fill_prologue(&s, a->step_buf);
+  __syncthreads();
+  if (sh_bucket < 0) {  // cannot happen with a budget <= the largest bucket; stop loudly rather than hang
+    if (threadIdx.x == 0) {
+      st_v(&a->ctl->error, 1u);
+      shut_down(a, &s, BLINK_ERROR_INTERNAL);
+    }
+    return;
+  }
+  blink_fill_tokens(&s, a->step_buf, threadIdx.x, blockDim.x);
+  if (threadIdx.x == 0) {
+    const blink_sched_config* c = &s.h->cfg;
+    uint32_t index = 0;
+    while (c->buckets[index] != sh_bucket) ++index;
+    cudaGraphSetConditional(a->branch_handle, 2 * index + (s.h->all_greedy ? 1 : 0));
+    a->ctl->sched_ns += now_ns() - t0;
+  }
+}
+
+__global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_commit(blink_loop_args* a) {
+  __shared__ blink_sched s;
+  if (threadIdx.x == 0) blink_sched_bind(&s, a->sched_mem, &((blink_sched_header*)a->sched_mem)->cfg);
+  __syncthreads();
+  blink_sched_header* h = s.h;
+  if (h->num_entries == 0) return;  // the iteration that shut down
+  for (int32_t i = threadIdx.x; i < h->num_sampled; i += blockDim.x) a->sampled32[i] = (int32_t)a->sampled[i];
+  __syncthreads();
+  if (threadIdx.x == 0) blink_sched_update(&s, a->sampled32);
+  __syncthreads();
+  const uint64_t now = now_ns() + (uint64_t)ld_v(&a->ctl->clock_offset_ns);
+  const uint32_t cap = a->max_output_len;
+  for (int32_t i = threadIdx.x; i < h->num_new; i += blockDim.x) {  // one token per slot per step
+    const uint32_t slot = (uint32_t)s.new_slot[i];
+    blink_response_slot* r = response(a, slot);
+    const uint32_t p = a->slot_produced[slot];
+    st_v(&r->tokens[p % cap], s.new_token[i]);
+    if (p == 0) st_v(&r->first_token_ns, now);
+    st_v(&r->last_token_ns, now);
+    st_release_u32(&r->produced, p + 1);
+    a->slot_produced[slot] = p + 1;
+  }
+  __threadfence_system();
+  __syncthreads();
+  for (int32_t i = threadIdx.x; i < h->num_finished; i += blockDim.x)
+    finish_response(a, (uint32_t)s.fin_slot[i], (uint32_t)s.fin_reason[i], 0);
+  if (threadIdx.x == 0) {
+    blink_ring_header* hdr = ring_header(a);
+    a->generated += h->num_new;
+    st_v(&hdr->generated_tokens, a->generated);
+    publish_stats(a, &s);
+    beat(a);
+    blink_loop_ctl* ctl = a->ctl;
+    ctl->iterations += 1;
+    ctl->steps += 1;
+    ctl->tokens += h->num_new;
+    const uint64_t t = now_ns();
+    if (a->last_commit_ns) {
+      ctl->busy_ns += t - a->last_commit_ns;
+      ctl->busy_steps += 1;
+    }
+    a->last_commit_ns = t;
+  }
+}
+
+__global__ void read_globaltimer(uint64_t* out) { *out = now_ns(); }
+
+// ---- host side: build, launch, watch ----------------------------------------------------------------------
+struct blink_loop {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  cudaStream_t stream;
+  blink_loop_args* dev_args;
+};
+
+#define BLINK_TRY(call, code)               \
+  do {                                      \
+    cudaError_t e_ = (call);                \
+    if (e_ != cudaSuccess) return (code) * 1000 + (int)e_; \
+  } while (0)
+
+extern "C" {
+
+uint64_t blink_loop_args_bytes() { return sizeof(blink_loop_args); }
+uint64_t blink_loop_ctl_bytes() { return sizeof(blink_loop_ctl); }
+
+// Pin and map host memory (the ring's mmap) for the GPU; *dev_out is its device address.
+int blink_loop_register(void* host, uint64_t bytes, void** dev_out) {
+  BLINK_TRY(cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable), 1);
+  BLINK_TRY(cudaHostGetDevicePointer(dev_out, host, 0), 2);
+  return 0;
+}
+
+int blink_loop_unregister(void* host) {
+  BLINK_TRY(cudaHostUnregister(host), 1);
+  return 0;
+}
+
+// The control block: pinned, mapped host memory (zeroed).
+int blink_loop_alloc_ctl(void** host_out, void** dev_out) {
+  BLINK_TRY(cudaHostAlloc(host_out, sizeof(blink_loop_ctl), cudaHostAllocMapped), 1);
+  memset(*host_out, 0, sizeof(blink_loop_ctl));
+  BLINK_TRY(cudaHostGetDevicePointer(dev_out, *host_out, 0), 2);
+  return 0;
+}
+
+// CLOCK_MONOTONIC minus %globaltimer: the caller brackets this call with two clock reads.
+int blink_loop_read_globaltimer(uint64_t* out) {
+  uint64_t* dev = nullptr;
+  BLINK_TRY(cudaMalloc(&dev, sizeof(uint64_t)), 1);
+  read_globaltimer<<<1, 1>>>(dev);
+  BLINK_TRY(cudaMemcpy(out, dev, sizeof(uint64_t), cudaMemcpyDeviceToHost), 2);
+  BLINK_TRY(cudaFree(dev), 3);
+  return 0;
+}
+
+// Build the loop graph around `children` (num_branches cudaGraph_t, branch 2i/2i+1 = bucket i
+// sampled/greedy), with `args` (host copy; its handles are filled here) copied to device memory.
+int blink_loop_create(const blink_loop_args* args_in, void* const* children, uint32_t num_branches,
+                      blink_loop** out) {
+  blink_loop* L = new blink_loop();
+  blink_loop_args args = *args_in;
+  args.num_branches = num_branches;
+  BLINK_TRY(cudaStreamCreateWithFlags(&L->stream, cudaStreamNonBlocking), 1);
+  BLINK_TRY(cudaGraphCreate(&L->graph, 0), 2);
+  BLINK_TRY(cudaGraphConditionalHandleCreate(&args.loop_handle, L->graph, 1, cudaGraphCondAssignDefault), 3);
+
+  cudaGraphNodeParams loop_params = {};
+  loop_params.type = cudaGraphNodeTypeConditional;
+  loop_params.conditional.handle = args.loop_handle;
+  loop_params.conditional.type = cudaGraphCondTypeWhile;
+  loop_params.conditional.size = 1;
+  cudaGraphNode_t loop_node;
+  BLINK_TRY(cudaGraphAddNode(&loop_node, L->graph, nullptr, nullptr, 0, &loop_params), 4);
+  cudaGraph_t body = loop_params.conditional.phGraph_out[0];
+
+  BLINK_TRY(cudaGraphConditionalHandleCreate(&args.branch_handle, body, num_branches, cudaGraphCondAssignDefault), 5);
+  BLINK_TRY(cudaMalloc(&L->dev_args, sizeof(blink_loop_args)), 6);
+  BLINK_TRY(cudaMemcpy(L->dev_args, &args, sizeof(blink_loop_args), cudaMemcpyHostToDevice), 7);
+
+  void* kernel_args[] = {&L->dev_args};
+  cudaKernelNodeParams k = {};
+  k.gridDim = dim3(1);
+  k.blockDim = dim3(BLINK_LOOP_THREADS);
+  k.kernelParams = kernel_args;
+  k.func = (void*)blink_loop_schedule;
+  cudaGraphNode_t schedule_node, switch_node, commit_node;
+  BLINK_TRY(cudaGraphAddKernelNode(&schedule_node, body, nullptr, 0, &k), 8);
+
+  cudaGraphNodeParams sw = {};
+  sw.type = cudaGraphNodeTypeConditional;
+  sw.conditional.handle = args.branch_handle;
+  sw.conditional.type = cudaGraphCondTypeSwitch;
+  sw.conditional.size = num_branches;
+  BLINK_TRY(cudaGraphAddNode(&switch_node, body, &schedule_node, nullptr, 1, &sw), 9);
+  for (uint32_t i = 0; i < num_branches; ++i) {
+    cudaGraphNode_t child;
+    BLINK_TRY(cudaGraphAddChildGraphNode(&child, sw.conditional.phGraph_out[i], nullptr, 0, (cudaGraph_t)children[i]), 10);
+  }
+  k.func = (void*)blink_loop_commit;
+  BLINK_TRY(cudaGraphAddKernelNode(&commit_node, body, &switch_node, 1, &k), 11);
+
+  BLINK_TRY(cudaGraphInstantiateWithFlags(&L->exec, L->graph, 0), 12);
+  BLINK_TRY(cudaGraphUpload(L->exec, L->stream), 13);
+  BLINK_TRY(cudaStreamSynchronize(L->stream), 14);
+  *out = L;
+  return 0;
+}
+
+int blink_loop_launch(blink_loop* L) {
+  BLINK_TRY(cudaGraphLaunch(L->exec, L->stream), 1);
+  return 0;
+}
+
+// 0: the loop ended; 1: still running; other: the CUDA error that ended it (cudaError_t).
+int blink_loop_poll(blink_loop* L) {
+  const cudaError_t e = cudaStreamQuery(L->stream);
+  if (e == cudaSuccess) return 0;
+  if (e == cudaErrorNotReady) return 1;
+  return (int)e;
+}
+
+int blink_loop_destroy(blink_loop* L) {
+  BLINK_TRY(cudaGraphExecDestroy(L->exec), 1);
+  BLINK_TRY(cudaGraphDestroy(L->graph), 2);
+  BLINK_TRY(cudaFree(L->dev_args), 3);
+  BLINK_TRY(cudaStreamDestroy(L->stream), 4);
+  delete L;
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,85 @@
+"""Loader of the GPU-resident loop (`csrc/persistent_loop.cu` over `blink_sched.h` and `blink_ring.h`):
+compiled with nvcc for sm_90 on first use, cached by a hash of the sources, loaded with ctypes.
+
+`LoopArgs` and `LoopCtl` mirror the C structs field for field; `load()` checks their sizes against the
+library's. The engine that drives it is `gpu_backend/engine/persistent.py`.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+from pathlib import Path
+
+from kernels.sched_host import CSRC, cached_build
+
+SOURCES = (CSRC / "persistent_loop.cu", CSRC / "include" / "blink_sched.h", CSRC / "include" / "blink_ring.h")
+ARCH = os.environ.get("BLINK_CUDA_ARCH", "sm_90")
+_u32, _u64, _i64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
+
+
+class LoopCtl(ctypes.Structure):  # blink_loop_ctl: pinned, mapped; the host writes `stop` only
+    _fields_ = [("stop", _u32), ("exited", _u32), ("clock_offset_ns", _i64)] + [
+        (n, _u64) for n in ("iterations", "steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "idle_polls")] + [
+        ("error", _u32), ("_pad", _u32)]
+
+
+class LoopArgs(ctypes.Structure):  # blink_loop_args
+    _fields_ = ([("ring", _p)]
+                + [(n, _u64) for n in ("sq_offset", "requests_offset", "responses_offset", "request_bytes",
+                                       "response_bytes", "prompt_offset")]
+                + [(n, _u32) for n in ("num_slots", "max_prompt_len", "max_output_len", "max_stop_ids")]
+                + [(n, _p) for n in ("sched_mem", "step_buf", "sampled", "sampled32", "slot_seq", "slot_produced",
+                                     "room", "order", "cancel", "ctl")]
+                + [("loop_handle", _u64), ("branch_handle", _u64), ("num_branches", _u32)]
+                + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns")])
+
+
+def nvcc() -> str | None:
+    """nvcc on PATH, else under $CUDA_HOME (default /usr/local/cuda); None when there is none."""
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    found = shutil.which("nvcc") or str(Path(home) / "bin" / "nvcc")
+    return found if Path(found).exists() else None
+
+
+def build() -> Path:
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin): --mode persistent compiles its loop with it")
+    argv = [compiler, f"-arch={ARCH}", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
+            "-I", str(CSRC / "include"), str(SOURCES[0])]
+    return cached_build("persistent_loop", SOURCES, argv)
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build()))
+    i32, pp = ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p)
+    sigs = {
+        "blink_loop_args_bytes": (_u64, []),
+        "blink_loop_ctl_bytes": (_u64, []),
+        "blink_loop_register": (i32, [_p, _u64, pp]),
+        "blink_loop_unregister": (i32, [_p]),
+        "blink_loop_alloc_ctl": (i32, [pp, pp]),
+        "blink_loop_read_globaltimer": (i32, [ctypes.POINTER(_u64)]),
+        "blink_loop_create": (i32, [ctypes.POINTER(LoopArgs), pp, _u32, pp]),
+        "blink_loop_launch": (i32, [_p]),
+        "blink_loop_poll": (i32, [_p]),
+        "blink_loop_destroy": (i32, [_p]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    for name, struct in (("blink_loop_args_bytes", LoopArgs), ("blink_loop_ctl_bytes", LoopCtl)):
+        if getattr(lib, name)() != ctypes.sizeof(struct):
+            raise RuntimeError(f"{name}: the library's struct is {getattr(lib, name)()} bytes, "
+                               f"kernels/persistent_loop.py's {ctypes.sizeof(struct)}")
+    return lib
+
+
+def check(code: int, what: str) -> None:
+    """Library calls return 0 or (step * 1000 + cudaError_t)."""
+    if code:
+        step, err = divmod(code, 1000)
+        raise RuntimeError(f"{what} failed at step {step}: cudaError {err}")

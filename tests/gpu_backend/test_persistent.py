@@ -1,0 +1,194 @@
+"""The `persistent` engine (the GPU-resident loop) on a CUDA GPU: run on the device machine, skipped elsewhere.
+
+- for the same seeded requests it gives the host engine's tokens, bit for bit (same scheduler decisions,
+  same bucket graphs);
+- cancelling mid-generation returns every KV block (device scheduler state and the ring's stats);
+- a prompt the context cannot hold is refused with PROMPT_TOO_LONG while other requests run;
+- shutdown with requests in flight reports each of them failed (ENGINE_STOPPING), none is left open;
+- idle, the loop keeps its heartbeat fresh;
+- live: `blink serve --mode persistent` with a ring of 4 slots answers a burst of 12 concurrent requests.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")]
+
+from test_gpu_runner import _drive, _peaky_model, _specs  # noqa: E402
+from gpu_backend.engine.loop import EngineConfig  # noqa: E402
+from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry  # noqa: E402
+from protocols.shm import RingProducer, attach_ring, create_ring  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = EngineConfig(block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+def _runner(model, cfg):
+    from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig
+
+    return GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=16,
+                                                 context_len=512, num_kv_blocks=96), progress=False, keep_graphs=True)
+
+
+class Served:
+    """A persistent engine over a fresh ring, with a producer; always shut down before the ring closes."""
+
+    def __init__(self, runner, cfg, geometry=RingGeometry(16, 256, 256)):
+        from gpu_backend.engine.persistent import PersistentEngine
+
+        self.ring = create_ring(f"blink-persistent-test-{os.getpid()}", geometry, "test")
+        self.prod = RingProducer(attach_ring(self.ring.name))
+        self.engine = PersistentEngine(runner, cfg, self.ring, CONFIG, context_len=512)
+        self.tokens: dict[int, list[int]] = {}
+        self.finishes: dict[int, tuple[FinishReason, ErrorCode]] = {}
+
+    def submit(self, specs) -> list[int]:
+        slots = [self.prod.submit(s) for s in specs]
+        for s in slots:
+            self.tokens[s] = []
+        return slots
+
+    def poll(self) -> None:
+        for s in self.tokens:
+            if s not in self.finishes:
+                upd = self.prod.poll(s)
+                self.tokens[s] += upd.tokens
+                if upd.finish is not FinishReason.NONE:
+                    self.finishes[s] = (upd.finish, upd.error_code)
+
+    def wait(self, until, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            self.poll()
+            assert time.monotonic() < deadline, f"no progress: {self.finishes}, ctl {self.engine.ctl}"
+            time.sleep(0.0005)
+
+    def close(self) -> None:
+        try:
+            self.engine.shutdown()
+        finally:
+            self.ring.close()
+
+
+@pytest.fixture
+def served():
+    opened = []
+
+    def make(*args, **kw) -> Served:
+        opened.append(Served(*args, **kw))
+        return opened[-1]
+    yield make
+    for s in opened:
+        s.close()
+
+
+def test_persistent_gives_the_host_engines_tokens_bit_for_bit(served):
+    cfg, model = _peaky_model()
+    runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
+    host_tokens, host_fin, _ = _drive(runner, cfg, _specs(), config=CONFIG)
+    s = served(runner, cfg)
+    slots = s.submit(_specs())  # queued before the launch: the loop admits them together, as the host engine
+    s.engine.start()
+    s.wait(lambda: len(s.finishes) == len(slots))
+    assert [s.finishes[x][0] for x in slots] == host_fin == [FinishReason.LENGTH] * 4
+    assert [s.tokens[x] for x in slots] == host_tokens
+    assert s.engine.ctl.steps > 0 and s.engine.ctl.tokens == 4 * 24
+
+
+def test_cancel_mid_generation_returns_every_block(served):
+    cfg, model = _peaky_model()
+    runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
+    s = served(runner, cfg)
+    specs = [RequestSpec(i, list(range(3, 3 + 30 * (i + 1))), 200, temperature=0.0, ignore_eos=True) for i in range(4)]
+    slots = s.submit(specs)
+    s.engine.start()
+    s.wait(lambda: all(len(s.tokens[slots[i]]) >= 10 for i in (0, 2)))
+    for i in (0, 2):
+        s.prod.cancel(slots[i])
+    s.wait(lambda: len(s.finishes) == 4)
+    assert [s.finishes[x][0] for x in slots] == [FinishReason.CANCELLED, FinishReason.LENGTH] * 2
+    assert len(s.tokens[slots[0]]) < 200 and len(s.tokens[slots[1]]) == 200
+    s.engine.shutdown()
+    assert s.ring.stats()["free_kv_blocks"] == runner.num_blocks
+    header = s.engine.scheduler_header()
+    assert header.num_free == runner.num_blocks and header.num_running == header.num_waiting == 0
+
+
+def test_prompt_longer_than_the_context_is_refused_and_others_run(served):
+    cfg, model = _peaky_model()
+    runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
+    s = served(runner, cfg, RingGeometry(8, 600, 64))
+    s.engine.start()
+    too_long, ok = s.submit([RequestSpec(0, [5] * 520, 4, temperature=0.0),
+                             RequestSpec(1, [5, 6, 7], 8, temperature=0.0, ignore_eos=True)])
+    s.wait(lambda: len(s.finishes) == 2)
+    assert s.finishes[too_long] == (FinishReason.ERROR, ErrorCode.PROMPT_TOO_LONG) and s.tokens[too_long] == []
+    assert s.finishes[ok][0] is FinishReason.LENGTH and len(s.tokens[ok]) == 8
+
+
+def test_shutdown_with_requests_in_flight_reports_each_failed(served):
+    cfg, model = _peaky_model()
+    runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
+    s = served(runner, cfg)
+    slots = s.submit([RequestSpec(i, [3 + i] * 20, 250, temperature=0.0, ignore_eos=True) for i in range(3)])
+    s.engine.start()
+    s.wait(lambda: all(len(s.tokens[x]) >= 5 for x in slots))
+    s.engine.shutdown()
+    s.poll()
+    assert {s.finishes[x] for x in slots} == {(FinishReason.ERROR, ErrorCode.ENGINE_STOPPING)}
+    assert s.ring.engine_state is EngineState.STOPPED and s.engine.ctl.exited == 1
+    assert s.ring.stats()["free_kv_blocks"] == runner.num_blocks
+
+
+def test_idle_loop_keeps_its_heartbeat_fresh(served):
+    cfg, model = _peaky_model()
+    s = served(_runner(model.to(device="cuda", dtype=torch.bfloat16), cfg), cfg)
+    s.engine.start()
+    time.sleep(0.05)
+    beat = s.ring.heartbeat
+    time.sleep(0.3)
+    assert s.ring.heartbeat - beat >= 50  # a beat per millisecond while idle
+    assert s.ring.engine_state is EngineState.SERVING and s.engine.ctl.idle_polls > 0
+
+
+def test_live_serve_answers_a_burst_larger_than_the_ring():
+    from openai import OpenAI
+
+    from tests.conftest import _wait_health, free_port
+
+    port, control = free_port(), f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "BLINK_API_KEY": "k", "BLINK_GRPC_PORT": "0", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "blink.cli", "serve", "--mode", "persistent", "--model", "random:smollm2-135m",
+           "--port", str(port), "--control", control, "--ring", f"blink-persistent-live-{os.getpid()}",
+           "--context-len", "512", "--num-slots", "4", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
+           "--num-kv-blocks", "256"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    try:
+        _wait_health(f"http://127.0.0.1:{port}/health", proc, timeout_s=600)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+
+        def one(i: int):
+            return client.completions.create(model=model, prompt=f"request {i}", max_tokens=16, temperature=0.0,
+                                             extra_body={"ignore_eos": True})
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(one, range(12)))
+        assert [r.usage.completion_tokens for r in results] == [16] * 12
+        assert all(r.choices[0].finish_reason == "length" for r in results)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0
