@@ -11,7 +11,11 @@ On a GPU host, in one process:
 4. the host engine (`EngineLoop` + `GpuRunner`, fed through a real shm ring) decoding the same shapes:
    its step time minus the bare replay is the host in the loop; its CPU time per generated token is
    `time.thread_time()` of the engine's thread around `loop.step()` only (the ring producer's polling in
-   the same thread is left out).
+   the same thread is left out);
+5. the persistent engine (the GPU-resident loop) on the same runner and shapes: its step time is the
+   loop's own commit-to-commit time over back-to-back all-decode steps (`LoopCtl.busy_ns`), minus the
+   bare replay = the loop's overhead; its CPU per token is this whole process's CPU time over the window
+   (the main thread sleeps meanwhile and nothing polls the ring) divided by the tokens the loop made.
 Writes a JSON file (commit, GPU, driver, torch) and prints a table.
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from blink.bench.results import commit  # noqa: E402
 from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig  # noqa: E402
 from gpu_backend.engine.loop import EngineConfig, EngineLoop  # noqa: E402
+from gpu_backend.engine.persistent import PersistentEngine  # noqa: E402
 from gpu_backend.engine.scheduler import Batch, ScheduledSeq, Sequence  # noqa: E402
 from gpu_backend.models import load_model  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec, RingGeometry  # noqa: E402
@@ -128,6 +133,47 @@ def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode
         ring.close()
 
 
+def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode_steps_wanted: int) -> dict:
+    """`batch_size` streams through the GPU-resident loop; times `decode_steps_wanted` all-decode steps."""
+    budget = runner.config.max_num_batched_tokens
+    prefill_steps = -(-batch_size * prompt_len // max(budget - batch_size, 1)) + 2
+    new_tokens = prefill_steps + 2 * decode_steps_wanted  # nobody finishes inside the window
+    ring = create_ring(f"blink-bench-pers-{os.getpid()}", RingGeometry(max(batch_size, 16), 4096, 4096), "bench")
+    engine = None
+    try:
+        prod = RingProducer(attach_ring(ring.name))
+        engine = PersistentEngine(runner, cfg, ring, EngineConfig(
+            block_size=runner.config.block_size, max_num_batched_tokens=runner.config.max_num_batched_tokens,
+            max_num_seqs=runner.config.max_num_seqs), context_len=runner.config.context_len)
+        slots = [prod.submit(RequestSpec(i, [7 + i] * prompt_len, new_tokens, temperature=0.0, ignore_eos=True))
+                 for i in range(batch_size)]
+        engine.start()
+        ctl = engine.ctl
+        deadline = time.monotonic() + 300
+        while ctl.tokens < batch_size * (prefill_steps + 1):  # every stream past its prefill: all decode
+            assert time.monotonic() < deadline, "the loop made no progress"
+            time.sleep(0.001)
+        s0 = {k: getattr(ctl, k) for k in ("steps", "tokens", "busy_ns", "busy_steps", "sched_ns")}
+        c0, w0 = time.process_time(), time.perf_counter()
+        while ctl.steps < s0["steps"] + decode_steps_wanted:
+            time.sleep(0.02)
+        s1 = {k: getattr(ctl, k) for k in s0}
+        c1, w1 = time.process_time(), time.perf_counter()
+        d = {k: s1[k] - s0[k] for k in s0}
+        produced = sum(len(prod.poll(s).tokens) for s in slots)
+        assert produced >= s1["tokens"] - batch_size, f"{produced} tokens in the ring, the loop says {s1['tokens']}"
+        tokens_mid = (s0["tokens"] + s1["tokens"]) / 2 / batch_size
+        return {"decode_steps": d["steps"], "step_ms_mean": d["busy_ns"] / max(d["busy_steps"], 1) / 1e6,
+                "sched_us_per_step": d["sched_ns"] / max(d["steps"], 1) / 1e3,
+                "ctx_len_mid": int(prompt_len + tokens_mid), "tokens": d["tokens"],
+                "tok_s": d["tokens"] / (w1 - w0), "cpu_s": c1 - c0,
+                "cpu_us_per_token": 1e6 * (c1 - c0) / max(d["tokens"], 1)}
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        ring.close()
+
+
 def profile(runner: GpuRunner, batch: Batch) -> None:
     """CUDA time per kernel family over 5 eager steps (CUPTI times each kernel; launches are eager)."""
     from torch.profiler import ProfilerActivity
@@ -163,7 +209,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s", flush=True)
     t0 = time.perf_counter()
     cfg, model, _ = load_model(args.model, device="cuda")
-    runner = GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096))
+    runner = GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096),
+                       keep_graphs=True)
     setup_s = time.perf_counter() - t0
     weight_bytes = runner.weights.num_bytes
     kv_token_bytes = runner.kv_block_bytes // runner.config.block_size
@@ -175,13 +222,19 @@ def main() -> None:
         ctx_len = host["ctx_len_median"]
         ms = bare_replay_ms(runner, decode_batch(runner, bsz, ctx_len))
         moved = weight_bytes + bsz * ctx_len * kv_token_bytes
+        pers = persistent_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
+        pers_bare = bare_replay_ms(runner, decode_batch(runner, bsz, pers["ctx_len_mid"]))
         rows.append({"batch": bsz, "ctx_len": ctx_len, "bare_step_ms": ms, "bare_tok_s": bsz / ms * 1e3,
                      "achieved_gbps": moved / ms / 1e6, "floor_ms": moved / gbps / 1e6,
-                     "host": host, "host_overhead_us": 1e3 * (host["step_ms_median"] - ms)})
+                     "host": host, "host_overhead_us": 1e3 * (host["step_ms_median"] - ms),
+                     "persistent": pers, "persistent_bare_step_ms": pers_bare,
+                     "persistent_overhead_us": 1e3 * (pers["step_ms_mean"] - pers_bare)})
         r = rows[-1]
         print(f"B={bsz:4d} bare {ms:7.3f} ms ({r['achieved_gbps']:6.0f} GB/s, floor {r['floor_ms']:.3f} ms) | host "
               f"{host['step_ms_median']:7.3f} ms (+{r['host_overhead_us']:6.0f} us), "
-              f"CPU {host['cpu_us_per_token']:8.1f} us/token", flush=True)
+              f"CPU {host['cpu_us_per_token']:8.1f} us/token | persistent {pers['step_ms_mean']:7.3f} ms vs bare "
+              f"{pers_bare:7.3f} (+{r['persistent_overhead_us']:5.1f} us, schedule kernel "
+              f"{pers['sched_us_per_step']:.1f} us), CPU {pers['cpu_us_per_token']:.3f} us/token", flush=True)
     result = {"bench": "gpu_host", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
               "driver": torch.cuda.get_device_properties(0).name, "torch": torch.__version__,
               "host": platform.node(), "model": args.model, "weight_bytes": weight_bytes,
@@ -192,11 +245,14 @@ def main() -> None:
     path = out / f"gpu_host-{result['commit']}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
-    print("| batch | bare step ms | floor ms | GB/s | % copy | host step ms | host adds us | CPU us/token |")
+    print("| batch | bare step ms | floor ms | GB/s | % copy | host step ms | host adds us | host CPU us/token "
+          "| persistent step ms | persistent adds us | schedule kernel us | persistent CPU us/token |")
     for r in rows:
+        p = r["persistent"]
         print(f"| {r['batch']} | {r['bare_step_ms']:.3f} | {r['floor_ms']:.3f} | {r['achieved_gbps']:.0f} | "
               f"{100 * r['achieved_gbps'] / gbps:.0f}% | {r['host']['step_ms_median']:.3f} | "
-              f"{r['host_overhead_us']:.0f} | {r['host']['cpu_us_per_token']:.1f} |")
+              f"{r['host_overhead_us']:.0f} | {r['host']['cpu_us_per_token']:.1f} | {p['step_ms_mean']:.3f} | "
+              f"{r['persistent_overhead_us']:.1f} | {p['sched_us_per_step']:.1f} | {p['cpu_us_per_token']:.3f} |")
 
 
 if __name__ == "__main__":
