@@ -19,10 +19,11 @@ ARCH = os.environ.get("BLINK_CUDA_ARCH", "sm_90")
 _u32, _u64, _i64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
 
 
+COUNTERS = ("iterations", "steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "idle_polls")  # blink_loop_counters
+
+
 class LoopCtl(ctypes.Structure):  # blink_loop_ctl: pinned, mapped; the host writes `stop` only
-    _fields_ = [("stop", _u32), ("exited", _u32), ("clock_offset_ns", _i64)] + [
-        (n, _u64) for n in ("iterations", "steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "idle_polls")] + [
-        ("error", _u32), ("_pad", _u32)]
+    _fields_ = [("stop", _u32), ("exited", _u32)] + [(n, _u64) for n in COUNTERS] + [("error", _u32), ("_pad", _u32)]
 
 
 class LoopArgs(ctypes.Structure):  # blink_loop_args
@@ -30,10 +31,13 @@ class LoopArgs(ctypes.Structure):  # blink_loop_args
                 + [(n, _u64) for n in ("sq_offset", "requests_offset", "responses_offset", "request_bytes",
                                        "response_bytes", "prompt_offset")]
                 + [(n, _u32) for n in ("num_slots", "max_prompt_len", "max_output_len", "max_stop_ids")]
-                + [(n, _p) for n in ("sched_mem", "step_buf", "sampled", "sampled32", "slot_seq", "slot_produced",
-                                     "room", "order", "cancel", "ctl")]
-                + [("loop_handle", _u64), ("branch_handle", _u64), ("num_branches", _u32)]
-                + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns")])
+                + [("sched_mem", _p), ("hot_bytes", _u64), ("smem_bytes", _u32), ("_pad0", _u32)]
+                + [(n, _p) for n in ("step_buf", "sampled", "sampled32", "slot_seq", "slot_produced", "room",
+                                     "order", "cancel", "ctl")]
+                + [("loop_handle", _u64), ("branch_handle", _u64), ("num_branches", _u32), ("_pad1", _u32),
+                   ("clock_offset_ns", _i64)]
+                + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns")]
+                + [(f"c_{n}", _u64) for n in COUNTERS])
 
 
 def nvcc() -> str | None:

@@ -96,7 +96,6 @@ class PersistentEngine:
         ctl_host, ctl_dev = ctypes.c_void_p(), ctypes.c_void_p()
         native.check(self.lib.blink_loop_alloc_ctl(ctypes.byref(ctl_host), ctypes.byref(ctl_dev)), "cudaHostAlloc(ctl)")
         self.ctl = native.LoopCtl.from_address(ctl_host.value)
-        self.ctl.clock_offset_ns = self._clock_offset_ns()
         ring_dev = self._register_ring()
         sc = self._scratch
         args = native.LoopArgs(
@@ -105,7 +104,7 @@ class PersistentEngine:
             prompt_offset=g.prompt_offset, num_slots=g.num_slots, max_prompt_len=g.max_prompt_len,
             max_output_len=g.max_output_len, max_stop_ids=g.max_stop_ids,
             sched_mem=self.sched_state.data_ptr(), step_buf=runner.bufs.dev.data_ptr(),
-            sampled=runner.tokens_dev.data_ptr(), ctl=ctl_dev.value,
+            sampled=runner.tokens_dev.data_ptr(), ctl=ctl_dev.value, clock_offset_ns=self._clock_offset_ns(),
             sq_head=int(hdr.u64[R.HDR_SQ_HEAD // 8]), beats=hdr.heartbeat,
             generated=int(hdr.u64[R.HDR_GENERATED_TOKENS // 8]),
             **{name: t.data_ptr() for name, t in sc.items()})

@@ -1,12 +1,15 @@
 // The GPU-resident loop: one CUDA graph, launched once, that serves the ring with no host CPU per token.
 //
 //   WHILE (loop_handle) {
-//     schedule kernel   admit new requests from the ring, honour cancels, choose the step (blink_sched.h),
-//                       fill the step buffer, pick the bucket graph -- or spin (one block) until work comes
-//     SWITCH (branch)   branch 2i: bucket i sampled, 2i+1: bucket i greedy (PyTorch-captured child graphs)
-//     commit kernel     apply the sampled tokens (blink_sched_update), publish them and the finishes to the
-//                       response areas with the ring's fences, bump the heartbeat
+//     step kernel       apply the last step's sampled tokens (blink_sched_update), admit new requests from
+//                       the ring, honour cancels, choose the next step (blink_sched.h), fill the step buffer,
+//                       pick the bucket graph -- or, with nothing to run, spin (one block) until work comes
+//     then, side by side:
+//       SWITCH (branch) branch 2i: bucket i sampled, 2i+1: bucket i greedy (PyTorch-captured child graphs)
+//       publish kernel  the committed tokens and finishes to the response areas, with the ring's fences
 //   }
+// The step kernel keeps the scheduler's hot state (header, per-slot scalars, lists) in shared memory for
+// its serial parts: one thread walking global memory pays a cache miss per load.
 //
 // The ring lives in host memory (the shm transport's file), registered with cudaHostRegister: the loop reads
 // it over PCIe with volatile or acquire loads (L1 would keep stale lines across slot reuse) and writes it
@@ -28,41 +31,51 @@
 #define BLINK_ERROR_ENGINE_STOPPING 4u
 #define BLINK_ERROR_INTERNAL 5u
 
-// Shared with the host (pinned, mapped): the host writes `stop`; the loop writes the rest.
-struct blink_loop_ctl {
-  uint32_t stop;             // host: 1 = fail what is in flight, leave the loop
-  uint32_t exited;           // loop: 1 once the last iteration ran
-  int64_t clock_offset_ns;   // host, before launch: CLOCK_MONOTONIC = %globaltimer + offset
-  uint64_t iterations;       // loop body runs
+struct blink_loop_counters {
+  uint64_t iterations;       // loop kernel runs
   uint64_t steps;            // model steps
   uint64_t tokens;           // tokens published
   uint64_t busy_ns;          // sum over back-to-back steps of commit-to-commit time
   uint64_t busy_steps;
-  uint64_t sched_ns;         // sum over steps of the schedule kernel's time (admission to launch)
+  uint64_t sched_ns;         // sum over steps of the loop kernel's time (commit, admission, schedule, fill)
   uint64_t idle_polls;
+};
+
+// Shared with the host (pinned, mapped): the host writes `stop`; the loop only stores the rest (a read of
+// host memory is a PCIe round trip, so the loop keeps its counters in device memory and mirrors them).
+struct blink_loop_ctl {
+  uint32_t stop;             // host: 1 = fail what is in flight, leave the loop
+  uint32_t exited;           // loop: 1 once the last iteration ran
+  blink_loop_counters c;
   uint32_t error;            // nonzero: the loop stopped on an internal error (a bucket it has no graph for)
   uint32_t _pad;
 };
 
-// Everything the two kernels need, in device memory (written once by the host before the launch).
+// Everything the kernels need, in device memory (written once by the host before the launch).
 struct blink_loop_args {
   uint8_t* ring;                          // device address of the ring
   uint64_t sq_offset, requests_offset, responses_offset, request_bytes, response_bytes, prompt_offset;
   uint32_t num_slots, max_prompt_len, max_output_len, max_stop_ids;
   uint8_t* sched_mem;                     // blink_sched state (device)
+  uint64_t hot_bytes;                     // its hot prefix (blink_sched_bind_split), set by blink_loop_create
+  uint32_t smem_bytes;                    // 0: the hot prefix does not fit in shared memory, use it in place
+  uint32_t _pad0;
   uint8_t* step_buf;                      // gpu_runner.StepBuffers.dev
   const int64_t* sampled;                 // gpu_runner.tokens_dev: the graphs' sampled tokens
   int32_t* sampled32;                     // [max_seqs] scratch
   uint64_t* slot_seq;                     // [num_slots] the request seq a slot serves
   uint32_t* slot_produced;                // [num_slots] tokens published (the response's `produced`)
-  int32_t* room;                          // [num_slots] scratch: output space per slot
-  int32_t* order;                         // [num_slots] scratch of blink_sched_schedule
-  uint8_t* cancel;                        // [num_slots] scratch
+  int32_t* room;                          // [num_slots] scratch (when not in shared memory)
+  int32_t* order;                         // [num_slots] scratch of blink_sched_schedule (idem)
+  uint8_t* cancel;                        // [num_slots] scratch (idem)
   blink_loop_ctl* ctl;                    // device address of the mapped control block
   cudaGraphConditionalHandle loop_handle, branch_handle;
   uint32_t num_branches;
+  uint32_t _pad1;
+  int64_t clock_offset_ns;                // CLOCK_MONOTONIC = %globaltimer + offset (response timestamps)
   // the loop's own words (device memory, read and written only by the kernels)
   uint64_t sq_head, beats, generated, last_commit_ns;
+  blink_loop_counters c;
 };
 
 // ---- memory access to the ring ------------------------------------------------------------------------
@@ -124,9 +137,55 @@ __device__ __forceinline__ uint64_t mix64(uint64_t x) {  // splitmix64's finaliz
   return x ^ (x >> 31);
 }
 
+// Copy `bytes` (a multiple of 8; both ends 16-byte aligned) with every thread of the block.
+__device__ void block_copy(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
+  for (uint64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+  if (bytes % 16 && threadIdx.x == 0) ((uint2*)dst)[bytes / 8 - 1] = ((const uint2*)src)[bytes / 8 - 1];
+}
+
+struct loop_scratch {  // per-slot scratch of one loop kernel: shared memory when it fits, else global
+  int32_t* room;
+  int32_t* order;
+  uint8_t* cancel;
+};
+
+// ---- publishing (RingConsumer.publish / finish / set_stats / beat) -----------------------------------------
+// All threads: the tokens of the last update, one per slot (its `produced` last, with release), then,
+// after a system fence, the finishes. Thread 0: the header's counters and the heartbeat.
+__device__ void publish(blink_loop_args* a, const blink_sched* s) {
+  const blink_sched_header* h = s->h;
+  const uint64_t now = now_ns() + (uint64_t)a->clock_offset_ns;
+  const uint32_t cap = a->max_output_len;
+  for (int32_t i = threadIdx.x; i < h->num_new; i += blockDim.x) {
+    const uint32_t slot = (uint32_t)s->new_slot[i];
+    blink_response_slot* r = response(a, slot);
+    const uint32_t p = a->slot_produced[slot];
+    st_v(&r->tokens[p % cap], s->new_token[i]);
+    if (p == 0) st_v(&r->first_token_ns, now);
+    st_v(&r->last_token_ns, now);
+    st_release_u32(&r->produced, p + 1);
+    a->slot_produced[slot] = p + 1;
+  }
+  __threadfence_system();
+  __syncthreads();
+  for (int32_t i = threadIdx.x; i < h->num_finished; i += blockDim.x)
+    finish_response(a, (uint32_t)s->fin_slot[i], (uint32_t)s->fin_reason[i], 0);
+  if (threadIdx.x == 0) {
+    blink_ring_header* hdr = ring_header(a);
+    a->generated += h->num_new;
+    st_v(&hdr->generated_tokens, a->generated);
+    st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
+    st_v(&hdr->running, (uint32_t)h->num_running);
+    st_v(&hdr->waiting, (uint32_t)h->num_waiting);
+    a->beats += 1;
+    st_v(&hdr->heartbeat, a->beats);
+  }
+}
+
 // ---- admission (RingConsumer.take_new + EngineLoop._admit) ------------------------------------------------
 // Thread 0: read the request's fixed part, reset its response, check it, queue it or fail it.
-__device__ void take_request(blink_loop_args* a, blink_sched* s, uint32_t slot, int32_t prompt_len) {
+__device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint32_t slot,
+                             int32_t prompt_len) {
   const blink_request_slot* req = request(a, slot);
   const uint64_t seq = ld_v(&req->seq);
   const uint32_t flags = ld_v(&req->flags);
@@ -152,22 +211,16 @@ __device__ void take_request(blink_loop_args* a, blink_sched* s, uint32_t slot, 
                   (flags & BLINK_RING_FLAG_IGNORE_EOS) ? 1 : 0, temperature, top_k, top_p, min_p, seed);
   a->slot_seq[slot] = seq;
   a->slot_produced[slot] = 0;
+  x.room[slot] = (int32_t)a->max_output_len;  // a new request's output area is empty
 }
 
-// All threads: take every request queued since the last call, in submission order.
-__device__ void admit(blink_loop_args* a, blink_sched* s) {
-  __shared__ uint64_t sh_tail;
+// All threads: take every request queued up to `tail`, in submission order.
+__device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint64_t tail) {
   __shared__ uint32_t sh_slot;
   __shared__ int32_t sh_len;
-  blink_ring_header* hdr = ring_header(a);
-  if (threadIdx.x == 0) sh_tail = ld_acquire_u64(&hdr->sq_tail);
-  __syncthreads();
-  const uint64_t tail = sh_tail;
-  const uint64_t head0 = a->sq_head;
-  if (tail == head0) return;  // uniform: every thread read the same words
   const uint32_t* sq = (const uint32_t*)(a->ring + a->sq_offset);
   const int32_t ctx = s->h->cfg.context_len;
-  for (uint64_t head = head0; head < tail; ++head) {
+  for (uint64_t head = a->sq_head; head < tail; ++head) {
     if (threadIdx.x == 0) {
       const uint32_t slot = ld_v(&sq[head % a->num_slots]);
       uint32_t len = ld_v(&request(a, slot)->prompt_len);
@@ -182,166 +235,185 @@ __device__ void admit(blink_loop_args* a, blink_sched* s) {
     int32_t* dst = s->tokens + (int64_t)sh_slot * ctx;
     for (int32_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = ld_v(&src[i]);
     __syncthreads();
-    if (threadIdx.x == 0) take_request(a, s, sh_slot, sh_len);
+    if (threadIdx.x == 0) take_request(a, s, x, sh_slot, sh_len);
     __syncthreads();
   }
   if (threadIdx.x == 0) {
     a->sq_head = tail;
-    st_v(&hdr->sq_head, tail);
+    st_v(&ring_header(a)->sq_head, tail);
   }
   __syncthreads();
 }
 
-// All threads: cancels (the producer wrote the slot's seq into cancel_seq) and the output room of each
-// live slot; thread 0 then finishes the cancelled sequences (EngineLoop._apply_cancels).
-__device__ void cancels_and_room(blink_loop_args* a, blink_sched* s) {
+// All threads: one look at the ring, every host-memory read issued together (each is a PCIe round trip):
+// the submission tail, the stop flag, and for each live slot its cancel word and the gateway's `consumed`
+// (-> room). Thread 0 then finishes the cancelled sequences (EngineLoop._apply_cancels).
+// Returns 1: stop, 0: go on; *tail gets the submission tail.
+__device__ int poll_ring(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint64_t* tail) {
+  __shared__ uint64_t sh_tail;
+  __shared__ uint32_t sh_stop;
+  if (threadIdx.x == 0) sh_tail = ld_acquire_u64(&ring_header(a)->sq_tail);
+  if (threadIdx.x == 32 % blockDim.x) sh_stop = ld_v(&a->ctl->stop);
+  int any = 0;
   for (uint32_t slot = threadIdx.x; slot < a->num_slots; slot += blockDim.x) {
     uint8_t cancelled = 0;
     if (s->status[slot] != BLINK_SEQ_FINISHED) {
       cancelled = ld_v(&request(a, slot)->cancel_seq) == a->slot_seq[slot];
       const uint32_t consumed = ld_v(&response(a, slot)->consumed);
-      a->room[slot] = (int32_t)a->max_output_len - (int32_t)(a->slot_produced[slot] - consumed);
+      x.room[slot] = (int32_t)a->max_output_len - (int32_t)(a->slot_produced[slot] - consumed);
     }
-    a->cancel[slot] = cancelled;
+    x.cancel[slot] = cancelled;
+    any |= cancelled;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  if (__syncthreads_or(any) && threadIdx.x == 0) {
     for (uint32_t slot = 0; slot < a->num_slots; ++slot) {
-      if (!a->cancel[slot]) continue;
+      if (!x.cancel[slot]) continue;
       blink_sched_finish(s, (int32_t)slot);
       finish_response(a, slot, BLINK_FINISH_CANCELLED, 0);
     }
   }
   __syncthreads();
+  *tail = sh_tail;
+  return sh_stop != 0;
 }
 
-__device__ void publish_stats(blink_loop_args* a, const blink_sched* s) {  // thread 0
-  blink_ring_header* hdr = ring_header(a);
-  st_v(&hdr->free_kv_blocks, (uint32_t)s->h->num_free);
-  st_v(&hdr->running, (uint32_t)s->h->num_running);
-  st_v(&hdr->waiting, (uint32_t)s->h->num_waiting);
-}
-
-__device__ void beat(blink_loop_args* a) {  // thread 0
-  a->beats += 1;
-  st_v(&ring_header(a)->heartbeat, a->beats);
-}
-
-// Thread 0, on `stop`: every live sequence is reported failed (never dropped silently), the loop ends.
+// All threads, on `stop`: the last tokens published, every live sequence reported failed (never dropped
+// silently), the loop told to end.
 __device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
-  for (uint32_t slot = 0; slot < a->num_slots; ++slot) {
-    if (s->status[slot] == BLINK_SEQ_FINISHED) continue;
-    blink_sched_finish(s, (int32_t)slot);
-    finish_response(a, slot, BLINK_FINISH_ERROR, error);
+  publish(a, s);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    blink_sched_header* h = s->h;
+    h->num_new = h->num_finished = 0;  // published: the publish kernel of this iteration does nothing
+    for (uint32_t slot = 0; slot < a->num_slots; ++slot) {
+      if (s->status[slot] == BLINK_SEQ_FINISHED) continue;
+      blink_sched_finish(s, (int32_t)slot);
+      finish_response(a, slot, BLINK_FINISH_ERROR, error);
+    }
+    h->num_entries = 0;
+    blink_ring_header* hdr = ring_header(a);
+    st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
+    st_v(&hdr->running, 0u);
+    st_v(&hdr->waiting, 0u);
+    cudaGraphSetConditional(a->branch_handle, a->num_branches);  // no branch
+    cudaGraphSetConditional(a->loop_handle, 0);
+    __threadfence_system();
+    st_v(&a->ctl->exited, 1u);
   }
-  s->h->num_entries = 0;  // the commit kernel of this iteration does nothing
-  publish_stats(a, s);
-  beat(a);
-  cudaGraphSetConditional(a->branch_handle, a->num_branches);  // no branch
-  cudaGraphSetConditional(a->loop_handle, 0);
-  __threadfence_system();
-  st_v(&a->ctl->exited, 1u);
 }
 
-// ---- the two kernels of the loop body -------------------------------------------------------------------
-__global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_schedule(blink_loop_args* a) {
+__device__ void mirror_counters(blink_loop_args* a) {  // thread 0: device counters -> the host's view
+  const uint64_t* src = (const uint64_t*)&a->c;
+  uint64_t* dst = (uint64_t*)&a->ctl->c;
+  for (int i = 0; i < (int)(sizeof(blink_loop_counters) / 8); ++i) st_v(&dst[i], src[i]);
+}
+
+// ---- the loop body: this kernel, then SWITCH (the bucket graph) beside the publish kernel --------------------
+// Commits the last step's tokens to the scheduler, takes new requests and cancels, chooses and fills the
+// next step and picks its graph. With nothing to run it publishes what is pending itself, then polls (one
+// block, short sleeps, a heartbeat every millisecond).
+__global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop_args* a) {
+  extern __shared__ __align__(16) uint8_t smem[];
   __shared__ blink_sched s;
-  __shared__ int32_t sh_go;  // 1: run a step, -1: stop, 0: nothing to run yet
-  if (threadIdx.x == 0) blink_sched_bind(&s, a->sched_mem, &((blink_sched_header*)a->sched_mem)->cfg);
-  __syncthreads();
+  __shared__ int32_t sh_go, sh_bucket;  // go: 1 run a step, -1 stop, 0 nothing to run yet
   const uint64_t t0 = now_ns();
-  uint64_t last_beat = t0;
-  uint32_t sleep_ns = 0;
-  for (;;) {
-    admit(a, &s);
-    cancels_and_room(a, &s);
+  uint8_t* hot = a->smem_bytes ? smem : a->sched_mem;
+  loop_scratch x = {a->room, a->order, a->cancel};
+  if (a->smem_bytes) {
+    block_copy(smem, a->sched_mem, a->hot_bytes);
+    x.room = (int32_t*)(smem + a->hot_bytes);
+    x.order = x.room + a->num_slots;
+    x.cancel = (uint8_t*)(x.order + a->num_slots);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    blink_sched_bind_split(&s, hot, a->sched_mem + a->hot_bytes, &((blink_sched_header*)hot)->cfg, 0);
+  __syncthreads();
+  blink_sched_header* h = s.h;
+  if (h->num_entries > 0) {  // the step that just ran: its tokens into the scheduler (published below)
+    for (int32_t i = threadIdx.x; i < h->num_sampled; i += blockDim.x) a->sampled32[i] = (int32_t)a->sampled[i];
+    __syncthreads();
     if (threadIdx.x == 0) {
-      if (ld_v(&a->ctl->stop)) sh_go = -1;
-      else sh_go = blink_sched_schedule(&s, a->room, a->order) > 0 ? 1 : 0;
-      publish_stats(a, &s);
+      blink_sched_update(&s, a->sampled32);
+      h->num_entries = 0;
+      a->c.steps += 1;
+      a->c.tokens += h->num_new;
+      if (a->last_commit_ns) {
+        a->c.busy_ns += t0 - a->last_commit_ns;
+        a->c.busy_steps += 1;
+      }
+      a->last_commit_ns = t0;
     }
     __syncthreads();
+  }
+  uint64_t last_beat = t0;
+  uint32_t sleep_ns = 0;
+  for (int attempt = 0;; ++attempt) {
+    uint64_t tail;
+    const int stop = poll_ring(a, &s, x, &tail);
+    if (tail != a->sq_head) admit(a, &s, x, tail);
+    if (threadIdx.x == 0) sh_go = stop ? -1 : (blink_sched_schedule(&s, x.room, x.order) > 0 ? 1 : 0);
+    __syncthreads();
     if (sh_go != 0) break;
-    if (threadIdx.x == 0) {  // idle: one block polls, with a short sleep, and keeps the heartbeat fresh
-      a->ctl->idle_polls += 1;
+    if (attempt == 0) {  // idle from here on: publish what is pending now, not when work comes back
+      publish(a, &s);
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      if (attempt == 0) h->num_new = h->num_finished = 0;
+      a->c.idle_polls += 1;
+      a->last_commit_ns = 0;  // the next step does not follow a step back to back
       const uint64_t t = now_ns();
       if (t - last_beat > BLINK_LOOP_IDLE_BEAT_NS) {
-        beat(a);
+        blink_ring_header* hdr = ring_header(a);
+        st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
+        st_v(&hdr->running, (uint32_t)h->num_running);
+        st_v(&hdr->waiting, (uint32_t)h->num_waiting);
+        a->beats += 1;
+        st_v(&hdr->heartbeat, a->beats);
+        mirror_counters(a);
         last_beat = t;
       }
-      a->last_commit_ns = 0;  // the next step does not follow a step back to back
     }
-    sleep_ns = sleep_ns ? (sleep_ns * 2 > BLINK_LOOP_IDLE_SLEEP_MAX_NS ? BLINK_LOOP_IDLE_SLEEP_MAX_NS : sleep_ns * 2) : 100;
+    sleep_ns = sleep_ns ? (2 * sleep_ns > BLINK_LOOP_IDLE_SLEEP_MAX_NS ? BLINK_LOOP_IDLE_SLEEP_MAX_NS : 2 * sleep_ns) : 100;
     __nanosleep(sleep_ns);
     __syncthreads();
   }
   if (sh_go < 0) {
-    if (threadIdx.x == 0) shut_down(a, &s, BLINK_ERROR_ENGINE_STOPPING);
-    return;
-  }
-  __shared__ int32_t sh_bucket;
-  if (threadIdx.x == 0) sh_bucket = blink_fill_prologue(&s, a->step_buf);
-  __syncthreads();
-  if (sh_bucket < 0) {  // cannot happen with a budget <= the largest bucket; stop loudly rather than hang
-    if (threadIdx.x == 0) {
-      st_v(&a->ctl->error, 1u);
+    shut_down(a, &s, BLINK_ERROR_ENGINE_STOPPING);
+  } else {
+    if (threadIdx.x == 0) sh_bucket = blink_fill_prologue(&s, a->step_buf);
+    __syncthreads();
+    if (sh_bucket < 0) {  // cannot happen with a budget <= the largest bucket; stop loudly rather than hang
+      if (threadIdx.x == 0) st_v(&a->ctl->error, 1u);
       shut_down(a, &s, BLINK_ERROR_INTERNAL);
+    } else {
+      blink_fill_tokens(&s, a->step_buf, threadIdx.x, blockDim.x);
+      if (threadIdx.x == 0) {
+        const blink_sched_config* c = &h->cfg;
+        uint32_t index = 0;
+        while (c->buckets[index] != sh_bucket) ++index;
+        cudaGraphSetConditional(a->branch_handle, 2 * index + (h->all_greedy ? 1 : 0));
+        a->c.sched_ns += now_ns() - t0;
+      }
     }
-    return;
   }
-  blink_fill_tokens(&s, a->step_buf, threadIdx.x, blockDim.x);
   if (threadIdx.x == 0) {
-    const blink_sched_config* c = &s.h->cfg;
-    uint32_t index = 0;
-    while (c->buckets[index] != sh_bucket) ++index;
-    cudaGraphSetConditional(a->branch_handle, 2 * index + (s.h->all_greedy ? 1 : 0));
-    a->ctl->sched_ns += now_ns() - t0;
+    a->c.iterations += 1;
+    mirror_counters(a);
   }
+  __syncthreads();
+  if (a->smem_bytes) block_copy(a->sched_mem, smem, a->hot_bytes);
 }
 
-__global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_commit(blink_loop_args* a) {
+// Beside the bucket graph: publish the tokens and finishes that blink_loop_step committed (from the
+// scheduler state in device memory), so that the ring's fences are off the step's critical path.
+__global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_publish(blink_loop_args* a) {
   __shared__ blink_sched s;
   if (threadIdx.x == 0) blink_sched_bind(&s, a->sched_mem, &((blink_sched_header*)a->sched_mem)->cfg);
   __syncthreads();
-  blink_sched_header* h = s.h;
-  if (h->num_entries == 0) return;  // the iteration that shut down
-  for (int32_t i = threadIdx.x; i < h->num_sampled; i += blockDim.x) a->sampled32[i] = (int32_t)a->sampled[i];
-  __syncthreads();
-  if (threadIdx.x == 0) blink_sched_update(&s, a->sampled32);
-  __syncthreads();
-  const uint64_t now = now_ns() + (uint64_t)ld_v(&a->ctl->clock_offset_ns);
-  const uint32_t cap = a->max_output_len;
-  for (int32_t i = threadIdx.x; i < h->num_new; i += blockDim.x) {  // one token per slot per step
-    const uint32_t slot = (uint32_t)s.new_slot[i];
-    blink_response_slot* r = response(a, slot);
-    const uint32_t p = a->slot_produced[slot];
-    st_v(&r->tokens[p % cap], s.new_token[i]);
-    if (p == 0) st_v(&r->first_token_ns, now);
-    st_v(&r->last_token_ns, now);
-    st_release_u32(&r->produced, p + 1);
-    a->slot_produced[slot] = p + 1;
-  }
-  __threadfence_system();
-  __syncthreads();
-  for (int32_t i = threadIdx.x; i < h->num_finished; i += blockDim.x)
-    finish_response(a, (uint32_t)s.fin_slot[i], (uint32_t)s.fin_reason[i], 0);
-  if (threadIdx.x == 0) {
-    blink_ring_header* hdr = ring_header(a);
-    a->generated += h->num_new;
-    st_v(&hdr->generated_tokens, a->generated);
-    publish_stats(a, &s);
-    beat(a);
-    blink_loop_ctl* ctl = a->ctl;
-    ctl->iterations += 1;
-    ctl->steps += 1;
-    ctl->tokens += h->num_new;
-    const uint64_t t = now_ns();
-    if (a->last_commit_ns) {
-      ctl->busy_ns += t - a->last_commit_ns;
-      ctl->busy_steps += 1;
-    }
-    a->last_commit_ns = t;
-  }
+  if (s.h->num_new == 0 && s.h->num_finished == 0) return;
+  publish(a, &s);
 }
 
 __global__ void read_globaltimer(uint64_t* out) { *out = now_ns(); }
@@ -416,6 +488,18 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   cudaGraph_t body = loop_params.conditional.phGraph_out[0];
 
   BLINK_TRY(cudaGraphConditionalHandleCreate(&args.branch_handle, body, num_branches, cudaGraphCondAssignDefault), 5);
+  // the scheduler's hot prefix goes to shared memory when it fits, with the per-slot scratch after it
+  blink_sched_header hdr;
+  BLINK_TRY(cudaMemcpy(&hdr, args.sched_mem, sizeof(hdr), cudaMemcpyDeviceToHost), 15);
+  blink_sched sizing;
+  blink_sched_bind_split(&sizing, nullptr, nullptr, &hdr.cfg, &args.hot_bytes);
+  const uint64_t smem = args.hot_bytes + 9ull * args.num_slots + 16;
+  int device = 0, smem_max = 0;
+  BLINK_TRY(cudaGetDevice(&device), 16);
+  BLINK_TRY(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), 17);
+  args.smem_bytes = smem + 1024 <= (uint64_t)smem_max ? (uint32_t)smem : 0;  // leave room for the static part
+  if (args.smem_bytes)
+    BLINK_TRY(cudaFuncSetAttribute(blink_loop_step, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)args.smem_bytes), 18);
   BLINK_TRY(cudaMalloc(&L->dev_args, sizeof(blink_loop_args)), 6);
   BLINK_TRY(cudaMemcpy(L->dev_args, &args, sizeof(blink_loop_args), cudaMemcpyHostToDevice), 7);
 
@@ -424,22 +508,24 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   k.gridDim = dim3(1);
   k.blockDim = dim3(BLINK_LOOP_THREADS);
   k.kernelParams = kernel_args;
-  k.func = (void*)blink_loop_schedule;
-  cudaGraphNode_t schedule_node, switch_node, commit_node;
-  BLINK_TRY(cudaGraphAddKernelNode(&schedule_node, body, nullptr, 0, &k), 8);
+  k.func = (void*)blink_loop_step;
+  k.sharedMemBytes = args.smem_bytes;
+  cudaGraphNode_t step_node, switch_node, publish_node;
+  BLINK_TRY(cudaGraphAddKernelNode(&step_node, body, nullptr, 0, &k), 8);
 
   cudaGraphNodeParams sw = {};
   sw.type = cudaGraphNodeTypeConditional;
   sw.conditional.handle = args.branch_handle;
   sw.conditional.type = cudaGraphCondTypeSwitch;
   sw.conditional.size = num_branches;
-  BLINK_TRY(cudaGraphAddNode(&switch_node, body, &schedule_node, nullptr, 1, &sw), 9);
+  BLINK_TRY(cudaGraphAddNode(&switch_node, body, &step_node, nullptr, 1, &sw), 9);
   for (uint32_t i = 0; i < num_branches; ++i) {
     cudaGraphNode_t child;
     BLINK_TRY(cudaGraphAddChildGraphNode(&child, sw.conditional.phGraph_out[i], nullptr, 0, (cudaGraph_t)children[i]), 10);
   }
-  k.func = (void*)blink_loop_commit;
-  BLINK_TRY(cudaGraphAddKernelNode(&commit_node, body, &switch_node, 1, &k), 11);
+  k.func = (void*)blink_loop_publish;
+  k.sharedMemBytes = 0;
+  BLINK_TRY(cudaGraphAddKernelNode(&publish_node, body, &step_node, 1, &k), 11);
 
   BLINK_TRY(cudaGraphInstantiateWithFlags(&L->exec, L->graph, 0), 12);
   BLINK_TRY(cudaGraphUpload(L->exec, L->stream), 13);

@@ -28,8 +28,8 @@ def test_ctypes_structs_match_the_library(nvcc):
     lib = persistent_loop.load()  # raises when a size differs
     assert lib.blink_loop_args_bytes() == ctypes.sizeof(persistent_loop.LoopArgs)
     assert lib.blink_loop_ctl_bytes() == ctypes.sizeof(persistent_loop.LoopCtl)
-    # the handles and the loop's own words sit where the C struct has them
-    assert persistent_loop.LoopArgs.sq_head.offset == ctypes.sizeof(persistent_loop.LoopArgs) - 32
+    # the loop's own counters close the struct, as in C
+    assert persistent_loop.LoopArgs.c_iterations.offset == ctypes.sizeof(persistent_loop.LoopArgs) - 56
 
 
 def test_library_errors_name_the_step():

@@ -88,9 +88,14 @@ BLINK_HD int32_t blink_max_blocks_per_seq(const blink_sched_config* c) {
 
 BLINK_HD uint64_t blink_align8(uint64_t n) { return (n + 7u) & ~(uint64_t)7u; }
 
-// Carve the arrays from `mem` (8-byte aligned); returns the bytes used. mem may be 0 to size only.
-BLINK_HD uint64_t blink_sched_bind(blink_sched* s, void* mem, const blink_sched_config* c) {
-  uint8_t* base = (uint8_t*)mem;
+// Carve the arrays: those every step touches ("hot": the header, per-slot scalars, the lists and one
+// step's batch) from `hot`, then the large ones (stop ids, block tables, tokens, the free list) from
+// `cold`. With cold == 0 they follow the hot ones in the same buffer (the layout is the same either way:
+// the loop kernel copies the hot prefix to shared memory and binds it there). Returns the bytes used;
+// *hot_bytes (when given) gets the size of the hot prefix. hot may be 0 to size only.
+BLINK_HD uint64_t blink_sched_bind_split(blink_sched* s, void* hot, void* cold, const blink_sched_config* c,
+                                         uint64_t* hot_bytes) {
+  uint8_t* base = (uint8_t*)hot;
   uint64_t off = blink_align8(sizeof(blink_sched_header));
   const uint64_t n = (uint64_t)c->max_slots, mb = (uint64_t)blink_max_blocks_per_seq(c);
 #define BLINK_CARVE(field, type, count) \
@@ -100,18 +105,24 @@ BLINK_HD uint64_t blink_sched_bind(blink_sched* s, void* mem, const blink_sched_
   BLINK_CARVE(num_computed, int32_t, n) BLINK_CARVE(num_table, int32_t, n) BLINK_CARVE(num_preemptions, int32_t, n)
   BLINK_CARVE(priority, int64_t, n) BLINK_CARVE(arrival, int64_t, n) BLINK_CARVE(max_tokens, int64_t, n)
   BLINK_CARVE(ignore_eos, int32_t, n) BLINK_CARVE(num_stop, int32_t, n)
-  BLINK_CARVE(stop_ids, int32_t, n * (uint64_t)c->max_stop_ids)
   BLINK_CARVE(temperature, float, n) BLINK_CARVE(top_p, float, n) BLINK_CARVE(min_p, float, n)
-  BLINK_CARVE(top_k, int32_t, n) BLINK_CARVE(seed, uint64_t, n)
-  BLINK_CARVE(block_table, int32_t, n * mb) BLINK_CARVE(tokens, int32_t, n * (uint64_t)c->context_len)
-  BLINK_CARVE(scheduled, uint8_t, n) BLINK_CARVE(free_blocks, int32_t, c->num_blocks)
+  BLINK_CARVE(top_k, int32_t, n) BLINK_CARVE(seed, uint64_t, n) BLINK_CARVE(scheduled, uint8_t, n)
   BLINK_CARVE(running, int32_t, n) BLINK_CARVE(waiting, int32_t, n)
   BLINK_CARVE(entry_slot, int32_t, n) BLINK_CARVE(entry_q_len, int32_t, n) BLINK_CARVE(entry_samples, int32_t, n)
   BLINK_CARVE(entry_start, int32_t, n) BLINK_CARVE(entry_q_start, int32_t, n + 1) BLINK_CARVE(preempted, int32_t, n)
   BLINK_CARVE(new_slot, int32_t, n) BLINK_CARVE(new_token, int32_t, n)
   BLINK_CARVE(fin_slot, int32_t, n) BLINK_CARVE(fin_reason, int32_t, n)
+  if (hot_bytes) *hot_bytes = off;
+  if (cold) base = (uint8_t*)cold - off;  // cold offsets continue where the hot prefix ends
+  BLINK_CARVE(stop_ids, int32_t, n * (uint64_t)c->max_stop_ids)
+  BLINK_CARVE(block_table, int32_t, n * mb) BLINK_CARVE(tokens, int32_t, n * (uint64_t)c->context_len)
+  BLINK_CARVE(free_blocks, int32_t, c->num_blocks)
 #undef BLINK_CARVE
   return off;
+}
+
+BLINK_HD uint64_t blink_sched_bind(blink_sched* s, void* mem, const blink_sched_config* c) {
+  return blink_sched_bind_split(s, mem, 0, c, 0);
 }
 
 // Every slot free, every block free, in id order (the reference's deque(range(num_blocks))).
