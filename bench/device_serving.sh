@@ -1,25 +1,37 @@
 #!/usr/bin/env bash
 # On a GPU host: `blink serve` in a GPU mode on a random-weight model, then `blink bench` over the OpenAI
-# API with the ShareGPT-shaped workload: a sweep of request rates, then all-at-once for saturation.
-#   MODE=host MODEL=random:llama-3-8b RATES=4,8,16,32 N=300 N_SAT=1000 bench/device_serving.sh
+# API with the ShareGPT-shaped workload: a sweep of request rates, then all-at-once for saturation; then,
+# with INTERFERE set, the same again at RATES_I under each number of interfering threads.
+#   MODE=persistent MODEL=random:llama-3-8b RATES=8,16,32,64 N=300 N_SAT=1000 \
+#   GATEWAY_CORES=14,15 INTERFERE=24 RATES_I=32,inf bench/device_serving.sh
+# GATEWAY_CORES pins the gateway (standing in for the DPU's cores) and keeps the interference off them;
+# the backend is not pinned: it shares the host cores with the interference, as on a busy host.
 # Writes the bench JSON files and serve.log under $OUT (default bench/results).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}; MODE=${MODE:-host}; MODEL=${MODEL:-random:llama-3-8b}
 RATES=${RATES:-4,8,16,32}; N=${N:-300}; N_SAT=${N_SAT:-1000}; PY=${PYTHON:-python3}
+GATEWAY_CORES=${GATEWAY_CORES:-}; INTERFERE=${INTERFERE:-}; RATES_I=${RATES_I:-32,inf}
 export BLINK_API_KEY=${BLINK_API_KEY:-bench-key} BLINK_LOG_LEVEL=${BLINK_LOG_LEVEL:-WARNING}
 mkdir -p "$OUT"
 $PY -m blink.cli serve --mode "$MODE" --model "$MODEL" --context-len 2048 --num-slots 1024 \
-    --max-output-len 2048 --port 8000 > "$OUT/serve.log" 2>&1 &
+    --max-output-len 2048 --port 8000 > "$OUT/serve-$MODE.log" 2>&1 &
 serve=$!
 trap 'kill -TERM $serve 2>/dev/null; wait $serve' EXIT
 for _ in $(seq 600); do
     curl -sf http://127.0.0.1:8000/health >/dev/null && break
-    kill -0 $serve 2>/dev/null || { echo "serve exited"; tail -30 "$OUT/serve.log"; exit 1; }
+    kill -0 $serve 2>/dev/null || { echo "serve exited"; tail -30 "$OUT/serve-$MODE.log"; exit 1; }
     sleep 0.5
 done
-grep -E "GPU runner|backend ready" "$OUT/serve.log"
+grep -E "GPU runner|backend ready" "$OUT/serve-$MODE.log"
 common=(--url http://127.0.0.1:8000/v1 --workload sharegpt --label "blink-$MODE" --serve-pid $serve
         --out "$OUT" --no-progress --warmup-requests 8 --weight-bytes 16.06e9 --copy-gbps 4200)
-$PY -m blink.bench "${common[@]}" --rates "$RATES" --num-requests "$N" ${EXTRA:-}
-$PY -m blink.bench "${common[@]}" --rates inf --num-requests "$N_SAT" ${EXTRA:-}
+if [ -n "$GATEWAY_CORES" ]; then
+    for pid in $(pgrep -P $serve -f "blink.cli gateway"); do taskset -acp "$GATEWAY_CORES" "$pid" >/dev/null; done
+    common+=(--gateway-cores "$GATEWAY_CORES")
+fi
+[ -n "$RATES" ] && $PY -m blink.bench "${common[@]}" --rates "$RATES" --num-requests "$N" ${EXTRA:-}
+[ "$N_SAT" != 0 ] && $PY -m blink.bench "${common[@]}" --rates inf --num-requests "$N_SAT" ${EXTRA:-}
+for threads in ${INTERFERE//,/ }; do
+    $PY -m blink.bench "${common[@]}" --rates "$RATES_I" --num-requests "$N" --interference "$threads" ${EXTRA:-}
+done

@@ -360,7 +360,10 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
       __syncthreads();
     }
     if (threadIdx.x == 0) {
-      if (attempt == 0) h->num_new = h->num_finished = 0;
+      if (attempt == 0) {
+        h->num_new = h->num_finished = 0;
+        mirror_counters(a);
+      }
       a->c.idle_polls += 1;
       a->last_commit_ns = 0;  // the next step does not follow a step back to back
       const uint64_t t = now_ns();
