@@ -63,6 +63,8 @@ def build_spec(request_id: int, req: SamplingFields, prompt_ids: list[int], info
     if len(stop_ids) > info.geometry.max_stop_ids:
         raise bad_request(f"stop_token_ids holds {len(stop_ids)} ids, at most {info.geometry.max_stop_ids}",
                           "stop_token_ids")
+    if req.n > info.geometry.num_slots:  # its choices, unread until all are submitted, would wait on each other
+        raise bad_request(f"n={req.n} is over this backend's {info.geometry.num_slots} request slots", "n")
     logit_bias = req.logit_bias_ids
     check_token_ids([t for t, _ in logit_bias], info.vocab_size, "logit_bias")
     if len(logit_bias) > info.geometry.max_logit_bias:
