@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -49,11 +50,12 @@ class BackendInfo:
     @classmethod
     def from_reply(cls, addr: str, reply: control_pb2.DescribeReply) -> BackendInfo:
         g = reply.geometry
+        geometry = RingGeometry(**{f.name: getattr(g, f.name) for f in dataclasses.fields(RingGeometry)})
         return cls(addr=addr, model_name=reply.model_name, model_dir=reply.model_dir,
                    model_fingerprint=reply.model_fingerprint, context_len=reply.context_len,
                    vocab_size=reply.vocab_size, eos_token_ids=tuple(reply.eos_token_ids),
                    engine_mode=reply.engine_mode, ring_name=reply.ring_name,
-                   geometry=RingGeometry(g.num_slots, g.max_prompt_len, g.max_output_len, g.max_stop_ids),
+                   geometry=geometry,
                    transport=reply.transport or "shm", tcp_endpoint=reply.tcp_endpoint)
 
 

@@ -1,35 +1,66 @@
-"""Response shapes of the two endpoints: the full object, stream chunks, and the usage chunk."""
+"""Response shapes of the two endpoints: the full object, stream chunks, and the usage chunk.
+
+A request with n choices streams each choice's chunks with its `index` (interleaved as they come);
+the full object lists the choices in index order. Logprobs appear when the request asked for them
+(the format is given the `TokenTexts` to spell tokens with); the finish chunk carries none.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pydantic import BaseModel
 
 from protocols.openai import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                              ChatCompletionChunk, ChatDelta, Completion, CompletionChoice, Usage)
+                              ChatCompletionChunk, ChatDelta, ChatLogprobs, ChatTokenLogprob, Completion,
+                              CompletionChoice, CompletionLogprobs, TopLogprob, Usage)
+from protocols.ring import TokenLogprob
+
+from .token_text import TokenTexts
+
+MIN_LOGPROB = -9999.0  # what a logprob that underflowed float32 (-inf) is reported as: JSON has no -inf
+LogprobItem = tuple[int, TokenLogprob]  # (token id, its entry)
+
+
+@dataclass
+class ChoiceOutput:
+    """One finished choice, for the non-streamed object."""
+
+    text: str = ""
+    finish_reason: str = "stop"
+    logprobs: list[LogprobItem] = field(default_factory=list)
 
 
 class OutputFormat(Protocol):
-    def chunk(self, text: str = "", finish_reason: str | None = None) -> BaseModel: ...
+    def chunk(self, index: int, text: str = "", finish_reason: str | None = None,
+              logprobs: Sequence[LogprobItem] = ()) -> BaseModel: ...
     def usage_chunk(self, prompt_len: int, completion_len: int) -> BaseModel: ...
-    def full(self, text: str, finish_reason: str, prompt_len: int, completion_len: int) -> BaseModel: ...
+    def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int) -> BaseModel: ...
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
 
 
 class ChatFormat:
-    """chat.completion objects; the first streamed chunk carries the role with the first text."""
+    """chat.completion objects; each choice's first streamed chunk carries the role."""
 
-    def __init__(self, response_id: str, model: str):
+    def __init__(self, response_id: str, model: str, texts: TokenTexts | None = None):
         self.id, self.model, self.created = response_id, model, int(time.time())
-        self._role_sent = False
+        self.texts = texts  # set when the request asked for logprobs
+        self._role_sent: set[int] = set()
 
-    def chunk(self, text: str = "", finish_reason: str | None = None) -> ChatCompletionChunk:
+    def chunk(self, index: int, text: str = "", finish_reason: str | None = None,
+              logprobs: Sequence[LogprobItem] = ()) -> ChatCompletionChunk:
         delta = ChatDelta(content=text) if text else ChatDelta()
-        if not self._role_sent:
-            delta.role, self._role_sent = "assistant", True
-            delta.content = text
-        return self._chunk([ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+        if index not in self._role_sent:
+            self._role_sent.add(index)
+            delta.role, delta.content = "assistant", text
+        lps = self._logprobs(logprobs) if finish_reason is None else None
+        return self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lps, finish_reason=finish_reason)])
 
     def usage_chunk(self, prompt_len: int, completion_len: int) -> ChatCompletionChunk:
         return self._chunk([], Usage.of(prompt_len, completion_len))
@@ -38,27 +69,65 @@ class ChatFormat:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
                                    usage=usage)
 
-    def full(self, text: str, finish_reason: str, prompt_len: int, completion_len: int) -> ChatCompletion:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
+    def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int) -> ChatCompletion:
+        listed = [ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                             logprobs=self._logprobs(c.logprobs)) for i, c in enumerate(choices)]
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=listed,
                               usage=Usage.of(prompt_len, completion_len))
+
+    def _logprobs(self, items: Sequence[LogprobItem]) -> ChatLogprobs | None:
+        if self.texts is None:
+            return None
+        return ChatLogprobs(content=[ChatTokenLogprob(**self._top(token_id, entry.logprob).model_dump(),
+                                                      top_logprobs=[self._top(t, lp) for t, lp in entry.top])
+                                     for token_id, entry in items])
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=self.texts.text(token_id), logprob=_logprob(logprob),
+                          bytes=list(self.texts.bytes(token_id)))
 
 
 class CompletionFormat:
-    """text_completion objects, streamed as the same object with a piece of text each."""
+    """text_completion objects, streamed as the same object with a piece of text each. With `echo`,
+    each choice's text starts with the prompt (its first streamed chunk carries it)."""
 
-    def __init__(self, response_id: str, model: str):
+    def __init__(self, response_id: str, model: str, texts: TokenTexts | None = None, echo: str = ""):
         self.id, self.model, self.created = response_id, model, int(time.time())
+        self.texts, self.echo = texts, echo
+        self._echoed: set[int] = set()
+        self._offsets: dict[int, int] = {}  # per choice: characters streamed so far (text_offset)
 
-    def chunk(self, text: str = "", finish_reason: str | None = None) -> Completion:
-        return self._make([CompletionChoice(text=text, finish_reason=finish_reason)])
+    def chunk(self, index: int, text: str = "", finish_reason: str | None = None,
+              logprobs: Sequence[LogprobItem] = ()) -> Completion:
+        if index not in self._echoed:
+            self._echoed.add(index)
+            text = self.echo + text
+        lps = self._logprobs(logprobs, self._offsets.get(index, 0)) if finish_reason is None else None
+        self._offsets[index] = self._offsets.get(index, 0) + len(text)
+        return self._make([CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=finish_reason)])
 
     def usage_chunk(self, prompt_len: int, completion_len: int) -> Completion:
         return self._make([], Usage.of(prompt_len, completion_len))
 
-    def full(self, text: str, finish_reason: str, prompt_len: int, completion_len: int) -> Completion:
-        return self._make([CompletionChoice(text=text, finish_reason=finish_reason)],
-                          Usage.of(prompt_len, completion_len))
+    def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int) -> Completion:
+        listed = [CompletionChoice(index=i, text=self.echo + c.text, finish_reason=c.finish_reason,
+                                   logprobs=self._logprobs(c.logprobs, len(self.echo)))
+                  for i, c in enumerate(choices)]
+        return self._make(listed, Usage.of(prompt_len, completion_len))
 
     def _make(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def _logprobs(self, items: Sequence[LogprobItem], offset: int) -> CompletionLogprobs | None:
+        """The top dict holds the `logprobs` most likely tokens and the chosen one (so up to logprobs + 1)."""
+        if self.texts is None:
+            return None
+        tokens = [self.texts.text(token_id) for token_id, _ in items]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        tops = [{**{self.texts.text(t): _logprob(lp) for t, lp in entry.top},
+                 self.texts.text(token_id): _logprob(entry.logprob)} for token_id, entry in items]
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[_logprob(e.logprob) for _, e in items],
+                                  top_logprobs=tops, text_offset=offsets)

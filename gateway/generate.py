@@ -7,7 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from protocols.ring import ErrorCode, FinishReason
+from protocols.ring import ErrorCode, FinishReason, TokenLogprob
 
 from .backends import RequestHandle
 from .detokenize import TextStream
@@ -28,6 +28,7 @@ class Piece:
     text: str
     finish_reason: str | None = None  # "stop" or "length" on the last piece
     token_ids: list[int] = field(default_factory=list)  # the tokens this text came from
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when the request asked
 
 
 def engine_error(code: ErrorCode, message: str) -> ApiError:
@@ -76,6 +77,7 @@ class Generation:
     async def next_piece(self) -> Piece:
         """The next non-empty piece of text, or the last one (finish_reason set). Raises ApiError."""
         ids: list[int] = []
+        lps: list[TokenLogprob] = []
         while True:
             update = await self.handle.next()
             if update.tokens:
@@ -84,21 +86,23 @@ class Generation:
             num_before = self.stream.num_tokens
             tokens = self._within_budget(update.tokens)
             text = self.stream.add(tokens)
-            ids += tokens[:self.stream.num_tokens - num_before]  # none after a stop string
+            num_used = self.stream.num_tokens - num_before  # none after a stop string
+            ids += tokens[:num_used]
+            lps += update.logprobs[:num_used]
             if self.stream.stopped:
-                return self._finish(text, "stop", ids)
+                return self._finish(text, "stop", ids, lps)
             if len(tokens) < len(update.tokens) or (update.finish == FinishReason.NONE and self._budget_spent):
-                return self._finish(text + self.stream.finish(), "length", ids)
+                return self._finish(text + self.stream.finish(), "length", ids, lps)
             if update.finish == FinishReason.NONE:
                 if text:
-                    return Piece(text, None, ids)
+                    return Piece(text, None, ids, lps)
                 continue
             if update.finish not in _FINISH_NAMES:
                 if await self._failed_over(update):
                     continue
                 raise self._failure(update.finish, update.error_code, update.error)
             text += self.stream.finish()
-            return self._finish(text, "stop" if self.stream.stopped else _FINISH_NAMES[update.finish], ids)
+            return self._finish(text, "stop" if self.stream.stopped else _FINISH_NAMES[update.finish], ids, lps)
 
     def _within_budget(self, tokens: list[int]) -> list[int]:
         if self.budget_tokens is None:
@@ -120,10 +124,10 @@ class Generation:
         self.handle = handle
         return True
 
-    def _finish(self, text: str, reason: str, ids: list[int]) -> Piece:
+    def _finish(self, text: str, reason: str, ids: list[int], lps: list[TokenLogprob]) -> Piece:
         self.finish_reason = reason
         self.handle.close()  # a stop string ends the request here: the engine is cancelled
-        return Piece(text, reason, ids)
+        return Piece(text, reason, ids, lps)
 
     def _failure(self, finish: FinishReason, code: ErrorCode, message: str) -> ApiError:
         self.finish_reason = "error"

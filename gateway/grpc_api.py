@@ -2,7 +2,8 @@
 `grpc.health.v1` service and server reflection.
 
 Only the wire format is gRPC: requests become the OpenAI schemas of `protocols.openai` and take the
-HTTP path (`gateway/pipeline.py`): the same keys, validation, limits, tokenizers and `Generation`.
+HTTP path (`gateway/pipeline.py`): the same keys, validation, limits, tokenizers and generations
+(always one choice: the message has no `n`).
 Errors are the same `ApiError`s, sent as a gRPC status (the OpenAI `param` and `code` go in trailing
 metadata). A client that cancels its call cancels the request in the engine.
 """
@@ -24,7 +25,7 @@ from protocols.openai import ChatCompletionRequest, CompletionRequest, TokenizeR
 
 from .auth import client_principal
 from .errors import ApiError, bad_request, server_error
-from .generate import Generation
+from .choices import Choices
 from .keys import Principal
 from .pipeline import parse, start_generation, tokenize
 from .state import GatewayState
@@ -141,9 +142,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.TokenizeResponse(tokens=resp.tokens, count=resp.count, max_model_len=resp.max_model_len)
 
 
-async def _stream(gen: Generation, context: grpc.aio.ServicerContext) -> None:
+async def _stream(gen: Choices, context: grpc.aio.ServicerContext) -> None:
     while True:
-        piece = await gen.next_piece()
+        _, piece = await gen.next_piece()
         reply = inference_pb2.GenerateResponse(text=piece.text, token_ids=piece.token_ids, request_id=gen.request_id)
         if piece.finish_reason:
             reply.finish_reason = piece.finish_reason

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -13,9 +14,10 @@ from protocols.openai import (ChatCompletionRequest, CompletionRequest, Detokeni
                               ModelList, TokenizeRequest)
 
 from .auth import PRINCIPAL
+from .choices import Choices
 from .errors import ApiError
 from .formats import ChatFormat, CompletionFormat, OutputFormat
-from .generate import Generation, Piece
+from .generate import Piece
 from .pipeline import detokenize, parse, start_generation, tokenize
 from .state import GatewayState
 
@@ -43,15 +45,23 @@ def add_routes(app: web.Application) -> None:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival_s = time.perf_counter()
     req = parse(ChatCompletionRequest, await request.read())
-    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model)
-    return await _generate(request, req, fmt, arrival_s)
+
+    async def make_format(choices: Choices) -> ChatFormat:
+        texts = choices.tokenizer.token_texts if req.num_logprobs is not None else None
+        return ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, texts)
+    return await _generate(request, req, make_format, arrival_s)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival_s = time.perf_counter()
     req = parse(CompletionRequest, await request.read())
-    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model)
-    return await _generate(request, req, fmt, arrival_s)
+
+    async def make_format(choices: Choices) -> CompletionFormat:
+        texts = choices.tokenizer.token_texts if req.num_logprobs is not None else None
+        prompt = req.prompt_text_or_ids
+        echo = "" if not req.echo else prompt if isinstance(prompt, str) else await choices.tokenizer.decode(prompt)
+        return CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, texts, echo)
+    return await _generate(request, req, make_format, arrival_s)
 
 
 async def tokenize_route(request: web.Request) -> web.Response:
@@ -94,66 +104,58 @@ async def metrics(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- shared path
 
 
-async def _generate(request: web.Request, req, fmt: OutputFormat, arrival_s: float) -> web.StreamResponse:
-    gen = await start_generation(request.app[STATE], req, arrival_s=arrival_s, principal=request.get(PRINCIPAL))
+async def _generate(request: web.Request, req, make_format: Callable[[Choices], Awaitable[OutputFormat]],
+                    arrival_s: float) -> web.StreamResponse:
+    choices = await start_generation(request.app[STATE], req, arrival_s=arrival_s, principal=request.get(PRINCIPAL))
     try:
+        fmt = await make_format(choices)
         if req.stream:
-            return await _stream(request, gen, fmt, req.include_usage)
-        resp = await _collect(gen, fmt)
-        resp.headers[REQUEST_ID_HEADER] = str(gen.request_id)
-        return resp
+            return await _stream(request, choices, fmt, req.include_usage)
+        outputs = await choices.collect()
+        body = fmt.full(outputs, choices.prompt_len, choices.completion_tokens)
+        return _json(body.model_dump_json(), headers={REQUEST_ID_HEADER: str(choices.request_id)})
     finally:
-        gen.close()
+        choices.close()
 
 
-async def _collect(gen: Generation, fmt: OutputFormat) -> web.Response:
-    parts = []
-    while True:
-        piece = await gen.next_piece()
-        parts.append(piece.text)
-        if piece.finish_reason:
-            break
-    body = fmt.full("".join(parts), piece.finish_reason, gen.prompt_len, gen.completion_tokens)
-    return _json(body.model_dump_json())
-
-
-async def _stream(request: web.Request, gen: Generation, fmt: OutputFormat, include_usage: bool):
-    first = await gen.next_piece()  # a failure before the first token still gets its status code
-    resp = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: str(gen.request_id)})
+async def _stream(request: web.Request, choices: Choices, fmt: OutputFormat, include_usage: bool):
+    first = await choices.next_piece()  # a failure before the first token still gets its status code
+    resp = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: str(choices.request_id)})
     await resp.prepare(request)
     try:
-        await _stream_pieces(request, resp, gen, first, fmt, include_usage)
+        await _stream_pieces(request, resp, choices, first, fmt, include_usage)
     except ConnectionResetError:
-        log.info("client went away during request %d: cancelling it", gen.request_id,
-                 extra={"request_id": gen.request_id})
+        log.info("client went away during request %d: cancelling it", choices.request_id,
+                 extra={"request_id": choices.request_id})
         return resp
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
 
 
-async def _stream_pieces(request: web.Request, resp: web.StreamResponse, gen: Generation, piece: Piece,
-                         fmt: OutputFormat, include_usage: bool) -> None:
+async def _stream_pieces(request: web.Request, resp: web.StreamResponse, choices: Choices,
+                         item: tuple[int, Piece] | None, fmt: OutputFormat, include_usage: bool) -> None:
     try:
-        while True:
-            if piece.text:
-                await _send(resp, fmt.chunk(text=piece.text))
+        while item is not None:
+            index, piece = item
+            if piece.text or piece.logprobs:
+                await _send(resp, fmt.chunk(index, piece.text, logprobs=list(zip(piece.token_ids, piece.logprobs))))
             if piece.finish_reason:
-                await _send(resp, fmt.chunk(finish_reason=piece.finish_reason))
-                break
-            piece = await gen.next_piece()
+                await _send(resp, fmt.chunk(index, finish_reason=piece.finish_reason))
+            item = await choices.next_piece()
     except ApiError as err:  # headers are gone: the error travels as an event
-        log.warning("request %d failed mid-stream: %s", gen.request_id, err, extra={"request_id": gen.request_id})
+        log.warning("request %d failed mid-stream: %s", choices.request_id, err,
+                    extra={"request_id": choices.request_id})
         request.app[STATE].metrics.rejected(err)
         await _send(resp, err.body())
         return
     if include_usage:
-        await _send(resp, fmt.usage_chunk(gen.prompt_len, gen.completion_tokens))
+        await _send(resp, fmt.usage_chunk(choices.prompt_len, choices.completion_tokens))
 
 
 async def _send(resp: web.StreamResponse, chunk) -> None:
     await resp.write(b"data: " + chunk.model_dump_json().encode() + b"\n\n")
 
 
-def _json(text: str, status: int = 200) -> web.Response:
-    return web.Response(text=text, status=status, content_type="application/json")
+def _json(text: str, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(text=text, status=status, content_type="application/json", headers=headers)

@@ -11,6 +11,19 @@ from .backends import BackendInfo
 from .errors import bad_request
 
 CONTEXT_CODE = "context_length_exceeded"
+# Engine modes whose sampler applies penalties and logit bias and computes logprobs. The GPU modes
+# sample with a Triton kernel inside CUDA graphs that does not do these yet.
+ENGINE_SAMPLING_MODES = frozenset({"cpu"})
+
+
+def check_engine_modes(req: SamplingFields, infos: Sequence[BackendInfo]) -> None:
+    """A 400 naming the first engine-side parameter that some backend of the model cannot honour."""
+    params = req.engine_sampling_params()
+    modes = sorted({info.engine_mode for info in infos} - ENGINE_SAMPLING_MODES)
+    if params and modes:
+        raise bad_request(f"'{params[0]}' is not supported yet by the '{modes[0]}' engine mode of this model's "
+                          f"backends: only the cpu engine applies penalties and logit_bias and computes logprobs "
+                          f"so far", params[0])
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> list[int]:
@@ -50,10 +63,25 @@ def build_spec(request_id: int, req: SamplingFields, prompt_ids: list[int], info
     if len(stop_ids) > info.geometry.max_stop_ids:
         raise bad_request(f"stop_token_ids holds {len(stop_ids)} ids, at most {info.geometry.max_stop_ids}",
                           "stop_token_ids")
+    if req.n > info.geometry.num_slots:  # its choices, unread until all are submitted, would wait on each other
+        raise bad_request(f"n={req.n} is over this backend's {info.geometry.num_slots} request slots", "n")
+    logit_bias = req.logit_bias_ids
+    check_token_ids([t for t, _ in logit_bias], info.vocab_size, "logit_bias")
+    if len(logit_bias) > info.geometry.max_logit_bias:
+        raise bad_request(f"logit_bias holds {len(logit_bias)} entries, this backend takes at most "
+                          f"{info.geometry.max_logit_bias}", "logit_bias")
+    num_logprobs = req.num_logprobs
+    if num_logprobs is not None and num_logprobs > info.geometry.max_logprobs:
+        param = "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs"
+        raise bad_request(f"{param}={num_logprobs} is over this backend's limit of {info.geometry.max_logprobs} "
+                          f"(its ring's max_logprobs)", param)
     return RequestSpec(
         request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(req.top_k or 0, 0),  # -1 (vLLM) and 0 both mean off
         min_p=req.min_p or 0.0, seed=req.seed, stop_ids=stop_ids, ignore_eos=req.ignore_eos,
-        priority=req.priority)
+        priority=req.priority, presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=tuple(logit_bias), num_logprobs=num_logprobs)

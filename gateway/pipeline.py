@@ -6,6 +6,7 @@ validate alike and name the same fields in their errors.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -16,11 +17,12 @@ from protocols.openai import (ChatCompletionRequest, ChatMessage, CompletionRequ
 from protocols.ring import RequestSpec
 
 from .backends import RequestHandle
+from .choices import Choices
 from .detokenize import TextStream
 from .errors import ApiError, bad_request
 from .generate import Generation
 from .keys import Principal
-from .limits import build_spec, check_token_ids
+from .limits import build_spec, check_engine_modes, check_token_ids
 from .quotas import Admission
 from .route import Router
 from .state import GatewayState
@@ -59,25 +61,26 @@ async def encode_messages(tokenizer: TokenizerService, messages: Sequence[ChatMe
 
 
 async def start_generation(state: GatewayState, req: GenerateRequest, prompt_param: str | None = None,
-                           arrival_s: float | None = None, principal: Principal | None = None) -> Generation:
-    """Check the key's limits, tokenize, check the context, submit to the backend routing picks (and to
-    another if it fails before the first token). The caller must `close()` the result. Raises ApiError
-    (429 over a key's limits)."""
+                           arrival_s: float | None = None, principal: Principal | None = None) -> Choices:
+    """Check the key's limits, tokenize, check the context, submit the request's n choices to the
+    backends routing picks (each to another if it fails before the first token). The caller must
+    `close()` the result. Raises ApiError (429 over a key's limits)."""
     arrival_s = time.perf_counter() if arrival_s is None else arrival_s
     admission = state.quotas.admit(principal)
     try:
-        gen = await _start(state, req, prompt_param, arrival_s, admission)
+        gens = await _start(state, req, prompt_param, arrival_s, admission)
     except BaseException:
         admission.close()
         raise
-    gen.budget_tokens = principal.limits.max_tokens_per_request if principal else None
-    gen.on_close = admission.close
-    return gen
+    for gen in gens:
+        gen.budget_tokens = principal.limits.max_tokens_per_request if principal else None
+    return Choices(gens, state.tokenizers[req.model], on_close=admission.close)
 
 
 async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | None, arrival_s: float,
-                 admission: Admission) -> Generation:
-    info = state.router.backends_for(req.model)[0].info  # backends of one model share its limits
+                 admission: Admission) -> list[Generation]:
+    backends = state.router.backends_for(req.model)
+    info = backends[0].info  # backends of one model share its limits
     tokenizer = state.tokenizers[req.model]
     if isinstance(req, ChatCompletionRequest):
         prompt_param = prompt_param or "messages"
@@ -91,11 +94,22 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
             prompt_ids = check_token_ids(prompt, info.vocab_size, prompt_param)
     spec = build_spec(next(state.request_ids), req, prompt_ids, info, prompt_param,
                       state.config.default_max_tokens)
+    check_engine_modes(req, [b.info for b in backends])
     admission.charge(len(prompt_ids))
-    failover = Failover(state.router, req.model, spec)
-    handle = await failover.submit()
-    stream = TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids)
-    return Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s, failover=failover)
+    gens: list[Generation] = []
+    try:
+        for i in range(req.n):
+            choice = spec if spec.seed is None or i == 0 else dataclasses.replace(spec, seed=spec.seed + i)
+            failover = Failover(state.router, req.model, choice)
+            handle = await failover.submit()
+            stream = TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids)
+            gens.append(Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s,
+                                   failover=failover))
+    except BaseException:
+        for gen in gens:  # nothing leaks: the choices already submitted are cancelled
+            gen.close()
+        raise
+    return gens
 
 
 class Failover:

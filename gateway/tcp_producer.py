@@ -179,6 +179,7 @@ class TcpProducer:
         update = state.update
         update.started, update.prompt_len = True, msg.prompt_len
         update.tokens.extend(msg.tokens)
+        update.logprobs.extend(msg.logprobs)
         if msg.finish != FinishReason.NONE:
             update.finish, update.error_code = msg.finish, msg.error_code
             update.error = msg.error_code.message if msg.finish == FinishReason.ERROR else ""

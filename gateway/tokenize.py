@@ -14,6 +14,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from .token_text import TokenTexts
+
 
 class TemplateError(ValueError):
     """The chat template refused the conversation (its own `raise_exception`) or failed to render."""
@@ -83,6 +85,7 @@ class TokenizerService:
                    for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         source = load_chat_template(self.model_dir, config)
         self.chat_template = ChatTemplate(source, special) if source else None
+        self.token_texts = TokenTexts(self.tokenizer)
         self._executor = executor
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -5,6 +5,7 @@ so it reports the same thing whichever engine mode runs, including a GPU loop wi
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent import futures
@@ -67,8 +68,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             vocab_size=self.desc.vocab_size, eos_token_ids=list(self.desc.eos_token_ids),
             engine_mode=self.desc.engine_mode, transport=self.desc.transport,
             tcp_endpoint=self.desc.tcp_endpoint, ring_name=self.ring.name,
-            geometry=control_pb2.RingGeometry(num_slots=g.num_slots, max_prompt_len=g.max_prompt_len,
-                                              max_output_len=g.max_output_len, max_stop_ids=g.max_stop_ids),
+            geometry=control_pb2.RingGeometry(**dataclasses.asdict(g)),
             ring_version=RING_VERSION,
         )
 

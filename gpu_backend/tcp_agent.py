@@ -156,7 +156,8 @@ class TcpAgent:
             update = self.producer.poll(slot)
             if not update.tokens and update.finish == FinishReason.NONE:
                 continue
-            session.outbox.put(W.Tokens(slot, tuple(update.tokens), update.finish, update.error_code, update.prompt_len))
+            session.outbox.put(W.Tokens(slot, tuple(update.tokens), update.finish, update.error_code, update.prompt_len,
+                                         tuple(update.logprobs)))
             if update.finish != FinishReason.NONE:
                 self.producer.release(slot)
                 session.slots.discard(slot)

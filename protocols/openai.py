@@ -15,6 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1  # top_k and token ids travel as int32 in the ring
+MAX_N = 128  # choices per request (OpenAI's limit)
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # completions (OpenAI's limit)
+# Sampling parameters the engine applies (the gateway asks whether the backend's engine mode can).
+ENGINE_SAMPLING_PARAMS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
 
 
 class InvalidRequest(ValueError):
@@ -56,6 +62,8 @@ class ChatMessage(_Request):
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)]
 
 
 class SamplingFields(_Request):
@@ -76,14 +84,34 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     priority: Annotated[int, Field(ge=0, le=255)] = 0
-    # Accepted so clients that send defaults work; anything but the default is refused, never ignored.
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1  # choices: n ring requests, fanned out by the gateway
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=1e6)] | None = None  # vLLM's: > 1 discourages repeats
+    logit_bias: LogitBias | None = None  # token id (a decimal string) -> bias added to its logit
 
     def check(self) -> None:
-        _refuse_unless_default(self, n=1, presence_penalty=0.0, frequency_penalty=0.0, logit_bias={})
+        for key in self.logit_bias or {}:
+            if not (key.isascii() and key.isdigit() and int(key) <= INT32_MAX):
+                raise InvalidRequest(f"invalid key {key!r} in 'logit_bias': keys are token ids, "
+                                     f"as decimal strings", "logit_bias")
+
+    @property
+    def logit_bias_ids(self) -> list[tuple[int, float]]:
+        """(token id, bias); "5" and "05" name the same token: their biases add up, as in the engine."""
+        return [(int(k), v) for k, v in (self.logit_bias or {}).items()]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine must report, or None for no logprobs."""
+        return None
+
+    def engine_sampling_params(self) -> list[str]:
+        """The engine-side sampling parameters this request sets to something other than their defaults."""
+        used = {"presence_penalty": bool(self.presence_penalty), "frequency_penalty": bool(self.frequency_penalty),
+                "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+                "logit_bias": bool(self.logit_bias), "logprobs": self.num_logprobs is not None}
+        return [name for name in ENGINE_SAMPLING_PARAMS if used[name]]
 
     @property
     def stop_strings(self) -> list[str]:
@@ -99,11 +127,18 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Any] | None = None
 
     def check(self) -> None:
         super().check()
-        _refuse_unless_default(self, logprobs=False, tools=[])
+        _refuse_unless_default(self, tools=[])
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -117,15 +152,22 @@ class CompletionRequest(SamplingFields):
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     best_of: int | None = None
     suffix: str | None = None
 
     def check(self) -> None:
         super().check()
-        _refuse_unless_default(self, echo=False, logprobs=0, best_of=1, suffix="")
+        _refuse_unless_default(self, best_of=1, suffix="")
         if self.prompt_text_or_ids == "":
             raise InvalidRequest("'prompt' must not be empty", "prompt")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest("'echo' with 'logprobs' is not supported: the engine does not compute the "
+                                 "prompt tokens' logprobs; send one or the other", "echo")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -190,10 +232,34 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str  # the token's text; a token that is part of a UTF-8 character shows its bytes as \xNN
+    logprob: float
+    bytes: list[int] | None  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the `top_logprobs` most likely tokens at this position
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy shape: parallel lists, one entry per token; `text_offset` indexes the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]  # the `logprobs` most likely tokens, and the chosen one
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonStr
 
 
@@ -218,7 +284,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonStr | None = None
 
 
@@ -234,7 +300,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonStr | None = None
 
 

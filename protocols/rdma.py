@@ -93,8 +93,11 @@ class RdmaProducer:
         slot = self._local.submit(spec)
         base, g = self.ring.req(slot), self.geometry
         tail = self.ring.hdr_u64(R.HDR_SQ_TAIL)
-        writes = [(base + 8, g.prompt_offset + 4 * len(spec.prompt_ids) - 8),
-                  (self.ring.resp(slot) + R.RESP_CONSUMED, 4), (base + R.REQ_SEQ, 8),
+        writes = [(base + 8, g.prompt_offset + 4 * len(spec.prompt_ids) - 8)]
+        if spec.logit_bias:  # the slot's logit-bias area: ids, then biases
+            n, bias = len(spec.logit_bias), self.ring.bias(slot)
+            writes += [(bias, 4 * n), (bias + g.logit_bias_bytes // 2, 4 * n)]
+        writes += [(self.ring.resp(slot) + R.RESP_CONSUMED, 4), (base + R.REQ_SEQ, 8),
                   (g.sq_offset + 4 * ((tail - 1) % g.num_slots), 4), (R.HDR_SQ_TAIL, 8)]
         self._io(self._write_all, writes)
         return slot
@@ -141,6 +144,8 @@ class RdmaProducer:
             self.link.read(tokens + 4 * first, 4 * head)
             if count > head:  # wrapped around the output buffer
                 self.link.read(tokens, 4 * (count - head))
+            if self._local.wants_logprobs(slot):  # the whole area: a few KB, less bookkeeping than ranges
+                self.link.read(self.ring.logprobs(slot), self.geometry.logprob_bytes)
 
     def _write_all(self, writes: list[tuple[int, int]]) -> None:
         for offset, nbytes in writes:

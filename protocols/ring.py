@@ -6,7 +6,12 @@ code and `tests/protocols/test_ring_layout.py` compiles that header and compares
 Memory map (all little-endian, every region 64-byte aligned):
 
     [header 256 B][submission queue: num_slots x u32][requests: num_slots x request_bytes]
-    [responses: num_slots x response_bytes]
+    [responses: num_slots x response_bytes][logit biases: num_slots x logit_bias_bytes]
+    [logprobs: num_slots x logprob_bytes]
+
+The last two regions (version 2) extend a request slot (gateway writes, before `seq`) and a response
+slot (engine writes, before `produced`); they sit after the older regions so that every offset of
+version 1 stays where it was.
 
 Rules (DESIGN.md, "The rings"):
 - every word has exactly one writer, named below; nobody does read-modify-write across processors;
@@ -24,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 RING_MAGIC = 0x474E_4952_4B4E_494C  # b"LINKRING" little-endian
-RING_VERSION = 1
+RING_VERSION = 2  # 2: penalties, logit bias and logprobs
 CACHE_LINE = 64
 
 
@@ -79,6 +84,7 @@ class EngineState(enum.IntEnum):
 # Request flags (RequestSpec booleans packed into one word).
 FLAG_HAS_SEED = 1 << 0
 FLAG_IGNORE_EOS = 1 << 1
+FLAG_LOGPROBS = 1 << 2  # publish the chosen token's logprob and `num_logprobs` alternatives per token
 
 
 @dataclass(frozen=True)
@@ -89,14 +95,20 @@ class RingGeometry:
     max_prompt_len: int = 8192
     max_output_len: int = 1024  # per-slot response buffer capacity in tokens (a ring: it wraps)
     max_stop_ids: int = 16
+    max_logit_bias: int = 300  # logit_bias entries per request (OpenAI's limit)
+    max_logprobs: int = 20  # alternatives per token (OpenAI's top_logprobs limit)
+    # Tokens of logprobs a slot holds (at most max_output_len): a request that asks for logprobs runs at
+    # most this far ahead of the gateway's reads. Small, so that 256 slots x 20 alternatives stay ~3 MB.
+    logprob_window: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("num_slots", "max_prompt_len", "max_output_len", "max_stop_ids"):
+        for name in _GEOMETRY_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"RingGeometry.{name} must be a positive int, got {value!r}")
         if self.num_slots > 1 << 20:
             raise ValueError(f"RingGeometry.num_slots {self.num_slots} is over the limit of {1 << 20}")
+        object.__setattr__(self, "logprob_window", min(self.logprob_window, self.max_output_len))
 
     @property
     def request_bytes(self) -> int:
@@ -124,8 +136,41 @@ class RingGeometry:
         return self.requests_offset + self.num_slots * self.request_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def logit_bias_bytes(self) -> int:
+        """Per slot: token ids i32[max_logit_bias], then their biases f32[max_logit_bias]."""
+        return 2 * _align(4 * self.max_logit_bias)
+
+    @property
+    def logit_bias_offset(self) -> int:
         return self.responses_offset + self.num_slots * self.response_bytes
+
+    @property
+    def logprob_bytes(self) -> int:
+        """Per slot, indexed by token i % logprob_window: the chosen token's logprob f32[window], then the
+        alternatives' ids i32[window][max_logprobs] and their logprobs f32[window][max_logprobs]."""
+        return self.logprob_top_offset + _align(4 * self.logprob_window * self.max_logprobs)
+
+    @property
+    def logprob_top_ids_offset(self) -> int:
+        """Offset of the alternatives' ids inside a slot's logprob area."""
+        return _align(4 * self.logprob_window)
+
+    @property
+    def logprob_top_offset(self) -> int:
+        """Offset of the alternatives' logprobs inside a slot's logprob area."""
+        return self.logprob_top_ids_offset + _align(4 * self.logprob_window * self.max_logprobs)
+
+    @property
+    def logprobs_offset(self) -> int:
+        return self.logit_bias_offset + self.num_slots * self.logit_bias_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.logprobs_offset + self.num_slots * self.logprob_bytes
+
+
+_GEOMETRY_FIELDS = ("num_slots", "max_prompt_len", "max_output_len", "max_stop_ids", "max_logit_bias",
+                    "max_logprobs", "logprob_window")
 
 
 # ---- header (256 bytes) -------------------------------------------------------------------------
@@ -143,6 +188,10 @@ HDR_SQ_OFFSET = 40  # u64
 HDR_REQUESTS_OFFSET = 48  # u64
 HDR_RESPONSES_OFFSET = 56  # u64
 HDR_TOTAL_BYTES = 64  # u64
+HDR_MAX_LOGIT_BIAS = 72  # u32 (version 2)
+HDR_MAX_LOGPROBS = 76  # u32
+HDR_LOGPROB_WINDOW = 80  # u32
+HDR_LOGIT_BIAS_OFFSET = 88  # u64; the logprobs region follows the logit-bias region
 FINGERPRINT_BYTES = 32
 HDR_FINGERPRINT = 96  # char[32], ASCII, NUL-padded
 # Line 2, written by the engine (consumer).
@@ -172,6 +221,11 @@ REQ_FLAGS = 48  # u32, FLAG_*
 REQ_PRIORITY = 52  # u32, 0 = latency-sensitive (first), larger = later
 REQ_NUM_STOP_IDS = 56  # u32
 REQ_CANCEL_SEQ = 64  # u64, equals `seq` once the gateway asks to cancel this submission
+REQ_PRESENCE_PENALTY = 72  # f32, 0 means off (version 2, in what was padding)
+REQ_FREQUENCY_PENALTY = 76  # f32, 0 means off
+REQ_REPETITION_PENALTY = 80  # f32, 1 means off
+REQ_NUM_LOGIT_BIAS = 84  # u32, entries in the slot's logit-bias area
+REQ_NUM_LOGPROBS = 88  # u32, alternatives per token when FLAG_LOGPROBS is set
 REQ_STOP_IDS = 128  # i32[max_stop_ids], then the prompt i32[max_prompt_len] at geometry.prompt_offset
 
 # ---- response slot (engine writes line 0 and the tokens; gateway writes line 1) ----------------------
@@ -200,6 +254,10 @@ HEADER_FIELDS = {
     "requests_offset": (HDR_REQUESTS_OFFSET, "uint64_t"),
     "responses_offset": (HDR_RESPONSES_OFFSET, "uint64_t"),
     "total_bytes": (HDR_TOTAL_BYTES, "uint64_t"),
+    "max_logit_bias": (HDR_MAX_LOGIT_BIAS, "uint32_t"),
+    "max_logprobs": (HDR_MAX_LOGPROBS, "uint32_t"),
+    "logprob_window": (HDR_LOGPROB_WINDOW, "uint32_t"),
+    "logit_bias_offset": (HDR_LOGIT_BIAS_OFFSET, "uint64_t"),
     "fingerprint": (HDR_FINGERPRINT, "char[32]"),
     "heartbeat": (HDR_HEARTBEAT, "uint64_t"),
     "engine_state": (HDR_ENGINE_STATE, "uint32_t"),
@@ -225,6 +283,11 @@ REQUEST_FIELDS = {
     "priority": (REQ_PRIORITY, "uint32_t"),
     "num_stop_ids": (REQ_NUM_STOP_IDS, "uint32_t"),
     "cancel_seq": (REQ_CANCEL_SEQ, "uint64_t"),
+    "presence_penalty": (REQ_PRESENCE_PENALTY, "float"),
+    "frequency_penalty": (REQ_FREQUENCY_PENALTY, "float"),
+    "repetition_penalty": (REQ_REPETITION_PENALTY, "float"),
+    "num_logit_bias": (REQ_NUM_LOGIT_BIAS, "uint32_t"),
+    "num_logprobs": (REQ_NUM_LOGPROBS, "uint32_t"),
     "stop_ids": (REQ_STOP_IDS, "int32_t[]"),
 }
 RESPONSE_FIELDS = {
@@ -255,6 +318,11 @@ class RequestSpec:
     stop_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
     priority: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Sequence[tuple[int, float]] = field(default_factory=tuple)  # (token id, bias)
+    num_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and k alternatives
 
     def validate(self, geometry: RingGeometry) -> None:
         """Raise ValueError naming the field when the request cannot be written into a slot."""
@@ -273,10 +341,41 @@ class RequestSpec:
             raise ValueError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, 0 <= min_p <= 1")
         if not 0 <= self.priority < 1 << 32:
             raise ValueError(f"priority: {self.priority} must be a non-negative 32-bit int")
+        self._validate_v2(geometry)
+
+    def _validate_v2(self, geometry: RingGeometry) -> None:
+        if not (_finite(self.presence_penalty) and _finite(self.frequency_penalty)
+                and _finite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError("penalties: need finite presence and frequency penalties, repetition_penalty > 0")
+        if len(self.logit_bias) > geometry.max_logit_bias:
+            raise ValueError(f"logit_bias: {len(self.logit_bias)} entries, at most {geometry.max_logit_bias}")
+        if not all(0 <= t < 1 << 31 and _finite(b) for t, b in self.logit_bias):
+            raise ValueError("logit_bias: every id must be a non-negative 32-bit int, every bias finite")
+        if self.num_logprobs is not None and not 0 <= self.num_logprobs <= geometry.max_logprobs:
+            raise ValueError(f"num_logprobs: {self.num_logprobs} is outside 0..{geometry.max_logprobs}")
 
     @property
     def flags(self) -> int:
-        return (FLAG_HAS_SEED if self.seed is not None else 0) | (FLAG_IGNORE_EOS if self.ignore_eos else 0)
+        return ((FLAG_HAS_SEED if self.seed is not None else 0) | (FLAG_IGNORE_EOS if self.ignore_eos else 0)
+                | (FLAG_LOGPROBS if self.num_logprobs is not None else 0))
+
+    @property
+    def uses_sampling_extensions(self) -> bool:
+        """Penalties, logit bias or logprobs: what only some engine modes implement."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.num_logprobs is not None)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A published token's logprob and the best `num_logprobs` alternatives, (token id, logprob) descending."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def _finite(x: float) -> bool:
+    return abs(x) < float("inf")  # False for inf and NaN alike
 
 
 class RingLayoutError(ValueError):
@@ -293,18 +392,17 @@ def geometry_from_header(buf: memoryview | bytearray | np.ndarray) -> RingGeomet
     version = int(u32[HDR_VERSION // 4])
     if version != RING_VERSION:
         raise RingLayoutError(f"ring version {version} is not supported (this build speaks {RING_VERSION})")
-    geometry = RingGeometry(
-        num_slots=int(u32[HDR_NUM_SLOTS // 4]),
-        max_prompt_len=int(u32[HDR_MAX_PROMPT_LEN // 4]),
-        max_output_len=int(u32[HDR_MAX_OUTPUT_LEN // 4]),
-        max_stop_ids=int(u32[HDR_MAX_STOP_IDS // 4]),
-    )
+    try:
+        geometry = RingGeometry(**{name: int(u32[HEADER_FIELDS[name][0] // 4]) for name in _GEOMETRY_FIELDS})
+    except ValueError as exc:
+        raise RingLayoutError(f"ring header: {exc}") from None
     stored = {
         "header_bytes": int(u32[HDR_HEADER_BYTES // 4]),
         "request_bytes": int(u32[HDR_REQUEST_BYTES // 4]),
         "response_bytes": int(u32[HDR_RESPONSE_BYTES // 4]),
         "requests_offset": int(u64[HDR_REQUESTS_OFFSET // 8]),
         "responses_offset": int(u64[HDR_RESPONSES_OFFSET // 8]),
+        "logit_bias_offset": int(u64[HDR_LOGIT_BIAS_OFFSET // 8]),
         "total_bytes": int(u64[HDR_TOTAL_BYTES // 8]),
     }
     expected = {"header_bytes": HEADER_BYTES, **{k: getattr(geometry, k) for k in list(stored)[1:]}}
@@ -320,15 +418,14 @@ def write_header(buf: np.ndarray, geometry: RingGeometry, fingerprint: str) -> N
     u64 = buf[:HEADER_BYTES].view(np.uint64)
     u32[HDR_VERSION // 4] = RING_VERSION
     u32[HDR_HEADER_BYTES // 4] = HEADER_BYTES
-    u32[HDR_NUM_SLOTS // 4] = geometry.num_slots
-    u32[HDR_MAX_PROMPT_LEN // 4] = geometry.max_prompt_len
-    u32[HDR_MAX_OUTPUT_LEN // 4] = geometry.max_output_len
-    u32[HDR_MAX_STOP_IDS // 4] = geometry.max_stop_ids
+    for name in _GEOMETRY_FIELDS:
+        u32[HEADER_FIELDS[name][0] // 4] = getattr(geometry, name)
     u32[HDR_REQUEST_BYTES // 4] = geometry.request_bytes
     u32[HDR_RESPONSE_BYTES // 4] = geometry.response_bytes
     u64[HDR_SQ_OFFSET // 8] = geometry.sq_offset
     u64[HDR_REQUESTS_OFFSET // 8] = geometry.requests_offset
     u64[HDR_RESPONSES_OFFSET // 8] = geometry.responses_offset
+    u64[HDR_LOGIT_BIAS_OFFSET // 8] = geometry.logit_bias_offset
     u64[HDR_TOTAL_BYTES // 8] = geometry.total_bytes
     fp = fingerprint.encode("ascii")[:FINGERPRINT_BYTES].ljust(FINGERPRINT_BYTES, b"\0")
     buf[HDR_FINGERPRINT : HDR_FINGERPRINT + FINGERPRINT_BYTES] = np.frombuffer(fp, dtype=np.uint8)

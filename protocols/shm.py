@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocols import ring as R
-from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry, RingLayoutError
+from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry, RingLayoutError, TokenLogprob
 
 SHM_DIR = "/dev/shm"
 
@@ -55,12 +55,25 @@ class ShmRing:
         self.i32 = self.buf.view(np.int32)
         self.f32 = self.buf.view(np.float32)
 
-    # Byte offsets of a slot's request and response areas.
+    # Byte offsets of a slot's request and response areas, and of their version-2 extensions.
     def req(self, slot: int) -> int:
         return self.geometry.requests_offset + slot * self.geometry.request_bytes
 
     def resp(self, slot: int) -> int:
         return self.geometry.responses_offset + slot * self.geometry.response_bytes
+
+    def bias(self, slot: int) -> int:
+        return self.geometry.logit_bias_offset + slot * self.geometry.logit_bias_bytes
+
+    def logprobs(self, slot: int) -> int:
+        return self.geometry.logprobs_offset + slot * self.geometry.logprob_bytes
+
+    def logprob_words(self, slot: int, index: int, k: int) -> tuple[int, int, int]:
+        """Word indices of token `index`'s chosen logprob, first alternative id and first alternative logprob
+        (k = max_logprobs words per token)."""
+        g, base, w = self.geometry, self.logprobs(slot), index % self.geometry.logprob_window
+        return ((base + 4 * w) // 4, (base + g.logprob_top_ids_offset + 4 * w * k) // 4,
+                (base + g.logprob_top_offset + 4 * w * k) // 4)
 
     def hdr_u32(self, off: int) -> int:
         return int(self.u32[off // 4])
@@ -156,6 +169,7 @@ class TokenUpdate:
     """What `RingProducer.poll` found since the last poll of a slot."""
 
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the request asked
     finish: FinishReason = FinishReason.NONE
     error: str = ""
     error_code: ErrorCode = ErrorCode.NONE
@@ -168,6 +182,7 @@ class _Outstanding:
     seq: int
     consumed: int = 0
     finished: bool = False
+    num_logprobs: int | None = None
 
 
 class SqLock:
@@ -272,7 +287,7 @@ class RingProducer:
             with self._sq_lock:  # another producer may have moved the tail: read it afresh
                 self._tail = self.ring.hdr_u64(R.HDR_SQ_TAIL)
                 seq = self._queue(slot, spec)
-        self._active[slot] = _Outstanding(seq=seq)
+        self._active[slot] = _Outstanding(seq=seq, num_logprobs=spec.num_logprobs)
         return slot
 
     def _queue(self, slot: int, spec: RequestSpec) -> int:
@@ -299,10 +314,24 @@ class RingProducer:
         ring.u32[(base + R.REQ_PRIORITY) // 4] = spec.priority
         ring.u32[(base + R.REQ_NUM_STOP_IDS) // 4] = len(spec.stop_ids)
         ring.u64[(base + R.REQ_CANCEL_SEQ) // 8] = 0
+        ring.f32[(base + R.REQ_PRESENCE_PENALTY) // 4] = spec.presence_penalty
+        ring.f32[(base + R.REQ_FREQUENCY_PENALTY) // 4] = spec.frequency_penalty
+        ring.f32[(base + R.REQ_REPETITION_PENALTY) // 4] = spec.repetition_penalty
+        ring.u32[(base + R.REQ_NUM_LOGIT_BIAS) // 4] = len(spec.logit_bias)
+        ring.u32[(base + R.REQ_NUM_LOGPROBS) // 4] = spec.num_logprobs or 0
+        if spec.logit_bias:
+            ids0, n = ring.bias(slot) // 4, len(spec.logit_bias)
+            vals0 = (ring.bias(slot) + self.geometry.logit_bias_bytes // 2) // 4  # ids, then biases
+            ring.i32[ids0 : ids0 + n] = [t for t, _ in spec.logit_bias]
+            ring.f32[vals0 : vals0 + n] = [b for _, b in spec.logit_bias]
         stop0 = (base + R.REQ_STOP_IDS) // 4
         ring.i32[stop0 : stop0 + len(spec.stop_ids)] = spec.stop_ids
         p0 = (base + self.geometry.prompt_offset) // 4
         ring.i32[p0 : p0 + len(spec.prompt_ids)] = np.asarray(spec.prompt_ids, dtype=np.int32)
+
+    def wants_logprobs(self, slot: int) -> bool:
+        out = self._active.get(slot)
+        return out is not None and out.num_logprobs is not None
 
     def cancel(self, slot: int) -> None:
         """Ask the engine to stop this request; it still reports a finish, after which `release`."""
@@ -323,6 +352,8 @@ class RingProducer:
             cap, t0 = self.geometry.max_output_len, (base + R.RESP_TOKENS) // 4
             idx = np.arange(out.consumed, produced) % cap
             update.tokens = ring.i32[t0 + idx].tolist()
+            if out.num_logprobs is not None:
+                update.logprobs = [self._logprob(slot, i, out.num_logprobs) for i in range(out.consumed, produced)]
             out.consumed = produced
             if not self.defer_consumed:
                 ring.u32[(base + R.RESP_CONSUMED) // 4] = produced
@@ -331,6 +362,12 @@ class RingProducer:
             update.error = update.error_code.message
         out.finished = finish != FinishReason.NONE
         return update
+
+    def _logprob(self, slot: int, index: int, num_top: int) -> TokenLogprob:
+        chosen, ids0, lps0 = self.ring.logprob_words(slot, index, self.geometry.max_logprobs)
+        ids = self.ring.i32[ids0 : ids0 + num_top].tolist()
+        lps = self.ring.f32[lps0 : lps0 + num_top].tolist()
+        return TokenLogprob(float(self.ring.f32[chosen]), tuple(zip(ids, lps)))
 
     def set_consumed(self, slot: int, consumed: int) -> None:
         """Advance the slot's consumed counter (with `defer_consumed`) up to what `poll` has read."""
@@ -391,6 +428,7 @@ class RingConsumer:
         self.geometry = ring.geometry
         self._head = ring.hdr_u64(R.HDR_SQ_HEAD)
         self._produced: dict[int, int] = {}
+        self._capacity: dict[int, int] = {}  # tokens a slot may run ahead: smaller for logprob requests
         self._beats = ring.heartbeat
 
     def take_new(self) -> list[TakenRequest]:
@@ -410,6 +448,9 @@ class RingConsumer:
         n_prompt = min(int(ring.u32[(base + R.REQ_PROMPT_LEN) // 4]), self.geometry.max_prompt_len)
         n_stop = min(int(ring.u32[(base + R.REQ_NUM_STOP_IDS) // 4]), self.geometry.max_stop_ids)
         flags = int(ring.u32[(base + R.REQ_FLAGS) // 4])
+        n_bias = min(int(ring.u32[(base + R.REQ_NUM_LOGIT_BIAS) // 4]), self.geometry.max_logit_bias)
+        b0 = ring.bias(slot) // 4
+        v0 = (ring.bias(slot) + self.geometry.logit_bias_bytes // 2) // 4  # ids, then biases
         p0, s0 = (base + self.geometry.prompt_offset) // 4, (base + R.REQ_STOP_IDS) // 4
         spec = RequestSpec(
             request_id=int(ring.u64[(base + R.REQ_REQUEST_ID) // 8]),
@@ -423,8 +464,16 @@ class RingConsumer:
             stop_ids=tuple(ring.i32[s0 : s0 + n_stop].tolist()),
             ignore_eos=bool(flags & R.FLAG_IGNORE_EOS),
             priority=int(ring.u32[(base + R.REQ_PRIORITY) // 4]),
+            presence_penalty=float(ring.f32[(base + R.REQ_PRESENCE_PENALTY) // 4]),
+            frequency_penalty=float(ring.f32[(base + R.REQ_FREQUENCY_PENALTY) // 4]),
+            repetition_penalty=float(ring.f32[(base + R.REQ_REPETITION_PENALTY) // 4]),
+            logit_bias=tuple(zip(ring.i32[b0 : b0 + n_bias].tolist(), ring.f32[v0 : v0 + n_bias].tolist())),
+            num_logprobs=min(int(ring.u32[(base + R.REQ_NUM_LOGPROBS) // 4]), self.geometry.max_logprobs)
+            if flags & R.FLAG_LOGPROBS else None,
         )
         self._reset_response(slot, seq, n_prompt)
+        self._capacity[slot] = self.geometry.logprob_window if spec.num_logprobs is not None \
+            else self.geometry.max_output_len
         return TakenRequest(slot=slot, seq=seq, spec=spec)
 
     def _reset_response(self, slot: int, seq: int, prompt_len: int) -> None:
@@ -444,10 +493,12 @@ class RingConsumer:
     def room(self, slot: int) -> int:
         """Tokens that may be published now without overwriting unread ones."""
         consumed = int(self.ring.u32[(self.ring.resp(slot) + R.RESP_CONSUMED) // 4])
-        return self.geometry.max_output_len - (self._produced[slot] - consumed)
+        return self._capacity[slot] - (self._produced[slot] - consumed)
 
-    def publish(self, slot: int, tokens: list[int], now_ns: int | None = None) -> None:
-        """Append tokens (caller checked `room`), then advance `produced`.
+    def publish(self, slot: int, tokens: list[int], now_ns: int | None = None,
+                logprobs: Sequence[TokenLogprob] | None = None) -> None:
+        """Append tokens (caller checked `room`) and, for a logprobs request, their logprobs; then
+        advance `produced`.
 
         Scalar stores, not fancy indexing: this runs once per sequence per step, and at a few hundred
         sequences numpy's per-call set-up would cost more than the stores themselves.
@@ -458,12 +509,14 @@ class RingConsumer:
         ring, base, cap = self.ring, self.ring.resp(slot), self.geometry.max_output_len
         u32, u64, i32 = ring.u32, ring.u64, ring.i32
         produced = self._produced[slot]
-        room = cap - (produced - int(u32[(base + R.RESP_CONSUMED) // 4]))
+        room = self._capacity[slot] - (produced - int(u32[(base + R.RESP_CONSUMED) // 4]))
         if n > room:
             raise RingFull(f"slot {slot}: {n} tokens but room for {room}")
         t0 = (base + R.RESP_TOKENS) // 4
         for k, token in enumerate(tokens):
             i32[t0 + (produced + k) % cap] = token
+        for k, entry in enumerate(logprobs or ()):
+            self._write_logprob(slot, produced + k, entry)
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         if produced == 0:
             u64[(base + R.RESP_FIRST_TOKEN_NS) // 8] = now_ns
@@ -472,12 +525,20 @@ class RingConsumer:
         u32[(base + R.RESP_PRODUCED) // 4] = produced + n
         u64[R.HDR_GENERATED_TOKENS // 8] += n  # engine is this word's only writer
 
+    def _write_logprob(self, slot: int, index: int, entry: TokenLogprob) -> None:
+        chosen, ids0, lps0 = self.ring.logprob_words(slot, index, self.geometry.max_logprobs)
+        self.ring.f32[chosen] = entry.logprob
+        for j, (token, logprob) in enumerate(entry.top[:self.geometry.max_logprobs]):
+            self.ring.i32[ids0 + j] = token
+            self.ring.f32[lps0 + j] = logprob
+
     def finish(self, slot: int, reason: FinishReason, error: ErrorCode = ErrorCode.NONE) -> None:
         """Last word on a slot: after this the engine never touches it again."""
         base = self.ring.resp(slot)
         self.ring.u32[(base + R.RESP_ERROR_CODE) // 4] = error
         self.ring.u32[(base + R.RESP_FINISH_REASON) // 4] = reason
         self._produced.pop(slot, None)
+        self._capacity.pop(slot, None)
 
     def beat(self) -> None:
         self._beats += 1

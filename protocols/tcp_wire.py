@@ -25,9 +25,13 @@ import struct
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
-from .ring import FINGERPRINT_BYTES, FLAG_HAS_SEED, FLAG_IGNORE_EOS, EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry
+import dataclasses
 
-WIRE_VERSION = 1
+from .ring import (FINGERPRINT_BYTES, FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, EngineState, ErrorCode,
+                   FinishReason, RequestSpec, RingGeometry, TokenLogprob)
+
+WIRE_VERSION = 2  # 2: ring version 2 (penalties, logit bias, logprobs)
+_GEOMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(RingGeometry))
 WIRE_MAGIC = 0x4B4E_494C  # b"LINK"
 MAX_FRAME_BYTES = 16 << 20  # a frame larger than this is a protocol error, not an allocation
 _FRAME = struct.Struct("<IB")
@@ -46,22 +50,25 @@ class Hello:
     fingerprint: str
     free_slots: tuple[int, ...]
     version: int = WIRE_VERSION
-    _HEAD: ClassVar = struct.Struct(f"<II4I{FINGERPRINT_BYTES}sI")
+    _MAGIC: ClassVar = struct.Struct("<II")  # magic, version: first, so a version mismatch is readable
+    _HEAD: ClassVar = struct.Struct(f"<{len(_GEOMETRY_FIELDS)}I{FINGERPRINT_BYTES}sI")
 
     def pack(self) -> bytes:
-        g = self.geometry
         fp = self.fingerprint.encode("ascii")[:FINGERPRINT_BYTES]
-        head = self._HEAD.pack(WIRE_MAGIC, self.version, g.num_slots, g.max_prompt_len, g.max_output_len,
-                               g.max_stop_ids, fp, len(self.free_slots))
+        geometry = (getattr(self.geometry, name) for name in _GEOMETRY_FIELDS)
+        head = self._MAGIC.pack(WIRE_MAGIC, self.version) + self._HEAD.pack(*geometry, fp, len(self.free_slots))
         return head + _u32s(self.free_slots)
 
     @classmethod
     def unpack(cls, body: bytes) -> Hello:
-        magic, version, n_slots, n_prompt, n_out, n_stop, fp, n_free = cls._HEAD.unpack_from(body)
+        magic, version = cls._MAGIC.unpack_from(body)
         if magic != WIRE_MAGIC:
             raise WireError("not a blink tcp agent (bad magic)")
-        free = _read_u32s(body, cls._HEAD.size, n_free)
-        return cls(RingGeometry(n_slots, n_prompt, n_out, n_stop), fp.rstrip(b"\0").decode("ascii", "replace"),
+        if version != WIRE_VERSION:  # the rest of an older Hello does not parse as ours
+            return cls(RingGeometry(), "", (), version)
+        *geometry, fp, n_free = cls._HEAD.unpack_from(body, cls._MAGIC.size)
+        free = _read_u32s(body, cls._MAGIC.size + cls._HEAD.size, n_free)
+        return cls(RingGeometry(**dict(zip(_GEOMETRY_FIELDS, geometry))), fp.rstrip(b"\0").decode("ascii", "replace"),
                    free, version)
 
 
@@ -72,26 +79,32 @@ class Submit:
     TYPE: ClassVar[int] = 2
     slot: int
     spec: RequestSpec
-    _HEAD: ClassVar = struct.Struct("<IQIffifQIIII")
+    _HEAD: ClassVar = struct.Struct("<IQIffifQIIIIfffII")
 
     def pack(self) -> bytes:
         s = self.spec
         head = self._HEAD.pack(self.slot, s.request_id & (2**64 - 1), s.max_tokens, s.temperature, s.top_p,
                                s.top_k, s.min_p, (s.seed or 0) & (2**64 - 1), s.flags, s.priority,
-                               len(s.stop_ids), len(s.prompt_ids))
-        return head + _i32s(s.stop_ids) + _i32s(s.prompt_ids)
+                               len(s.stop_ids), len(s.prompt_ids), s.presence_penalty, s.frequency_penalty,
+                               s.repetition_penalty, len(s.logit_bias), s.num_logprobs or 0)
+        bias_ids, biases = [t for t, _ in s.logit_bias], [b for _, b in s.logit_bias]
+        return head + _i32s(s.stop_ids) + _i32s(s.prompt_ids) + _i32s(bias_ids) + _f32s(biases)
 
     @classmethod
     def unpack(cls, body: bytes) -> Submit:
         (slot, request_id, max_tokens, temperature, top_p, top_k, min_p, seed, flags, priority, n_stop,
-         n_prompt) = cls._HEAD.unpack_from(body)
-        stop_ids = _read_i32s(body, cls._HEAD.size, n_stop)
-        prompt_ids = _read_i32s(body, cls._HEAD.size + 4 * n_stop, n_prompt)
+         n_prompt, presence, frequency, repetition, n_bias, num_logprobs) = cls._HEAD.unpack_from(body)
+        offset = cls._HEAD.size
+        stop_ids = _read_i32s(body, offset, n_stop)
+        prompt_ids = _read_i32s(body, offset + 4 * n_stop, n_prompt)
+        offset += 4 * (n_stop + n_prompt)
+        bias = tuple(zip(_read_i32s(body, offset, n_bias), _read_f32s(body, offset + 4 * n_bias, n_bias)))
         spec = RequestSpec(request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens,
                            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                            seed=seed if flags & FLAG_HAS_SEED else None, stop_ids=stop_ids,
-                           ignore_eos=bool(flags & FLAG_IGNORE_EOS),
-                           priority=priority)
+                           ignore_eos=bool(flags & FLAG_IGNORE_EOS), priority=priority,
+                           presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+                           logit_bias=bias, num_logprobs=num_logprobs if flags & FLAG_LOGPROBS else None)
         return cls(slot, spec)
 
 
@@ -150,19 +163,27 @@ class Tokens:
     finish: FinishReason = FinishReason.NONE
     error_code: ErrorCode = ErrorCode.NONE
     prompt_len: int = 0
-    _HEAD: ClassVar = struct.Struct("<IIIII")
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, or none
+    _HEAD: ClassVar = struct.Struct("<IIIIIi")  # ..., number of tokens, alternatives per token (-1: no logprobs)
 
     def pack(self) -> bytes:
-        return self._HEAD.pack(self.slot, self.finish, self.error_code, self.prompt_len, len(self.tokens)) + _i32s(self.tokens)
+        num_top = len(self.logprobs[0].top) if self.logprobs else -1
+        extra = b""
+        if self.logprobs:  # chosen logprobs, then per token its alternatives' ids and logprobs
+            extra = _f32s([e.logprob for e in self.logprobs]) + b"".join(
+                _i32s([t for t, _ in e.top]) + _f32s([lp for _, lp in e.top]) for e in self.logprobs)
+        return self._HEAD.pack(self.slot, self.finish, self.error_code, self.prompt_len, len(self.tokens),
+                               num_top) + _i32s(self.tokens) + extra
 
     @classmethod
     def unpack(cls, body: bytes) -> Tokens:
-        slot, finish, code, prompt_len, n = cls._HEAD.unpack_from(body)
+        slot, finish, code, prompt_len, n, num_top = cls._HEAD.unpack_from(body)
         try:
             finish, code = FinishReason(finish), ErrorCode(code)
         except ValueError:
             raise WireError(f"Tokens: unknown finish reason {finish} or error code {code}") from None
-        return cls(slot, _read_i32s(body, cls._HEAD.size, n), finish, code, prompt_len)
+        return cls(slot, _read_i32s(body, cls._HEAD.size, n), finish, code, prompt_len,
+                   _read_logprobs(body, cls._HEAD.size + 4 * n, n, num_top))
 
 
 @dataclass(frozen=True)
@@ -261,3 +282,23 @@ def _read_u32s(body: bytes, offset: int, n: int) -> tuple[int, ...]:
 
 def _read_i32s(body: bytes, offset: int, n: int) -> tuple[int, ...]:
     return struct.unpack_from(f"<{n}i", body, offset)
+
+
+def _f32s(values: Sequence[float]) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def _read_f32s(body: bytes, offset: int, n: int) -> tuple[float, ...]:
+    return struct.unpack_from(f"<{n}f", body, offset)
+
+
+def _read_logprobs(body: bytes, offset: int, n: int, num_top: int) -> tuple[TokenLogprob, ...]:
+    if num_top < 0:
+        return ()
+    chosen = _read_f32s(body, offset, n)
+    entries, offset = [], offset + 4 * n
+    for logprob in chosen:
+        ids, lps = _read_i32s(body, offset, num_top), _read_f32s(body, offset + 4 * num_top, num_top)
+        entries.append(TokenLogprob(logprob, tuple(zip(ids, lps))))
+        offset += 8 * num_top
+    return tuple(entries)

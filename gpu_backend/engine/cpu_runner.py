@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from gpu_backend.engine.sampler import SamplingRow, sample
+from gpu_backend.engine.sampler import SamplingRow, sample_step
 from gpu_backend.engine.scheduler import Batch, Sequence
 from gpu_backend.models import AttnBatch, ModelConfig, allocate_kv_cache
+from protocols.ring import TokenLogprob
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:
     """The sampling parameters of `seq`'s next token (position = its index in prompt + output)."""
     spec = seq.spec
-    return SamplingRow(spec.temperature, spec.top_p, spec.top_k, spec.min_p, seq.rng_seed, len(seq.token_ids))
+    history = {}
+    if spec.uses_sampling_extensions:
+        history = {"prompt_ids": seq.token_ids[:seq.prompt_len], "output_ids": seq.token_ids[seq.prompt_len:]}
+    return SamplingRow(spec.temperature, spec.top_p, spec.top_k, spec.min_p, seq.rng_seed, len(seq.token_ids),
+                       spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty, spec.logit_bias,
+                       num_logprobs=spec.num_logprobs, **history)
 
 
 class CpuRunner:
@@ -24,6 +30,7 @@ class CpuRunner:
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] float32, cpu
         self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, block_size, torch.float32, "cpu")
+        self.last_logprobs: list[TokenLogprob | None] = []  # of the last `run`, in its token order
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -51,7 +58,9 @@ class CpuRunner:
         )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                             attn, self.kv_cache)
+        self.last_logprobs = []
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])  # [n, V] float32
-        return sample(logits, rows)
+        tokens, self.last_logprobs = sample_step(logits, rows)
+        return tokens

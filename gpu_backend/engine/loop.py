@@ -3,6 +3,8 @@
 Between steps it takes new requests from the ring, honours cancels, and bumps the heartbeat. The model
 side is a runner: `CpuRunner` (torch on the CPU, `engine/cpu_runner.py`) or `GpuRunner` (bucketed CUDA
 graphs, `engine/gpu_runner.py`, the `host` mode). A runner has `num_blocks` and `run(batch) -> tokens`.
+A runner that applies penalties and logit bias and computes logprobs (the cpu one) also keeps
+`last_logprobs` of its last run; the loop refuses such requests (INVALID_PARAMS) for the others.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Protocol
 
 from gpu_backend.engine.scheduler import Batch, BlockManager, Finished, Scheduler, SchedulerConfig
 from gpu_backend.models import ModelConfig
-from protocols.ring import EngineState, ErrorCode, FinishReason
+from protocols.ring import EngineState, ErrorCode, FinishReason, TokenLogprob
 from protocols.shm import RingConsumer, TakenRequest
 
 log = logging.getLogger("blink.engine")
@@ -56,6 +58,7 @@ class EngineLoop:
                             tuple(model_cfg.eos_token_ids)),
             self.blocks,
         )
+        self.extensions = hasattr(runner, "last_logprobs")  # penalties, logit bias, logprobs
         self.stop_event = threading.Event()
         self.steps = 0
 
@@ -80,7 +83,9 @@ class EngineLoop:
         if batch:
             tokens = self.runner.run(batch)
             sampling = [e.seq for e in batch.entries if e.samples]
-            self._postprocess(batch, {id(seq): tok for seq, tok in zip(sampling, tokens)})
+            logprobs = self.runner.last_logprobs if self.extensions else ()
+            self._postprocess(batch, {id(seq): tok for seq, tok in zip(sampling, tokens)},
+                              {id(seq): lp for seq, lp in zip(sampling, logprobs) if lp is not None})
             self.steps += 1
         self._publish_stats()
         return bool(batch)
@@ -88,6 +93,8 @@ class EngineLoop:
     def _admit(self, taken: list[TakenRequest]) -> None:
         for t in taken:
             error = self.scheduler.check(t.spec)
+            if error is ErrorCode.NONE and t.spec.uses_sampling_extensions and not self.extensions:
+                error = ErrorCode.INVALID_PARAMS
             if error is not ErrorCode.NONE:
                 self.consumer.finish(t.slot, FinishReason.ERROR, error)
                 continue
@@ -100,11 +107,12 @@ class EngineLoop:
                 self._report(self.scheduler.finish(seq, FinishReason.CANCELLED))
 
     # ---- results -----------------------------------------------------------------------------------
-    def _postprocess(self, batch: Batch, sampled: dict[int, int]) -> None:
+    def _postprocess(self, batch: Batch, sampled: dict[int, int], logprobs: dict[int, TokenLogprob]) -> None:
         new_tokens, finished = self.scheduler.update(batch, sampled)
         now_ns = time.monotonic_ns()
         for seq, token in new_tokens:
-            self.consumer.publish(seq.slot, [token], now_ns)
+            entry = logprobs.get(id(seq))
+            self.consumer.publish(seq.slot, [token], now_ns, None if entry is None else [entry])
         for done in finished:
             self._report(done)
 

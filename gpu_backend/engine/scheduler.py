@@ -152,6 +152,8 @@ class Scheduler:
             return ErrorCode.PROMPT_TOO_LONG
         if spec.temperature < 0 or not 0 < spec.top_p <= 1 or spec.top_k < 0 or not 0 <= spec.min_p <= 1:
             return ErrorCode.INVALID_PARAMS
+        if not (0 < spec.repetition_penalty < float("inf") and abs(spec.presence_penalty) <= 2 and abs(spec.frequency_penalty) <= 2):
+            return ErrorCode.INVALID_PARAMS
         if self.blocks.blocks_for(self._final_len(spec)) > self.blocks.num_blocks:
             return ErrorCode.NO_KV_CAPACITY
         return ErrorCode.NONE

@@ -71,6 +71,7 @@ class EchoEngine:
         self.running: dict[int, tuple] = {}  # slot -> (seq, spec, produced)
         self.num_cancelled = 0
         self.request_ids: list[int] = []  # the ring's request_id word of each request taken
+        self.specs: list = []  # every RequestSpec taken, in order
         self.paused = False
         self.failure: BaseException | None = None  # a broken fake must fail tests, not hang them
 
@@ -90,6 +91,7 @@ class EchoEngine:
         for taken in self.consumer.take_new():
             self.running[taken.slot] = (taken.seq, taken.spec, 0)
             self.request_ids.append(taken.spec.request_id)
+            self.specs.append(taken.spec)
         for slot, (seq, spec, produced) in list(self.running.items()):
             self._advance(slot, seq, spec, produced)
         self.consumer.set_stats(self.kv_blocks - self.kv_blocks_per_request * len(self.running), self.kv_blocks,
@@ -175,13 +177,14 @@ CONTEXT_LEN = 256
 GEOMETRY = RingGeometry(num_slots=4, max_prompt_len=256, max_output_len=16, max_stop_ids=4)
 
 
-async def _start(model_dir: Path, tokenizer: Tokenizer, ring_name: str, config: GatewayConfig):
+async def _start(model_dir: Path, tokenizer: Tokenizer, ring_name: str, config: GatewayConfig,
+                 engine_mode: str = "echo"):
     ring = create_ring(ring_name, GEOMETRY, "fp-test")
     engine = EchoEngine(ring, tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id(ERROR_TOKEN))
     engine_task = asyncio.create_task(engine.run())
     info = BackendInfo(addr="in-process", model_name=MODEL, model_dir=str(model_dir), model_fingerprint="fp-test",
                        context_len=CONTEXT_LEN, vocab_size=tokenizer.get_vocab_size(),
-                       eos_token_ids=(engine.eos_id,), engine_mode="echo", ring_name=ring_name, geometry=GEOMETRY)
+                       eos_token_ids=(engine.eos_id,), engine_mode=engine_mode, ring_name=ring_name, geometry=GEOMETRY)
     backend = Backend(info, RingProducer(attach_ring(ring_name)), config)
     backend.start()
     server = await start_gateway(config, backends=[backend])
@@ -213,16 +216,17 @@ def harness(model_dir, byte_tokenizer, pick_free_port):
 
 @pytest.fixture(scope="module")
 def start_harness(model_dir, byte_tokenizer):
-    """A factory: `start_harness(config)` runs another gateway + echo engine (a test's own config); all stop
-    when the module's tests are done."""
+    """A factory: `start_harness(config)` runs another gateway + echo engine (a test's own config; the engine
+    mode its backend announces); all stop when the module's tests are done."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     started = []
 
-    def start(config: GatewayConfig, api_key: str = "") -> Harness:
+    def start(config: GatewayConfig, api_key: str = "", engine_mode: str = "echo") -> Harness:
         ring_name = f"blink-gw-test-{os.getpid()}-{len(started)}"
-        parts = asyncio.run_coroutine_threadsafe(_start(model_dir, byte_tokenizer, ring_name, config), loop)
+        parts = asyncio.run_coroutine_threadsafe(_start(model_dir, byte_tokenizer, ring_name, config, engine_mode),
+                                                 loop)
         ring, engine, engine_task, backend, server = parts.result(timeout=30)
         started.append((ring, engine, engine_task, server))
         return Harness(server.url, f"127.0.0.1:{server.grpc_port}", api_key, MODEL, CONTEXT_LEN, backend, engine,

@@ -66,15 +66,34 @@ def test_content_parts_and_max_completion_tokens():
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     (ChatCompletionRequest, {"model": 3}, "model"),
     (ChatCompletionRequest, {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    (ChatCompletionRequest, {"n": 2}, "n"),
-    (ChatCompletionRequest, {"logprobs": True}, "logprobs"),
-    (ChatCompletionRequest, {"frequency_penalty": 0.5}, "frequency_penalty"),
+    (ChatCompletionRequest, {"n": 0}, "n"),
+    (ChatCompletionRequest, {"n": 129}, "n"),
+    (ChatCompletionRequest, {"n": 1.5}, "n"),
+    (ChatCompletionRequest, {"logprobs": 1}, "logprobs"),
+    (ChatCompletionRequest, {"top_logprobs": 3}, "top_logprobs"),
+    (ChatCompletionRequest, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (ChatCompletionRequest, {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    (ChatCompletionRequest, {"frequency_penalty": 2.5}, "frequency_penalty"),
+    (ChatCompletionRequest, {"presence_penalty": -2.01}, "presence_penalty"),
+    (ChatCompletionRequest, {"presence_penalty": "1"}, "presence_penalty"),
+    (ChatCompletionRequest, {"repetition_penalty": 0}, "repetition_penalty"),
+    (ChatCompletionRequest, {"repetition_penalty": -1.0}, "repetition_penalty"),
+    (ChatCompletionRequest, {"logit_bias": {"5": 101}}, "logit_bias.5"),
+    (ChatCompletionRequest, {"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    (ChatCompletionRequest, {"logit_bias": {"hello": 1}}, "logit_bias"),
+    (ChatCompletionRequest, {"logit_bias": {"-3": 1}}, "logit_bias"),
+    (ChatCompletionRequest, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    (ChatCompletionRequest, {"logit_bias": [1, 2]}, "logit_bias"),
     (CompletionRequest, {"prompt": ""}, "prompt"),
     (CompletionRequest, {"prompt": ["a", "b"]}, "prompt"),
     (CompletionRequest, {"prompt": [1, -2]}, "prompt"),
     (CompletionRequest, {"prompt": []}, "prompt"),
     (CompletionRequest, {"prompt": 12}, "prompt"),
-    (CompletionRequest, {"echo": True}, "echo"),
+    (CompletionRequest, {"echo": "yes"}, "echo"),
+    (CompletionRequest, {"echo": True, "logprobs": 1}, "echo"),
+    (CompletionRequest, {"logprobs": 6}, "logprobs"),
+    (CompletionRequest, {"logprobs": True}, "logprobs"),
+    (CompletionRequest, {"best_of": 2}, "best_of"),
 ])
 def test_bad_values_name_the_field(cls, patch, param):
     base = CHAT if cls is ChatCompletionRequest else COMP
@@ -82,6 +101,17 @@ def test_bad_values_name_the_field(cls, patch, param):
         parse(cls, {**base, **patch})
     assert exc.value.param == param
     assert param.split(".")[0].split("[")[0] in exc.value.message
+
+
+def test_engine_sampling_params_are_listed_only_when_not_default():
+    assert parse(ChatCompletionRequest, {**CHAT, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                                         "logit_bias": {}, "logprobs": False}).engine_sampling_params() == []
+    req = parse(ChatCompletionRequest, {**CHAT, "frequency_penalty": 0.5, "logit_bias": {"7": -1, "07": 2},
+                                        "logprobs": True, "top_logprobs": 0})
+    assert req.engine_sampling_params() == ["frequency_penalty", "logit_bias", "logprobs"]
+    assert req.num_logprobs == 0 and req.logit_bias_ids == [(7, -1.0), (7, 2.0)]
+    comp = parse(CompletionRequest, {**COMP, "logprobs": 0, "n": 3, "echo": True, "logprobs": None})
+    assert comp.num_logprobs is None and comp.n == 3 and comp.engine_sampling_params() == []
 
 
 def test_missing_required_fields():

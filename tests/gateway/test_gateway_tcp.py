@@ -15,7 +15,7 @@ from gateway.errors import ApiError
 from gateway.tcp_producer import TcpProducer
 from gpu_backend.tcp_agent import TcpAgent
 from protocols import tcp_wire as W
-from protocols.ring import FinishReason, RequestSpec, RingGeometry
+from protocols.ring import FinishReason, RequestSpec, RingGeometry, TokenLogprob
 from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring
 
 GEOMETRY = RingGeometry(num_slots=2, max_prompt_len=16, max_output_len=4, max_stop_ids=2)
@@ -79,6 +79,32 @@ def test_tokens_flow_with_backpressure_and_the_slot_returns(ring):
         await until(lambda: backend.heartbeat == 0 and backend.num_in_flight == 0)
         engine.beat()
         await until(lambda: backend.heartbeat == 1)  # State frames carry the heartbeat
+        await backend.close()
+        agent.stop()
+        await task
+    asyncio.run(main())
+
+
+def test_penalties_logit_bias_and_logprobs_cross_the_agent(ring):
+    async def main():
+        agent, task = await start_agent(ring)
+        backend = await start_backend(ring, agent.port)
+        engine = RingConsumer(ring)
+        sent = RequestSpec(request_id=5, prompt_ids=[1, 2], max_tokens=8, presence_penalty=0.5,
+                           frequency_penalty=-1.0, repetition_penalty=1.25, logit_bias=((3, -100.0), (4, 2.5)),
+                           num_logprobs=2)
+        handle = await backend.submit(sent)
+        taken = []
+        await until(lambda: taken.extend(engine.take_new()) or taken)
+        assert taken[0].spec == RequestSpec(**{**sent.__dict__, "prompt_ids": [1, 2], "stop_ids": ()})
+        entries = [TokenLogprob(-0.5, ((6, -0.5), (7, -1.5))), TokenLogprob(-0.25, ((9, -0.25), (6, -2.0)))]
+        engine.publish(taken[0].slot, [6], logprobs=entries[:1])
+        engine.publish(taken[0].slot, [9], logprobs=entries[1:])
+        engine.finish(taken[0].slot, FinishReason.LENGTH)
+        got = []
+        while not got or got[-1].finish == FinishReason.NONE:
+            got.append(await asyncio.wait_for(handle.next(), 2))
+        assert [t for u in got for t in u.tokens] == [6, 9] and [e for u in got for e in u.logprobs] == entries
         await backend.close()
         agent.stop()
         await task

@@ -73,6 +73,18 @@ def test_requests_and_tokens_cross_the_link_with_wraparound(ring):
     assert prod.free_slots == GEOM.num_slots
 
 
+def test_logit_bias_and_logprobs_cross_the_link(ring):
+    link = MemoryLink(ring)
+    prod, engine = RdmaProducer(link), RingConsumer(ring)
+    sent = spec(2, logit_bias=((3, -5.0), (4, 7.5)), num_logprobs=1, presence_penalty=0.5)
+    slot = prod.submit(sent)
+    [taken] = engine.take_new()
+    assert taken.spec.logit_bias == ((3, -5.0), (4, 7.5)) and taken.spec.num_logprobs == 1
+    assert taken.spec.presence_penalty == 0.5
+    engine.publish(slot, [6], logprobs=[R.TokenLogprob(-0.25, ((6, -0.25),))])
+    assert prod.poll(slot).logprobs == [R.TokenLogprob(-0.25, ((6, -0.25),))]
+
+
 def test_payload_then_sequence_word_then_queue_entry(ring):
     link = MemoryLink(ring)
     prod = RdmaProducer(link)

@@ -9,7 +9,8 @@ import pytest
 from protocols import ring as R
 
 HEADER = Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "include" / "blink_ring.h"
-GEOMETRIES = [R.RingGeometry(), R.RingGeometry(num_slots=3, max_prompt_len=17, max_output_len=5, max_stop_ids=3)]
+GEOMETRIES = [R.RingGeometry(), R.RingGeometry(num_slots=3, max_prompt_len=17, max_output_len=5, max_stop_ids=3,
+                                               max_logit_bias=7, max_logprobs=3, logprob_window=4)]
 
 STRUCTS = {"blink_ring_header": R.HEADER_FIELDS, "blink_request_slot": R.REQUEST_FIELDS,
            "blink_response_slot": R.RESPONSE_FIELDS}
@@ -26,6 +27,13 @@ def _c_program() -> str:
         lines.append(f'printf("\\"g{i}.prompt_offset\\": %llu, ", (unsigned long long)blink_prompt_offset({g.max_stop_ids}));')
         lines.append(f'printf("\\"g{i}.response_bytes\\": %llu, ", (unsigned long long)blink_response_bytes({g.max_output_len}));')
         lines.append(f'printf("\\"g{i}.requests_offset\\": %llu, ", (unsigned long long)blink_requests_offset({g.num_slots}));')
+        lines.append(f'printf("\\"g{i}.logit_bias_bytes\\": %llu, ", (unsigned long long)blink_logit_bias_bytes({g.max_logit_bias}));')
+        lines.append(f'printf("\\"g{i}.logprob_bytes\\": %llu, ", (unsigned long long)blink_logprob_bytes({g.logprob_window}, {g.max_logprobs}));')
+        lines.append(f'printf("\\"g{i}.logprob_top_ids_offset\\": %llu, ", (unsigned long long)blink_logprob_top_ids_offset({g.logprob_window}));')
+        lines.append(f'printf("\\"g{i}.logprob_top_offset\\": %llu, ", (unsigned long long)blink_logprob_top_offset({g.logprob_window}, {g.max_logprobs}));')
+        lines.append(f'{{ blink_ring_header h = {{0}}; h.num_slots = {g.num_slots}; h.max_logit_bias = {g.max_logit_bias}; '
+                     f'h.logit_bias_offset = {g.logit_bias_offset}; '
+                     f'printf("\\"g{i}.logprobs_offset\\": %llu, ", (unsigned long long)blink_logprobs_offset(&h)); }}')
     lines += ['printf("\\"magic\\": %llu, \\"version\\": %u}", (unsigned long long)BLINK_RING_MAGIC, BLINK_RING_VERSION);',
               "return 0; }"]
     return "\n".join(lines)
@@ -61,6 +69,22 @@ def test_geometry_derived_sizes_match(c_layout):
         assert c_layout[f"g{i}.prompt_offset"] == g.prompt_offset
         assert c_layout[f"g{i}.response_bytes"] == g.response_bytes
         assert c_layout[f"g{i}.requests_offset"] == g.requests_offset
+        assert c_layout[f"g{i}.logit_bias_bytes"] == g.logit_bias_bytes
+        assert c_layout[f"g{i}.logprob_bytes"] == g.logprob_bytes
+        assert c_layout[f"g{i}.logprob_top_ids_offset"] == g.logprob_top_ids_offset
+        assert c_layout[f"g{i}.logprob_top_offset"] == g.logprob_top_offset
+        assert c_layout[f"g{i}.logprobs_offset"] == g.logprobs_offset
+
+
+def test_version_1_offsets_did_not_move():
+    """The GPU loop reads these through blink_ring.h: version 2 only filled padding and appended regions."""
+    v1 = {"seq": 0, "request_id": 8, "prompt_len": 16, "max_tokens": 20, "temperature": 24, "top_p": 28,
+          "top_k": 32, "min_p": 36, "seed": 40, "flags": 48, "priority": 52, "num_stop_ids": 56,
+          "cancel_seq": 64, "stop_ids": 128}
+    assert {k: R.REQUEST_FIELDS[k][0] for k in v1} == v1
+    assert (R.RESP_PRODUCED, R.RESP_FINISH_REASON, R.RESP_CONSUMED, R.RESP_TOKENS) == (8, 12, 64, 128)
+    g = R.RingGeometry()
+    assert (g.request_bytes, g.response_bytes, g.responses_offset) == (32960, 4224, 1280 + 256 * 32960)
 
 
 def test_magic_and_version_match(c_layout):

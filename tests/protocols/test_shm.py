@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from protocols import ring as R
-from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry
+from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry, TokenLogprob
 from protocols.shm import RingAttachError, RingConsumer, RingFull, RingProducer, attach_ring, create_ring
 
 GEOM = RingGeometry(num_slots=4, max_prompt_len=32, max_output_len=8, max_stop_ids=4)
@@ -37,6 +37,54 @@ def test_request_round_trips_every_field(ring):
     assert got.temperature == pytest.approx(0.5) and got.top_p == pytest.approx(0.9) and got.min_p == pytest.approx(0.05)
     assert tuple(got.stop_ids) == (3, 4)
     assert cons.take_new() == []
+
+
+def test_version_2_fields_round_trip(ring):
+    prod, cons = RingProducer(attach_ring(ring.name)), RingConsumer(ring)
+    bias = tuple((i * 7, i - 150.0) for i in range(GEOM.max_logit_bias))
+    sent = spec(presence_penalty=1.5, frequency_penalty=-2.0, repetition_penalty=1.25, logit_bias=bias, num_logprobs=3)
+    prod.submit(sent)
+    [taken] = cons.take_new()
+    assert taken.spec == RequestSpec(**{**sent.__dict__, "prompt_ids": [1, 2, 3], "stop_ids": ()})
+    prod.submit(spec())
+    [plain] = cons.take_new()
+    assert plain.spec.num_logprobs is None and plain.spec.logit_bias == () and plain.spec.repetition_penalty == 1.0
+
+
+def test_logprobs_travel_with_their_tokens_and_wrap_in_their_window(ring):
+    prod, cons = RingProducer(attach_ring(ring.name)), RingConsumer(ring)
+    slot = prod.submit(spec(num_logprobs=2))
+    cons.take_new()
+    assert cons.room(slot) == GEOM.logprob_window == 8  # clamped to max_output_len
+    received = []
+    for i in range(20):
+        entry = TokenLogprob(-i / 8, ((i, -i / 8), (i + 1, -i / 4)))
+        cons.publish(slot, [i], logprobs=[entry])
+        update = prod.poll(slot)
+        assert update.tokens == [i]
+        received += update.logprobs
+    assert received == [TokenLogprob(-i / 8, ((i, -i / 8), (i + 1, -i / 4))) for i in range(20)]
+    other = prod.submit(spec())
+    cons.take_new()
+    cons.publish(other, [5])
+    assert prod.poll(other).logprobs == []
+
+
+def test_a_logprobs_request_runs_at_most_its_window_ahead():
+    geom = RingGeometry(num_slots=2, max_prompt_len=8, max_output_len=16, max_stop_ids=2, logprob_window=4)
+    ring = create_ring(f"blink-t-w-{os.getpid()}", geom, "fp")
+    try:
+        prod, cons = RingProducer(attach_ring(ring.name)), RingConsumer(ring)
+        with_lp, without = prod.submit(spec(num_logprobs=0)), prod.submit(spec())
+        cons.take_new()
+        assert (cons.room(with_lp), cons.room(without)) == (4, 16)
+        cons.publish(with_lp, [1, 2, 3, 4], logprobs=[TokenLogprob(-1.0)] * 4)
+        with pytest.raises(RingFull):
+            cons.publish(with_lp, [5], logprobs=[TokenLogprob(-1.0)])
+        prod.poll(with_lp)
+        assert cons.room(with_lp) == 4
+    finally:
+        ring.close()
 
 
 def test_no_seed_is_not_seed_zero(ring):

@@ -5,7 +5,7 @@ import struct
 import pytest
 
 from protocols import tcp_wire as W
-from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry
+from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry, TokenLogprob
 
 GEOM = RingGeometry(num_slots=8, max_prompt_len=64, max_output_len=16, max_stop_ids=4)
 SPEC = RequestSpec(request_id=2**63 + 1, prompt_ids=(5, -1, 2**31 - 1), max_tokens=9, temperature=0.5, top_p=0.75,
@@ -15,11 +15,16 @@ MESSAGES = [
     W.Hello(GEOM, "fp-abc", (0, 3, 7)),
     W.Submit(5, SPEC),
     W.Submit(0, RequestSpec(request_id=1, prompt_ids=(1,), max_tokens=1)),
+    W.Submit(1, RequestSpec(request_id=3, prompt_ids=(1, 2), max_tokens=4, presence_penalty=0.5,
+                            frequency_penalty=-1.25, repetition_penalty=1.5, logit_bias=((7, -100.0), (9, 2.5)),
+                            num_logprobs=0)),
     W.Cancel(4),
     W.Consumed(((1, 10), (2, 2**32 - 1))),
     W.Ping(),
     W.Tokens(3, (1, 2, 3), FinishReason.ERROR, ErrorCode.NO_KV_CAPACITY, 17),
     W.Tokens(3),
+    W.Tokens(2, (4, 5), logprobs=(TokenLogprob(-0.5, ((4, -0.5), (1, -1.25))), TokenLogprob(-2.0, ((9, -0.25), (5, -2.0))))),
+    W.Tokens(2, (4,), logprobs=(TokenLogprob(-0.5),)),
     W.Freed((1, 2)),
     W.State(12345, EngineState.SERVING, {n: i + 1 for i, n in enumerate(W.State.STAT_NAMES)}),
 ]
@@ -37,6 +42,11 @@ def _roundtrip(frame: bytes):
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg):
     assert _roundtrip(W.encode(msg)) == msg
+
+
+def test_an_agent_of_another_wire_version_is_told_apart():
+    frame = W.encode(W.Hello(GEOM, "fp", (1,), version=1))
+    assert _roundtrip(frame).version == 1
 
 
 def test_seedless_spec_stays_seedless():

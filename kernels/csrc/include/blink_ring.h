@@ -8,10 +8,11 @@
 #include <stdint.h>
 
 #define BLINK_RING_MAGIC 0x474E49524B4E494CULL /* "LINKRING" */
-#define BLINK_RING_VERSION 1u
+#define BLINK_RING_VERSION 2u
 #define BLINK_RING_HEADER_BYTES 256u
 #define BLINK_RING_FLAG_HAS_SEED (1u << 0)
 #define BLINK_RING_FLAG_IGNORE_EOS (1u << 1)
+#define BLINK_RING_FLAG_LOGPROBS (1u << 2)
 
 enum blink_finish_reason { BLINK_FINISH_NONE = 0, BLINK_FINISH_STOP = 1, BLINK_FINISH_LENGTH = 2,
                            BLINK_FINISH_CANCELLED = 3, BLINK_FINISH_ERROR = 4 };
@@ -31,7 +32,12 @@ typedef struct blink_ring_header {
   uint64_t requests_offset;
   uint64_t responses_offset;
   uint64_t total_bytes;
-  uint8_t _pad0[24];
+  /* version 2 */
+  uint32_t max_logit_bias;
+  uint32_t max_logprobs;
+  uint32_t logprob_window;
+  uint32_t _pad0;
+  uint64_t logit_bias_offset; /* logit-bias region; the logprobs region follows it */
   char fingerprint[32];
   /* engine */
   uint64_t heartbeat;
@@ -65,7 +71,13 @@ typedef struct blink_request_slot {
   uint32_t num_stop_ids;
   uint32_t _pad0;
   uint64_t cancel_seq;
-  uint8_t _pad1[56];
+  /* version 2 */
+  float presence_penalty;   /* 0: off */
+  float frequency_penalty;  /* 0: off */
+  float repetition_penalty; /* 1: off */
+  uint32_t num_logit_bias;  /* entries in the slot's logit-bias area */
+  uint32_t num_logprobs;    /* alternatives per token when BLINK_RING_FLAG_LOGPROBS is set */
+  uint8_t _pad1[36];
   int32_t stop_ids[]; /* [max_stop_ids] */
 } blink_request_slot;
 
@@ -96,6 +108,29 @@ static inline uint64_t blink_response_bytes(uint32_t max_output_len) {
 }
 static inline uint64_t blink_requests_offset(uint32_t num_slots) {
   return blink_align64(BLINK_RING_HEADER_BYTES + 4ull * num_slots);
+}
+
+/* Version 2 regions, after the responses (header.logit_bias_offset), one area per slot:
+ * logit bias: int32_t ids[max_logit_bias] at 0, float bias[max_logit_bias] at align64(4 * max_logit_bias);
+ *   written by the gateway before the slot's seq.
+ * logprobs, indexed by w = token index % logprob_window, written by the engine before `produced`:
+ *   float chosen[logprob_window] at 0; int32_t top_ids[logprob_window][max_logprobs] at
+ *   blink_logprob_top_ids_offset; float top_logprobs[logprob_window][max_logprobs] at
+ *   blink_logprob_top_offset. Alternatives are in descending order, num_logprobs of them. */
+static inline uint64_t blink_logit_bias_bytes(uint32_t max_logit_bias) {
+  return 2 * blink_align64(4ull * max_logit_bias);
+}
+static inline uint64_t blink_logprob_top_ids_offset(uint32_t logprob_window) {
+  return blink_align64(4ull * logprob_window);
+}
+static inline uint64_t blink_logprob_top_offset(uint32_t logprob_window, uint32_t max_logprobs) {
+  return blink_logprob_top_ids_offset(logprob_window) + blink_align64(4ull * logprob_window * max_logprobs);
+}
+static inline uint64_t blink_logprob_bytes(uint32_t logprob_window, uint32_t max_logprobs) {
+  return blink_logprob_top_offset(logprob_window, max_logprobs) + blink_align64(4ull * logprob_window * max_logprobs);
+}
+static inline uint64_t blink_logprobs_offset(const blink_ring_header *h) {
+  return h->logit_bias_offset + (uint64_t)h->num_slots * blink_logit_bias_bytes(h->max_logit_bias);
 }
 
 #endif /* BLINK_RING_H */

@@ -1,0 +1,105 @@
+"""Penalties, logit bias and logprobs of the cpu engine's sampler, against a plain torch reference."""
+import math
+
+import pytest
+import torch
+
+from gpu_backend.engine.sampler import SamplingRow, apply_penalties, sample, sample_step, token_logprobs
+
+VOCAB = 64
+
+
+def row(temperature=0.0, seed=7, **kw):
+    return SamplingRow(temperature, 1.0, 0, 0.0, seed=seed, position=5, **kw)
+
+
+def reference(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
+    """vLLM's formulas, one token at a time: bias, repetition over prompt + output, frequency, presence."""
+    out = logits.clone()
+    for t, b in r.logit_bias:
+        out[t] += b
+    for t in set(r.prompt_ids) | set(r.output_ids):
+        out[t] = out[t] / r.repetition_penalty if out[t] > 0 else out[t] * r.repetition_penalty
+    for t in set(r.output_ids):
+        out[t] -= r.frequency_penalty * list(r.output_ids).count(t) + r.presence_penalty
+    return out
+
+
+@pytest.fixture
+def logits():
+    return torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3)) * 3
+
+
+@pytest.mark.parametrize("kw", [
+    {"repetition_penalty": 1.7, "prompt_ids": (1, 2, 3, 3), "output_ids": (3, 9)},
+    {"repetition_penalty": 0.5, "prompt_ids": (4,), "output_ids": (5, 5)},
+    {"frequency_penalty": 0.75, "output_ids": (1, 1, 1, 2, 8)},
+    {"presence_penalty": -1.5, "output_ids": (1, 1, 1, 2, 8), "prompt_ids": (30,)},
+    {"logit_bias": ((3, 100.0), (4, -100.0), (5, 0.25))},
+    {"logit_bias": ((3, 5.0),), "repetition_penalty": 2.0, "frequency_penalty": 2.0, "presence_penalty": 2.0,
+     "prompt_ids": (3, 7), "output_ids": (3, 3, 11)},
+])
+def test_penalties_match_the_reference(logits, kw):
+    rows = [row(**kw), row(), row(**kw), row()]
+    got = apply_penalties(logits, rows)
+    for i, r in enumerate(rows):
+        assert torch.allclose(got[i], reference(logits[i], r), atol=1e-5), kw
+    assert torch.equal(got[1], logits[1]) and not torch.equal(got[0], logits[0])
+
+
+def test_rows_without_penalties_are_not_copied(logits):
+    assert apply_penalties(logits, [row()] * 4) is logits
+
+
+def test_logit_bias_bans_and_forces_tokens_even_greedy(logits):
+    best = int(torch.argmax(logits[0]))
+    tokens, _ = sample_step(logits[:1], [row(logit_bias=((best, -100.0),))])
+    assert tokens[0] != best
+    tokens, _ = sample_step(logits[:1], [row(logit_bias=((17, 100.0),))])
+    assert tokens == [17]
+    forced = [sample_step(logits[:1], [row(temperature=1.0, logit_bias=((17, 100.0),), seed=s)]) for s in range(20)]
+    assert {t[0][0] for t in forced} == {17}
+
+
+def test_frequency_penalty_steers_greedy_away_from_repeats():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 2], logits[0, 9] = 5.0, 4.0
+    assert sample_step(logits, [row()])[0] == [2]
+    assert sample_step(logits, [row(frequency_penalty=0.6, output_ids=(2, 2))])[0] == [9]
+    assert sample_step(logits, [row(presence_penalty=1.5, output_ids=(2,))])[0] == [9]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_logprobs_are_the_log_softmax_after_penalties_and_temperature(logits, temperature):
+    kw = {"frequency_penalty": 1.0, "output_ids": (1, 1, 2), "logit_bias": ((6, 3.0),)}
+    rows = [row(temperature, num_logprobs=5, **kw), row(temperature), row(temperature, num_logprobs=0),
+            row(temperature, num_logprobs=20, seed=11)]
+    tokens, lps = sample_step(logits, rows)
+    assert lps[1] is None
+    for i in (0, 2, 3):
+        ref = torch.log_softmax(reference(logits[i], rows[i]) / (temperature or 1.0), dim=-1)
+        assert lps[i].logprob == pytest.approx(float(ref[tokens[i]]), abs=1e-5)
+        top_lps, top_ids = torch.topk(ref, rows[i].num_logprobs)
+        assert [t for t, _ in lps[i].top] == top_ids.tolist()
+        assert [lp for _, lp in lps[i].top] == pytest.approx(top_lps.tolist(), abs=1e-5)
+        assert lps[i].logprob <= 0 and all(lp <= 0 for _, lp in lps[i].top)
+        assert [lp for _, lp in lps[i].top] == sorted((lp for _, lp in lps[i].top), reverse=True)
+    assert len(lps[2].top) == 0 and len(lps[3].top) == 20
+    if temperature == 0.0:  # greedy: the chosen token is the most likely one
+        assert lps[0].top[0] == (tokens[0], pytest.approx(lps[0].logprob))
+
+
+def test_logprobs_sum_to_one_over_the_vocabulary(logits):
+    lps = token_logprobs(logits, [row(1.0, num_logprobs=VOCAB)], [0])
+    assert math.fsum(math.exp(lp) for _, lp in lps[0].top) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_without_extensions_sample_step_is_sample(logits):
+    rows = [row(temperature=t, seed=s) for t, s in ((0.0, 1), (1.0, 2), (0.5, 3), (1.5, 4))]
+    tokens, lps = sample_step(logits, rows)
+    assert tokens == sample(logits, rows) and lps == [None] * 4
+
+
+def test_ids_outside_the_vocabulary_are_ignored(logits):
+    r = row(logit_bias=((VOCAB + 5, 100.0),), repetition_penalty=2.0, prompt_ids=(VOCAB + 1,))
+    assert torch.equal(apply_penalties(logits[:1], [r]), logits[:1])
