@@ -24,6 +24,11 @@ class GatewayConfig:
     workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT)
     worker_index: int = 0  # which of them this one is (it owns ring slots i, i + workers, ...)
     max_body_bytes: int = 4 * MiB
+    # Slow clients (slowloris): a connection must deliver a whole request head within header_timeout_s
+    # of opening (or of its previous request's end: this also bounds idle keep-alive), and a request's
+    # whole body within body_timeout_s of its head; otherwise it is closed (the body with a 408 first).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
     default_max_tokens: int | None = None  # None: whatever the context leaves after the prompt
     slot_wait_s: float = 30.0  # how long a request waits for a free ring slot before a 503
     connect_timeout_s: float = 300.0  # how long startup waits for a backend to answer Describe
@@ -65,6 +70,9 @@ class GatewayConfig:
             raise ValueError(f"worker_index must be in [0, workers={self.workers}), got {self.worker_index}")
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers > 1 needs a fixed port (with port 0 each worker would pick its own)")
+        if self.header_timeout_s <= 0 or self.body_timeout_s <= 0:
+            raise ValueError(f"header_timeout_s and body_timeout_s must be positive, got "
+                             f"{self.header_timeout_s:g} and {self.body_timeout_s:g}")
         if self.slot_wait_s <= 0 or self.poll_active_s <= 0:
             raise ValueError("slot_wait_s and poll_active_s must be positive")
         if self.routing not in ROUTING_POLICIES:
@@ -110,4 +118,8 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
         out["config_file"] = config_file
     if size := env.get(f"{ENV_PREFIX}MAX_BODY_BYTES"):
         out["max_body_bytes"] = int(size)
+    if timeout_s := env.get(f"{ENV_PREFIX}HEADER_TIMEOUT"):
+        out["header_timeout_s"] = float(timeout_s)
+    if timeout_s := env.get(f"{ENV_PREFIX}BODY_TIMEOUT"):
+        out["body_timeout_s"] = float(timeout_s)
     return out
