@@ -23,6 +23,7 @@ class GatewayConfig:
     keys_file: str | None = None  # hashed client/admin keys with limits (gateway/keys.py)
     workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT)
     worker_index: int = 0  # which of them this one is (it owns ring slots i, i + workers, ...)
+    limits_table: str | None = None  # the workers' shared per-key usage file (set by the supervisor)
     max_body_bytes: int = 4 * MiB
     # Slow clients (slowloris): a connection must deliver a whole request head within header_timeout_s
     # of opening (or of its previous request's end: this also bounds idle keep-alive), and a request's

@@ -37,8 +37,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="YAML keys file: hashed client/admin keys with per-key limits (also BLINK_KEYS_FILE; "
                    "`blinkctl keys add` writes it)")
     p.add_argument("--workers", type=int, help="gateway processes sharing the port (SO_REUSEPORT; default 1; "
-                   "also BLINK_WORKERS); per-key limits apply per worker")
+                   "also BLINK_WORKERS); per-key limits hold across them")
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor for its workers
+    p.add_argument("--limits-table", help=argparse.SUPPRESS)  # likewise: the shared per-key usage file
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--header-timeout", type=float, dest="header_timeout_s", metavar="SECONDS",
                    help="close a connection that has not sent a whole request head this long after it opened "
@@ -71,7 +72,8 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
              "backend_addrs": tuple(args.backends) if args.backends else None,
              "api_keys": frozenset(args.api_keys) if args.api_keys else None,
              "admin_keys": frozenset(args.admin_keys) if args.admin_keys else None,
-             "keys_file": args.keys_file, "workers": args.workers, "worker_index": args.worker_index}
+             "keys_file": args.keys_file, "workers": args.workers, "worker_index": args.worker_index,
+             "limits_table": args.limits_table}
     fields.update({k: v for k, v in flags.items() if v is not None})
     return GatewayConfig(**fields)
 
