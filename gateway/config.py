@@ -37,6 +37,9 @@ class GatewayConfig:
     # 1 ms uvloop rounds the sleep to zero and the poller spins on its core (right for a dedicated DPU
     # core, wrong beside a CPU engine).
     poll_active_s: float = 0.001
+    # ... except within poll_spin_s of the last news: then the poller polls again as soon as the readers
+    # it woke have run (no timer), so tokens that keep flowing wait for no millisecond tick. 0: always sleep.
+    poll_spin_s: float = 0.002
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
     stall_timeout_s: float = 60.0  # heartbeat unchanged this long with requests in flight: fail them
     tcp_idle_timeout_s: float = 3.0  # tcp transport: no frame from the agent this long = connection lost
@@ -74,8 +77,8 @@ class GatewayConfig:
         if self.header_timeout_s <= 0 or self.body_timeout_s <= 0:
             raise ValueError(f"header_timeout_s and body_timeout_s must be positive, got "
                              f"{self.header_timeout_s:g} and {self.body_timeout_s:g}")
-        if self.slot_wait_s <= 0 or self.poll_active_s <= 0:
-            raise ValueError("slot_wait_s and poll_active_s must be positive")
+        if self.slot_wait_s <= 0 or self.poll_active_s <= 0 or self.poll_spin_s < 0:
+            raise ValueError("slot_wait_s and poll_active_s must be positive, poll_spin_s not negative")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if min(self.heartbeat_timeout_s, self.health_check_s, self.probe_interval_s) <= 0:
