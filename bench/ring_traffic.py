@@ -14,6 +14,14 @@ that the gateway's own cost can be measured without an engine's cost on top. Nev
    streaming `max_tokens=1` completions one after another; TTFT = request sent -> first chunk with a
    choice, as BENCH.md defines it; the official `openai` client is measured too.
 The gateway's added TTFT = median(HTTP) - median(direct). Writes JSON (commit, machine) and prints a row.
+
+    .venv/bin/python bench/ring_traffic.py stream [--streams 512] [--tokens 200] [--tok-s 50] [--no-probe]
+
+`stream`: the gateway on the last core, engine and client on the others; N concurrent streams. Per-token
+latency from the publish time each token id encodes: to the client's receipt, and (unless --no-probe) to
+the gateway's hand-off of the chunk to its socket (`probed_gateway` wraps the gateway's SSE send);
+percentiles over all tokens and over the steady state (published after every stream started); CPU use
+per process.
 """
 from __future__ import annotations
 
