@@ -14,6 +14,14 @@ that the gateway's own cost can be measured without an engine's cost on top. Nev
    streaming `max_tokens=1` completions one after another; TTFT = request sent -> first chunk with a
    choice, as BENCH.md defines it; the official `openai` client is measured too.
 The gateway's added TTFT = median(HTTP) - median(direct). Writes JSON (commit, machine) and prints a row.
+
+    .venv/bin/python bench/ring_traffic.py stream [--streams 512] [--tokens 200] [--tok-s 50] [--no-probe]
+
+`stream`: the gateway on the last core, engine and client on the others; N concurrent streams. Per-token
+latency from the publish time each token id encodes: to the client's receipt, and (unless --no-probe) to
+the gateway's hand-off of the chunk to its socket (`probed_gateway` wraps the gateway's SSE send);
+percentiles over all tokens and over the steady state (published after every stream started); CPU use
+per process.
 """
 from __future__ import annotations
 
@@ -182,23 +190,29 @@ def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = N
         while not os.path.exists(f"/dev/shm/{ring}") and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # the control plane starts right after the ring
-        yield ring, control
+        yield ring, control, engine.pid
     finally:
         stop.set()
         engine.join(timeout=10)
 
 
 @contextlib.contextmanager
-def gateway_in_front(control: str, cores: set[int] | None = None):
-    """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL."""
+def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | None = None,
+                     profile: str | None = None):
+    """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL. With `probe`, the
+    gateway runs under `probed_gateway` and writes its emit lags there; with `profile`, a cProfile dump."""
     port = free_port()
     env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
-    gateway = subprocess.Popen([sys.executable, "-m", "blink.cli", "gateway", "--port", str(port), "--grpc-port", "0",
-                                "--backend", control, "--log-level", "WARNING"], cwd=ROOT, env=env,
+    args = ["--port", str(port), "--grpc-port", "0", "--backend", control, "--log-level", "WARNING"]
+    if probe or profile:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "probed-gateway", probe or "", profile or "", *args]
+    else:
+        cmd = [sys.executable, "-m", "blink.cli", "gateway", *args]
+    gateway = subprocess.Popen(cmd, cwd=ROOT, env=env,
                                preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     try:
         _wait_health(f"http://127.0.0.1:{port}/health", gateway, 60)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", gateway.pid
     finally:
         gateway.send_signal(signal.SIGTERM)
         gateway.wait(timeout=30)
@@ -215,9 +229,9 @@ def record(result: dict, out: str, name: str) -> None:
 
 
 def ttft(args: argparse.Namespace) -> None:
-    with traffic_engine(0.0) as (ring, control):
+    with traffic_engine(0.0) as (ring, control, _):
         direct = direct_ttft_ms(ring, args.samples)  # before the gateway: a ring has one producer
-        with gateway_in_front(control) as url:
+        with gateway_in_front(control) as (url, _):
             http = asyncio.run(http_ttft_ms(url, "traffic-key", args.samples))
             sdk = openai_ttft_ms(url, "traffic-key", args.samples)
     med = {k: statistics.median(v) for k, v in (("direct", direct), ("http", http), ("openai", sdk))}
@@ -240,7 +254,7 @@ async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> d
     word = re.compile(rb"w(\d+)")
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True}
-    lags, counts = [], []
+    lags, counts, first_ns = [], [], []  # lags: (receipt ns, lag us)
 
     async def one(session: aiohttp.ClientSession) -> None:
         got = 0
@@ -251,8 +265,10 @@ async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> d
                 now = time.monotonic_ns()
                 text = line.split(b'"text":"', 1)[1].split(b'"', 1)[0] if b'"text":"' in line else b""
                 for m in word.finditer(text):
-                    lags.append(lag_us(int(m.group(1)), now))
+                    lags.append((now, lag_us(int(m.group(1)), now)))
                     got += 1
+                if got and len(first_ns) < streams and got == len(word.findall(text)):
+                    first_ns.append(now)
         counts.append(got)
 
     conn = aiohttp.TCPConnector(limit=0)
@@ -260,30 +276,101 @@ async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> d
         t0 = time.perf_counter()
         await asyncio.gather(*(one(session) for _ in range(streams)))
         wall = time.perf_counter() - t0
-    lags.sort()
-    q = lambda f: lags[min(len(lags) - 1, int(f * len(lags)))]  # noqa: E731
+    steady_ns = max(first_ns)  # every stream has started: the ramp of request set-ups is over
     return {"streams": streams, "max_tokens": max_tokens, "wall_s": wall, "tokens": sum(counts),
             "complete_streams": sum(c == max_tokens for c in counts), "tok_s": sum(counts) / wall,
-            "lag_us_p50": q(0.5), "lag_us_p90": q(0.9), "lag_us_p99": q(0.99), "lag_us_max": lags[-1]}
+            "steady_ns": steady_ns, **lag_stats("lag_us", lags, steady_ns)}
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def lag_stats(name: str, samples: list[tuple[int, float]], steady_ns: int) -> dict:
+    """Percentiles of (receipt ns, lag us) samples: all of them, and those published in the steady state."""
+    out = {}
+    for part, lags in (("", [lag for _, lag in samples]),
+                       ("_steady", [lag for t, lag in samples if t - lag * 1e3 >= steady_ns])):
+        lags.sort()
+        q = lambda f: lags[min(len(lags) - 1, int(f * len(lags)))]  # noqa: E731
+        out.update({f"{name}{part}_p50": q(0.5), f"{name}{part}_p90": q(0.9), f"{name}{part}_p99": q(0.99),
+                    f"{name}{part}_max": lags[-1], f"{name}{part}_samples": len(lags)})
+    return out
 
 
 def stream(args: argparse.Namespace) -> None:
     """The gateway on its own core(s), the fake engine and the clients on the others."""
     cores = sorted(os.sched_getaffinity(0))
     gw_cores, other = set(cores[-args.gateway_cores:]), set(cores[:-args.gateway_cores]) or set(cores)
-    with traffic_engine(args.tok_s, idle_s=0.0005, cores=other) as (_, control):
-        with gateway_in_front(control, gw_cores) as url:
+    probe = None if args.no_probe else f"/tmp/blink-emit-lags-{os.getpid()}.json"
+    with traffic_engine(args.tok_s, idle_s=0.0005, cores=other) as (_, control, engine_pid):
+        with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile) as (url, gateway_pid):
             os.sched_setaffinity(0, other)
+            pids = {"gateway": gateway_pid, "engine": engine_pid, "client": os.getpid()}
+            cpu0 = {name: cpu_s(pid) for name, pid in pids.items()}
             result = asyncio.run(stream_clients(url, "traffic-key", args.streams, args.tokens))
-    result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other), "engine_tok_s_per_stream": args.tok_s,
-              **result}
-    record(result, args.out, "gateway_stream")
+            result.update({f"{name}_cpu_util": (cpu_s(pid) - cpu0[name]) / result["wall_s"]
+                           for name, pid in pids.items()})
+    emit = []
+    if probe:
+        emit = json.loads(Path(probe).read_text())
+        os.unlink(probe)
+    result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
+              "engine_tok_s_per_stream": args.tok_s, **result, **(lag_stats("emit_lag_us", emit, result["steady_ns"]) if emit else {})}
+    record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else ""))
     print(f"{result['streams']} streams x {result['max_tokens']} tokens at {args.tok_s:g} tok/s each: "
           f"{result['tok_s']:.0f} tok/s delivered, {result['complete_streams']} complete; per-token "
-          f"publish->client latency P50 {result['lag_us_p50'] / 1e3:.2f} ms, P99 {result['lag_us_p99'] / 1e3:.2f} ms")
+          f"publish->client latency P50 {result['lag_us_p50'] / 1e3:.2f} ms, P99 {result['lag_us_p99'] / 1e3:.2f} ms "
+          f"(steady state: {result['lag_us_steady_p50'] / 1e3:.2f}, {result['lag_us_steady_p99'] / 1e3:.2f}); "
+          + (f"publish->gateway emit P50 {result['emit_lag_us_p50'] / 1e3:.3f} ms, P99 {result['emit_lag_us_p99'] / 1e3:.3f} ms "
+             f"(steady state: {result['emit_lag_us_steady_p50'] / 1e3:.3f}, {result['emit_lag_us_steady_p99'] / 1e3:.3f}); "
+             if emit else "") + f"CPU use: gateway {result['gateway_cpu_util']:.0%}, engine {result['engine_cpu_util']:.0%}, "
+          f"client {result['client_cpu_util']:.0%}")
+
+
+def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
+    """The gateway with a benchmark probe on `gateway.http._send`: for every token of every chunk, the
+    time from the fake engine's publish (encoded in the token id) to the gateway handing the chunk to
+    its transport. Those lags go to `probe` (JSON) when the gateway stops; `profile`: a cProfile dump."""
+    import array
+    import cProfile
+    import re
+
+    import gateway.http as http
+    from gateway.main import main as gateway_main
+
+    # Kept cheap (about 1 us a chunk, no object the GC tracks): times and texts now, token ids parsed at exit.
+    times_ns, texts, send = array.array("q"), [], http._send
+
+    async def probed_send(resp, chunk) -> None:
+        choices = getattr(chunk, "choices", None)
+        if choices and getattr(choices[0], "text", None):
+            times_ns.append(time.monotonic_ns())
+            texts.append(choices[0].text)
+        await send(resp, chunk)
+
+    if probe:
+        http._send = probed_send
+    profiler = cProfile.Profile() if profile else None
+    try:
+        if profiler is not None:
+            profiler.enable()
+        return gateway_main(argv)
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile)
+        if probe:
+            word = re.compile(r"w(\d+)")
+            lags = [(t, lag_us(int(m.group(1)), t)) for t, text in zip(times_ns, texts) for m in word.finditer(text)]
+            Path(probe).write_text(json.dumps(lags))
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["probed-gateway"]:
+        raise SystemExit(probed_gateway(sys.argv[2], sys.argv[3], sys.argv[4:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("ttft", help="the gateway's added time to first token")
@@ -294,6 +381,8 @@ def main() -> None:
     st.add_argument("--tokens", type=int, default=200, help="tokens per stream")
     st.add_argument("--tok-s", type=float, default=50.0, help="fake engine tokens/s per stream")
     st.add_argument("--gateway-cores", type=int, default=1, help="the last N cores are the gateway's")
+    st.add_argument("--profile", help="write a cProfile dump of the gateway here")
+    st.add_argument("--no-probe", action="store_true", help="leave out the gateway's emit-time probe (its own cost)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     (ttft if args.cmd == "ttft" else stream)(args)

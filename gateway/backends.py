@@ -1,8 +1,10 @@
 """Backends as the gateway sees them: a Describe over gRPC, then one ring and one poller task each.
 
-The poller is the only code that touches a ring's response side. It polls the slots of requests in
-flight (every `poll_active_s` while any exist; not at all when none do) and pushes each `TokenUpdate`
-into that request's `asyncio.Queue`. It releases a slot once the engine has reported a finish, also
+The poller is the only code that touches a ring's response side. While requests are in flight it
+finds the slots with news (`ready_slots`: one vectorized read of every slot's counters), polls those,
+and pushes each `TokenUpdate` into that request's `asyncio.Queue`; it polls again right after the
+readers ran while news keeps coming (up to `poll_spin_s` after the last), else every `poll_active_s`;
+with no request in flight it waits for a submission. It releases a slot once the engine has reported a finish, also
 for requests whose client went away (those are cancelled first, then drained).
 """
 
@@ -116,6 +118,7 @@ class Backend:
         self._poller: asyncio.Task | None = None
         self._beat = (producer.heartbeat, time.monotonic())  # last heartbeat value, when it changed
         self._next_check_s = 0.0
+        self._news_s = 0.0  # when a poll last found tokens or a finish (time.monotonic)
         self._queued_tokens = 0  # outstanding tokens of requests waiting here for a ring slot
         self.stalled = False  # heartbeat stuck for stall_timeout_s with requests in flight: they were failed
         self._ejected_at: int | None = None  # the heartbeat that stood still when the pool ejected it
@@ -267,9 +270,15 @@ class Backend:
         while True:
             try:
                 if self._requests:
-                    self._poll_once()
+                    now_s = time.monotonic()
+                    if self._poll_once():
+                        self._news_s = now_s
                     self._housekeeping()
-                    await asyncio.sleep(self.config.poll_active_s)
+                    # Within poll_spin_s of the last news, poll again as soon as the readers woken have
+                    # run (one loop iteration): flowing tokens wait for no timer tick. After that, sleep
+                    # poll_active_s per round, so requests that produce nothing cost no spinning core.
+                    spinning = now_s - self._news_s < self.config.poll_spin_s
+                    await asyncio.sleep(0 if spinning else self.config.poll_active_s)
                 else:
                     await self._idle()
             except asyncio.CancelledError:
@@ -279,11 +288,15 @@ class Backend:
                 self._fail_all("the gateway lost track of this request (poller error)")
                 await asyncio.sleep(self.config.heartbeat_check_s)
 
-    def _poll_once(self) -> None:
-        for slot, handle in list(self._requests.items()):
+    def _poll_once(self) -> int:
+        """Pass each request's news to its reader; returns how many requests had some."""
+        num_updates = 0
+        for slot in self._producer.ready_slots(list(self._requests)):
+            handle = self._requests[slot]
             update = self._producer.poll(slot)
             if not update.tokens and update.finish == FinishReason.NONE:
                 continue
+            num_updates += 1
             if not handle.abandoned:
                 handle.num_produced += len(update.tokens)
                 handle.queue.put_nowait(update)
@@ -291,6 +304,7 @@ class Backend:
                 del self._requests[slot]
                 self._producer.release(slot)
                 self._wake_one()
+        return num_updates
 
     async def _idle(self) -> None:
         self._wakeup.clear()

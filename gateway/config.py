@@ -23,7 +23,13 @@ class GatewayConfig:
     keys_file: str | None = None  # hashed client/admin keys with limits (gateway/keys.py)
     workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT)
     worker_index: int = 0  # which of them this one is (it owns ring slots i, i + workers, ...)
+    limits_table: str | None = None  # the workers' shared per-key usage file (set by the supervisor)
     max_body_bytes: int = 4 * MiB
+    # Slow clients (slowloris): a connection must deliver a whole request head within header_timeout_s
+    # of opening (or of its previous request's end: this also bounds idle keep-alive), and a request's
+    # whole body within body_timeout_s of its head; otherwise it is closed (the body with a 408 first).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
     default_max_tokens: int | None = None  # None: whatever the context leaves after the prompt
     slot_wait_s: float = 30.0  # how long a request waits for a free ring slot before a 503
     connect_timeout_s: float = 300.0  # how long startup waits for a backend to answer Describe
@@ -31,6 +37,9 @@ class GatewayConfig:
     # 1 ms uvloop rounds the sleep to zero and the poller spins on its core (right for a dedicated DPU
     # core, wrong beside a CPU engine).
     poll_active_s: float = 0.001
+    # ... except within poll_spin_s of the last news: then the poller polls again as soon as the readers
+    # it woke have run (no timer), so tokens that keep flowing wait for no millisecond tick. 0: always sleep.
+    poll_spin_s: float = 0.002
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
     stall_timeout_s: float = 60.0  # heartbeat unchanged this long with requests in flight: fail them
     tcp_idle_timeout_s: float = 3.0  # tcp transport: no frame from the agent this long = connection lost
@@ -65,8 +74,11 @@ class GatewayConfig:
             raise ValueError(f"worker_index must be in [0, workers={self.workers}), got {self.worker_index}")
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers > 1 needs a fixed port (with port 0 each worker would pick its own)")
-        if self.slot_wait_s <= 0 or self.poll_active_s <= 0:
-            raise ValueError("slot_wait_s and poll_active_s must be positive")
+        if self.header_timeout_s <= 0 or self.body_timeout_s <= 0:
+            raise ValueError(f"header_timeout_s and body_timeout_s must be positive, got "
+                             f"{self.header_timeout_s:g} and {self.body_timeout_s:g}")
+        if self.slot_wait_s <= 0 or self.poll_active_s <= 0 or self.poll_spin_s < 0:
+            raise ValueError("slot_wait_s and poll_active_s must be positive, poll_spin_s not negative")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if min(self.heartbeat_timeout_s, self.health_check_s, self.probe_interval_s) <= 0:
@@ -110,4 +122,8 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
         out["config_file"] = config_file
     if size := env.get(f"{ENV_PREFIX}MAX_BODY_BYTES"):
         out["max_body_bytes"] = int(size)
+    if timeout_s := env.get(f"{ENV_PREFIX}HEADER_TIMEOUT"):
+        out["header_timeout_s"] = float(timeout_s)
+    if timeout_s := env.get(f"{ENV_PREFIX}BODY_TIMEOUT"):
+        out["body_timeout_s"] = float(timeout_s)
     return out

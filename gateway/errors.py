@@ -46,6 +46,11 @@ def forbidden(message: str) -> ApiError:
     return ApiError(403, message, type="permission_error", code="permission_denied")
 
 
+def request_timeout(message: str) -> ApiError:
+    """A 408: the client sent its request too slowly; the connection is closed after it."""
+    return ApiError(408, message, code="request_timeout", headers={"Connection": "close"})
+
+
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type="server_error", code="service_unavailable")
 

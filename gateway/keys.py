@@ -43,7 +43,7 @@ class KeysFileError(ValueError):
 
 @dataclass(frozen=True)
 class KeyLimits:
-    """Per-key limits; None: unlimited. Each gateway worker enforces them on its own."""
+    """Per-key limits; None: unlimited. They hold across the workers of `--workers N` (gateway/quotas.py)."""
 
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None  # prompt + completion tokens

@@ -37,9 +37,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="YAML keys file: hashed client/admin keys with per-key limits (also BLINK_KEYS_FILE; "
                    "`blinkctl keys add` writes it)")
     p.add_argument("--workers", type=int, help="gateway processes sharing the port (SO_REUSEPORT; default 1; "
-                   "also BLINK_WORKERS); per-key limits apply per worker")
+                   "also BLINK_WORKERS); per-key limits hold across them")
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor for its workers
+    p.add_argument("--limits-table", help=argparse.SUPPRESS)  # likewise: the shared per-key usage file
     p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--header-timeout", type=float, dest="header_timeout_s", metavar="SECONDS",
+                   help="close a connection that has not sent a whole request head this long after it opened "
+                   "or after its previous request ended (slowloris; also idle keep-alive; default 10; "
+                   "also BLINK_HEADER_TIMEOUT)")
+    p.add_argument("--body-timeout", type=float, dest="body_timeout_s", metavar="SECONDS",
+                   help="answer 408 and close when a request body takes longer than this to arrive "
+                   "(default 30; also BLINK_BODY_TIMEOUT)")
     p.add_argument("--default-max-tokens", type=int,
                    help="output budget when a request sets none (default: what the context leaves)")
     p.add_argument("--connect-timeout", type=float, dest="connect_timeout_s",
@@ -57,13 +65,15 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
     fields = read_config_file(config_file) if config_file else {}
     fields.update(env)
     flags = {"host": args.host, "port": args.port, "grpc_port": args.grpc_port, "log_format": args.log_format,
-             "max_body_bytes": args.max_body_bytes,
+             "max_body_bytes": args.max_body_bytes, "header_timeout_s": args.header_timeout_s,
+             "body_timeout_s": args.body_timeout_s,
              "default_max_tokens": args.default_max_tokens, "config_file": args.config_file,
              "routing": args.routing, "connect_timeout_s": args.connect_timeout_s,
              "backend_addrs": tuple(args.backends) if args.backends else None,
              "api_keys": frozenset(args.api_keys) if args.api_keys else None,
              "admin_keys": frozenset(args.admin_keys) if args.admin_keys else None,
-             "keys_file": args.keys_file, "workers": args.workers, "worker_index": args.worker_index}
+             "keys_file": args.keys_file, "workers": args.workers, "worker_index": args.worker_index,
+             "limits_table": args.limits_table}
     fields.update({k: v for k, v in flags.items() if v is not None})
     return GatewayConfig(**fields)
 

@@ -49,6 +49,10 @@ class Metrics:
                                        MODEL + ["finished_reason"], registry=r)
         self.rejected_requests = Counter("blink:request_rejected", "Requests answered with an error, by "
                                          "reason (the OpenAI error code).", ["reason"], registry=r)
+        self.retries = Counter("blink:request_retries", "Requests submitted again to another backend by "
+                               "failover, by reason (submit_refused: the backend refused it, e.g. draining, "
+                               "dead or out of slots; failed_before_first_token).", MODEL + ["reason"],
+                               registry=r)
         self.ttft = Histogram("blink:time_to_first_token_seconds", "Arrival to first token.", MODEL,
                               buckets=TTFT_BUCKETS_S, registry=r)
         self.tpot = Histogram("blink:time_per_output_token_seconds", "Mean time between output tokens, "
@@ -69,6 +73,9 @@ class Metrics:
             self.ttft.labels(model).observe(first_token_s - arrival_s)
             if completion_len > 1 and last_token_s is not None:
                 self.tpot.labels(model).observe((last_token_s - first_token_s) / (completion_len - 1))
+
+    def retried(self, model: str, reason: str) -> None:
+        self.retries.labels(model, reason).inc()
 
     def rejected(self, err: ApiError) -> None:
         self.rejected_requests.labels(reason_of(err)).inc()

@@ -23,6 +23,7 @@ from .errors import ApiError, bad_request
 from .generate import Generation
 from .keys import Principal
 from .limits import build_spec, check_engine_modes, check_token_ids
+from .metrics import Metrics
 from .quotas import Admission
 from .route import Router
 from .state import GatewayState
@@ -100,7 +101,7 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
     try:
         for i in range(req.n):
             choice = spec if spec.seed is None or i == 0 else dataclasses.replace(spec, seed=spec.seed + i)
-            failover = Failover(state.router, req.model, choice)
+            failover = Failover(state.router, req.model, choice, state.metrics)
             handle = await failover.submit()
             stream = TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids)
             gens.append(Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s,
@@ -116,14 +117,16 @@ class Failover:
     """Submits one request where routing says; again elsewhere (each backend once) if it fails there
     before its first token."""
 
-    def __init__(self, router: Router, model: str, spec: RequestSpec):
+    def __init__(self, router: Router, model: str, spec: RequestSpec, metrics: Metrics | None = None):
         self.router = router
         self.model = model
         self.spec = spec
+        self.metrics = metrics  # counts each resubmission (blink:request_retries_total)
         self.tried: list[str] = []  # backend addresses
 
-    async def submit(self) -> RequestHandle:
-        """A handle on a backend not tried yet; the last refusal (or routing's 503) when none takes it."""
+    async def submit(self, retry_reason: str | None = None) -> RequestHandle:
+        """A handle on a backend not tried yet; the last refusal (or routing's 503) when none takes it.
+        `retry_reason`: why an earlier backend failed this request (None for its first submission)."""
         refused: ApiError | None = None
         while True:
             try:
@@ -133,16 +136,18 @@ class Failover:
                     raise refused from None
                 raise
             self.tried.append(backend.info.addr)
+            if retry_reason is not None and self.metrics is not None:
+                self.metrics.retried(self.model, retry_reason)
             try:
                 return await backend.submit(self.spec)
             except ApiError as err:
                 if err.status != 503:
                     raise
-                refused = err
+                refused, retry_reason = err, "submit_refused"
 
     async def __call__(self, failed: RequestHandle, reason: str) -> RequestHandle | None:
         try:
-            handle = await self.submit()
+            handle = await self.submit("failed_before_first_token")
         except ApiError:
             return None
         log.warning("request %d: backend %s failed before the first token (%s); retrying on %s",

@@ -15,12 +15,13 @@ from .admin import add_admin_routes, watch_keys_file
 from .auth import auth_middleware
 from .backends import Backend
 from .config import GatewayConfig
-from .errors import ApiError, from_http_exception, server_error
+from .errors import ApiError, from_http_exception, request_timeout, server_error
 from .grpc_api import GrpcServer
 from .http import STATE, add_routes
 from .keys import KeyStore
 from .metrics import Metrics
 from .pool import BackendPool
+from .quotas import Quotas, attach_shared_table
 from .route import Router, make_policy
 from .state import GatewayState
 from .tokenize import TokenizerService
@@ -51,9 +52,36 @@ def _rejected(request: web.Request, err: ApiError) -> web.Response:
     return err.response()
 
 
+def body_timeout_middleware(timeout_s: float) -> Callable:
+    """Slowloris, body half: the whole body must arrive within `timeout_s` of the head, or 408 and close.
+
+    The head's half is aiohttp's keep-alive timer (`header_timeout_s`, see `start_gateway`). Reading
+    here caches the body: handlers' `request.read()` then returns it at once."""
+    @web.middleware
+    async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable]):
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await request.read()
+            except TimeoutError:
+                return await _timed_out(request, timeout_s)
+        return await handler(request)
+    return middleware
+
+
+async def _timed_out(request: web.Request, timeout_s: float) -> web.StreamResponse:
+    """Send the 408, then close at once: aiohttp would otherwise linger (10 s) reading the rest of the body."""
+    response = _rejected(request, request_timeout(f"the request body did not arrive within {timeout_s:g} s "
+                                                  "(body_timeout_s)"))
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()  # the transport flushes the 408 before it closes
+    return response
+
+
 def build_app(config: GatewayConfig, state: GatewayState) -> web.Application:
-    app = web.Application(middlewares=[error_middleware, auth_middleware(state.keys)],
-                          client_max_size=config.max_body_bytes)
+    middlewares = [error_middleware, auth_middleware(state.keys), body_timeout_middleware(config.body_timeout_s)]
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[STATE] = state
     add_routes(app)
     add_admin_routes(app)
@@ -118,14 +146,18 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
     pool.start()
     state = GatewayState(config=config, router=router, tokenizers=tokenizers,
                          metrics=Metrics(lambda: router.backends),
-                         keys=KeyStore(config.keys_file, config.api_keys, config.admin_keys))
+                         keys=KeyStore(config.keys_file, config.api_keys, config.admin_keys),
+                         quotas=Quotas(table=attach_shared_table(config.limits_table)) if config.limits_table else Quotas())
     grpc_server = None
     if config.grpc_port:  # before HTTP: once /health answers, gRPC does too
         grpc_server = GrpcServer(state)
         await grpc_server.start(config.host, config.grpc_port)
     # handler_cancellation: a client that goes away cancels its handler, which cancels its request.
+    # keepalive_timeout is aiohttp's timer on a connection with no request in progress: armed when it
+    # opens and when a request ends, not moved by bytes that do not complete a request head. So it
+    # closes a slowloris head as well as an idle keep-alive connection: our header timeout.
     runner = web.AppRunner(build_app(config, state), access_log=None, handler_cancellation=True,
-                           shutdown_timeout=config.shutdown_timeout_s)
+                           shutdown_timeout=config.shutdown_timeout_s, keepalive_timeout=config.header_timeout_s)
     await runner.setup()
     try:
         # reuse_port: the workers of `--workers N` share the port; the kernel spreads connections.

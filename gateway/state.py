@@ -24,4 +24,4 @@ class GatewayState:
     request_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     started: int = field(default_factory=lambda: int(time.time()))
     keys: KeyStore = field(default_factory=KeyStore)  # who may call what (start_gateway fills it)
-    quotas: Quotas = field(default_factory=Quotas)  # per-key usage in this worker
+    quotas: Quotas = field(default_factory=Quotas)  # per-key usage (shared by the workers of `--workers N`)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from protocols import tcp_wire as W
@@ -253,6 +254,10 @@ class TcpProducer:
         state = self._active.get(slot)
         if state is not None and not state.finished and self.connected:
             self._send(W.Cancel(slot))
+
+    def ready_slots(self, slots: Sequence[int]) -> list[int]:
+        """Those of `slots` with an update waiting (RingProducer's counterpart)."""
+        return [s for s in slots if (u := self._active[s].update).tokens or u.finish != FinishReason.NONE]
 
     def poll(self, slot: int) -> TokenUpdate:
         """Everything that arrived for the slot since the last poll; acknowledges the tokens."""

@@ -1,17 +1,21 @@
 """`--workers N`: N gateway processes on one port (SO_REUSEPORT), each with its own event loop.
 
 The supervisor starts `python -m gateway ARGS --worker-index i` N times and stops them together.
-What is per worker: per-key limits (a key can reach N times them), `/admin/status`, `/metrics` and
-`/health` (each answers for the worker the connection reached), request ids.
+What is per worker: `/admin/status`, `/metrics` and `/health` (each answers for the worker the
+connection reached), request ids.
 Shared: the port, the keys file and the drained backends (each worker re-reads them within a second
-of a change; `gateway/admin.py`) and the backends' rings.
+of a change; `gateway/admin.py`), the backends' rings, and per-key usage: the supervisor creates one
+usage table in /dev/shm before it starts the workers (`gateway/quotas.py`), so a key's limits hold
+across them.
 On an shm ring worker i owns slots i, i + N, i + 2N, ...; submissions to the ring's one queue are
 serialized by a lock file, so the queue's tail word still has one writer at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -19,21 +23,37 @@ import time
 
 from .admin import drain_file
 from .config import GatewayConfig
+from .quotas import create_shared_table
 
 log = logging.getLogger("blink.gateway.workers")
 
 
-def worker_command(argv: list[str], index: int) -> list[str]:
-    return [sys.executable, "-m", "gateway", *argv, "--worker-index", str(index)]
+def worker_command(argv: list[str], index: int, limits_table: str) -> list[str]:
+    return [sys.executable, "-m", "gateway", *argv, "--worker-index", str(index), "--limits-table", limits_table]
+
+
+def limits_table_path(config: GatewayConfig) -> str:
+    return f"/dev/shm/blink-gateway-{config.port}-{os.getpid()}.limits"
 
 
 def supervise(config: GatewayConfig, argv: list[str]) -> int:
+    """Run the workers (see `_supervise`) around one shared usage table, removed when they are done."""
+    table = limits_table_path(config)
+    create_shared_table(table)
+    try:
+        return _supervise(config, argv, table)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(table)
+
+
+def _supervise(config: GatewayConfig, argv: list[str], limits_table: str) -> int:
     """Run the workers until a signal or until one exits; then stop the rest. Returns an exit code."""
     num_workers = config.workers
     drained = drain_file(config)
     if drained is not None:
         drained.unlink(missing_ok=True)  # drains do not outlive the gateway that set them
-    procs = [subprocess.Popen(worker_command(argv, i)) for i in range(num_workers)]
+    procs = [subprocess.Popen(worker_command(argv, i, limits_table)) for i in range(num_workers)]
     log.info("gateway supervisor: %d workers, pids %s", num_workers, " ".join(str(p.pid) for p in procs))
     stopping = []
 

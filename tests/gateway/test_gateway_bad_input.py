@@ -5,8 +5,8 @@ auth, 404 for an unknown model or path, 405 for a wrong method, 413 over max_bod
 error object naming the field where there is one. Afterwards the gateway still serves a normal request.
 
 The gateway defines no 415: it reads JSON whatever the Content-Type (curl -d sends form-urlencoded), so a
-wrong Content-Type is judged by its body. Stalled partial requests are held open (aiohttp has no header
-read timeout); the test checks they block no one and can be abandoned.
+wrong Content-Type is judged by its body. Stalled partial requests block no one and can be abandoned;
+they are closed after header_timeout_s / body_timeout_s (tests/gateway/test_gateway_timeouts.py).
 """
 
 from __future__ import annotations

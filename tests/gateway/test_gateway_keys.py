@@ -265,3 +265,40 @@ def test_config_flags_environment_and_file_errors(tmp_path):
         store.add("ops")
     with pytest.raises(KeysFileError, match="no keys file"):
         KeyStore().add("x")
+
+
+def test_quotas_on_one_shared_table_count_together(tmp_path):
+    """Two workers' Quotas on one table file: a key's streams and buckets are the same for both."""
+    from gateway.keys import Principal
+    from gateway.quotas import attach_shared_table, create_shared_table
+
+    path = str(tmp_path / "usage.limits")
+    create_shared_table(path, num_records=64)
+    now = [0.0]
+    one, two = (Quotas(clock=lambda: now[0], table=attach_shared_table(path)) for _ in range(2))
+    streams = Principal("s", True, False, KeyLimits(max_streams=2))
+    held = [one.admit(streams), two.admit(streams)]
+    for quotas in (one, two):
+        with pytest.raises(Exception) as exc:
+            quotas.admit(streams)
+        assert exc.value.status == 429 and "max_streams" in str(exc.value)
+    held[0].close()
+    assert two.in_flight() == {"s": 1}
+    two.admit(streams).close()
+    tokens = Principal("t", True, False, KeyLimits(tokens_per_minute=60))
+    admission = one.admit(tokens)
+    admission.charge(50)
+    admission.close(20)  # 70 of 60: 10 in debt, paid back at 1 per second
+    with pytest.raises(Exception) as exc:
+        two.admit(tokens)
+    assert exc.value.headers["Retry-After"] == "11"
+    now[0] = 11.0
+    two.admit(tokens).close()
+    rpm = Principal("r", True, False, KeyLimits(requests_per_minute=60))
+    for _ in range(30):
+        one.admit(rpm).close()
+        two.admit(rpm).close()
+    with pytest.raises(Exception):
+        one.admit(rpm)
+    resized = Principal("r", True, False, KeyLimits(requests_per_minute=120))  # a reloaded keys file
+    two.admit(resized).close()  # a new size starts full

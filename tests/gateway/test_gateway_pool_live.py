@@ -85,6 +85,15 @@ class Cluster:
         except urllib.error.HTTPError as err:
             return json.loads(err.read())
 
+    def counter(self, name: str, **labels) -> float:
+        """A counter's value from /metrics (0 when the series does not exist yet)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
     def backends(self) -> dict[str, dict]:
         return {b["addr"]: b for b in self.health()["backends"]}
 
@@ -144,6 +153,8 @@ def test_killed_backend_moves_unstarted_requests_and_ends_its_stream(cluster):
     backends = cluster.backends()
     assert all(b["in_flight"] == 1 for b in backends.values()), backends
     victim = min(backends, key=lambda a: backends[a]["outstanding_tokens"])
+    retries = "blink:request_retries_total"
+    assert cluster.counter(retries) == 0.0
     cluster.procs[victim].send_signal(signal.SIGSTOP)  # frozen: requests routed to it get no token
     with ThreadPoolExecutor(2) as pool:
         waiting = [pool.submit(cluster.complete, 8) for _ in range(2)]
@@ -151,6 +162,7 @@ def test_killed_backend_moves_unstarted_requests_and_ends_its_stream(cluster):
         cluster.procs[victim].kill()
         results = [w.result(timeout=30) for w in waiting]
     assert all(r.usage.completion_tokens == 8 for r in results)  # nothing lost: they ran on the other backend
+    assert cluster.counter(retries, reason="failed_before_first_token") == 2.0  # those two, once each
     with pytest.raises(openai.APIError):  # the stream that had started ends with an error event
         drain_stream(short)
     ballast.close()

@@ -106,3 +106,90 @@ def test_two_producers_share_a_ring_slot_by_slot(tmp_path):
         assert len({t.seq for t in taken}) == 8  # sequence numbers stay unique across producers
     finally:
         ring.close()
+
+
+# ---------------------------------------------------------------- limits across workers
+
+
+def _open_on_workers(port: int, admin_key: str, per_worker: int) -> dict[int, list]:
+    """Keep-alive connections grouped by the worker (pid) that accepted them: SO_REUSEPORT picks the
+    worker when a connection opens, so a connection's first answer tells which one holds it."""
+    import http.client
+
+    by_pid: dict[int, list] = {}
+    for _ in range(80):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/admin/status", headers={"Authorization": f"Bearer {admin_key}"})
+        resp = conn.getresponse()
+        by_pid.setdefault(json.loads(resp.read())["pid"], []).append(conn)
+        if len(by_pid) == 2 and all(len(c) >= per_worker for c in by_pid.values()):
+            return by_pid
+    raise AssertionError(f"connections did not reach both workers: {({p: len(c) for p, c in by_pid.items()})}")
+
+
+def _post(conn, key: str, body: dict) -> tuple[int, dict, dict]:
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read()), dict(resp.getheaders())
+
+
+def test_key_limits_hold_across_workers(echo_backend, pick_free_port, tmp_path):
+    """max_streams and requests_per_minute count a key's requests on every worker together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gateway.keys import KeyLimits, KeyStore
+
+    control, engine, _ = echo_backend
+    store = KeyStore(tmp_path / "keys.yaml")
+    streams_key = store.add("streams", limits=KeyLimits(max_streams=2))
+    rpm_key = store.add("rpm", limits=KeyLimits(requests_per_minute=4))
+    port = pick_free_port()
+    cmd = [sys.executable, "-m", "gateway", "--backend", control, "--port", str(port), "--grpc-port", "0",
+           "--workers", "2", "--keys", str(tmp_path / "keys.yaml"), "--admin-key", "admin-k",
+           "--connect-timeout", "10"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": 3}
+    try:
+        _wait_both_workers(f"http://127.0.0.1:{port}", proc)
+        (a, b) = _open_on_workers(port, "admin-k", per_worker=4).values()
+        engine.paused = True  # requests stay in flight (no token comes)
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(_post, a[0], streams_key, body), pool.submit(_post, b[0], streams_key, body)]
+            _wait_in_flight(a[1], "streams", 2)
+            for conn in (a[1], b[1]):  # one in flight on each worker: per worker, a third would pass
+                status, reply, headers = _post(conn, streams_key, body)
+                assert status == 429 and "max_streams" in reply["error"]["message"], reply
+                assert headers["Retry-After"] == "1"
+            engine.paused = False
+            assert [f.result(timeout=20)[0] for f in held] == [200, 200]
+        assert _post(a[1], streams_key, body)[0] == 200  # freed on both workers alike
+        statuses = [_post(conn, rpm_key, body)[0] for conn in (a[2], b[2], a[2], b[2], a[3], b[3])]
+        assert statuses == [200, 200, 200, 200, 429, 429], statuses  # 4 per minute for the gateway, not per worker
+    finally:
+        engine.paused = False
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert not list(Path("/dev/shm").glob(f"blink-gateway-{port}-*.limits"))  # the supervisor removed its table
+
+
+def _wait_both_workers(url: str, proc: subprocess.Popen) -> None:
+    pids, deadline = set(), time.monotonic() + 60
+    while len(pids) < 2:
+        assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"only workers {pids} answered"
+        try:
+            pids.add(_call(url + "/admin/status", "admin-k")[1]["pid"])
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.2)
+
+
+def _wait_in_flight(conn, key_name: str, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        conn.request("GET", "/admin/status", headers={"Authorization": "Bearer admin-k"})
+        seen = json.loads(conn.getresponse().read())["in_flight_by_key"].get(key_name)
+        if seen == count:
+            return
+        assert time.monotonic() < deadline, f"in flight for {key_name}: {seen}, expected {count}"
+        time.sleep(0.05)

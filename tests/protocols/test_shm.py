@@ -235,3 +235,20 @@ cons.finish(t.slot, FinishReason.STOP)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     upd = prod.poll(slot)
     assert upd.tokens == [10, 20, 30, 40] and upd.finish is FinishReason.STOP
+
+
+def test_ready_slots_names_only_slots_with_news(ring):
+    """What the gateway's poller polls: slots with unread tokens or a finish; none missed, idle ones skipped."""
+    prod, cons = RingProducer(ring), RingConsumer(ring)
+    quiet, talking, done = (prod.submit(RequestSpec(request_id=i, prompt_ids=[1], max_tokens=4)) for i in range(3))
+    cons.take_new()
+    waiting = prod.submit(RequestSpec(request_id=3, prompt_ids=[1], max_tokens=4))  # not taken by the engine
+    assert prod.ready_slots([quiet, talking, done]) == []
+    cons.publish(talking, [7, 8])
+    cons.finish(done, FinishReason.LENGTH)
+    assert prod.ready_slots([quiet, talking, done]) == [talking, done]
+    assert prod.poll(talking).tokens == [7, 8]
+    assert prod.ready_slots([quiet, talking, done]) == [done]
+    cons.publish(talking, [9])
+    assert prod.ready_slots([talking]) == [talking]
+    assert prod.ready_slots([]) == [] and prod.ready_slots([waiting]) == []
