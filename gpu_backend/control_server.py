@@ -115,7 +115,7 @@ class ControlServer:
     def _mirror_health(self) -> None:
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(1.0):
             ok = self.watch.state() == control_pb2.HealthReply.SERVING
             for service in ("", "blink.control.v1.Control"):
                 self.health.set(service, serving if ok else not_serving)

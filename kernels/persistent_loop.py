@@ -14,12 +14,14 @@ from pathlib import Path
 
 from kernels.sched_host import CSRC, cached_build
 
-SOURCES = (CSRC / "persistent_loop.cu", CSRC / "include" / "blink_sched.h", CSRC / "include" / "blink_ring.h")
+SOURCES = (CSRC / "persistent_loop.cu", CSRC / "include" / "blink_sched.h", CSRC / "include" / "blink_sched_par.cuh",
+           CSRC / "include" / "blink_ring.h")
 ARCH = os.environ.get("BLINK_CUDA_ARCH", "sm_90")
 _u32, _u64, _i64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
 
 
-COUNTERS = ("iterations", "steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "idle_polls")  # blink_loop_counters
+COUNTERS = ("iterations", "steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "idle_polls",  # blink_loop_counters
+            "commit_ns", "schedule_ns", "fill_ns")
 
 
 class LoopCtl(ctypes.Structure):  # blink_loop_ctl: pinned, mapped; the host writes `stop` only
@@ -33,7 +35,7 @@ class LoopArgs(ctypes.Structure):  # blink_loop_args
                 + [(n, _u32) for n in ("num_slots", "max_prompt_len", "max_output_len", "max_stop_ids")]
                 + [("sched_mem", _p), ("hot_bytes", _u64), ("smem_bytes", _u32), ("_pad0", _u32)]
                 + [(n, _p) for n in ("step_buf", "sampled", "sampled32", "slot_seq", "slot_produced", "room",
-                                     "order", "cancel", "ctl")]
+                                     "order", "cancel", "par", "ctl")]
                 + [("loop_handle", _u64), ("branch_handle", _u64), ("num_branches", _u32), ("_pad1", _u32),
                    ("clock_offset_ns", _i64)]
                 + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns")]

@@ -5,7 +5,7 @@ initialised by the host build, `sched_native.py`) is copied to device memory; th
 registered with CUDA (pinned, mapped); `kernels/csrc/persistent_loop.cu` wraps the bucket graphs in one
 graph (WHILE: schedule kernel -> SWITCH over the bucket graphs -> commit kernel), launched once.
 
-After the launch the host does nothing per request or per token. `run()` wakes four times a second to
+After the launch the host does nothing per request or per token. `run()` wakes once a second to
 see whether the loop's stream ended (a CUDA error: the loop died) and whether its heartbeat is stale (the
 control plane's Health reports STALLED on its own; this logs it too). `stop_event` (SIGTERM) sets the
 loop's stop flag: the loop reports every request in flight as failed (ENGINE_STOPPING) and ends. Then the
@@ -40,7 +40,7 @@ class PersistentEngine:
     """`run()` launches the loop and watches it until `stop_event` is set; `num_blocks` as the other engines."""
 
     def __init__(self, runner: GpuRunner, model_cfg: ModelConfig, ring: ShmRing, config: EngineConfig,
-                 context_len: int, watch_interval_s: float = 0.25, stale_after_s: float = 2.0):
+                 context_len: int, watch_interval_s: float = 1.0, stale_after_s: float = 2.0):
         if not runner.config.use_graphs or not runner.keep_graphs:
             raise ValueError("the persistent loop runs the runner's bucket graphs: build it with graphs kept")
         self.runner, self.ring, self.geometry = runner, ring, ring.geometry
@@ -61,7 +61,8 @@ class PersistentEngine:
             slot_produced=torch.zeros(n, dtype=torch.int32, device=dev),
             room=torch.zeros(n, dtype=torch.int32, device=dev),
             order=torch.zeros(n, dtype=torch.int32, device=dev),
-            cancel=torch.zeros(n, dtype=torch.uint8, device=dev))
+            cancel=torch.zeros(n, dtype=torch.uint8, device=dev),
+            par=torch.zeros(5 * n, dtype=torch.int32, device=dev))
         self.stop_event = threading.Event()
         self.ctl: native.LoopCtl | None = None
         self.failed: str | None = None

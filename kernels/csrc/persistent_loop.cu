@@ -23,6 +23,7 @@
 
 #include "blink_ring.h"
 #include "blink_sched.h"
+#include "blink_sched_par.cuh"
 
 #define BLINK_LOOP_THREADS 256
 #define BLINK_LOOP_IDLE_SLEEP_MAX_NS 2000u
@@ -39,6 +40,9 @@ struct blink_loop_counters {
   uint64_t busy_steps;
   uint64_t sched_ns;         // sum over steps of the loop kernel's time (commit, admission, schedule, fill)
   uint64_t idle_polls;
+  uint64_t commit_ns;        // parts of sched_ns: copy-in + applying the sampled tokens,
+  uint64_t schedule_ns;      // ring poll + admission + scheduling (of the last attempt),
+  uint64_t fill_ns;          // step buffer fill + picking the graph
 };
 
 // Shared with the host (pinned, mapped): the host writes `stop`; the loop only stores the rest (a read of
@@ -68,6 +72,7 @@ struct blink_loop_args {
   int32_t* room;                          // [num_slots] scratch (when not in shared memory)
   int32_t* order;                         // [num_slots] scratch of blink_sched_schedule (idem)
   uint8_t* cancel;                        // [num_slots] scratch (idem)
+  int32_t* par;                           // [5 * num_slots] scratch of blink_sched_par.cuh (idem)
   blink_loop_ctl* ctl;                    // device address of the mapped control block
   cudaGraphConditionalHandle loop_handle, branch_handle;
   uint32_t num_branches;
@@ -146,6 +151,7 @@ __device__ void block_copy(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
 struct loop_scratch {  // per-slot scratch of one loop kernel: shared memory when it fits, else global
   int32_t* room;
   int32_t* order;
+  int32_t* par;
   uint8_t* cancel;
 };
 
@@ -315,15 +321,15 @@ __device__ void mirror_counters(blink_loop_args* a) {  // thread 0: device count
 __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop_args* a) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ blink_sched s;
-  __shared__ int32_t sh_go, sh_bucket;  // go: 1 run a step, -1 stop, 0 nothing to run yet
   const uint64_t t0 = now_ns();
   uint8_t* hot = a->smem_bytes ? smem : a->sched_mem;
-  loop_scratch x = {a->room, a->order, a->cancel};
+  loop_scratch x = {a->room, a->order, a->par, a->cancel};
   if (a->smem_bytes) {
     block_copy(smem, a->sched_mem, a->hot_bytes);
     x.room = (int32_t*)(smem + a->hot_bytes);
     x.order = x.room + a->num_slots;
-    x.cancel = (uint8_t*)(x.order + a->num_slots);
+    x.par = x.order + a->num_slots;
+    x.cancel = (uint8_t*)(x.par + 5 * a->num_slots);
   }
   __syncthreads();
   if (threadIdx.x == 0)
@@ -333,8 +339,8 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
   if (h->num_entries > 0) {  // the step that just ran: its tokens into the scheduler (published below)
     for (int32_t i = threadIdx.x; i < h->num_sampled; i += blockDim.x) a->sampled32[i] = (int32_t)a->sampled[i];
     __syncthreads();
+    blink_sched_update_par(&s, a->sampled32, x.par);
     if (threadIdx.x == 0) {
-      blink_sched_update(&s, a->sampled32);
       h->num_entries = 0;
       a->c.steps += 1;
       a->c.tokens += h->num_new;
@@ -346,15 +352,17 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
     }
     __syncthreads();
   }
-  uint64_t last_beat = t0;
+  const uint64_t t_commit = now_ns();
+  uint64_t last_beat = t0, t_attempt = t_commit;
   uint32_t sleep_ns = 0;
+  int go;  // 1: run a step, -1: stop; the same in every thread
   for (int attempt = 0;; ++attempt) {
+    t_attempt = now_ns();
     uint64_t tail;
     const int stop = poll_ring(a, &s, x, &tail);
     if (tail != a->sq_head) admit(a, &s, x, tail);
-    if (threadIdx.x == 0) sh_go = stop ? -1 : (blink_sched_schedule(&s, x.room, x.order) > 0 ? 1 : 0);
-    __syncthreads();
-    if (sh_go != 0) break;
+    go = stop ? -1 : (blink_sched_schedule_par(&s, x.room, x.order, x.par) > 0 ? 1 : 0);
+    if (go != 0) break;
     if (attempt == 0) {  // idle from here on: publish what is pending now, not when work comes back
       publish(a, &s);
       __syncthreads();
@@ -382,12 +390,12 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
     __nanosleep(sleep_ns);
     __syncthreads();
   }
-  if (sh_go < 0) {
+  if (go < 0) {
     shut_down(a, &s, BLINK_ERROR_ENGINE_STOPPING);
   } else {
-    if (threadIdx.x == 0) sh_bucket = blink_fill_prologue(&s, a->step_buf);
-    __syncthreads();
-    if (sh_bucket < 0) {  // cannot happen with a budget <= the largest bucket; stop loudly rather than hang
+    const uint64_t t_fill = now_ns();
+    const int32_t bucket = blink_fill_prologue_par(&s, a->step_buf, x.par);
+    if (bucket < 0) {  // cannot happen with a budget <= the largest bucket; stop loudly rather than hang
       if (threadIdx.x == 0) st_v(&a->ctl->error, 1u);
       shut_down(a, &s, BLINK_ERROR_INTERNAL);
     } else {
@@ -395,9 +403,13 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
       if (threadIdx.x == 0) {
         const blink_sched_config* c = &h->cfg;
         uint32_t index = 0;
-        while (c->buckets[index] != sh_bucket) ++index;
+        while (c->buckets[index] != bucket) ++index;
         cudaGraphSetConditional(a->branch_handle, 2 * index + (h->all_greedy ? 1 : 0));
-        a->c.sched_ns += now_ns() - t0;
+        const uint64_t t_end = now_ns();
+        a->c.sched_ns += t_end - t0;
+        a->c.commit_ns += t_commit - t0;
+        a->c.schedule_ns += t_fill - t_attempt;
+        a->c.fill_ns += t_end - t_fill;
       }
     }
   }
@@ -496,7 +508,7 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   BLINK_TRY(cudaMemcpy(&hdr, args.sched_mem, sizeof(hdr), cudaMemcpyDeviceToHost), 15);
   blink_sched sizing;
   blink_sched_bind_split(&sizing, nullptr, nullptr, &hdr.cfg, &args.hot_bytes);
-  const uint64_t smem = args.hot_bytes + 9ull * args.num_slots + 16;
+  const uint64_t smem = args.hot_bytes + 29ull * args.num_slots + 16;  // room, order, par (5), cancel
   int device = 0, smem_max = 0;
   BLINK_TRY(cudaGetDevice(&device), 16);
   BLINK_TRY(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), 17);

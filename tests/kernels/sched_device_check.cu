@@ -1,8 +1,10 @@
 // Lockstep check of blink_sched.h on the GPU against the same header on the host: one pseudo-random
 // trace (arrivals, cancels, full output buffers, sampled tokens with EOS and stop ids, a pool small enough
 // to preempt) applied to a device copy and a host copy of the state; after every step the whole state
-// buffer and the step buffer must be equal byte for byte. The device runs the serial steps on thread 0
-// and the step-buffer fill over 256 threads, as the loop kernel will.
+// buffer and the step buffer must be equal byte for byte. The device runs what the loop kernel runs: the
+// block-parallel schedule, fill and update of blink_sched_par.cuh over 256 threads; the host runs the
+// serial functions of blink_sched.h. Two shapes: a small one that preempts often, and one with 300
+// slots, so that the prefix sums span several warps and batches reach 256 sequences.
 // Built and run by tests/kernels/test_sched_device.py (marked gpu). Prints "OK <steps> ..." on success.
 #include <cstdio>
 #include <cstdlib>
@@ -10,11 +12,13 @@
 #include <vector>
 #include <cuda_runtime.h>
 #include "blink_sched.h"
+#include "blink_sched_par.cuh"
 
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
   std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); std::exit(2); } } while (0)
 
-static const int kSlots = 16, kMaxPrompt = 40;
+static const int kMaxPrompt = 40;
+static int kSlots = 16;  // per shape
 
 __device__ blink_sched bind_dev(uint8_t* mem) {
   blink_sched s;
@@ -33,20 +37,17 @@ __global__ void k_finish(uint8_t* mem, int32_t slot) {
   blink_sched_finish(&s, slot);
 }
 
-__global__ void k_step(uint8_t* mem, uint8_t* buf, const int32_t* room) {
-  __shared__ int32_t order[kSlots];
+__global__ void k_step(uint8_t* mem, uint8_t* buf, const int32_t* room, int32_t* order, int32_t* scratch) {
   blink_sched s = bind_dev(mem);
-  if (threadIdx.x == 0) {
-    blink_sched_schedule(&s, room, order);
-    if (s.h->num_entries) blink_fill_prologue(&s, buf);
+  if (blink_sched_schedule_par(&s, room, order, scratch)) {
+    blink_fill_prologue_par(&s, buf, scratch);
+    blink_fill_tokens(&s, buf, threadIdx.x, blockDim.x);
   }
-  __syncthreads();
-  if (s.h->num_entries) blink_fill_tokens(&s, buf, threadIdx.x, blockDim.x);
 }
 
-__global__ void k_update(uint8_t* mem, const int32_t* sampled) {
+__global__ void k_update(uint8_t* mem, const int32_t* sampled, int32_t* scratch) {
   blink_sched s = bind_dev(mem);
-  blink_sched_update(&s, sampled);
+  blink_sched_update_par(&s, sampled, scratch);
 }
 
 static uint64_t rng_state = 88172645463325252ull;
@@ -60,6 +61,7 @@ struct Pair {
   std::vector<uint64_t> host_mem, host_buf;
   uint8_t *dev_mem, *dev_buf;
   int32_t* dev_args;  // scratch for prompts, rooms, sampled tokens
+  int32_t *dev_order, *dev_scratch;
   size_t mem_bytes, buf_bytes;
 };
 
@@ -73,13 +75,26 @@ static void compare(Pair& p, int step, const char* what) {
   }
 }
 
+static void run(const blink_sched_config& c, int num_steps, int arrival_odds);
+
 int main(int argc, char** argv) {
   const int num_steps = argc > 1 ? std::atoi(argv[1]) : 20000;
   blink_sched_config c = {};
-  c.max_slots = kSlots; c.num_blocks = 12; c.block_size = 2; c.context_len = 48; c.budget = 16;
+  c.max_slots = 16; c.num_blocks = 12; c.block_size = 2; c.context_len = 48; c.budget = 16;
   c.max_num_seqs = 6; c.max_stop_ids = 2; c.num_eos = 1; c.eos_ids[0] = 0;
   c.step_max_tokens = 16; c.step_max_seqs = 8; c.num_buckets = 5;
   for (int i = 0; i < 5; ++i) c.buckets[i] = 1 << i;
+  run(c, num_steps, 3);
+  blink_sched_config big = c;  // many sequences: scans over several warps, blocks short now and then
+  big.max_slots = 300; big.num_blocks = 1400; big.budget = 512; big.max_num_seqs = 256;
+  big.step_max_tokens = 512; big.step_max_seqs = 256; big.num_buckets = 10;
+  for (int i = 0; i < 10; ++i) big.buckets[i] = 1 << i;
+  run(big, num_steps / 4, 1);
+  return 0;
+}
+
+static void run(const blink_sched_config& c, int num_steps, int arrival_odds) {
+  kSlots = c.max_slots;
   Pair p;
   p.mem_bytes = blink_sched_bind(&p.host, 0, &c);
   uint64_t offs[BLINK_STEP_NUM_FIELDS];
@@ -90,13 +105,17 @@ int main(int argc, char** argv) {
   blink_sched_init(&p.host, &c);
   CHECK(cudaMalloc(&p.dev_mem, p.mem_bytes));
   CHECK(cudaMalloc(&p.dev_buf, p.buf_bytes));
-  CHECK(cudaMalloc(&p.dev_args, 4 * 64));
+  CHECK(cudaMalloc(&p.dev_args, 4 * (kSlots + kMaxPrompt + 2)));
+  CHECK(cudaMalloc(&p.dev_order, 4 * kSlots));
+  CHECK(cudaMalloc(&p.dev_scratch, 4 * 5 * kSlots));
   CHECK(cudaMemcpy(p.dev_mem, p.host_mem.data(), p.mem_bytes, cudaMemcpyHostToDevice));
   CHECK(cudaMemset(p.dev_buf, 0, p.buf_bytes));
   long entries = 0, preemptions = 0, finishes = 0;
-  int32_t args[64];
+  std::vector<int32_t> arg_store(kSlots + kMaxPrompt + 2);
+  int32_t* args = arg_store.data();
   for (int step = 0; step < num_steps; ++step) {
-    if (rnd(3) == 0) {  // an arrival, in the first free slot
+    for (int arrivals = rnd(arrival_odds == 1 ? 16 : 1) + (arrival_odds == 1 || rnd(arrival_odds) == 0);
+         arrivals > 0; --arrivals) {  // arrivals, each in the first free slot
       int32_t slot = -1, len = 1 + rnd(kMaxPrompt), stops[2] = {(int32_t)(2 + rnd(50)), (int32_t)(2 + rnd(50))};
       const int64_t max_tokens = 1 + rnd(20);
       for (int32_t i = 0; i < kSlots && slot < 0; ++i) if (p.host.status[i] == BLINK_SEQ_FINISHED) slot = i;
@@ -122,13 +141,13 @@ int main(int argc, char** argv) {
     }
     for (int i = 0; i < kSlots; ++i) args[i] = rnd(7) == 0 ? 0 : 1 + rnd(50);
     CHECK(cudaMemcpy(p.dev_args, args, 4 * kSlots, cudaMemcpyHostToDevice));
-    int32_t scratch[kSlots];
-    blink_sched_schedule(&p.host, args, scratch);
+    std::vector<int32_t> scratch(kSlots);
+    blink_sched_schedule(&p.host, args, scratch.data());
     if (p.host.h->num_entries) {
       blink_fill_prologue(&p.host, (uint8_t*)p.host_buf.data());
       blink_fill_tokens(&p.host, (uint8_t*)p.host_buf.data(), 0, 1);
     }
-    k_step<<<1, 256>>>(p.dev_mem, p.dev_buf, p.dev_args);
+    k_step<<<1, 256>>>(p.dev_mem, p.dev_buf, p.dev_args, p.dev_order, p.dev_scratch);
     CHECK(cudaGetLastError());
     compare(p, step, "schedule + fill");
     entries += p.host.h->num_entries;
@@ -136,11 +155,12 @@ int main(int argc, char** argv) {
     for (int i = 0; i < p.host.h->num_sampled; ++i) args[i] = rnd(12) == 0 ? 0 : 2 + rnd(50);
     CHECK(cudaMemcpy(p.dev_args, args, 4 * kSlots, cudaMemcpyHostToDevice));
     blink_sched_update(&p.host, args);
-    k_update<<<1, 1>>>(p.dev_mem, p.dev_args);
+    k_update<<<1, 256>>>(p.dev_mem, p.dev_args, p.dev_scratch);
     compare(p, step, "update");
     finishes += p.host.h->num_finished;
   }
-  std::printf("OK %d steps, %ld entries, %ld preemptions, %ld finishes, %d blocks free of %d\n", num_steps, entries,
-              preemptions, finishes, p.host.h->num_free, c.num_blocks);
-  return 0;
+  std::printf("OK %d slots: %d steps, %ld entries, %ld preemptions, %ld finishes, %d blocks free of %d\n", kSlots,
+              num_steps, entries, preemptions, finishes, p.host.h->num_free, c.num_blocks);
+  CHECK(cudaFree(p.dev_mem)); CHECK(cudaFree(p.dev_buf)); CHECK(cudaFree(p.dev_args));
+  CHECK(cudaFree(p.dev_order)); CHECK(cudaFree(p.dev_scratch));
 }

@@ -29,7 +29,7 @@ def test_ctypes_structs_match_the_library(nvcc):
     assert lib.blink_loop_args_bytes() == ctypes.sizeof(persistent_loop.LoopArgs)
     assert lib.blink_loop_ctl_bytes() == ctypes.sizeof(persistent_loop.LoopCtl)
     # the loop's own counters close the struct, as in C
-    assert persistent_loop.LoopArgs.c_iterations.offset == ctypes.sizeof(persistent_loop.LoopArgs) - 56
+    assert persistent_loop.LoopArgs.c_iterations.offset == ctypes.sizeof(persistent_loop.LoopArgs) - 8 * len(persistent_loop.COUNTERS)
 
 
 def test_library_errors_name_the_step():

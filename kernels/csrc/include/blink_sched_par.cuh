@@ -1,0 +1,257 @@
+// Block-parallel versions of blink_sched.h's per-step work, for the loop kernel (device only).
+// One GPU thread walking a few hundred sequences pays a memory latency per load: at batch 256 the serial
+// update + schedule + fill took ~600 us. These split the per-entry work over the block with prefix sums
+// and leave to one thread only what is rare or inherently ordered (finishing sequences, preemption,
+// chunked prefill). Each produces exactly the serial functions' state, byte for byte:
+// tests/kernels/sched_device_check.cu runs them against the host build of blink_sched.h in lockstep.
+// Call them with every thread of the block; `scratch` holds 5 * max_slots int32 (shared memory is best).
+#ifndef BLINK_SCHED_PAR_CUH
+#define BLINK_SCHED_PAR_CUH
+
+#include "blink_sched.h"
+
+// Exclusive prefix sum of v[0, n) in place; returns the total (to every thread). blockDim.x % 32 == 0.
+__device__ inline int32_t blink_block_scan(int32_t* v, int32_t n) {
+  __shared__ int32_t warp_sums[32];
+  const int32_t per = (n + (int32_t)blockDim.x - 1) / (int32_t)blockDim.x;
+  const int32_t lo = (int32_t)threadIdx.x * per, hi = lo + per < n ? lo + per : n;
+  int32_t sum = 0;
+  for (int32_t i = lo; i < hi; ++i) sum += v[i];
+  const int32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  int32_t x = sum;
+  for (int32_t d = 1; d < 32; d <<= 1) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t w = lane < num_warps ? warp_sums[lane] : 0;
+    for (int32_t d = 1; d < 32; d <<= 1) {
+      const int32_t y = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += y;
+    }
+    if (lane < num_warps) warp_sums[lane] = w;
+  }
+  __syncthreads();
+  int32_t offset = x - sum + (warp ? warp_sums[warp - 1] : 0);
+  for (int32_t i = lo; i < hi; ++i) {
+    const int32_t t = v[i];
+    v[i] = offset;
+    offset += t;
+  }
+  const int32_t total = warp_sums[num_warps - 1];
+  __syncthreads();
+  return total;
+}
+
+// blink_sched_update, in parallel over entries; finishing (list edits, freeing blocks) stays on thread 0,
+// in entry order, after the rest: no other entry's work reads what a finish changes.
+__device__ inline void blink_sched_update_par(blink_sched* s, const int32_t* sampled, int32_t* scratch) {
+  blink_sched_header* h = s->h;
+  const int32_t n = h->num_entries, slots = h->cfg.max_slots;
+  const int64_t ctx = h->cfg.context_len;
+  int32_t *k_of = scratch, *pub = scratch + slots, *fin = scratch + 2 * slots, *tok = scratch + 3 * slots,
+          *why = scratch + 4 * slots;
+  for (int32_t e = threadIdx.x; e < n; e += blockDim.x) k_of[e] = s->entry_samples[e];
+  __syncthreads();
+  blink_block_scan(k_of, n);
+  for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const int32_t slot = s->entry_slot[e];
+    s->num_computed[slot] += s->entry_q_len[e];
+    int32_t p = 0, f = 0;
+    if (s->entry_samples[e]) {
+      const int32_t token = sampled[k_of[e]];
+      const int32_t reason = blink_stop_reason(s, slot, token);
+      if (reason != 1) s->tokens[slot * ctx + s->num_tokens[slot]++] = token;
+      p = reason != 1;
+      f = reason != 0;
+      tok[e] = token;
+      why[e] = reason;
+    }
+    pub[e] = p;
+    fin[e] = f;
+    k_of[e] = p | (f << 1);  // the flags, kept through the scans below
+  }
+  __syncthreads();
+  const int32_t num_new = blink_block_scan(pub, n);
+  const int32_t num_finished = blink_block_scan(fin, n);
+  for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const int32_t slot = s->entry_slot[e];
+    if (k_of[e] & 1) {
+      s->new_slot[pub[e]] = slot;
+      s->new_token[pub[e]] = tok[e];
+    }
+    if (k_of[e] & 2) {
+      s->fin_slot[fin[e]] = slot;
+      s->fin_reason[fin[e]] = why[e];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    h->num_new = num_new;
+    h->num_finished = num_finished;
+    for (int32_t i = 0; i < num_finished; ++i) blink_sched_finish(s, s->fin_slot[i]);
+  }
+  __syncthreads();
+}
+
+// 1 when `list` is already in (priority, arrival) order: insertion sort would leave it as it is.
+__device__ inline int blink_sorted_par(const blink_sched* s, const int32_t* list, int32_t n) {
+  int ok = 1;
+  for (int32_t i = threadIdx.x; i + 1 < n; i += blockDim.x) ok &= !blink_before(s, list[i + 1], list[i]);
+  return __syncthreads_and(ok);
+}
+
+// The decode phase when nobody has to be preempted: the first `budget` running sequences that decode and
+// have room, their blocks popped from the free list in that order. Returns the budget left, or -1 when the
+// blocks do not suffice (thread 0 then runs the serial phase, which preempts).
+__device__ inline int32_t blink_decode_phase_par(blink_sched* s, const int32_t* room, int32_t budget, int32_t* scratch) {
+  blink_sched_header* h = s->h;
+  const int32_t n = h->num_running, slots = h->cfg.max_slots, nb = h->cfg.num_blocks;
+  const int32_t mb = blink_max_blocks_per_seq(&h->cfg);
+  int32_t *idx = scratch, *need = scratch + slots, *flag = scratch + 2 * slots;
+  for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t slot = s->running[i];
+    const int e = s->status[slot] == BLINK_SEQ_RUNNING && s->num_tokens[slot] - s->num_computed[slot] == 1 &&
+                  room[slot] > 0;
+    idx[i] = flag[i] = e;
+  }
+  __syncthreads();
+  const int32_t eligible = blink_block_scan(idx, n);
+  for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
+    flag[i] = flag[i] && idx[i] < budget;
+    need[i] = flag[i] ? blink_extra_blocks(s, s->running[i], s->num_computed[s->running[i]] + 1) : 0;
+  }
+  __syncthreads();
+  const int32_t total_need = blink_block_scan(need, n);
+  if (total_need > h->num_free) return -1;  // uniform: every thread read the same words
+  for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
+    if (!flag[i]) continue;
+    const int32_t slot = s->running[i], e = idx[i];
+    const int32_t grow = blink_extra_blocks(s, slot, s->num_computed[slot] + 1);
+    for (int32_t j = 0; j < grow; ++j)
+      s->block_table[(int64_t)slot * mb + s->num_table[slot] + j] = s->free_blocks[(h->free_head + need[i] + j) % nb];
+    s->num_table[slot] += grow;
+    s->entry_slot[e] = slot;
+    s->entry_q_len[e] = 1;
+    s->entry_samples[e] = 1;
+    s->entry_start[e] = s->num_computed[slot];
+    s->scheduled[slot] = 1;
+  }
+  const int32_t taken = eligible < budget ? eligible : budget;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    h->free_head = (h->free_head + total_need) % nb;
+    h->num_free -= total_need;
+    h->num_entries = taken;
+  }
+  __syncthreads();
+  return budget - taken;
+}
+
+// blink_sched_schedule with the common parts in parallel: clearing the step's marks, checking the lists'
+// order, the decode phase without preemption, and skipping the prefill phase when nothing prefills.
+// Everything else (sorting, preemption, prefill chunks, the liveness retry) runs on thread 0 as written.
+// Returns the number of entries (to every thread).
+__device__ inline int32_t blink_sched_schedule_par(blink_sched* s, const int32_t* room, int32_t* order, int32_t* scratch) {
+  __shared__ int32_t sh_budget, sh_prefill;
+  blink_sched_header* h = s->h;
+  for (int32_t i = threadIdx.x; i < h->cfg.max_slots; i += blockDim.x) s->scheduled[i] = 0;
+  const int running_sorted = blink_sorted_par(s, s->running, h->num_running);
+  const int waiting_sorted = blink_sorted_par(s, s->waiting, h->num_waiting);
+  if (threadIdx.x == 0) {
+    h->num_preempted = 0;
+    h->num_entries = 0;
+    if (!running_sorted) blink_sort(s, s->running, h->num_running);
+    if (!waiting_sorted) blink_sort(s, s->waiting, h->num_waiting);
+  }
+  __syncthreads();
+  int32_t budget = blink_decode_phase_par(s, room, h->cfg.budget, scratch);
+  if (budget < 0) {  // blocks are short: the serial phase, which preempts (after a fresh clear of the marks)
+    if (threadIdx.x == 0) sh_budget = blink_decode_phase(s, room, order, h->cfg.budget);
+    __syncthreads();
+    budget = sh_budget;
+  }
+  int prefills = h->num_waiting > 0;
+  for (int32_t i = threadIdx.x; i < h->num_running && !prefills; i += blockDim.x) {
+    const int32_t slot = s->running[i];
+    prefills = s->num_tokens[slot] - s->num_computed[slot] > 1;
+  }
+  prefills = __syncthreads_or(prefills);
+  if (threadIdx.x == 0) {
+    if (prefills) blink_prefill_phase(s, room, order, budget);
+    // liveness (blink_sched_schedule): partial prefills holding every block give way, and the step is
+    // chosen again, serially
+    sh_prefill = h->num_entries;
+    if (h->num_entries == 0 && h->num_free == 0) {
+      int32_t victim = -1, partial = 0;
+      for (int32_t i = 0; i < h->num_running; ++i) {
+        const int32_t v = s->running[i];
+        if (s->num_tokens[v] - s->num_computed[v] > 1) partial = 1;
+        if (victim < 0 || blink_before(s, victim, v)) victim = v;
+      }
+      if (partial) {
+        blink_preempt(s, victim);
+        blink_schedule_pass(s, room, order);
+      }
+      sh_prefill = h->num_entries;
+    }
+  }
+  __syncthreads();
+  return sh_prefill;
+}
+
+// blink_fill_prologue, in parallel over entries; returns the bucket (to every thread).
+__device__ inline int32_t blink_fill_prologue_par(blink_sched* s, uint8_t* buf, int32_t* scratch) {
+  __shared__ int32_t sh_bucket;
+  blink_sched_header* h = s->h;
+  const blink_sched_config* c = &h->cfg;
+  const int32_t n = h->num_entries, slots = c->max_slots;
+  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  blink_step_layout(c->step_max_tokens, c->step_max_seqs, blink_max_blocks_per_seq(c), offs);
+  int32_t* q_start = BLINK_FIELD(buf, offs, BLINK_F_Q_START, int32_t);
+  int64_t* rows = BLINK_FIELD(buf, offs, BLINK_F_SAMPLE_ROWS, int64_t);
+  int32_t *qs = scratch, *ks = scratch + slots;
+  for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
+    qs[e] = s->entry_q_len[e];
+    ks[e] = s->entry_samples[e];
+  }
+  __syncthreads();
+  const int32_t num_tokens = blink_block_scan(qs, n);
+  const int32_t num_sampled = blink_block_scan(ks, n);
+  int greedy = 1;
+  for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const int32_t slot = s->entry_slot[e];
+    s->entry_q_start[e] = q_start[e] = qs[e];
+    BLINK_FIELD(buf, offs, BLINK_F_CTX_LENS, int32_t)[e] = s->entry_start[e] + s->entry_q_len[e];
+    if (!s->entry_samples[e]) continue;
+    const int32_t k = ks[e];
+    rows[k] = qs[e] + s->entry_q_len[e] - 1;
+    BLINK_FIELD(buf, offs, BLINK_F_TEMPERATURE, float)[k] = s->temperature[slot];
+    BLINK_FIELD(buf, offs, BLINK_F_TOP_K, int32_t)[k] = s->top_k[slot];
+    BLINK_FIELD(buf, offs, BLINK_F_TOP_P, float)[k] = s->top_p[slot];
+    BLINK_FIELD(buf, offs, BLINK_F_MIN_P, float)[k] = s->min_p[slot];
+    BLINK_FIELD(buf, offs, BLINK_F_SEEDS, uint64_t)[k] = s->seed[slot];
+    BLINK_FIELD(buf, offs, BLINK_F_SAMPLE_POS, int64_t)[k] = s->num_tokens[slot];
+    greedy = greedy && (s->temperature[slot] <= 0.0f || s->top_k[slot] == 1);
+  }
+  greedy = __syncthreads_and(greedy);
+  const int32_t bucket = blink_bucket_for(c, num_tokens);
+  const int32_t rows_in_graph = bucket < c->step_max_seqs ? bucket : c->step_max_seqs;
+  for (int32_t e = n + threadIdx.x; e <= rows_in_graph; e += blockDim.x) q_start[e] = num_tokens;
+  for (int32_t r = num_sampled + threadIdx.x; r < rows_in_graph; r += blockDim.x) rows[r] = 0;
+  if (threadIdx.x == 0) {
+    s->entry_q_start[n] = num_tokens;
+    *BLINK_FIELD(buf, offs, BLINK_F_NUM_SEQS, int32_t) = n;
+    h->bucket = bucket;
+    h->num_tokens = num_tokens;
+    h->num_sampled = num_sampled;
+    h->all_greedy = greedy;
+    sh_bucket = bucket;
+  }
+  __syncthreads();
+  return sh_bucket;
+}
+
+#endif  // BLINK_SCHED_PAR_CUH
