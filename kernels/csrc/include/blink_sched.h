@@ -472,11 +472,13 @@ BLINK_HD void blink_fill_tokens(const blink_sched* s, uint8_t* buf, int32_t tid,
     BLINK_FIELD(buf, offs, BLINK_F_SLOT_MAPPING, int64_t)[i] = kv;
     BLINK_FIELD(buf, offs, BLINK_F_SEQ_IDS, int32_t)[i] = seq_id;
   }
+  // the [entries, MB] rectangle, flattened: each thread's loads are independent of each other (one thread
+  // per entry would chain a long table's loads; one entry at a time would chain the entries)
   int32_t* tables = BLINK_FIELD(buf, offs, BLINK_F_BLOCK_TABLES, int32_t);
-  for (int32_t e = 0; e < h->num_entries; ++e) {
-    const int32_t slot = s->entry_slot[e];
-    for (int32_t b = tid; b < s->num_table[slot]; b += nthreads)
-      tables[(int64_t)e * mb + b] = s->block_table[(int64_t)slot * mb + b];
+  const int64_t cells = (int64_t)h->num_entries * mb;
+  for (int64_t i = tid; i < cells; i += nthreads) {
+    const int32_t e = (int32_t)(i / mb), b = (int32_t)(i % mb), slot = s->entry_slot[e];
+    if (b < s->num_table[slot]) tables[i] = s->block_table[(int64_t)slot * mb + b];
   }
 }
 
