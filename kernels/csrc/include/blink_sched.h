@@ -472,13 +472,21 @@ BLINK_HD void blink_fill_tokens(const blink_sched* s, uint8_t* buf, int32_t tid,
     BLINK_FIELD(buf, offs, BLINK_F_SLOT_MAPPING, int64_t)[i] = kv;
     BLINK_FIELD(buf, offs, BLINK_F_SEQ_IDS, int32_t)[i] = seq_id;
   }
-  // the [entries, MB] rectangle, flattened: each thread's loads are independent of each other (one thread
-  // per entry would chain a long table's loads; one entry at a time would chain the entries)
+  // the [entries, MB] rectangle, flattened, in runs of 8 cells per thread: the 8 loads are issued before
+  // any store (a load may not pass a store to memory that could alias it), so a thread waits for one
+  // memory latency per run instead of one per cell
   int32_t* tables = BLINK_FIELD(buf, offs, BLINK_F_BLOCK_TABLES, int32_t);
-  const int64_t cells = (int64_t)h->num_entries * mb;
-  for (int64_t i = tid; i < cells; i += nthreads) {
-    const int32_t e = (int32_t)(i / mb), b = (int32_t)(i % mb), slot = s->entry_slot[e];
-    if (b < s->num_table[slot]) tables[i] = s->block_table[(int64_t)slot * mb + b];
+  const int32_t cells = h->num_entries * mb;
+  for (int32_t base = tid * 8; base < cells; base += nthreads * 8) {
+    int32_t value[8], cell[8];
+    for (int32_t j = 0; j < 8; ++j) {
+      const int32_t i = base + j, e = i / mb, b = i % mb;
+      const int32_t slot = i < cells ? s->entry_slot[e] : 0;
+      cell[j] = i < cells && b < s->num_table[slot] ? i : -1;
+      value[j] = cell[j] >= 0 ? s->block_table[(int64_t)slot * mb + b] : 0;
+    }
+    for (int32_t j = 0; j < 8; ++j)
+      if (cell[j] >= 0) tables[cell[j]] = value[j];
   }
 }
 
