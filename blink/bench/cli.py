@@ -106,6 +106,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
         base = batch1(args.num_requests or 4, args.prompt_len, args.output_len, args.seed)
     else:
         base = WORKLOADS[args.workload](seed=args.seed)
+        if args.num_requests and args.num_requests > len(base.requests):  # more than the default size
+            base = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
     return scaled(base, args.num_requests, args.max_input, args.max_output, args.vocab_size)
 
 
