@@ -51,6 +51,7 @@ def run_backend(args: argparse.Namespace) -> int:
     if args.mode == "persistent":
         # a spinning loop kernel and lazy module loading can deadlock: load every kernel up front
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+        os.environ.setdefault("CUDA_MODULE_DATA_LOADING", "EAGER")
     import torch
 
     if args.mode != "cpu" and not torch.cuda.is_available():

@@ -50,6 +50,13 @@ def nvcc() -> str | None:
 
 
 def build() -> Path:
+    """The library: $BLINK_LOOP_LIB when set (prebuilt, e.g. in a container image without nvcc), else
+    compiled now unless a build of these exact sources is cached."""
+    prebuilt = os.environ.get("BLINK_LOOP_LIB")
+    if prebuilt:
+        if not Path(prebuilt).is_file():
+            raise RuntimeError(f"BLINK_LOOP_LIB={prebuilt}: no such file")
+        return Path(prebuilt)
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin): --mode persistent compiles its loop with it")

@@ -35,3 +35,13 @@ def test_ctypes_structs_match_the_library(nvcc):
 def test_library_errors_name_the_step():
     with pytest.raises(RuntimeError, match="at step 12: cudaError 1"):
         persistent_loop.check(12001, "building the loop graph")
+
+
+def test_a_prebuilt_library_is_used_as_given(monkeypatch, tmp_path):
+    """Container images without nvcc point BLINK_LOOP_LIB at a library built in a devel stage."""
+    lib = tmp_path / "loop.so"
+    monkeypatch.setenv("BLINK_LOOP_LIB", str(lib))
+    with pytest.raises(RuntimeError, match="no such file"):
+        persistent_loop.build()
+    lib.write_bytes(b"")
+    assert persistent_loop.build() == lib
