@@ -353,25 +353,28 @@ BLINK_HD void blink_schedule_pass(blink_sched* s, const int32_t* room, int32_t* 
   blink_prefill_phase(s, room, order, budget);
 }
 
-// Liveness (as Scheduler.schedule): when partial prefills hold every block and none can grow, the latest,
-// lowest-priority running sequence gives its blocks back and the step is chosen again.
-BLINK_HD int32_t blink_sched_schedule(blink_sched* s, const int32_t* room, int32_t* order) {
+// Liveness (as Scheduler.schedule): when a pass chose nothing and partial prefills hold every block, the
+// latest, lowest-priority running sequence gives its blocks back and the step is chosen again.
+BLINK_HD void blink_liveness(blink_sched* s, const int32_t* room, int32_t* order) {
   blink_sched_header* h = s->h;
-  h->num_preempted = 0;
-  blink_schedule_pass(s, room, order);
-  if (h->num_entries == 0 && h->num_free == 0) {
-    int32_t victim = -1, partial = 0;
-    for (int32_t i = 0; i < h->num_running; ++i) {
-      const int32_t v = s->running[i];
-      if (s->num_tokens[v] - s->num_computed[v] > 1) partial = 1;
-      if (victim < 0 || blink_before(s, victim, v)) victim = v;
-    }
-    if (partial) {
-      blink_preempt(s, victim);
-      blink_schedule_pass(s, room, order);
-    }
+  if (h->num_entries != 0 || h->num_free != 0) return;
+  int32_t victim = -1, partial = 0;
+  for (int32_t i = 0; i < h->num_running; ++i) {
+    const int32_t v = s->running[i];
+    if (s->num_tokens[v] - s->num_computed[v] > 1) partial = 1;
+    if (victim < 0 || blink_before(s, victim, v)) victim = v;
   }
-  return h->num_entries;
+  if (partial) {
+    blink_preempt(s, victim);
+    blink_schedule_pass(s, room, order);
+  }
+}
+
+BLINK_HD int32_t blink_sched_schedule(blink_sched* s, const int32_t* room, int32_t* order) {
+  s->h->num_preempted = 0;
+  blink_schedule_pass(s, room, order);
+  blink_liveness(s, room, order);
+  return s->h->num_entries;
 }
 
 // ---- the step buffer (gpu_runner.StepBuffers / fill_step) -------------------------------------------------

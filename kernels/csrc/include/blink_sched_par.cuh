@@ -155,7 +155,7 @@ __device__ inline int32_t blink_decode_phase_par(blink_sched* s, const int32_t* 
 // Everything else (sorting, preemption, prefill chunks, the liveness retry) runs on thread 0 as written.
 // Returns the number of entries (to every thread).
 __device__ inline int32_t blink_sched_schedule_par(blink_sched* s, const int32_t* room, int32_t* order, int32_t* scratch) {
-  __shared__ int32_t sh_budget, sh_prefill;
+  __shared__ int32_t sh_budget, sh_entries;
   blink_sched_header* h = s->h;
   for (int32_t i = threadIdx.x; i < h->cfg.max_slots; i += blockDim.x) s->scheduled[i] = 0;
   const int running_sorted = blink_sorted_par(s, s->running, h->num_running);
@@ -168,7 +168,7 @@ __device__ inline int32_t blink_sched_schedule_par(blink_sched* s, const int32_t
   }
   __syncthreads();
   int32_t budget = blink_decode_phase_par(s, room, h->cfg.budget, scratch);
-  if (budget < 0) {  // blocks are short: the serial phase, which preempts (after a fresh clear of the marks)
+  if (budget < 0) {  // blocks are short: the serial phase, which preempts (the parallel one wrote nothing)
     if (threadIdx.x == 0) sh_budget = blink_decode_phase(s, room, order, h->cfg.budget);
     __syncthreads();
     budget = sh_budget;
@@ -181,25 +181,11 @@ __device__ inline int32_t blink_sched_schedule_par(blink_sched* s, const int32_t
   prefills = __syncthreads_or(prefills);
   if (threadIdx.x == 0) {
     if (prefills) blink_prefill_phase(s, room, order, budget);
-    // liveness (blink_sched_schedule): partial prefills holding every block give way, and the step is
-    // chosen again, serially
-    sh_prefill = h->num_entries;
-    if (h->num_entries == 0 && h->num_free == 0) {
-      int32_t victim = -1, partial = 0;
-      for (int32_t i = 0; i < h->num_running; ++i) {
-        const int32_t v = s->running[i];
-        if (s->num_tokens[v] - s->num_computed[v] > 1) partial = 1;
-        if (victim < 0 || blink_before(s, victim, v)) victim = v;
-      }
-      if (partial) {
-        blink_preempt(s, victim);
-        blink_schedule_pass(s, room, order);
-      }
-      sh_prefill = h->num_entries;
-    }
+    blink_liveness(s, room, order);  // serial, rare: the step chosen again after a preemption
+    sh_entries = h->num_entries;
   }
   __syncthreads();
-  return sh_prefill;
+  return sh_entries;
 }
 
 // blink_fill_prologue, in parallel over entries; returns the bucket (to every thread).
