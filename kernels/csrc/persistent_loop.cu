@@ -89,11 +89,6 @@ __device__ __forceinline__ T ld_v(const T* p) { return *(const volatile T*)p; }
 template <typename T>
 __device__ __forceinline__ void st_v(T* p, T v) { *(volatile T*)p = v; }
 
-__device__ __forceinline__ uint64_t ld_acquire_u64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ void st_release_u32(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -226,6 +221,7 @@ __device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x,
   __shared__ int32_t sh_len;
   const uint32_t* sq = (const uint32_t*)(a->ring + a->sq_offset);
   const int32_t ctx = s->h->cfg.context_len;
+  __threadfence_system();  // the tail was read relaxed: what it covers is read after it
   for (uint64_t head = a->sq_head; head < tail; ++head) {
     if (threadIdx.x == 0) {
       const uint32_t slot = ld_v(&sq[head % a->num_slots]);
@@ -251,26 +247,64 @@ __device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x,
   __syncthreads();
 }
 
-// All threads: one look at the ring, every host-memory read issued together (each is a PCIe round trip):
-// the submission tail, the stop flag, and for each live slot its cancel word and the gateway's `consumed`
-// (-> room). Thread 0 then finishes the cancelled sequences (EngineLoop._apply_cancels).
-// Returns 1: stop, 0: go on; *tail gets the submission tail.
-__device__ int poll_ring(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint64_t* tail) {
+// The ring words a poll needs, loaded into registers at the start of the step kernel and used after the
+// commit: their PCIe round trips overlap the commit's work (a load in flight does not hold a barrier up).
+#define BLINK_LOOP_PREFETCH 4  // slots per thread (up to 4 x the block's threads)
+struct ring_look {
+  uint64_t tail;
+  uint32_t stop;
+  uint64_t cancel_seq[BLINK_LOOP_PREFETCH];
+  uint32_t consumed[BLINK_LOOP_PREFETCH];
+};
+
+__device__ __forceinline__ void look_issue(const blink_loop_args* a, ring_look& r) {
+#pragma unroll
+  for (uint32_t k = 0; k < BLINK_LOOP_PREFETCH; ++k) {  // unrolled: the words stay in registers
+    const uint32_t slot = threadIdx.x + k * blockDim.x;
+    if (slot < a->num_slots) {
+      r.cancel_seq[k] = ld_v(&request(a, slot)->cancel_seq);
+      r.consumed[k] = ld_v(&response(a, slot)->consumed);
+    }
+  }
+  // relaxed, not acquire: an acquire would hold this thread's next memory accesses (the commit's) until
+  // it completes; admission fences before it reads what the tail covers
+  if (threadIdx.x == 0) r.tail = ld_v(&ring_header(a)->sq_tail);
+  if (threadIdx.x == 32 % blockDim.x) r.stop = ld_v(&a->ctl->stop);
+}
+
+// One slot's part of a look: whether it is cancelled, and its output room (live slots only).
+__device__ __forceinline__ int look_slot(blink_loop_args* a, const blink_sched* s, const loop_scratch& x,
+                                         uint32_t slot, uint64_t cancel_seq, uint32_t consumed) {
+  uint8_t cancelled = 0;
+  if (s->status[slot] != BLINK_SEQ_FINISHED) {
+    cancelled = cancel_seq == a->slot_seq[slot];
+    x.room[slot] = (int32_t)a->max_output_len - (int32_t)(a->slot_produced[slot] - consumed);
+  }
+  x.cancel[slot] = cancelled;
+  return cancelled;
+}
+
+// All threads: one look at the ring (with `ahead`, the words in `look`; else loaded now, all issued
+// together: each is a PCIe round trip): the submission tail, the stop flag, and for each live slot its
+// cancel word and the gateway's `consumed` (-> room). Thread 0 then finishes the cancelled sequences
+// (EngineLoop._apply_cancels). Returns 1: stop, 0: go on; *tail gets the submission tail.
+__device__ __forceinline__ int poll_ring(blink_loop_args* a, blink_sched* s, const loop_scratch& x,
+                                         uint64_t* tail, const ring_look& look, bool ahead) {
   __shared__ uint64_t sh_tail;
   __shared__ uint32_t sh_stop;
-  if (threadIdx.x == 0) sh_tail = ld_acquire_u64(&ring_header(a)->sq_tail);
-  if (threadIdx.x == 32 % blockDim.x) sh_stop = ld_v(&a->ctl->stop);
+  if (threadIdx.x == 0) sh_tail = ahead ? look.tail : ld_v(&ring_header(a)->sq_tail);
+  if (threadIdx.x == 32 % blockDim.x) sh_stop = ahead ? look.stop : ld_v(&a->ctl->stop);
   int any = 0;
-  for (uint32_t slot = threadIdx.x; slot < a->num_slots; slot += blockDim.x) {
-    uint8_t cancelled = 0;
-    if (s->status[slot] != BLINK_SEQ_FINISHED) {
-      cancelled = ld_v(&request(a, slot)->cancel_seq) == a->slot_seq[slot];
-      const uint32_t consumed = ld_v(&response(a, slot)->consumed);
-      x.room[slot] = (int32_t)a->max_output_len - (int32_t)(a->slot_produced[slot] - consumed);
+#pragma unroll
+  for (uint32_t k = 0; k < BLINK_LOOP_PREFETCH; ++k) {  // the slots whose words may have been loaded ahead
+    const uint32_t slot = threadIdx.x + k * blockDim.x;
+    if (slot < a->num_slots) {
+      any |= look_slot(a, s, x, slot, ahead ? look.cancel_seq[k] : ld_v(&request(a, slot)->cancel_seq),
+                       ahead ? look.consumed[k] : ld_v(&response(a, slot)->consumed));
     }
-    x.cancel[slot] = cancelled;
-    any |= cancelled;
   }
+  for (uint32_t slot = threadIdx.x + BLINK_LOOP_PREFETCH * blockDim.x; slot < a->num_slots; slot += blockDim.x)
+    any |= look_slot(a, s, x, slot, ld_v(&request(a, slot)->cancel_seq), ld_v(&response(a, slot)->consumed));
   if (__syncthreads_or(any) && threadIdx.x == 0) {
     for (uint32_t slot = 0; slot < a->num_slots; ++slot) {
       if (!x.cancel[slot]) continue;
@@ -322,6 +356,8 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ blink_sched s;
   const uint64_t t0 = now_ns();
+  ring_look look;
+  look_issue(a, look);
   uint8_t* hot = a->smem_bytes ? smem : a->sched_mem;
   loop_scratch x = {a->room, a->order, a->par, a->cancel};
   if (a->smem_bytes) {
@@ -359,7 +395,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
   for (int attempt = 0;; ++attempt) {
     t_attempt = now_ns();
     uint64_t tail;
-    const int stop = poll_ring(a, &s, x, &tail);
+    const int stop = poll_ring(a, &s, x, &tail, look, attempt == 0);
     if (tail != a->sq_head) admit(a, &s, x, tail);
     go = stop ? -1 : (blink_sched_schedule_par(&s, x.room, x.order, x.par) > 0 ? 1 : 0);
     if (go != 0) break;
