@@ -1,6 +1,7 @@
 """Shared fixtures: a live `blink serve` (CPU backend + gateway, real processes, real sockets)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -86,3 +87,16 @@ def live_server():
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@pytest.fixture()
+def no_slot_leaks(live_server):
+    """After the test, every request has left the live server's ring (use with `usefixtures`)."""
+    yield
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(live_server.root_url + "/health", timeout=10) as resp:
+            if json.loads(resp.read())["backends"][0]["in_flight"] == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError("ring slots still in flight after the test")
