@@ -100,3 +100,19 @@ def no_slot_leaks(live_server):
                 return
         time.sleep(0.1)
     raise AssertionError("ring slots still in flight after the test")
+
+
+@pytest.fixture(scope="module")
+def live_client(live_server):
+    """The official `openai` client on the live server."""
+    import openai
+
+    return openai.OpenAI(base_url=live_server.base_url, api_key=live_server.api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def live_tokenizer(live_server):
+    """The live server's model tokenizer (the `tokenizers` library's, without special-token handling)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(live_server.model_dir) / "tokenizer.json"))

@@ -8,8 +8,6 @@ Penalties and logit_bias are checked by their effect on greedy decoding, which t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import openai
 import pytest
 from tokenizers import Tokenizer
@@ -22,13 +20,13 @@ FINISH_REASONS = {"stop", "length"}
 
 
 @pytest.fixture(scope="module")
-def client(live_server):
-    return openai.OpenAI(base_url=live_server.base_url, api_key=live_server.api_key, max_retries=0, timeout=120)
+def client(live_client):
+    return live_client
 
 
 @pytest.fixture(scope="module")
-def tokenizer(live_server) -> Tokenizer:
-    return Tokenizer.from_file(str(Path(live_server.model_dir) / "tokenizer.json"))
+def tokenizer(live_tokenizer) -> Tokenizer:
+    return live_tokenizer
 
 
 @pytest.fixture(scope="module")
