@@ -39,6 +39,11 @@ class Choices:
     def completion_tokens(self) -> int:
         return sum(g.completion_tokens for g in self.gens)
 
+    @property
+    def finished(self) -> bool:
+        """Every choice has sent its last piece."""
+        return self._remaining == 0
+
     async def next_piece(self) -> tuple[int, Piece] | None:
         """(choice index, piece) in arrival order; None once every choice has finished. Raises ApiError."""
         if self._remaining == 0:

@@ -41,7 +41,8 @@ class OutputFormat(Protocol):
     def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int) -> BaseModel: ...
 
 
-def _logprob(value: float) -> float:
+def clamp_logprob(value: float) -> float:
+    """A logprob as the APIs report it: -inf (underflow) becomes MIN_LOGPROB."""
     return max(value, MIN_LOGPROB)
 
 
@@ -83,7 +84,7 @@ class ChatFormat:
                                      for token_id, entry in items])
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
-        return TopLogprob(token=self.texts.text(token_id), logprob=_logprob(logprob),
+        return TopLogprob(token=self.texts.text(token_id), logprob=clamp_logprob(logprob),
                           bytes=list(self.texts.bytes(token_id)))
 
 
@@ -127,7 +128,7 @@ class CompletionFormat:
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
-        tops = [{**{self.texts.text(t): _logprob(lp) for t, lp in entry.top},
-                 self.texts.text(token_id): _logprob(entry.logprob)} for token_id, entry in items]
-        return CompletionLogprobs(tokens=tokens, token_logprobs=[_logprob(e.logprob) for _, e in items],
+        tops = [{**{self.texts.text(t): clamp_logprob(lp) for t, lp in entry.top},
+                 self.texts.text(token_id): clamp_logprob(entry.logprob)} for token_id, entry in items]
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[clamp_logprob(e.logprob) for _, e in items],
                                   top_logprobs=tops, text_offset=offsets)

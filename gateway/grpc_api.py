@@ -2,8 +2,8 @@
 `grpc.health.v1` service and server reflection.
 
 Only the wire format is gRPC: requests become the OpenAI schemas of `protocols.openai` and take the
-HTTP path (`gateway/pipeline.py`): the same keys, validation, limits, tokenizers and generations
-(always one choice: the message has no `n`).
+HTTP path (`gateway/pipeline.py`): the same keys, validation, limits, engine-mode refusals, tokenizers
+and generations (n choices fanned out there; each message names its choice).
 Errors are the same `ApiError`s, sent as a gRPC status (the OpenAI `param` and `code` go in trailing
 metadata). A client that cancels its call cancels the request in the engine.
 """
@@ -15,20 +15,25 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Annotated
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from pydantic import Field
 
 from protocols import inference_pb2, inference_pb2_grpc
-from protocols.openai import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from protocols.openai import MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from protocols.ring import TokenLogprob
 
 from .auth import client_principal
-from .errors import ApiError, bad_request, server_error
 from .choices import Choices
+from .errors import ApiError, bad_request, server_error
+from .formats import clamp_logprob
 from .keys import Principal
 from .pipeline import parse, start_generation, tokenize
 from .state import GatewayState
+from .token_text import TokenTexts
 
 log = logging.getLogger("blink.gateway.grpc")
 
@@ -39,7 +44,10 @@ _STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNA
                  413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
                  503: grpc.StatusCode.UNAVAILABLE}
 _CODE_STATUSES = {"no_kv_capacity": grpc.StatusCode.RESOURCE_EXHAUSTED}
-_SAMPLING_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+_SAMPLING_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty")
+# Chat carries gRPC's `logprobs` count as top_logprobs: errors name the field as sent here.
+_CHAT_RENAMES = {"top_logprobs": "logprobs"}
 
 
 def status_code(err: ApiError) -> grpc.StatusCode:
@@ -55,6 +63,12 @@ def error_metadata(err: ApiError) -> tuple[tuple[str, str], ...]:
 # ---------------------------------------------------------------- messages -> OpenAI schemas
 
 
+class _CompletionRequest(CompletionRequest):
+    """/v1/completions takes 0..5 alternatives (OpenAI's limit); gRPC takes chat's 0..20 for every input."""
+
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+
 def _messages(chat: inference_pb2.ChatMessages) -> list[dict]:
     return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})} for m in chat.messages]
 
@@ -67,16 +81,23 @@ def generate_request(request: inference_pb2.GenerateRequest) -> tuple[ChatComple
         body["stop"] = list(request.stop)
     if request.stop_token_ids:
         body["stop_token_ids"] = list(request.stop_token_ids)
+    if request.logit_bias:
+        body["logit_bias"] = {str(token_id): bias for token_id, bias in request.logit_bias.items()}
     which = request.WhichOneof("input")
     if which == "messages":
-        return parse(ChatCompletionRequest, _json({**body, "messages": _messages(request.messages)})), "messages"
+        if request.HasField("logprobs"):
+            body.update(logprobs=True, top_logprobs=request.logprobs)
+        body["messages"] = _messages(request.messages)
+        return parse(ChatCompletionRequest, _json(body), _CHAT_RENAMES), "messages"
+    if request.HasField("logprobs"):
+        body["logprobs"] = request.logprobs
     if which == "prompt":
-        return parse(CompletionRequest, _json({**body, "prompt": request.prompt})), "prompt"
+        return parse(_CompletionRequest, _json({**body, "prompt": request.prompt})), "prompt"
     if which == "prompt_token_ids":
         body["prompt"] = ids = list(request.prompt_token_ids.ids)
         if any(t < 0 for t in ids):  # the JSON schema's message would list every shape `prompt` may take
             raise bad_request(f"'{which}' holds a negative token id ({min(ids)})", which)
-        return parse(CompletionRequest, _json(body), {"prompt": which}), which
+        return parse(_CompletionRequest, _json(body), {"prompt": which}), which
     raise bad_request("set one of 'prompt', 'messages' or 'prompt_token_ids'", "prompt")
 
 
@@ -127,10 +148,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def _generate(self, request, context: grpc.aio.ServicerContext, principal: Principal | None) -> None:
         arrival_s = time.perf_counter()
         req, prompt_param = generate_request(request)
-        gen = await start_generation(self.state, req, prompt_param, arrival_s, principal)
+        try:
+            gen = await start_generation(self.state, req, prompt_param, arrival_s, principal)
+        except ApiError as err:
+            raise _renamed(err, _CHAT_RENAMES) from None
+        texts = gen.tokenizer.token_texts if req.num_logprobs is not None else None
         try:
             await context.send_initial_metadata(((REQUEST_ID_KEY, str(gen.request_id)),))
-            await _stream(gen, context)
+            await _stream(gen, context, texts)
         except asyncio.CancelledError:
             log.info("client cancelled request %d", gen.request_id, extra={"request_id": gen.request_id})
             raise
@@ -142,17 +167,38 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.TokenizeResponse(tokens=resp.tokens, count=resp.count, max_model_len=resp.max_model_len)
 
 
-async def _stream(gen: Choices, context: grpc.aio.ServicerContext) -> None:
-    while True:
-        _, piece = await gen.next_piece()
-        reply = inference_pb2.GenerateResponse(text=piece.text, token_ids=piece.token_ids, request_id=gen.request_id)
-        if piece.finish_reason:
-            reply.finish_reason = piece.finish_reason
+def _renamed(err: ApiError, renames: dict[str, str]) -> ApiError:
+    """The error naming the gRPC field its OpenAI field came from."""
+    param = err.detail.param
+    if param in renames:
+        err.detail.message = err.detail.message.replace(param, renames[param])
+        err.detail.param = renames[param]
+    return err
+
+
+async def _stream(gen: Choices, context: grpc.aio.ServicerContext, texts: TokenTexts | None) -> None:
+    """Every choice's pieces as they come; usage on the last message (the last choice's finish)."""
+    while (item := await gen.next_piece()) is not None:
+        index, piece = item
+        reply = inference_pb2.GenerateResponse(text=piece.text, token_ids=piece.token_ids, request_id=gen.request_id,
+                                               choice_index=index, finish_reason=piece.finish_reason or "")
+        if texts is not None:
+            reply.logprobs.extend(_logprobs(texts, token_id, entry)
+                                  for token_id, entry in zip(piece.token_ids, piece.logprobs))
+        if gen.finished:
             reply.usage.prompt_tokens, reply.usage.completion_tokens = gen.prompt_len, gen.completion_tokens
             reply.usage.total_tokens = gen.prompt_len + gen.completion_tokens
-            await context.write(reply)
-            return
         await context.write(reply)
+
+
+def _logprobs(texts: TokenTexts, token_id: int, entry: TokenLogprob) -> inference_pb2.TokenLogprobs:
+    return inference_pb2.TokenLogprobs(chosen=_logprob(texts, token_id, entry.logprob),
+                                       top=[_logprob(texts, t, lp) for t, lp in entry.top])
+
+
+def _logprob(texts: TokenTexts, token_id: int, logprob: float) -> inference_pb2.Logprob:
+    return inference_pb2.Logprob(token_id=token_id, logprob=clamp_logprob(logprob),
+                                 token_bytes=texts.bytes(token_id), token=texts.text(token_id))
 
 
 # ---------------------------------------------------------------- the server

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protocols/inference.proto\x12\x12\x62link.inference.v1\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"A\n\x0c\x43hatMessages\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.blink.inference.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xbf\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x34\n\x08messages\x18\x03 \x01(\x0b\x32 .blink.inference.v1.ChatMessagesH\x00\x12\x38\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x1c.blink.inference.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08priority\x18\x0e \x01(\x03\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x88\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05usage\x18\x04 \x01(\x0b\x32\x19.blink.inference.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\"\xe7\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x34\n\x08messages\x18\x03 \x01(\x0b\x32 .blink.inference.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"H\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\xbb\x01\n\tInference\x12W\n\x08Generate\x12#.blink.inference.v1.GenerateRequest\x1a$.blink.inference.v1.GenerateResponse0\x01\x12U\n\x08Tokenize\x12#.blink.inference.v1.TokenizeRequest\x1a$.blink.inference.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protocols/inference.proto\x12\x12\x62link.inference.v1\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"A\n\x0c\x43hatMessages\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.blink.inference.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x95\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x34\n\x08messages\x18\x03 \x01(\x0b\x32 .blink.inference.v1.ChatMessagesH\x00\x12\x38\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x1c.blink.inference.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08priority\x18\x0e \x01(\x03\x12\x0e\n\x01n\x18\x0f \x01(\x03H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x02H\n\x88\x01\x01\x12\x46\n\nlogit_bias\x18\x13 \x03(\x0b\x32\x32.blink.inference.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x14 \x01(\x03H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"P\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\r\n\x05token\x18\x04 \x01(\t\"f\n\rTokenLogprobs\x12+\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1b.blink.inference.v1.Logprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.blink.inference.v1.Logprob\"\xd3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05usage\x18\x04 \x01(\x0b\x32\x19.blink.inference.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\x12\x14\n\x0c\x63hoice_index\x18\x06 \x01(\r\x12\x33\n\x08logprobs\x18\x07 \x03(\x0b\x32!.blink.inference.v1.TokenLogprobs\"\xe7\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x34\n\x08messages\x18\x03 \x01(\x0b\x32 .blink.inference.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"H\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\xbb\x01\n\tInference\x12W\n\x08Generate\x12#.blink.inference.v1.GenerateRequest\x1a$.blink.inference.v1.GenerateResponse0\x01\x12U\n\x08Tokenize\x12#.blink.inference.v1.TokenizeRequest\x1a$.blink.inference.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protocols.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=49
   _globals['_CHATMESSAGE']._serialized_end=107
   _globals['_CHATMESSAGES']._serialized_start=109
@@ -38,15 +40,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=176
   _globals['_TOKENIDS']._serialized_end=199
   _globals['_GENERATEREQUEST']._serialized_start=202
-  _globals['_GENERATEREQUEST']._serialized_end=649
-  _globals['_USAGE']._serialized_start=651
-  _globals['_USAGE']._serialized_end=730
-  _globals['_GENERATERESPONSE']._serialized_start=733
-  _globals['_GENERATERESPONSE']._serialized_end=869
-  _globals['_TOKENIZEREQUEST']._serialized_start=872
-  _globals['_TOKENIZEREQUEST']._serialized_end=1103
-  _globals['_TOKENIZERESPONSE']._serialized_start=1105
-  _globals['_TOKENIZERESPONSE']._serialized_end=1177
-  _globals['_INFERENCE']._serialized_start=1180
-  _globals['_INFERENCE']._serialized_end=1367
+  _globals['_GENERATEREQUEST']._serialized_end=991
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=779
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=827
+  _globals['_USAGE']._serialized_start=993
+  _globals['_USAGE']._serialized_end=1072
+  _globals['_LOGPROB']._serialized_start=1074
+  _globals['_LOGPROB']._serialized_end=1154
+  _globals['_TOKENLOGPROBS']._serialized_start=1156
+  _globals['_TOKENLOGPROBS']._serialized_end=1258
+  _globals['_GENERATERESPONSE']._serialized_start=1261
+  _globals['_GENERATERESPONSE']._serialized_end=1472
+  _globals['_TOKENIZEREQUEST']._serialized_start=1475
+  _globals['_TOKENIZEREQUEST']._serialized_end=1706
+  _globals['_TOKENIZERESPONSE']._serialized_start=1708
+  _globals['_TOKENIZERESPONSE']._serialized_end=1780
+  _globals['_INFERENCE']._serialized_start=1783
+  _globals['_INFERENCE']._serialized_end=1970
 # @@protoc_insertion_point(module_scope)

@@ -50,8 +50,10 @@ class InferenceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams the completion: text deltas with the token ids they came from; the last message carries
-        finish_reason and usage. Cancelling the call cancels the request in the engine.
+        """Streams the completion: text deltas with the token ids they came from (and their logprobs when
+        asked); each choice's last message carries its finish_reason, and the stream's last message also
+        carries usage. With n > 1 the choices' messages interleave as they come; `choice_index` says whose
+        each is. Cancelling the call cancels the request (every choice) in the engine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

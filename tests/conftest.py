@@ -1,6 +1,7 @@
 """Shared fixtures: a live `blink serve` (CPU backend + gateway, real processes, real sockets)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -86,3 +87,32 @@ def live_server():
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@pytest.fixture()
+def no_slot_leaks(live_server):
+    """After the test, every request has left the live server's ring (use with `usefixtures`)."""
+    yield
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(live_server.root_url + "/health", timeout=10) as resp:
+            if json.loads(resp.read())["backends"][0]["in_flight"] == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError("ring slots still in flight after the test")
+
+
+@pytest.fixture(scope="module")
+def live_client(live_server):
+    """The official `openai` client on the live server."""
+    import openai
+
+    return openai.OpenAI(base_url=live_server.base_url, api_key=live_server.api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def live_tokenizer(live_server):
+    """The live server's model tokenizer (the `tokenizers` library's, without special-token handling)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(live_server.model_dir) / "tokenizer.json"))

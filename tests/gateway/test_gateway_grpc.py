@@ -13,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from grpc_helpers import generate, rpc_error, trailing
 from protocols import inference_pb2 as pb
 from protocols import inference_pb2_grpc
 
@@ -35,23 +36,8 @@ def auth(harness):
     return (("authorization", f"Bearer {harness.api_key}"),)
 
 
-def generate(stub, auth, **fields) -> list[pb.GenerateResponse]:
-    return list(stub.Generate(pb.GenerateRequest(**fields), metadata=auth, timeout=10))
-
-
 def echo_ids(prompt_ids: list[int], n: int) -> list[int]:
     return list(itertools.islice(itertools.cycle(prompt_ids), n))
-
-
-def rpc_error(call) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        result = call()
-        list(result) if not isinstance(result, pb.TokenizeResponse) else None
-    return info.value
-
-
-def trailing(err: grpc.RpcError) -> dict:
-    return dict(err.trailing_metadata() or ())
 
 
 # ---------------------------------------------------------------- results equal the HTTP API's
@@ -145,12 +131,36 @@ def test_missing_or_wrong_key_is_unauthenticated(stub, harness, metadata):
     ({"prompt_token_ids": pb.TokenIds(ids=[5, -1])}, "prompt_token_ids"),
     ({"prompt_token_ids": pb.TokenIds(ids=[10**6])}, "prompt_token_ids"),
     ({"messages": pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])}, "messages[0].role"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 200}, "n"),
+    ({"prompt": "hi", "n": 5}, "n"),  # over the harness ring's 4 slots
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"prompt": "hi", "repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"prompt": "hi", "logit_bias": {5: 150.0}}, "logit_bias.5"),
+    ({"prompt": "hi", "logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {2**31: 1.0}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {10**5: 1.0}}, "logit_bias"),  # outside the vocabulary
+    ({"prompt": "hi", "logit_bias": {t: 1.0 for t in range(301)}}, "logit_bias"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "logprobs": -1}, "logprobs"),
+    ({"prompt_token_ids": pb.TokenIds(ids=[5, 6]), "logprobs": 21}, "logprobs"),
+    ({"messages": pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")]), "logprobs": 21},
+     "logprobs"),
 ])
 def test_bad_params_are_invalid_argument_naming_the_field(stub, auth, harness, fields, param):
     err = rpc_error(lambda: generate(stub, auth, model=harness.model, **fields))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
     assert trailing(err)["error-param"] == param
     assert f"'{param}'" in err.details() or param.split("[")[0] in err.details()
+
+
+def test_bad_chat_logprobs_name_the_grpc_field(stub, auth, harness):
+    """Chat carries the count as top_logprobs: the error still names `logprobs`, as sent."""
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")])
+    err = rpc_error(lambda: generate(stub, auth, model=harness.model, messages=chat, logprobs=-1))
+    assert "top_logprobs" not in err.details() and "'logprobs'" in err.details()
 
 
 def test_unknown_model_is_not_found(stub, auth, harness):

@@ -8,16 +8,11 @@ Penalties and logit_bias are checked by their effect on greedy decoding, which t
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.request
-from pathlib import Path
-
 import openai
 import pytest
 from tokenizers import Tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_slot_leaks")]
 
 USER = [{"role": "user", "content": "Name three colors."}]
 REPEAT = "one two one two one two one two one two"
@@ -25,30 +20,18 @@ FINISH_REASONS = {"stop", "length"}
 
 
 @pytest.fixture(scope="module")
-def client(live_server):
-    return openai.OpenAI(base_url=live_server.base_url, api_key=live_server.api_key, max_retries=0, timeout=120)
+def client(live_client):
+    return live_client
 
 
 @pytest.fixture(scope="module")
-def tokenizer(live_server) -> Tokenizer:
-    return Tokenizer.from_file(str(Path(live_server.model_dir) / "tokenizer.json"))
+def tokenizer(live_tokenizer) -> Tokenizer:
+    return live_tokenizer
 
 
 @pytest.fixture(scope="module")
 def m(live_server) -> str:
     return live_server.model
-
-
-@pytest.fixture(autouse=True)
-def no_slot_leaks(live_server):
-    yield
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(live_server.root_url + "/health", timeout=10) as resp:
-            if json.loads(resp.read())["backends"][0]["in_flight"] == 0:
-                return
-        time.sleep(0.1)
-    raise AssertionError("ring slots still in flight after the test")
 
 
 def greedy_chat(client, m, **kw):
