@@ -196,8 +196,11 @@ def test_two_hosts_over_tcp(hosts):
     wait_until(lambda: hosts.run(health)["backends"][0]["free_slots"] == NUM_SLOTS, 20, "slot freed after disconnect", hosts)
 
     # the link goes down mid-stream: that request fails (no hang), new ones get 503, then it recovers
+    # (whichever notices first: the tcp link's idle timeout, or the pool's probe of a backend whose
+    # heartbeat stopped finding its control plane unreachable)
     failure, after_s = stream_then(lambda: hosts.link("down"), hosts)
-    assert isinstance(failure, openai.APIError) and "lost the connection" in str(failure), (failure, hosts.logs())
+    assert isinstance(failure, openai.APIError) and any(
+        why in str(failure) for why in ("lost the connection", "control plane unreachable")), (failure, hosts.logs())
     assert after_s < 10  # the gateway's idle timeout (3 s), not the client's own timeout
     with pytest.raises(openai.APIStatusError) as exc:
         hosts.run(lambda: chat())
