@@ -404,6 +404,17 @@ BLINK_HD int32_t blink_bucket_for(const blink_sched_config* c, int32_t num_token
 
 #define BLINK_FIELD(buf, offs, f, type) ((type*)((buf) + (offs)[f]))
 
+// Sampled row k's parameters, from sequence `slot`; returns whether the row samples greedily.
+BLINK_HD int blink_fill_sample_row(const blink_sched* s, uint8_t* buf, const uint64_t* offs, int32_t k, int32_t slot) {
+  BLINK_FIELD(buf, offs, BLINK_F_TEMPERATURE, float)[k] = s->temperature[slot];
+  BLINK_FIELD(buf, offs, BLINK_F_TOP_K, int32_t)[k] = s->top_k[slot];
+  BLINK_FIELD(buf, offs, BLINK_F_TOP_P, float)[k] = s->top_p[slot];
+  BLINK_FIELD(buf, offs, BLINK_F_MIN_P, float)[k] = s->min_p[slot];
+  BLINK_FIELD(buf, offs, BLINK_F_SEEDS, uint64_t)[k] = s->seed[slot];
+  BLINK_FIELD(buf, offs, BLINK_F_SAMPLE_POS, int64_t)[k] = s->num_tokens[slot];
+  return s->temperature[slot] <= 0.0f || s->top_k[slot] == 1;
+}
+
 // Serial part of filling the step buffer: q_start, ctx_lens, num_seqs, sample rows and parameters,
 // the bucket. Returns the bucket; h->num_sampled and h->all_greedy say which graph to launch.
 BLINK_HD int32_t blink_fill_prologue(blink_sched* s, uint8_t* buf) {
@@ -421,13 +432,7 @@ BLINK_HD int32_t blink_fill_prologue(blink_sched* s, uint8_t* buf) {
     BLINK_FIELD(buf, offs, BLINK_F_CTX_LENS, int32_t)[e] = s->entry_start[e] + s->entry_q_len[e];
     if (!s->entry_samples[e]) continue;
     rows[k] = n - 1;
-    BLINK_FIELD(buf, offs, BLINK_F_TEMPERATURE, float)[k] = s->temperature[slot];
-    BLINK_FIELD(buf, offs, BLINK_F_TOP_K, int32_t)[k] = s->top_k[slot];
-    BLINK_FIELD(buf, offs, BLINK_F_TOP_P, float)[k] = s->top_p[slot];
-    BLINK_FIELD(buf, offs, BLINK_F_MIN_P, float)[k] = s->min_p[slot];
-    BLINK_FIELD(buf, offs, BLINK_F_SEEDS, uint64_t)[k] = s->seed[slot];
-    BLINK_FIELD(buf, offs, BLINK_F_SAMPLE_POS, int64_t)[k] = s->num_tokens[slot];
-    greedy = greedy && (s->temperature[slot] <= 0.0f || s->top_k[slot] == 1);
+    greedy = blink_fill_sample_row(s, buf, offs, k, slot) && greedy;
     ++k;
   }
   s->entry_q_start[h->num_entries] = n;

@@ -214,13 +214,7 @@ __device__ inline int32_t blink_fill_prologue_par(blink_sched* s, uint8_t* buf, 
     if (!s->entry_samples[e]) continue;
     const int32_t k = ks[e];
     rows[k] = qs[e] + s->entry_q_len[e] - 1;
-    BLINK_FIELD(buf, offs, BLINK_F_TEMPERATURE, float)[k] = s->temperature[slot];
-    BLINK_FIELD(buf, offs, BLINK_F_TOP_K, int32_t)[k] = s->top_k[slot];
-    BLINK_FIELD(buf, offs, BLINK_F_TOP_P, float)[k] = s->top_p[slot];
-    BLINK_FIELD(buf, offs, BLINK_F_MIN_P, float)[k] = s->min_p[slot];
-    BLINK_FIELD(buf, offs, BLINK_F_SEEDS, uint64_t)[k] = s->seed[slot];
-    BLINK_FIELD(buf, offs, BLINK_F_SAMPLE_POS, int64_t)[k] = s->num_tokens[slot];
-    greedy = greedy && (s->temperature[slot] <= 0.0f || s->top_k[slot] == 1);
+    greedy = blink_fill_sample_row(s, buf, offs, k, slot) && greedy;
   }
   greedy = __syncthreads_and(greedy);
   const int32_t bucket = blink_bucket_for(c, num_tokens);
