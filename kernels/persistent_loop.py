@@ -78,6 +78,7 @@ def load() -> ctypes.CDLL:
         "blink_loop_read_globaltimer": (i32, [ctypes.POINTER(_u64)]),
         "blink_loop_create": (i32, [ctypes.POINTER(LoopArgs), pp, _u32, pp]),
         "blink_loop_launch": (i32, [_p]),
+        "blink_loop_smem_bytes": (_u32, [_p]),
         "blink_loop_poll": (i32, [_p]),
         "blink_loop_destroy": (i32, [_p]),
     }

@@ -69,6 +69,7 @@ class PersistentEngine:
         self.final_ctl: dict[str, int] = {}
         self._loop = ctypes.c_void_p()
         self._registered = False
+        self.smem_bytes = 0
 
     # ---- set-up ------------------------------------------------------------------------------------
     def _register_ring(self) -> int:
@@ -116,8 +117,10 @@ class PersistentEngine:
         t0 = time.perf_counter()
         native.check(self.lib.blink_loop_create(ctypes.byref(args), child_array, len(children),
                                                 ctypes.byref(self._loop)), "building the loop graph")
-        log.info("loop graph: %d bucket graphs under one WHILE/SWITCH graph, instantiated in %.2f s",
-                 len(children), time.perf_counter() - t0)
+        self.smem_bytes = self.lib.blink_loop_smem_bytes(self._loop)
+        log.info("loop graph: %d bucket graphs under one WHILE/SWITCH graph, instantiated in %.2f s; scheduler "
+                 "state in %s", len(children), time.perf_counter() - t0,
+                 f"{self.smem_bytes} B of shared memory" if self.smem_bytes else "global memory (too many slots)")
         consumer = RingConsumer(self.ring)
         consumer.set_stats(self.num_blocks, self.num_blocks, 0, 0)  # the loop keeps free/running/waiting current
         consumer.set_state(EngineState.SERVING)

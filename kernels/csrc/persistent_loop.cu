@@ -475,6 +475,7 @@ struct blink_loop {
   cudaGraphExec_t exec;
   cudaStream_t stream;
   blink_loop_args* dev_args;
+  uint32_t smem_bytes;  // the step kernel's dynamic shared memory (0: its state stays in global memory)
 };
 
 #define BLINK_TRY(call, code)               \
@@ -551,6 +552,7 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   args.smem_bytes = smem + 1024 <= (uint64_t)smem_max ? (uint32_t)smem : 0;  // leave room for the static part
   if (args.smem_bytes)
     BLINK_TRY(cudaFuncSetAttribute(blink_loop_step, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)args.smem_bytes), 18);
+  L->smem_bytes = args.smem_bytes;
   BLINK_TRY(cudaMalloc(&L->dev_args, sizeof(blink_loop_args)), 6);
   BLINK_TRY(cudaMemcpy(L->dev_args, &args, sizeof(blink_loop_args), cudaMemcpyHostToDevice), 7);
 
@@ -584,6 +586,8 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   *out = L;
   return 0;
 }
+
+uint32_t blink_loop_smem_bytes(const blink_loop* L) { return L->smem_bytes; }
 
 int blink_loop_launch(blink_loop* L) {
   BLINK_TRY(cudaGraphLaunch(L->exec, L->stream), 1);

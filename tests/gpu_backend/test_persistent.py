@@ -1,7 +1,8 @@
 """The `persistent` engine (the GPU-resident loop) on a CUDA GPU: run on the device machine, skipped elsewhere.
 
 - for the same seeded requests it gives the host engine's tokens, bit for bit (same scheduler decisions,
-  same bucket graphs);
+  same bucket graphs), with the scheduler's state in shared memory and, for a ring too big for it, in
+  global memory;
 - cancelling mid-generation returns every KV block (device scheduler state and the ring's stats);
 - a prompt the context cannot hold is refused with PROMPT_TOO_LONG while other requests run;
 - shutdown with requests in flight reports each of them failed (ENGINE_STOPPING), none is left open;
@@ -101,8 +102,22 @@ def test_persistent_gives_the_host_engines_tokens_bit_for_bit(served):
     s.wait(lambda: len(s.finishes) == len(slots))
     assert [s.finishes[x][0] for x in slots] == host_fin == [FinishReason.LENGTH] * 4
     assert [s.tokens[x] for x in slots] == host_tokens
+    assert s.engine.smem_bytes > 0  # the step kernel keeps the scheduler's hot state in shared memory
     s.engine.shutdown()  # the loop's counters are mirrored to the host as it leaves
     assert s.engine.final_ctl["steps"] > 0 and s.engine.final_ctl["tokens"] == 4 * 24
+
+
+def test_a_ring_too_big_for_shared_memory_runs_from_global_memory(served):
+    """2,048 slots of scheduler state do not fit in one block's shared memory: same tokens regardless."""
+    cfg, model = _peaky_model()
+    runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
+    host_tokens, _, _ = _drive(runner, cfg, _specs(), config=CONFIG)
+    s = served(runner, cfg, RingGeometry(2048, 256, 256))
+    slots = s.submit(_specs())
+    s.engine.start()
+    s.wait(lambda: len(s.finishes) == len(slots))
+    assert s.engine.smem_bytes == 0
+    assert [s.tokens[x] for x in slots] == host_tokens
 
 
 def test_cancel_mid_generation_returns_every_block(served):
