@@ -128,10 +128,10 @@ class PersistentEngine:
 
     # ---- the host's whole job while serving -----------------------------------------------------------
     def run(self) -> None:
-        self.start()
         try:
+            self.start()
             self._watch()
-        finally:
+        finally:  # also when the set-up failed: whatever was queued is answered
             self.shutdown()
 
     def _watch(self) -> None:
@@ -167,12 +167,15 @@ class PersistentEngine:
             self.final_ctl = {name: getattr(self.ctl, name) for name, _ in native.LoopCtl._fields_ if name != "_pad"}
         if running:
             log.error("the GPU loop did not stop within %.0f s; leaving it to the process exit", timeout_s)
-        self._sweep(consumer, died=self.failed is not None)
+        died = self.failed is not None
+        self._sweep(consumer, died)
         consumer.set_state(EngineState.STOPPED)
-        if not running and self._loop.value is not None:
+        if running or died:  # still spinning, or the CUDA context is unusable: the process exit cleans up
+            return
+        if self._loop.value is not None:
             native.check(self.lib.blink_loop_destroy(self._loop), "destroying the loop")
             self._loop = ctypes.c_void_p()
-        if not running and self._registered:
+        if self._registered:
             native.check(self.lib.blink_loop_unregister(self.ring.buf.ctypes.data), "cudaHostUnregister(ring)")
             self._registered = False
 
