@@ -435,7 +435,8 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
       if (threadIdx.x == 0) st_v(&a->ctl->error, 1u);
       shut_down(a, &s, BLINK_ERROR_INTERNAL);
     } else {
-      blink_fill_tokens(&s, a->step_buf, threadIdx.x, blockDim.x);
+      blink_fill_token_rows(&s, a->step_buf, threadIdx.x, blockDim.x);
+      blink_fill_block_tables_par(&s, a->step_buf, x.par);
       if (threadIdx.x == 0) {
         const blink_sched_config* c = &h->cfg;
         uint32_t index = 0;

@@ -41,7 +41,8 @@ __global__ void k_step(uint8_t* mem, uint8_t* buf, const int32_t* room, int32_t*
   blink_sched s = bind_dev(mem);
   if (blink_sched_schedule_par(&s, room, order, scratch)) {
     blink_fill_prologue_par(&s, buf, scratch);
-    blink_fill_tokens(&s, buf, threadIdx.x, blockDim.x);
+    blink_fill_token_rows(&s, buf, threadIdx.x, blockDim.x);
+    blink_fill_block_tables_par(&s, buf, scratch);
   }
 }
 

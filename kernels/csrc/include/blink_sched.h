@@ -459,7 +459,7 @@ BLINK_HD int32_t blink_entry_of_token(const blink_sched* s, int32_t i) {  // las
 
 // Parallel part: token rows [0, bucket) (padding: id 0, position 0, KV slot -1, seq id -1) and the
 // block-table rows of the batch. Runs after blink_fill_prologue (a barrier between them on the device).
-BLINK_HD void blink_fill_tokens(const blink_sched* s, uint8_t* buf, int32_t tid, int32_t nthreads) {
+BLINK_HD void blink_fill_token_rows(const blink_sched* s, uint8_t* buf, int32_t tid, int32_t nthreads) {
   const blink_sched_header* h = s->h;
   const blink_sched_config* c = &h->cfg;
   const int32_t mb = blink_max_blocks_per_seq(c), bs = c->block_size;
@@ -480,6 +480,15 @@ BLINK_HD void blink_fill_tokens(const blink_sched* s, uint8_t* buf, int32_t tid,
     BLINK_FIELD(buf, offs, BLINK_F_SLOT_MAPPING, int64_t)[i] = kv;
     BLINK_FIELD(buf, offs, BLINK_F_SEQ_IDS, int32_t)[i] = seq_id;
   }
+}
+
+// The batch's block-table rows (blink_sched_par.cuh has the loop kernel's version over valid cells only).
+BLINK_HD void blink_fill_block_tables(const blink_sched* s, uint8_t* buf, int32_t tid, int32_t nthreads) {
+  const blink_sched_header* h = s->h;
+  const blink_sched_config* c = &h->cfg;
+  const int32_t mb = blink_max_blocks_per_seq(c);
+  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  blink_step_layout(c->step_max_tokens, c->step_max_seqs, mb, offs);
   // the [entries, MB] rectangle, flattened, in runs of 8 cells per thread: the 8 loads are issued before
   // any store (a load may not pass a store to memory that could alias it), so a thread waits for one
   // memory latency per run instead of one per cell
@@ -496,6 +505,11 @@ BLINK_HD void blink_fill_tokens(const blink_sched* s, uint8_t* buf, int32_t tid,
     for (int32_t j = 0; j < 8; ++j)
       if (cell[j] >= 0) tables[cell[j]] = value[j];
   }
+}
+
+BLINK_HD void blink_fill_tokens(const blink_sched* s, uint8_t* buf, int32_t tid, int32_t nthreads) {
+  blink_fill_token_rows(s, buf, tid, nthreads);
+  blink_fill_block_tables(s, buf, tid, nthreads);
 }
 
 // ---- after the model ran -------------------------------------------------------------------------------

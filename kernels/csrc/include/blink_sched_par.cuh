@@ -234,4 +234,43 @@ __device__ inline int32_t blink_fill_prologue_par(blink_sched* s, uint8_t* buf, 
   return sh_bucket;
 }
 
+// The batch's block-table rows over the valid cells only (entry e's first num_table blocks), numbered
+// with a prefix sum, in runs of 8 cells per thread whose loads are in flight together (the rectangle of
+// blink_fill_block_tables walks [entries, MB]: 256 x 256 cells for 256 sequences of a 4k context).
+__device__ inline void blink_fill_block_tables_par(const blink_sched* s, uint8_t* buf, int32_t* scratch) {
+  const blink_sched_header* h = s->h;
+  const blink_sched_config* c = &h->cfg;
+  const int32_t n = h->num_entries, mb = blink_max_blocks_per_seq(c);
+  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  blink_step_layout(c->step_max_tokens, c->step_max_seqs, mb, offs);
+  int32_t* tables = BLINK_FIELD(buf, offs, BLINK_F_BLOCK_TABLES, int32_t);
+  int32_t* first = scratch;  // entry e's first cell; every entry holds at least one block
+  for (int32_t e = threadIdx.x; e < n; e += blockDim.x) first[e] = s->num_table[s->entry_slot[e]];
+  __syncthreads();
+  const int32_t cells = blink_block_scan(first, n);
+  for (int32_t base = threadIdx.x * 8; base < cells; base += blockDim.x * 8) {
+    int32_t value[8], cell[8];
+#pragma unroll
+    for (int32_t j = 0; j < 8; ++j) {
+      const int32_t i = base + j;
+      cell[j] = -1;
+      value[j] = 0;
+      if (i < cells) {
+        int32_t lo = 0, hi = n - 1;  // the last entry whose first cell is <= i
+        while (lo < hi) {
+          const int32_t mid = (lo + hi + 1) / 2;
+          if (first[mid] <= i) lo = mid; else hi = mid - 1;
+        }
+        const int32_t b = i - first[lo];
+        cell[j] = lo * mb + b;
+        value[j] = s->block_table[(int64_t)s->entry_slot[lo] * mb + b];
+      }
+    }
+#pragma unroll
+    for (int32_t j = 0; j < 8; ++j)
+      if (cell[j] >= 0) tables[cell[j]] = value[j];
+  }
+  __syncthreads();
+}
+
 #endif  // BLINK_SCHED_PAR_CUH
