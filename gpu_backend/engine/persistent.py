@@ -3,7 +3,7 @@
 Set-up (host, once): the GpuRunner captures its bucket graphs; the scheduler state (`blink_sched.h`,
 initialised by the host build, `sched_native.py`) is copied to device memory; the ring's shared memory is
 registered with CUDA (pinned, mapped); `kernels/csrc/persistent_loop.cu` wraps the bucket graphs in one
-graph (WHILE: schedule kernel -> SWITCH over the bucket graphs -> commit kernel), launched once.
+graph (WHILE: step kernel -> SWITCH over the bucket graphs, beside a publish kernel), launched once.
 
 After the launch the host does nothing per request or per token. `run()` wakes once a second to
 see whether the loop's stream ended (a CUDA error: the loop died) and whether its heartbeat is stale (the

@@ -1,9 +1,10 @@
 // The GPU-resident loop: one CUDA graph, launched once, that serves the ring with no host CPU per token.
 //
 //   WHILE (loop_handle) {
-//     step kernel       apply the last step's sampled tokens (blink_sched_update), admit new requests from
-//                       the ring, honour cancels, choose the next step (blink_sched.h), fill the step buffer,
-//                       pick the bucket graph -- or, with nothing to run, spin (one block) until work comes
+//     step kernel       apply the last step's sampled tokens, admit new requests from the ring, honour
+//                       cancels, choose the next step and fill the step buffer (blink_sched.h, with the
+//                       block-parallel parts of blink_sched_par.cuh), pick the bucket graph -- or, with
+//                       nothing to run, spin (one block) until work comes
 //     then, side by side:
 //       SWITCH (branch) branch 2i: bucket i sampled, 2i+1: bucket i greedy (PyTorch-captured child graphs)
 //       publish kernel  the committed tokens and finishes to the response areas, with the ring's fences
@@ -12,7 +13,8 @@
 // its serial parts: one thread walking global memory pays a cache miss per load.
 //
 // The ring lives in host memory (the shm transport's file), registered with cudaHostRegister: the loop reads
-// it over PCIe with volatile or acquire loads (L1 would keep stale lines across slot reuse) and writes it
+// it over PCIe with volatile loads (L1 would keep stale lines across slot reuse) and a system fence before
+// it reads what a submission tail covers, and writes it
 // with the ring's order: payload first, the validating word last with a release store at system scope.
 // Scheduling state, the step buffer and the sampled tokens stay in device memory. The host thread only sets
 // `ctl->stop` (pinned, mapped) and watches the stream; gpu_backend/engine/persistent.py drives this file.
