@@ -245,8 +245,9 @@ def ttft(args: argparse.Namespace) -> None:
           f"gateway adds {result['gateway_added_ttft_ms_median']:.3f} ms at the median")
 
 
-async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> dict:
-    """`streams` concurrent streaming completions; per-token publish-to-receipt latency from the ids."""
+async def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | None = None) -> dict:
+    """`streams` concurrent streaming completions; per-token publish-to-receipt latency from the ids.
+    With `gateway_pid`: the gateway's CPU per token received after every stream started (steady state)."""
     import re
 
     import aiohttp
@@ -255,6 +256,7 @@ async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> d
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True}
     lags, counts, first_ns = [], [], []  # lags: (receipt ns, lag us)
+    steady = {}  # the gateway's CPU seconds and the tokens received when the last stream started
 
     async def one(session: aiohttp.ClientSession) -> None:
         got = 0
@@ -269,6 +271,8 @@ async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> d
                     got += 1
                 if got and len(first_ns) < streams and got == len(word.findall(text)):
                     first_ns.append(now)
+                    if len(first_ns) == streams and gateway_pid:
+                        steady.update(cpu_s=cpu_s(gateway_pid), tokens=len(lags))
         counts.append(got)
 
     conn = aiohttp.TCPConnector(limit=0)
@@ -277,9 +281,12 @@ async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> d
         await asyncio.gather(*(one(session) for _ in range(streams)))
         wall = time.perf_counter() - t0
     steady_ns = max(first_ns)  # every stream has started: the ramp of request set-ups is over
+    if steady and len(lags) > steady["tokens"]:
+        steady_us = 1e6 * (cpu_s(gateway_pid) - steady["cpu_s"]) / (len(lags) - steady["tokens"])
+        steady = {"gateway_cpu_us_per_token_steady": steady_us}
     return {"streams": streams, "max_tokens": max_tokens, "wall_s": wall, "tokens": sum(counts),
             "complete_streams": sum(c == max_tokens for c in counts), "tok_s": sum(counts) / wall,
-            "steady_ns": steady_ns, **lag_stats("lag_us", lags, steady_ns)}
+            "steady_ns": steady_ns, **steady, **lag_stats("lag_us", lags, steady_ns)}
 
 
 def cpu_s(pid: int) -> float:
@@ -334,7 +341,7 @@ def stream(args: argparse.Namespace) -> None:
             os.sched_setaffinity(0, other)
             pids = {"gateway": gateway_pid, "engine": engine_pid, "client": os.getpid()}
             cpu0 = {name: cpu_s(pid) for name, pid in pids.items()}
-            result = asyncio.run(stream_clients(url, "traffic-key", args.streams, args.tokens))
+            result = asyncio.run(stream_clients(url, "traffic-key", args.streams, args.tokens, gateway_pid))
             result.update({f"{name}_cpu_util": (cpu_s(pid) - cpu0[name]) / result["wall_s"]
                            for name, pid in pids.items()})
             result["gateway_cpu_us_per_token"] = 1e6 * result["gateway_cpu_util"] * result["wall_s"] / max(result["tokens"], 1)
@@ -351,7 +358,8 @@ def stream(args: argparse.Namespace) -> None:
           f"(steady state: {result['lag_us_steady_p50'] / 1e3:.2f}, {result['lag_us_steady_p99'] / 1e3:.2f}); "
           + (f"publish->gateway emit P50 {result['emit_lag_us_p50'] / 1e3:.3f} ms, P99 {result['emit_lag_us_p99'] / 1e3:.3f} ms "
              f"(steady state: {result['emit_lag_us_steady_p50'] / 1e3:.3f}, {result['emit_lag_us_steady_p99'] / 1e3:.3f}); "
-             if emit else "") + f"CPU use: gateway {result['gateway_cpu_util']:.0%} ({result['gateway_cpu_us_per_token']:.1f} us/token), engine {result['engine_cpu_util']:.0%}, "
+             if emit else "") + f"CPU use: gateway {result['gateway_cpu_util']:.0%} ({result['gateway_cpu_us_per_token']:.1f} us/token, steady "
+          f"{result.get('gateway_cpu_us_per_token_steady', float('nan')):.1f}), engine {result['engine_cpu_util']:.0%}, "
           f"client {result['client_cpu_util']:.0%}")
 
 
