@@ -19,7 +19,7 @@ The gateway's added TTFT = median(HTTP) - median(direct). Writes JSON (commit, m
 
 `stream`: the gateway on the last core, engine and client on the others; N concurrent streams. Per-token
 latency from the publish time each token id encodes: to the client's receipt, and (unless --no-probe) to
-the gateway's hand-off of the chunk to its socket (`probed_gateway` wraps the gateway's SSE send);
+the gateway's hand-off of the chunk to its socket (`bench/gateway_probe.py` wraps the gateway's stream writes);
 percentiles over all tokens and over the steady state (published after every stream started); CPU use
 per process.
 """
@@ -200,12 +200,12 @@ def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = N
 def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | None = None,
                      profile: str | None = None):
     """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL. With `probe`, the
-    gateway runs under `probed_gateway` and writes its emit lags there; with `profile`, a cProfile dump."""
+    gateway runs under `bench/gateway_probe.py` and writes its emit times and token ids there; with `profile`, a cProfile dump."""
     port = free_port()
     env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
     args = ["--port", str(port), "--grpc-port", "0", "--backend", control, "--log-level", "WARNING"]
     if probe or profile:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "probed-gateway", probe or "", profile or "", *args]
+        cmd = [sys.executable, str(Path(__file__).resolve().parent / "gateway_probe.py"), probe or "", profile or "", *args]
     else:
         cmd = [sys.executable, "-m", "blink.cli", "gateway", *args]
     gateway = subprocess.Popen(cmd, cwd=ROOT, env=env,
@@ -347,7 +347,7 @@ def stream(args: argparse.Namespace) -> None:
             result["gateway_cpu_us_per_token"] = 1e6 * result["gateway_cpu_util"] * result["wall_s"] / max(result["tokens"], 1)
     emit = []
     if probe:
-        emit = json.loads(Path(probe).read_text())
+        emit = [(t, lag_us(token, t)) for t, token in json.loads(Path(probe).read_text())]
         os.unlink(probe)
     result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
               "engine_tok_s_per_stream": args.tok_s, **result, **(lag_stats("emit_lag_us", emit, result["steady_ns"]) if emit else {})}
@@ -363,47 +363,7 @@ def stream(args: argparse.Namespace) -> None:
           f"client {result['client_cpu_util']:.0%}")
 
 
-def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
-    """The gateway with a benchmark probe on `gateway.http._send`: for every token of every chunk, the
-    time from the fake engine's publish (encoded in the token id) to the gateway handing the chunk to
-    its transport. Those lags go to `probe` (JSON) when the gateway stops; `profile`: a cProfile dump."""
-    import array
-    import cProfile
-    import re
-
-    import gateway.http as http
-    from gateway.main import main as gateway_main
-
-    # Kept cheap (about 1 us a chunk, no object the GC tracks): times and texts now, token ids parsed at exit.
-    times_ns, texts, send = array.array("q"), [], http._send
-
-    async def probed_send(resp, chunk) -> None:
-        choices = getattr(chunk, "choices", None)
-        if choices and getattr(choices[0], "text", None):
-            times_ns.append(time.monotonic_ns())
-            texts.append(choices[0].text)
-        await send(resp, chunk)
-
-    if probe:
-        http._send = probed_send
-    profiler = cProfile.Profile() if profile else None
-    try:
-        if profiler is not None:
-            profiler.enable()
-        return gateway_main(argv)
-    finally:
-        if profiler is not None:
-            profiler.disable()
-            profiler.dump_stats(profile)
-        if probe:
-            word = re.compile(r"w(\d+)")
-            lags = [(t, lag_us(int(m.group(1)), t)) for t, text in zip(times_ns, texts) for m in word.finditer(text)]
-            Path(probe).write_text(json.dumps(lags))
-
-
 def main() -> None:
-    if sys.argv[1:2] == ["probed-gateway"]:
-        raise SystemExit(probed_gateway(sys.argv[2], sys.argv[3], sys.argv[4:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("ttft", help="the gateway's added time to first token")
