@@ -198,12 +198,16 @@ def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = N
 
 @contextlib.contextmanager
 def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | None = None,
-                     profile: str | None = None):
+                     profile: str | None = None, poll_spin_s: float | None = None):
     """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL. With `probe`, the
     gateway runs under `bench/gateway_probe.py` and writes its emit times and token ids there; with `profile`, a cProfile dump."""
     port = free_port()
     env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
     args = ["--port", str(port), "--grpc-port", "0", "--backend", control, "--log-level", "WARNING"]
+    if poll_spin_s is not None:  # 0: no back-to-back polls, so its CPU time is its work, not its spinning
+        config = Path(f"/tmp/blink-traffic-gateway-{os.getpid()}.yaml")
+        config.write_text(f"poll_spin_s: {poll_spin_s}\n")
+        args += ["--config", str(config)]
     if probe or profile:
         cmd = [sys.executable, str(Path(__file__).resolve().parent / "gateway_probe.py"), probe or "", profile or "", *args]
     else:
@@ -337,7 +341,8 @@ def stream(args: argparse.Namespace) -> None:
     gw_cores, other = set(cores[-args.gateway_cores:]), set(cores[:-args.gateway_cores]) or set(cores)
     probe = None if args.no_probe else f"/tmp/blink-emit-lags-{os.getpid()}.json"
     with traffic_engine(args.tok_s, idle_s=0.0005, cores=other) as (_, control, engine_pid):
-        with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile) as (url, gateway_pid):
+        with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile,
+                              poll_spin_s=args.poll_spin_s) as (url, gateway_pid):
             os.sched_setaffinity(0, other)
             pids = {"gateway": gateway_pid, "engine": engine_pid, "client": os.getpid()}
             cpu0 = {name: cpu_s(pid) for name, pid in pids.items()}
@@ -350,8 +355,10 @@ def stream(args: argparse.Namespace) -> None:
         emit = [(t, lag_us(token, t)) for t, token in json.loads(Path(probe).read_text())]
         os.unlink(probe)
     result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
+              "gateway_poll_spin_s": args.poll_spin_s,
               "engine_tok_s_per_stream": args.tok_s, **result, **(lag_stats("emit_lag_us", emit, result["steady_ns"]) if emit else {})}
-    record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else ""))
+    record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else "")
+           + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}"))
     print(f"{result['streams']} streams x {result['max_tokens']} tokens at {args.tok_s:g} tok/s each: "
           f"{result['tok_s']:.0f} tok/s delivered, {result['complete_streams']} complete; per-token "
           f"publish->client latency P50 {result['lag_us_p50'] / 1e3:.2f} ms, P99 {result['lag_us_p99'] / 1e3:.2f} ms "
@@ -376,6 +383,8 @@ def main() -> None:
     st.add_argument("--gateway-cores", type=int, default=1, help="the last N cores are the gateway's")
     st.add_argument("--profile", help="write a cProfile dump of the gateway here")
     st.add_argument("--no-probe", action="store_true", help="leave out the gateway's emit-time probe (its own cost)")
+    st.add_argument("--poll-spin-s", type=float, help="the gateway's poll_spin_s (0: its CPU use is its work per "
+                    "token; by default it polls back to back while tokens flow, using its whole core)")
     st.add_argument("--idle-wait-s", type=float, default=900.0,
                     help="first wait up to this long for the cores to be 90%% idle over 2 s (0: don't)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))
