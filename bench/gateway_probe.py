@@ -11,6 +11,7 @@ what a gateway imports and nothing more (torch's objects would make every full G
 from __future__ import annotations
 
 import array
+import gc
 import json
 import re
 import sys
@@ -42,6 +43,15 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
             writes.append(b'"text":"%s"' % choices[0].text.encode())
         await send(resp, chunk)
 
+    gc_ns, gc_start = [0, 0, 0], [0]  # time in collections of each generation
+
+    def gc_timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter_ns()
+        else:
+            gc_ns[info["generation"]] += time.perf_counter_ns() - gc_start[0]
+    gc.callbacks.append(gc_timer)
+
     if probe and write is not None:
         http._write = probed_write
     elif probe:
@@ -55,6 +65,9 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
     try:
         return gateway_main(argv)
     finally:
+        print(f"gateway GC: {gc_ns[0] / 1e6:.0f} / {gc_ns[1] / 1e6:.0f} / {gc_ns[2] / 1e6:.0f} ms in collections of "
+              f"generation 0 / 1 / 2 ({', '.join(str(s['collections']) for s in gc.get_stats())} collections)",
+              file=sys.stderr)
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(profile)
