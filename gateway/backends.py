@@ -76,11 +76,12 @@ class UpdateQueue:
     """One request's updates: the poller puts, the request's one reader awaits. What asyncio.Queue does
     for this case with less work per token (no getter list, no size limit, no loop check per call)."""
 
-    __slots__ = ("_updates", "_waiter")
+    __slots__ = ("_updates", "_waiter", "_loop")
 
     def __init__(self):
         self._updates: collections.deque[TokenUpdate] = collections.deque()
         self._waiter: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the reader's, found once (a getpid() per call)
 
     def put_nowait(self, update: TokenUpdate) -> None:
         self._updates.append(update)
@@ -89,7 +90,9 @@ class UpdateQueue:
 
     async def get(self) -> TokenUpdate:
         while not self._updates:
-            self._waiter = asyncio.get_running_loop().create_future()
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
