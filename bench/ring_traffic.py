@@ -16,12 +16,15 @@ that the gateway's own cost can be measured without an engine's cost on top. Nev
 The gateway's added TTFT = median(HTTP) - median(direct). Writes JSON (commit, machine) and prints a row.
 
     .venv/bin/python bench/ring_traffic.py stream [--streams 512] [--tokens 200] [--tok-s 50] [--no-probe]
+                                                  [--poll-spin-s 0] [--idle-wait-s 900]
 
 `stream`: the gateway on the last core, engine and client on the others; N concurrent streams. Per-token
 latency from the publish time each token id encodes: to the client's receipt, and (unless --no-probe) to
 the gateway's hand-off of the chunk to its socket (`bench/gateway_probe.py` wraps the gateway's stream writes);
 percentiles over all tokens and over the steady state (published after every stream started); CPU use
-per process.
+per process, and the gateway's CPU per token after every stream started. The gateway spin-polls while
+tokens flow, so its CPU use is its whole core whatever its work: `--poll-spin-s 0` measures the work.
+It first waits for the cores to be idle (other developers' runs share this machine).
 """
 from __future__ import annotations
 

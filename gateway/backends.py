@@ -2,7 +2,7 @@
 
 The poller is the only code that touches a ring's response side. While requests are in flight it
 finds the slots with news (`ready_slots`: one vectorized read of every slot's counters), polls those,
-and pushes each `TokenUpdate` into that request's `asyncio.Queue`; it polls again right after the
+and pushes each `TokenUpdate` into that request's `UpdateQueue`; it polls again right after the
 readers ran while news keeps coming (up to `poll_spin_s` after the last), else every `poll_active_s`;
 with no request in flight it waits for a submission. It releases a slot once the engine has reported a finish, also
 for requests whose client went away (those are cancelled first, then drained).
