@@ -16,12 +16,15 @@ that the gateway's own cost can be measured without an engine's cost on top. Nev
 The gateway's added TTFT = median(HTTP) - median(direct). Writes JSON (commit, machine) and prints a row.
 
     .venv/bin/python bench/ring_traffic.py stream [--streams 512] [--tokens 200] [--tok-s 50] [--no-probe]
+                                                  [--poll-spin-s 0] [--idle-wait-s 900]
 
 `stream`: the gateway on the last core, engine and client on the others; N concurrent streams. Per-token
 latency from the publish time each token id encodes: to the client's receipt, and (unless --no-probe) to
-the gateway's hand-off of the chunk to its socket (`probed_gateway` wraps the gateway's SSE send);
+the gateway's hand-off of the chunk to its socket (`bench/gateway_probe.py` wraps the gateway's stream writes);
 percentiles over all tokens and over the steady state (published after every stream started); CPU use
-per process.
+per process, and the gateway's CPU per token after every stream started. The gateway spin-polls while
+tokens flow, so its CPU use is its whole core whatever its work: `--poll-spin-s 0` measures the work.
+It first waits for the cores to be idle (other developers' runs share this machine).
 """
 from __future__ import annotations
 
@@ -198,14 +201,18 @@ def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = N
 
 @contextlib.contextmanager
 def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | None = None,
-                     profile: str | None = None):
+                     profile: str | None = None, poll_spin_s: float | None = None):
     """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL. With `probe`, the
-    gateway runs under `probed_gateway` and writes its emit lags there; with `profile`, a cProfile dump."""
+    gateway runs under `bench/gateway_probe.py` and writes its emit times and token ids there; with `profile`, a cProfile dump."""
     port = free_port()
     env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
     args = ["--port", str(port), "--grpc-port", "0", "--backend", control, "--log-level", "WARNING"]
+    if poll_spin_s is not None:  # 0: no back-to-back polls, so its CPU time is its work, not its spinning
+        config = Path(f"/tmp/blink-traffic-gateway-{os.getpid()}.yaml")
+        config.write_text(f"poll_spin_s: {poll_spin_s}\n")
+        args += ["--config", str(config)]
     if probe or profile:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "probed-gateway", probe or "", profile or "", *args]
+        cmd = [sys.executable, str(Path(__file__).resolve().parent / "gateway_probe.py"), probe or "", profile or "", *args]
     else:
         cmd = [sys.executable, "-m", "blink.cli", "gateway", *args]
     gateway = subprocess.Popen(cmd, cwd=ROOT, env=env,
@@ -245,8 +252,9 @@ def ttft(args: argparse.Namespace) -> None:
           f"gateway adds {result['gateway_added_ttft_ms_median']:.3f} ms at the median")
 
 
-async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> dict:
-    """`streams` concurrent streaming completions; per-token publish-to-receipt latency from the ids."""
+async def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | None = None) -> dict:
+    """`streams` concurrent streaming completions; per-token publish-to-receipt latency from the ids.
+    With `gateway_pid`: the gateway's CPU per token received after every stream started (steady state)."""
     import re
 
     import aiohttp
@@ -255,6 +263,7 @@ async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> d
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True}
     lags, counts, first_ns = [], [], []  # lags: (receipt ns, lag us)
+    steady = {}  # the gateway's CPU seconds and the tokens received when the last stream started
 
     async def one(session: aiohttp.ClientSession) -> None:
         got = 0
@@ -269,6 +278,8 @@ async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> d
                     got += 1
                 if got and len(first_ns) < streams and got == len(word.findall(text)):
                     first_ns.append(now)
+                    if len(first_ns) == streams and gateway_pid:
+                        steady.update(cpu_s=cpu_s(gateway_pid), tokens=len(lags))
         counts.append(got)
 
     conn = aiohttp.TCPConnector(limit=0)
@@ -277,9 +288,12 @@ async def stream_clients(url: str, key: str, streams: int, max_tokens: int) -> d
         await asyncio.gather(*(one(session) for _ in range(streams)))
         wall = time.perf_counter() - t0
     steady_ns = max(first_ns)  # every stream has started: the ramp of request set-ups is over
+    if steady and len(lags) > steady["tokens"]:
+        steady_us = 1e6 * (cpu_s(gateway_pid) - steady["cpu_s"]) / (len(lags) - steady["tokens"])
+        steady = {"gateway_cpu_us_per_token_steady": steady_us}
     return {"streams": streams, "max_tokens": max_tokens, "wall_s": wall, "tokens": sum(counts),
             "complete_streams": sum(c == max_tokens for c in counts), "tok_s": sum(counts) / wall,
-            "steady_ns": steady_ns, **lag_stats("lag_us", lags, steady_ns)}
+            "steady_ns": steady_ns, **steady, **lag_stats("lag_us", lags, steady_ns)}
 
 
 def cpu_s(pid: int) -> float:
@@ -300,77 +314,66 @@ def lag_stats(name: str, samples: list[tuple[int, float]], steady_ns: int) -> di
     return out
 
 
+def _cpu_idle_fraction(window_s: float) -> float:
+    """Share of the machine's CPU time that was idle over `window_s` (/proc/stat, all cores)."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, total
+    idle0, total0 = sample()
+    time.sleep(window_s)
+    idle1, total1 = sample()
+    return (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def wait_for_idle(min_idle: float = 0.9, window_s: float = 2.0, timeout_s: float = 900.0) -> float:
+    """Block until the cores were at least `min_idle` idle over one `window_s` (other developers' test runs
+    share this machine); returns the seconds waited. Gives up (and says so) after `timeout_s`."""
+    t0 = time.monotonic()
+    while (idle := _cpu_idle_fraction(window_s)) < min_idle:
+        if time.monotonic() - t0 > timeout_s:
+            print(f"machine still busy ({idle:.0%} idle) after {timeout_s:g} s: measuring anyway")
+            break
+    return time.monotonic() - t0
+
+
 def stream(args: argparse.Namespace) -> None:
     """The gateway on its own core(s), the fake engine and the clients on the others."""
+    if args.idle_wait_s > 0:
+        print(f"waited {wait_for_idle(timeout_s=args.idle_wait_s):.0f} s for idle cores")
     cores = sorted(os.sched_getaffinity(0))
     gw_cores, other = set(cores[-args.gateway_cores:]), set(cores[:-args.gateway_cores]) or set(cores)
     probe = None if args.no_probe else f"/tmp/blink-emit-lags-{os.getpid()}.json"
     with traffic_engine(args.tok_s, idle_s=0.0005, cores=other) as (_, control, engine_pid):
-        with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile) as (url, gateway_pid):
+        with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile,
+                              poll_spin_s=args.poll_spin_s) as (url, gateway_pid):
             os.sched_setaffinity(0, other)
             pids = {"gateway": gateway_pid, "engine": engine_pid, "client": os.getpid()}
             cpu0 = {name: cpu_s(pid) for name, pid in pids.items()}
-            result = asyncio.run(stream_clients(url, "traffic-key", args.streams, args.tokens))
+            result = asyncio.run(stream_clients(url, "traffic-key", args.streams, args.tokens, gateway_pid))
             result.update({f"{name}_cpu_util": (cpu_s(pid) - cpu0[name]) / result["wall_s"]
                            for name, pid in pids.items()})
+            result["gateway_cpu_us_per_token"] = 1e6 * result["gateway_cpu_util"] * result["wall_s"] / max(result["tokens"], 1)
     emit = []
     if probe:
-        emit = json.loads(Path(probe).read_text())
+        emit = [(t, lag_us(token, t)) for t, token in json.loads(Path(probe).read_text())]
         os.unlink(probe)
     result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
+              "gateway_poll_spin_s": args.poll_spin_s,
               "engine_tok_s_per_stream": args.tok_s, **result, **(lag_stats("emit_lag_us", emit, result["steady_ns"]) if emit else {})}
-    record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else ""))
+    record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else "")
+           + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}"))
     print(f"{result['streams']} streams x {result['max_tokens']} tokens at {args.tok_s:g} tok/s each: "
           f"{result['tok_s']:.0f} tok/s delivered, {result['complete_streams']} complete; per-token "
           f"publish->client latency P50 {result['lag_us_p50'] / 1e3:.2f} ms, P99 {result['lag_us_p99'] / 1e3:.2f} ms "
           f"(steady state: {result['lag_us_steady_p50'] / 1e3:.2f}, {result['lag_us_steady_p99'] / 1e3:.2f}); "
           + (f"publish->gateway emit P50 {result['emit_lag_us_p50'] / 1e3:.3f} ms, P99 {result['emit_lag_us_p99'] / 1e3:.3f} ms "
              f"(steady state: {result['emit_lag_us_steady_p50'] / 1e3:.3f}, {result['emit_lag_us_steady_p99'] / 1e3:.3f}); "
-             if emit else "") + f"CPU use: gateway {result['gateway_cpu_util']:.0%}, engine {result['engine_cpu_util']:.0%}, "
+             if emit else "") + f"CPU use: gateway {result['gateway_cpu_util']:.0%} ({result['gateway_cpu_us_per_token']:.1f} us/token, steady "
+          f"{result.get('gateway_cpu_us_per_token_steady', float('nan')):.1f}), engine {result['engine_cpu_util']:.0%}, "
           f"client {result['client_cpu_util']:.0%}")
 
 
-def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
-    """The gateway with a benchmark probe on `gateway.http._send`: for every token of every chunk, the
-    time from the fake engine's publish (encoded in the token id) to the gateway handing the chunk to
-    its transport. Those lags go to `probe` (JSON) when the gateway stops; `profile`: a cProfile dump."""
-    import array
-    import cProfile
-    import re
-
-    import gateway.http as http
-    from gateway.main import main as gateway_main
-
-    # Kept cheap (about 1 us a chunk, no object the GC tracks): times and texts now, token ids parsed at exit.
-    times_ns, texts, send = array.array("q"), [], http._send
-
-    async def probed_send(resp, chunk) -> None:
-        choices = getattr(chunk, "choices", None)
-        if choices and getattr(choices[0], "text", None):
-            times_ns.append(time.monotonic_ns())
-            texts.append(choices[0].text)
-        await send(resp, chunk)
-
-    if probe:
-        http._send = probed_send
-    profiler = cProfile.Profile() if profile else None
-    try:
-        if profiler is not None:
-            profiler.enable()
-        return gateway_main(argv)
-    finally:
-        if profiler is not None:
-            profiler.disable()
-            profiler.dump_stats(profile)
-        if probe:
-            word = re.compile(r"w(\d+)")
-            lags = [(t, lag_us(int(m.group(1)), t)) for t, text in zip(times_ns, texts) for m in word.finditer(text)]
-            Path(probe).write_text(json.dumps(lags))
-
-
 def main() -> None:
-    if sys.argv[1:2] == ["probed-gateway"]:
-        raise SystemExit(probed_gateway(sys.argv[2], sys.argv[3], sys.argv[4:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("ttft", help="the gateway's added time to first token")
@@ -383,6 +386,10 @@ def main() -> None:
     st.add_argument("--gateway-cores", type=int, default=1, help="the last N cores are the gateway's")
     st.add_argument("--profile", help="write a cProfile dump of the gateway here")
     st.add_argument("--no-probe", action="store_true", help="leave out the gateway's emit-time probe (its own cost)")
+    st.add_argument("--poll-spin-s", type=float, help="the gateway's poll_spin_s (0: its CPU use is its work per "
+                    "token; by default it polls back to back while tokens flow, using its whole core)")
+    st.add_argument("--idle-wait-s", type=float, default=900.0,
+                    help="first wait up to this long for the cores to be 90%% idle over 2 s (0: don't)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     (ttft if args.cmd == "ttft" else stream)(args)

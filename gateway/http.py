@@ -123,38 +123,60 @@ async def _stream(request: web.Request, choices: Choices, fmt: OutputFormat, inc
     resp = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: str(choices.request_id)})
     await resp.prepare(request)
     try:
-        await _stream_pieces(request, resp, choices, first, fmt, include_usage)
+        last = await _stream_pieces(request, resp, choices, first, fmt, include_usage)
+        await _write(resp, last + b"data: [DONE]\n\n", eof=True)
     except ConnectionResetError:
         log.info("client went away during request %d: cancelling it", choices.request_id,
                  extra={"request_id": choices.request_id})
-        return resp
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
     return resp
 
 
 async def _stream_pieces(request: web.Request, resp: web.StreamResponse, choices: Choices,
-                         item: tuple[int, Piece] | None, fmt: OutputFormat, include_usage: bool) -> None:
+                         item: tuple[int, Piece] | None, fmt: OutputFormat, include_usage: bool) -> bytes:
+    """Writes each piece's events as it comes (one write each); returns the events of the last piece
+    and the usage (or the error event), which go out with [DONE] in the response's final write."""
+    last = b""
     try:
         while item is not None:
             index, piece = item
-            if piece.text or piece.logprobs:
-                await _send(resp, fmt.chunk(index, piece.text, logprobs=list(zip(piece.token_ids, piece.logprobs))))
-            if piece.finish_reason:
-                await _send(resp, fmt.chunk(index, finish_reason=piece.finish_reason))
+            events = _piece_events(fmt, index, piece)
+            if choices.finished:
+                last = events
+                break
+            if events:
+                await _write(resp, events)
             item = await choices.next_piece()
     except ApiError as err:  # headers are gone: the error travels as an event
         log.warning("request %d failed mid-stream: %s", choices.request_id, err,
                     extra={"request_id": choices.request_id})
         request.app[STATE].metrics.rejected(err)
-        await _send(resp, err.body())
-        return
+        return _event(err.body().model_dump_json().encode())
     if include_usage:
-        await _send(resp, fmt.usage_chunk(choices.prompt_len, choices.completion_tokens))
+        last += _event(fmt.usage_chunk(choices.prompt_len, choices.completion_tokens).model_dump_json().encode())
+    return last
 
 
-async def _send(resp: web.StreamResponse, chunk) -> None:
-    await resp.write(b"data: " + chunk.model_dump_json().encode() + b"\n\n")
+def _piece_events(fmt: OutputFormat, index: int, piece: Piece) -> bytes:
+    """The SSE events of one piece: its text (and logprobs) chunk, then its finish chunk."""
+    events = b""
+    if piece.text or piece.logprobs:
+        logprobs = list(zip(piece.token_ids, piece.logprobs)) if piece.logprobs else ()
+        events = _event(fmt.chunk_json(index, piece.text, logprobs=logprobs))
+    if piece.finish_reason:
+        events += _event(fmt.chunk_json(index, finish_reason=piece.finish_reason))
+    return events
+
+
+def _event(chunk_json: bytes) -> bytes:
+    return b"data: %s\n\n" % chunk_json
+
+
+async def _write(resp: web.StreamResponse, data: bytes, eof: bool = False) -> None:
+    """Every byte of a stream's body goes out here: one transport write per call (chunked encoding)."""
+    if eof:
+        await resp.write_eof(data)
+    else:
+        await resp.write(data)
 
 
 def _json(text: str, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -4,6 +4,7 @@ and the gRPC server beside it on the same event loop."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
@@ -176,6 +177,7 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
 
 async def serve_forever(config: GatewayConfig) -> None:
     server = await start_gateway(config)
+    _settle_gc()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -186,6 +188,21 @@ async def serve_forever(config: GatewayConfig) -> None:
     finally:
         log.info("gateway stopping")
         await server.close()
+
+
+# Young collections every 20,000 net allocations instead of 700: streamed tokens allocate a few tracked
+# objects each (updates, pieces) that die within one poll round, and a collection in between walks and
+# promotes those of 512 streams for nothing (bench: 400 ms of GC in a 512-stream run, 60 ms after).
+GC_THRESHOLDS = (20_000, 20, 10)
+
+
+def _settle_gc() -> None:
+    """What start-up built (modules, schemas, the app) lives as long as the process: moved out of the
+    collector's sight, so the full collections that per-request objects still trigger do not walk it
+    (at 512 streams each took about 45 ms, a stall of every stream; 20 ms after)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def run_gateway(config: GatewayConfig) -> None:

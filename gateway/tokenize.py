@@ -86,6 +86,7 @@ class TokenizerService:
         source = load_chat_template(self.model_dir, config)
         self.chat_template = ChatTemplate(source, special) if source else None
         self.token_texts = TokenTexts(self.tokenizer)
+        self.single_texts: dict[int, str] = {}  # id -> decode([id]) without special tokens (detokenize.py)
         self._executor = executor
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -177,6 +177,9 @@ class TokenUpdate:
     started: bool = False  # the engine has taken the request
 
 
+_FINISH_REASONS = {int(f): f for f in FinishReason}
+
+
 @dataclass
 class _Outstanding:
     seq: int
@@ -226,6 +229,8 @@ class RingProducer:
         self._produced_w = words + R.RESP_PRODUCED // 4  # [num_slots] int64
         self._finish_w = words + R.RESP_FINISH_REASON // 4
         self._consumed_w = words + R.RESP_CONSUMED // 4
+        self._resp_w0, self._resp_words = self.geometry.responses_offset // 4, self.geometry.response_bytes // 4
+        self._u32, self._u64, self._i32 = memoryview(ring.u32), memoryview(ring.u64), memoryview(ring.i32)
         for slot in (range(self.geometry.num_slots) if slots is None else slots):
             self._adopt(slot)
 
@@ -347,26 +352,35 @@ class RingProducer:
     def poll(self, slot: int) -> TokenUpdate:
         """Tokens the engine produced since the last poll; frees their room in the output buffer."""
         out = self._active[slot]
-        ring, base = self.ring, self.ring.resp(slot)
-        if int(ring.u64[(base + R.RESP_SEQ) // 8]) != out.seq:
+        # Python-int reads through memoryviews: a poll per token per stream is the gateway's hot path,
+        # and a numpy scalar read costs several times a memoryview's.
+        u32, w = self._u32, self._resp_w0 + slot * self._resp_words  # w: the response's first u32 word
+        if self._u64[w // 2] != out.seq:
             return TokenUpdate()  # not taken by the engine yet
-        finish = FinishReason(int(ring.u32[(base + R.RESP_FINISH_REASON) // 4]))  # before `produced`
-        produced = int(ring.u32[(base + R.RESP_PRODUCED) // 4])
-        update = TokenUpdate(finish=finish, started=True, prompt_len=int(ring.u32[(base + R.RESP_PROMPT_LEN) // 4]))
+        value = u32[w + R.RESP_FINISH_REASON // 4]  # before `produced`
+        finish = _FINISH_REASONS.get(value) or FinishReason(value)
+        produced = u32[w + R.RESP_PRODUCED // 4]
+        update = TokenUpdate(finish=finish, started=True, prompt_len=u32[w + R.RESP_PROMPT_LEN // 4])
         if produced > out.consumed:
-            cap, t0 = self.geometry.max_output_len, (base + R.RESP_TOKENS) // 4
-            idx = np.arange(out.consumed, produced) % cap
-            update.tokens = ring.i32[t0 + idx].tolist()
+            update.tokens = self._tokens(w + R.RESP_TOKENS // 4, out.consumed, produced)
             if out.num_logprobs is not None:
                 update.logprobs = [self._logprob(slot, i, out.num_logprobs) for i in range(out.consumed, produced)]
             out.consumed = produced
             if not self.defer_consumed:
-                ring.u32[(base + R.RESP_CONSUMED) // 4] = produced
+                u32[w + R.RESP_CONSUMED // 4] = produced
         if finish == FinishReason.ERROR:
-            update.error_code = ErrorCode(int(ring.u32[(base + R.RESP_ERROR_CODE) // 4]))
+            update.error_code = ErrorCode(u32[w + R.RESP_ERROR_CODE // 4])
             update.error = update.error_code.message
         out.finished = finish != FinishReason.NONE
         return update
+
+    def _tokens(self, t0: int, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of a response whose token words begin at word `t0` (a circular buffer)."""
+        cap = self.geometry.max_output_len
+        first, last = start % cap, (stop - 1) % cap
+        if first <= last and stop - start <= cap:
+            return self._i32[t0 + first : t0 + last + 1].tolist()
+        return self.ring.i32[t0 + np.arange(start, stop) % cap].tolist()
 
     def _logprob(self, slot: int, index: int, num_top: int) -> TokenLogprob:
         chosen, ids0, lps0 = self.ring.logprob_words(slot, index, self.geometry.max_logprobs)
@@ -425,6 +439,8 @@ class RingProducer:
             self._active[slot].finished = True
 
     def close(self) -> None:
+        for view in (self._u32, self._u64, self._i32):
+            view.release()  # views of the mapping: the ring can only unmap without them
         self.ring.close()
 
 

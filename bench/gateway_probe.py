@@ -1,0 +1,81 @@
+"""BENCHMARK-ONLY: the gateway with a probe on its stream writes, for `bench/ring_traffic.py stream`.
+
+    python bench/gateway_probe.py PROBE_JSON PROFILE_FILE GATEWAY_ARGS...
+
+Every byte of a streamed body goes through `gateway.http._write`; the probe records when each write is
+handed to the transport and, at exit, the token ids (`w123` words of the ring-traffic vocabulary) in the
+chunk texts of that write: [[monotonic ns, token id], ...] in PROBE_JSON (empty: no probe). PROFILE_FILE
+(empty: none) gets a cProfile dump. Kept apart from ring_traffic.py so that the gateway process imports
+what a gateway imports and nothing more (torch's objects would make every full GC pass slower).
+"""
+from __future__ import annotations
+
+import array
+import gc
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gateway.http as http  # noqa: E402
+from gateway.main import main as gateway_main  # noqa: E402
+
+TEXTS = re.compile(rb'"(?:text|content)":"([^"]*)"')
+WORD = re.compile(rb"w(\d+)")
+
+
+def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
+    # Kept cheap (well under 1 us a write, no object the GC tracks): times and bytes now, ids parsed at exit.
+    times_ns, writes, write = array.array("q"), [], getattr(http, "_write", None)
+
+    async def probed_write(resp, data: bytes, eof: bool = False) -> None:
+        times_ns.append(time.monotonic_ns())
+        writes.append(data)
+        await write(resp, data, eof)
+
+    async def probed_send(resp, chunk) -> None:  # gateways from before `_write` (before/after runs)
+        choices = getattr(chunk, "choices", None)
+        if choices and getattr(choices[0], "text", None):
+            times_ns.append(time.monotonic_ns())
+            writes.append(b'"text":"%s"' % choices[0].text.encode())
+        await send(resp, chunk)
+
+    gc_ns, gc_start = [0, 0, 0], [0]  # time in collections of each generation
+
+    def gc_timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter_ns()
+        else:
+            gc_ns[info["generation"]] += time.perf_counter_ns() - gc_start[0]
+    gc.callbacks.append(gc_timer)
+
+    if probe and write is not None:
+        http._write = probed_write
+    elif probe:
+        send, http._send = http._send, probed_send
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    try:
+        return gateway_main(argv)
+    finally:
+        print(f"gateway GC: {gc_ns[0] / 1e6:.0f} / {gc_ns[1] / 1e6:.0f} / {gc_ns[2] / 1e6:.0f} ms in collections of "
+              f"generation 0 / 1 / 2 ({', '.join(str(s['collections']) for s in gc.get_stats())} collections)",
+              file=sys.stderr)
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile)
+        if probe:
+            ids = [(t, int(m.group(1))) for t, data in zip(times_ns, writes)
+                   for text in TEXTS.findall(data) for m in WORD.finditer(text)]
+            Path(probe).write_text(json.dumps(ids))
+
+
+if __name__ == "__main__":
+    raise SystemExit(probed_gateway(sys.argv[1], sys.argv[2], sys.argv[3:]))
