@@ -198,11 +198,10 @@ def run_interfere(args: argparse.Namespace) -> int:
     it = make_interference(args, args.threads, args.seconds)
     signal.signal(signal.SIGTERM, _interrupt)
     print(f"interference: {it.describe()}", flush=True)
-    with it:
+    with contextlib.suppress(KeyboardInterrupt), it:  # an interrupt during start-up too: stopped, exit 0
         deadline = time.monotonic() + args.seconds
-        with contextlib.suppress(KeyboardInterrupt):
-            while time.monotonic() < deadline and any(w.proc.poll() is None for w in it.workers):
-                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        while time.monotonic() < deadline and any(w.proc.poll() is None for w in it.workers):
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
     return 0
 
 

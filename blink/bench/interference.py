@@ -95,6 +95,9 @@ class Interference:
     def start(self) -> "Interference":
         self.tmp_dir = tempfile.mkdtemp(prefix="blink-interfere-")
         cores = ",".join(map(str, self.cores))
+        # Ctrl-C or SIGTERM is held while workers are spawned: one landing inside Popen would leave a forked
+        # worker untracked; held, it lands once every worker is in self.workers, and stop() gets them all
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             for kind, jobs in self.plan:
                 cmd = [sys.executable, "-m", "blink.bench.interference", kind, "--jobs", str(jobs),
@@ -102,7 +105,9 @@ class Interference:
                 proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.DEVNULL, cwd=_project_root())
                 self.workers.append(Worker(kind, jobs, proc))
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             self.stop()
             raise
         return self
