@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -50,6 +51,19 @@ async def start_backend(ring, port: int) -> Backend:
     return backend
 
 
+@contextlib.asynccontextmanager
+async def linked(ring):
+    """An agent on `ring`, a gateway backend over tcp to it, and the engine's end of the ring."""
+    agent, task = await start_agent(ring)
+    backend = await start_backend(ring, agent.port)
+    try:
+        yield agent, backend, RingConsumer(ring)
+    finally:
+        await backend.close()
+        agent.stop()
+        await task
+
+
 async def until(cond, timeout_s: float = 2.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not cond():
@@ -59,73 +73,58 @@ async def until(cond, timeout_s: float = 2.0) -> None:
 
 def test_tokens_flow_with_backpressure_and_the_slot_returns(ring):
     async def main():
-        agent, task = await start_agent(ring)
-        backend = await start_backend(ring, agent.port)
-        engine = RingConsumer(ring)
-        handle = await backend.submit(spec(1))
-        taken = []
-        await until(lambda: taken.extend(engine.take_new()) or taken)
-        slot = taken[0].slot
-        engine.publish(slot, [7, 8, 9, 10])
-        assert engine.room(slot) == 0  # the output buffer is full until the gateway says it read them
-        first = await asyncio.wait_for(handle.next(), 2)
-        await until(lambda: engine.room(slot) == 4)  # Consumed crossed the wire
-        engine.publish(slot, [11])
-        engine.finish(slot, FinishReason.LENGTH)
-        rest = await asyncio.wait_for(handle.next(), 2)
-        assert first.tokens + rest.tokens == [7, 8, 9, 10, 11] and rest.finish == FinishReason.LENGTH
-        assert first.prompt_len == 3
-        await until(lambda: backend.free_slots == 2 and agent.producer.free_slots == 2)
-        await until(lambda: backend.heartbeat == 0 and backend.num_in_flight == 0)
-        engine.beat()
-        await until(lambda: backend.heartbeat == 1)  # State frames carry the heartbeat
-        await backend.close()
-        agent.stop()
-        await task
+        async with linked(ring) as (agent, backend, engine):
+            handle = await backend.submit(spec(1))
+            taken = []
+            await until(lambda: taken.extend(engine.take_new()) or taken)
+            slot = taken[0].slot
+            engine.publish(slot, [7, 8, 9, 10])
+            assert engine.room(slot) == 0  # the output buffer is full until the gateway says it read them
+            first = await asyncio.wait_for(handle.next(), 2)
+            await until(lambda: engine.room(slot) == 4)  # Consumed crossed the wire
+            engine.publish(slot, [11])
+            engine.finish(slot, FinishReason.LENGTH)
+            rest = await asyncio.wait_for(handle.next(), 2)
+            assert first.tokens + rest.tokens == [7, 8, 9, 10, 11] and rest.finish == FinishReason.LENGTH
+            assert first.prompt_len == 3
+            await until(lambda: backend.free_slots == 2 and agent.producer.free_slots == 2)
+            await until(lambda: backend.heartbeat == 0 and backend.num_in_flight == 0)
+            engine.beat()
+            await until(lambda: backend.heartbeat == 1)  # State frames carry the heartbeat
     asyncio.run(main())
 
 
 def test_penalties_logit_bias_and_logprobs_cross_the_agent(ring):
     async def main():
-        agent, task = await start_agent(ring)
-        backend = await start_backend(ring, agent.port)
-        engine = RingConsumer(ring)
-        sent = RequestSpec(request_id=5, prompt_ids=[1, 2], max_tokens=8, presence_penalty=0.5,
-                           frequency_penalty=-1.0, repetition_penalty=1.25, logit_bias=((3, -100.0), (4, 2.5)),
-                           num_logprobs=2)
-        handle = await backend.submit(sent)
-        taken = []
-        await until(lambda: taken.extend(engine.take_new()) or taken)
-        assert taken[0].spec == RequestSpec(**{**sent.__dict__, "prompt_ids": [1, 2], "stop_ids": ()})
-        entries = [TokenLogprob(-0.5, ((6, -0.5), (7, -1.5))), TokenLogprob(-0.25, ((9, -0.25), (6, -2.0)))]
-        engine.publish(taken[0].slot, [6], logprobs=entries[:1])
-        engine.publish(taken[0].slot, [9], logprobs=entries[1:])
-        engine.finish(taken[0].slot, FinishReason.LENGTH)
-        got = []
-        while not got or got[-1].finish == FinishReason.NONE:
-            got.append(await asyncio.wait_for(handle.next(), 2))
-        assert [t for u in got for t in u.tokens] == [6, 9] and [e for u in got for e in u.logprobs] == entries
-        await backend.close()
-        agent.stop()
-        await task
+        async with linked(ring) as (agent, backend, engine):
+            sent = RequestSpec(request_id=5, prompt_ids=[1, 2], max_tokens=8, presence_penalty=0.5,
+                               frequency_penalty=-1.0, repetition_penalty=1.25, logit_bias=((3, -100.0), (4, 2.5)),
+                               num_logprobs=2)
+            handle = await backend.submit(sent)
+            taken = []
+            await until(lambda: taken.extend(engine.take_new()) or taken)
+            assert taken[0].spec == RequestSpec(**{**sent.__dict__, "prompt_ids": [1, 2], "stop_ids": ()})
+            entries = [TokenLogprob(-0.5, ((6, -0.5), (7, -1.5))), TokenLogprob(-0.25, ((9, -0.25), (6, -2.0)))]
+            engine.publish(taken[0].slot, [6], logprobs=entries[:1])
+            engine.publish(taken[0].slot, [9], logprobs=entries[1:])
+            engine.finish(taken[0].slot, FinishReason.LENGTH)
+            got = []
+            while not got or got[-1].finish == FinishReason.NONE:
+                got.append(await asyncio.wait_for(handle.next(), 2))
+            assert [t for u in got for t in u.tokens] == [6, 9] and [e for u in got for e in u.logprobs] == entries
     asyncio.run(main())
 
 
 def test_client_cancel_reaches_the_engine(ring):
     async def main():
-        agent, task = await start_agent(ring)
-        backend = await start_backend(ring, agent.port)
-        engine = RingConsumer(ring)
-        handle = await backend.submit(spec(1))
-        taken = []
-        await until(lambda: taken.extend(engine.take_new()) or taken)
-        handle.close()  # the client went away
-        await until(lambda: engine.cancelled(taken[0].slot, taken[0].seq))
-        engine.finish(taken[0].slot, FinishReason.CANCELLED)
-        await until(lambda: backend.free_slots == 2 and backend.num_in_flight == 0)
-        await backend.close()
-        agent.stop()
-        await task
+        async with linked(ring) as (agent, backend, engine):
+            handle = await backend.submit(spec(1))
+            taken = []
+            await until(lambda: taken.extend(engine.take_new()) or taken)
+            handle.close()  # the client went away
+            await until(lambda: engine.cancelled(taken[0].slot, taken[0].seq))
+            engine.finish(taken[0].slot, FinishReason.CANCELLED)
+            await until(lambda: backend.free_slots == 2 and backend.num_in_flight == 0)
     asyncio.run(main())
 
 
