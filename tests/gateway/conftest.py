@@ -192,26 +192,11 @@ async def _start(model_dir: Path, tokenizer: Tokenizer, ring_name: str, config: 
 
 
 @pytest.fixture(scope="module")
-def harness(model_dir, byte_tokenizer, pick_free_port):
+def harness(start_harness, pick_free_port):
     api_key = "key-" + os.urandom(4).hex()
     config = GatewayConfig(host="127.0.0.1", port=0, grpc_port=pick_free_port(), api_keys=frozenset({api_key}),
                            slot_wait_s=2.0, max_body_bytes=64 * 1024)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    ring_name = f"blink-gw-test-{os.getpid()}"
-    started = asyncio.run_coroutine_threadsafe(_start(model_dir, byte_tokenizer, ring_name, config), loop)
-    ring, engine, engine_task, backend, server = started.result(timeout=30)
-    yield Harness(server.url, f"127.0.0.1:{server.grpc_port}", api_key, MODEL, CONTEXT_LEN, backend, engine, server, byte_tokenizer, loop)
-
-    async def stop():
-        await server.close()
-        engine_task.cancel()
-        ring.close()
-    asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
-    assert engine.failure is None, f"the echo engine failed: {engine.failure!r}"
+    return start_harness(config, api_key)
 
 
 @pytest.fixture(scope="module")
