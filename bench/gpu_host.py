@@ -88,20 +88,32 @@ def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
     return a.elapsed_time(b) / reps
 
 
+def prefill_steps(runner: GpuRunner, batch_size: int, prompt_len: int) -> int:
+    """Steps until every stream has prefilled (decode goes first, so prefill gets the budget's rest)."""
+    budget = runner.config.max_num_batched_tokens
+    return -(-batch_size * prompt_len // max(budget - batch_size, 1)) + 2
+
+
+def engine_config(runner: GpuRunner) -> EngineConfig:
+    c = runner.config
+    return EngineConfig(block_size=c.block_size, max_num_batched_tokens=c.max_num_batched_tokens,
+                        max_num_seqs=c.max_num_seqs)
+
+
+def submit_streams(prod: RingProducer, batch_size: int, prompt_len: int, new_tokens: int) -> list[int]:
+    return [prod.submit(RequestSpec(i, [7 + i] * prompt_len, new_tokens, temperature=0.0, ignore_eos=True))
+            for i in range(batch_size)]
+
+
 def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode_steps_wanted: int) -> dict:
     """`batch_size` streams through the ring, long enough that all of them decode together for about
     `decode_steps_wanted` steps after every prefill; times those all-decode steps only."""
-    budget = runner.config.max_num_batched_tokens
-    prefill_steps = -(-batch_size * prompt_len // max(budget - batch_size, 1)) + 2   # decode goes first
-    new_tokens = prefill_steps + decode_steps_wanted
+    new_tokens = prefill_steps(runner, batch_size, prompt_len) + decode_steps_wanted
     ring = create_ring(f"blink-bench-host-{os.getpid()}", RingGeometry(max(batch_size, 16), 4096, 1024), "bench")
     try:
         prod = RingProducer(attach_ring(ring.name))
-        loop = EngineLoop(runner, cfg, RingConsumer(ring), EngineConfig(
-            block_size=runner.config.block_size, max_num_batched_tokens=runner.config.max_num_batched_tokens,
-            max_num_seqs=runner.config.max_num_seqs), context_len=runner.config.context_len)
-        slots = [prod.submit(RequestSpec(i, [7 + i] * prompt_len, new_tokens, temperature=0.0, ignore_eos=True))
-                 for i in range(batch_size)]
+        loop = EngineLoop(runner, cfg, RingConsumer(ring), engine_config(runner), context_len=runner.config.context_len)
+        slots = submit_streams(prod, batch_size, prompt_len, new_tokens)
         live, produced = set(slots), 0
         step_s, cpu_s, decode_steps, tokens_in_decode, ctx = [], 0.0, 0, 0, []
         while live:
@@ -135,18 +147,13 @@ def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode
 
 def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode_steps_wanted: int) -> dict:
     """`batch_size` streams through the GPU-resident loop; times `decode_steps_wanted` all-decode steps."""
-    budget = runner.config.max_num_batched_tokens
-    prefill_steps = -(-batch_size * prompt_len // max(budget - batch_size, 1)) + 2
-    new_tokens = prefill_steps + 4 * decode_steps_wanted  # nobody finishes inside the window
+    new_tokens = prefill_steps(runner, batch_size, prompt_len) + 4 * decode_steps_wanted  # none ends in the window
     ring = create_ring(f"blink-bench-pers-{os.getpid()}", RingGeometry(max(batch_size, 16), 4096, 4096), "bench")
     engine = None
     try:
         prod = RingProducer(attach_ring(ring.name))
-        engine = PersistentEngine(runner, cfg, ring, EngineConfig(
-            block_size=runner.config.block_size, max_num_batched_tokens=runner.config.max_num_batched_tokens,
-            max_num_seqs=runner.config.max_num_seqs), context_len=runner.config.context_len)
-        slots = [prod.submit(RequestSpec(i, [7 + i] * prompt_len, new_tokens, temperature=0.0, ignore_eos=True))
-                 for i in range(batch_size)]
+        engine = PersistentEngine(runner, cfg, ring, engine_config(runner), context_len=runner.config.context_len)
+        slots = submit_streams(prod, batch_size, prompt_len, new_tokens)
         engine.start()
         ctl = engine.ctl
         deadline, started = time.monotonic() + 300, set()
@@ -164,8 +171,8 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
         d = {k: s1[k] - s0[k] for k in s0}
         tokens_mid = (s0["tokens"] + s1["tokens"]) / 2 / batch_size
         return {"decode_steps": d["steps"], "step_ms_mean": d["busy_ns"] / max(d["busy_steps"], 1) / 1e6,
-                "sched_us_per_step": d["sched_ns"] / max(d["steps"], 1) / 1e3,
-                **{f"{k[:-3]}_us_per_step": d[k] / max(d["steps"], 1) / 1e3 for k in ("commit_ns", "schedule_ns", "fill_ns")},
+                **{f"{k[:-3]}_us_per_step": d[k] / max(d["steps"], 1) / 1e3  # the loop kernel, then its phases
+                   for k in ("sched_ns", "commit_ns", "schedule_ns", "fill_ns")},
                 "ctx_len_mid": int(prompt_len + tokens_mid), "tokens": d["tokens"],
                 "tok_s": d["tokens"] / (w1 - w0), "cpu_s": c1 - c0,
                 "cpu_us_per_token": 1e6 * (c1 - c0) / max(d["tokens"], 1)}
