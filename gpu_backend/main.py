@@ -100,7 +100,7 @@ def run_backend(args: argparse.Namespace) -> int:
           f"kv_blocks={runner.num_blocks}", file=sys.stderr, flush=True)
     try:
         engine.run()
-        if getattr(engine, "failed", None):
+        if engine.failed:
             return 1  # the GPU loop died: exit non-zero so that a supervisor restarts the backend
     finally:
         control.stop()

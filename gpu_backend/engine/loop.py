@@ -60,6 +60,7 @@ class EngineLoop:
         )
         self.extensions = hasattr(runner, "last_logprobs")  # penalties, logit bias, logprobs
         self.stop_event = threading.Event()
+        self.failed: str | None = None  # the engines' common face: why the engine ended on its own (never, here)
         self.steps = 0
 
     # ---- the loop ----------------------------------------------------------------------------------
