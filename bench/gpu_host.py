@@ -162,7 +162,7 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
             started |= {s for s in slots if prod.poll(s).tokens}
             time.sleep(0.001)
         s0 = {k: getattr(ctl, k) for k in ("steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "commit_ns",
-                                           "schedule_ns", "fill_ns")}
+                                           "schedule_ns", "fill_ns", "spec_hits", "spec_misses", "spec_ns")}
         c0, w0 = time.process_time(), time.perf_counter()
         while ctl.steps < s0["steps"] + decode_steps_wanted:
             time.sleep(0.25)  # the backend's own watcher wakes this often
@@ -172,7 +172,8 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
         tokens_mid = (s0["tokens"] + s1["tokens"]) / 2 / batch_size
         return {"decode_steps": d["steps"], "step_ms_mean": d["busy_ns"] / max(d["busy_steps"], 1) / 1e6,
                 **{f"{k[:-3]}_us_per_step": d[k] / max(d["steps"], 1) / 1e3  # the loop kernel, then its phases
-                   for k in ("sched_ns", "commit_ns", "schedule_ns", "fill_ns")},
+                   for k in ("sched_ns", "commit_ns", "schedule_ns", "fill_ns", "spec_ns")},
+                "spec_hits": d["spec_hits"], "spec_misses": d["spec_misses"],
                 "ctx_len_mid": int(prompt_len + tokens_mid), "tokens": d["tokens"],
                 "tok_s": d["tokens"] / (w1 - w0), "cpu_s": c1 - c0,
                 "cpu_us_per_token": 1e6 * (c1 - c0) / max(d["tokens"], 1)}
@@ -243,8 +244,9 @@ def main() -> None:
               f"CPU {host['cpu_us_per_token']:8.1f} us/token | persistent {pers['step_ms_mean']:7.3f} ms vs bare "
               f"{pers_bare:7.3f} (+{r['persistent_overhead_us']:5.1f} us, loop kernel "
               f"{pers['sched_us_per_step']:.1f} us = commit {pers['commit_us_per_step']:.1f} + schedule "
-              f"{pers['schedule_us_per_step']:.1f} + fill {pers['fill_us_per_step']:.1f} + rest), "
-              f"CPU {pers['cpu_us_per_token']:.3f} us/token", flush=True)
+              f"{pers['schedule_us_per_step']:.1f} + fill {pers['fill_us_per_step']:.1f} + rest; speculation "
+              f"taken {pers['spec_hits']} / missed {pers['spec_misses']}, spec kernel {pers['spec_us_per_step']:.1f} us "
+              f"beside the graph), CPU {pers['cpu_us_per_token']:.3f} us/token", flush=True)
     result = {"bench": "gpu_host", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
               "driver": torch.cuda.get_device_properties(0).name, "torch": torch.__version__,
               "host": platform.node(), "model": args.model, "weight_bytes": weight_bytes,

@@ -173,7 +173,8 @@ class GpuRunner:
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
                        swiglu=swiglu.swiglu, sample=sampling.sample)
         self.cfg, self.config, self.device = cfg, config, torch.device(device)
-        # keep each graph's cudaGraph_t (raw_cuda_graph()) for the persistent loop, which clones them
+        # keep each graph's cudaGraph_t (raw_cuda_graph()) for the persistent loop, which clones them; it
+        # also needs a second step buffer with its own graphs (it fills step n+1 while step n runs)
         self.keep_graphs = keep_graphs
         self._gemv = dict(config.gemv_projections)
         self.dtype = next(model.parameters()).dtype
@@ -182,8 +183,9 @@ class GpuRunner:
         self.weights = GpuWeights(model, cfg)
         self.scale = cfg.head_dim ** -0.5
         self.buckets = token_buckets(config.max_num_batched_tokens)
-        self.bufs = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, config.max_blocks_per_seq,
-                                self.device)
+        self.buffer_sets = [StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                                        config.max_blocks_per_seq, self.device) for _ in range(1 + keep_graphs)]
+        self.bufs = self.buffer_sets[0]  # the step buffer run() fills and the graphs of `graphs` read
         freqs = torch.arange(config.context_len, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
         self.cos = freqs.cos().to(self.device)                        # [context_len, D/2] float32
         self.sin = freqs.sin().to(self.device)
@@ -193,6 +195,7 @@ class GpuRunner:
         self.num_blocks = self._size_kv_cache()
         self.kv_cache = allocate_kv_cache(cfg, self.num_blocks, config.block_size, self.dtype, self.device)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.set_graphs = [self.graphs] + [{} for _ in self.buffer_sets[1:]]  # graphs over each step buffer
         self.capture_s = self._capture(progress) if config.use_graphs else 0.0
 
     # ---- memory --------------------------------------------------------------------------------------
@@ -285,14 +288,15 @@ class GpuRunner:
 
     @torch.inference_mode()
     def _capture(self, progress: bool) -> float:
-        """Capture (bucket, greedy) graphs, largest first, sharing one memory pool."""
+        """Capture (bucket, greedy) graphs over each step buffer, largest first, sharing one memory pool."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        keys = [(b, g) for b in reversed(self.buckets) for g in (False, True)]
+        keys = [(i, b, g) for i in range(len(self.buffer_sets)) for b in reversed(self.buckets) for g in (False, True)]
         stream = torch.cuda.Stream(self.device)
-        for bucket, greedy in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, unit="graph"):
+        for index, bucket, greedy in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, unit="graph"):
+            self.bufs = self.buffer_sets[index]
             self._fill_dummy(bucket, self.config.seqs_in(bucket))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -301,10 +305,11 @@ class GpuRunner:
             graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graphs)
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._step(bucket, greedy)
-            self.graphs[(bucket, greedy)] = graph
+            self.set_graphs[index][(bucket, greedy)] = graph
+        self.bufs = self.buffer_sets[0]
         torch.cuda.synchronize(self.device)
-        log.info("captured %d graphs (buckets %s) in %.1f s", len(self.graphs), self.buckets,
-                 time.perf_counter() - t0)
+        log.info("captured %d graphs (buckets %s, %d step buffers) in %.1f s", len(keys), self.buckets,
+                 len(self.buffer_sets), time.perf_counter() - t0)
         return time.perf_counter() - t0
 
     def _fill_dummy(self, num_tokens: int, num_seqs: int) -> None:

@@ -3,7 +3,8 @@
 Set-up (host, once): the GpuRunner captures its bucket graphs; the scheduler state (`blink_sched.h`,
 initialised by the host build, `sched_native.py`) is copied to device memory; the ring's shared memory is
 registered with CUDA (pinned, mapped); `kernels/csrc/persistent_loop.cu` wraps the bucket graphs in one
-graph (WHILE: step kernel -> SWITCH over the bucket graphs, beside a publish kernel), launched once.
+graph (WHILE: step kernel -> SWITCH over the bucket graphs, beside publish -> spec kernels; the spec
+kernel schedules step n+1 while step n runs, into the runner's second step buffer), launched once.
 
 After the launch the host does nothing per request or per token. `run()` wakes once a second to
 see whether the loop's stream ended (a CUDA error: the loop died) and whether its heartbeat is stale (the
@@ -105,13 +106,14 @@ class PersistentEngine:
             responses_offset=g.responses_offset, request_bytes=g.request_bytes, response_bytes=g.response_bytes,
             prompt_offset=g.prompt_offset, num_slots=g.num_slots, max_prompt_len=g.max_prompt_len,
             max_output_len=g.max_output_len, max_stop_ids=g.max_stop_ids,
-            sched_mem=self.sched_state.data_ptr(), step_buf=runner.bufs.dev.data_ptr(),
+            sched_mem=self.sched_state.data_ptr(), step_buf=runner.buffer_sets[0].dev.data_ptr(),
+            step_buf_alt=runner.buffer_sets[1].dev.data_ptr(),
             sampled=runner.tokens_dev.data_ptr(), ctl=ctl_dev.value, clock_offset_ns=self._clock_offset_ns(),
             sq_head=int(hdr.u64[R.HDR_SQ_HEAD // 8]), beats=hdr.heartbeat,
             generated=int(hdr.u64[R.HDR_GENERATED_TOKENS // 8]),
             **{name: t.data_ptr() for name, t in sc.items()})
-        children = [runner.graphs[(bucket, greedy)].raw_cuda_graph()
-                    for bucket in runner.buckets for greedy in (False, True)]
+        children = [graphs[(bucket, greedy)].raw_cuda_graph()  # branch 2 * (buffer * buckets + i) + greedy
+                    for graphs in runner.set_graphs for bucket in runner.buckets for greedy in (False, True)]
         child_array = (ctypes.c_void_p * len(children))(*children)
         torch.cuda.synchronize(runner.device)  # every set-up copy done before the loop reads its state
         t0 = time.perf_counter()

@@ -33,7 +33,8 @@ class _Config(ctypes.Structure):  # blink_sched_config
 class _Header(ctypes.Structure):  # blink_sched_header
     _fields_ = [("cfg", _Config), ("next_arrival", ctypes.c_int64)] + [
         (n, _i32) for n in ("free_head", "num_free", "num_running", "num_waiting", "num_entries", "num_preempted",
-                            "num_new", "num_finished", "bucket", "num_tokens", "num_sampled", "all_greedy")]
+                            "num_new", "num_finished", "bucket", "num_tokens", "num_sampled", "all_greedy",
+                            "spec_mode", "spec_tainted")]
 
 
 _ARRAYS = [  # blink_sched's pointers after `h`, in order: (name, dtype, shape key)

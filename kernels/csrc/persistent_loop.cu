@@ -1,22 +1,32 @@
 // The GPU-resident loop: one CUDA graph, launched once, that serves the ring with no host CPU per token.
 //
 //   WHILE (loop_handle) {
-//     step kernel       apply the last step's sampled tokens, admit new requests from the ring, honour
-//                       cancels, choose the next step and fill the step buffer (blink_sched.h, with the
-//                       block-parallel parts of blink_sched_par.cuh), pick the bucket graph -- or, with
-//                       nothing to run, spin (one block) until work comes
+//     step kernel       accept the speculation below when the step that just ran sampled no stop token and
+//                       nothing new is queued (write its tokens where it left placeholders: a few stores);
+//                       otherwise the full step: apply the sampled tokens, admit new requests from the ring,
+//                       honour cancels, choose the next step and fill its step buffer (blink_sched.h, with
+//                       the block-parallel parts of blink_sched_par.cuh) -- or, with nothing to run, spin
+//                       (one block) until work comes. Then pick the bucket graph.
 //     then, side by side:
-//       SWITCH (branch) branch 2i: bucket i sampled, 2i+1: bucket i greedy (PyTorch-captured child graphs)
-//       publish kernel  the committed tokens and finishes to the response areas, with the ring's fences
+//       SWITCH (branch) step buffer b, bucket i: branch 2 * (b * num_buckets + i) + greedy (child graphs
+//                       captured by PyTorch over one of two step buffers)
+//       publish kernel  the committed tokens and finishes to the response areas, with the ring's fences,
+//       -> spec kernel  step n+1 scheduled while step n runs: the state copied (the per-slot arrays; the large
+//                       ones are shared, written only where the real state does not look), step n's tokens
+//                       applied as placeholders, the ring polled and admitted (errors and cancels deferred),
+//                       the step chosen and filled into the other step buffer
 //   }
-// The step kernel keeps the scheduler's hot state (header, per-slot scalars, lists) in shared memory for
-// its serial parts: one thread walking global memory pays a cache miss per load.
+// So the step's critical path between two bucket graphs is the short check, not the scheduler. A step that
+// samples a stop token (or would preempt, or finds new requests queued after the speculation looked) takes
+// the full path: the decisions are always those of the serial scheduler on the real state.
+// The kernels keep the scheduler's hot state (header, per-slot scalars, lists) in shared memory for
+// their serial parts: one thread walking global memory pays a cache miss per load.
 //
 // The ring lives in host memory (the shm transport's file), registered with cudaHostRegister: the loop reads
 // it over PCIe with volatile loads (L1 would keep stale lines across slot reuse) and a system fence before
 // it reads what a submission tail covers, and writes it
 // with the ring's order: payload first, the validating word last with a release store at system scope.
-// Scheduling state, the step buffer and the sampled tokens stay in device memory. The host thread only sets
+// Scheduling state, the step buffers and the sampled tokens stay in device memory. The host thread only sets
 // `ctl->stop` (pinned, mapped) and watches the stream; gpu_backend/engine/persistent.py drives this file.
 // DESIGN.md "The GPU-resident loop" explains the choice of WHILE + SWITCH over device graph launch.
 #include <cuda_runtime.h>
@@ -45,6 +55,9 @@ struct blink_loop_counters {
   uint64_t commit_ns;        // parts of sched_ns: copy-in + applying the sampled tokens,
   uint64_t schedule_ns;      // ring poll + admission + scheduling (of the last attempt),
   uint64_t fill_ns;          // step buffer fill + picking the graph
+  uint64_t spec_hits;        // steps whose speculation was taken
+  uint64_t spec_misses;      // speculations dropped (a stop token, new requests, a preemption, nothing to run)
+  uint64_t spec_ns;          // the spec kernel's time (beside the bucket graph)
 };
 
 // Shared with the host (pinned, mapped): the host writes `stop`; the loop only stores the rest (a read of
@@ -55,6 +68,16 @@ struct blink_loop_ctl {
   blink_loop_counters c;
   uint32_t error;            // nonzero: the loop stopped on an internal error (a bucket it has no graph for)
   uint32_t _pad;
+};
+
+// What the step kernel needs about sampled row j of the running step to accept the speculation: where its
+// token goes in the history and in the speculated step buffer, and how to tell a stop token.
+struct spec_row {
+  int64_t hist;                           // index into the token history
+  int32_t input_row;                      // its input row in the speculated step, -1: none
+  int32_t slot;
+  int32_t num_stop;                       // the slot's stop ids (0: only EOS can stop it)
+  int32_t ignore_eos;
 };
 
 // Everything the kernels need, in device memory (written once by the host before the launch).
@@ -83,7 +106,28 @@ struct blink_loop_args {
   // the loop's own words (device memory, read and written only by the kernels)
   uint64_t sq_head, beats, generated, last_commit_ns;
   blink_loop_counters c;
+  // speculation and the second step buffer; the pointers are set by blink_loop_create
+  uint8_t* step_buf_alt;                  // the step buffer of the branches b = 1 (step_buf: b = 0)
+  uint8_t* hot_alt;                       // the second copy of the scheduler's hot prefix
+  int32_t* tokens;                        // the scheduler's token history (cold, shared by both copies)
+  int32_t* stop_ids;                      // its stop ids (cold, shared)
+  spec_row* rows;                             // [max_seqs] per sampled row of the running step (spec kernel)
+  int32_t* err_slot;                      // [num_slots] admission errors the speculation found (deferred)
+  int32_t* err_code;
+  int32_t* new_token;                     // the speculated state's new_token (where placeholders go)
+  uint64_t sq_head_alt;                   // the speculated state's submission head
+  uint64_t spec_tail;                     // the submission tail the speculation saw
+  uint32_t cur;                           // which hot copy is the real state (0: sched_mem, 1: hot_alt)
+  uint32_t buf;                           // the step buffer of the step that runs now
+  uint32_t spec_ok;                       // 1: the other copy holds step n+1, filled into the other buffer
+  uint32_t spec_branch;                   // its SWITCH branch
+  uint32_t spec_rows;                     // sampled rows of the running step
+  uint32_t num_err;                       // deferred admission errors, published with the accepted step
+  uint32_t exiting;                       // the loop is ending: nothing more to speculate
+  uint32_t num_eos;
+  int32_t eos_ids[BLINK_SCHED_MAX_EOS];
 };
+
 
 // ---- memory access to the ring ------------------------------------------------------------------------
 template <typename T>
@@ -111,6 +155,17 @@ __device__ __forceinline__ blink_request_slot* request(const blink_loop_args* a,
 }
 __device__ __forceinline__ blink_response_slot* response(const blink_loop_args* a, uint32_t slot) {
   return (blink_response_slot*)(a->ring + a->responses_offset + (uint64_t)slot * a->response_bytes);
+}
+
+// The two copies of the scheduler's hot state, their submission heads, and the two step buffers.
+__device__ __forceinline__ uint8_t* hot_of(const blink_loop_args* a, uint32_t state) {
+  return state ? a->hot_alt : a->sched_mem;
+}
+__device__ __forceinline__ uint64_t* sq_head_of(blink_loop_args* a, uint32_t state) {
+  return state ? &a->sq_head_alt : &a->sq_head;
+}
+__device__ __forceinline__ uint8_t* step_buf_of(const blink_loop_args* a, uint32_t b) {
+  return b ? a->step_buf_alt : a->step_buf;
 }
 
 // Response words as RingConsumer writes them: counters first, `seq` last (they now belong to `seq`).
@@ -173,8 +228,12 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
   __syncthreads();
   for (int32_t i = threadIdx.x; i < h->num_finished; i += blockDim.x)
     finish_response(a, (uint32_t)s->fin_slot[i], (uint32_t)s->fin_reason[i], 0);
+  for (uint32_t i = threadIdx.x; i < a->num_err; i += blockDim.x)  // a speculation's admission errors
+    finish_response(a, (uint32_t)a->err_slot[i], BLINK_FINISH_ERROR, (uint32_t)a->err_code[i]);
+  __syncthreads();
   if (threadIdx.x == 0) {
     blink_ring_header* hdr = ring_header(a);
+    a->num_err = 0;
     a->generated += h->num_new;
     st_v(&hdr->generated_tokens, a->generated);
     st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
@@ -187,8 +246,11 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
 
 // ---- admission (RingConsumer.take_new + EngineLoop._admit) ------------------------------------------------
 // Thread 0: read the request's fixed part, reset its response, check it, queue it or fail it.
+// With `spec` (the spec kernel) an error is deferred to the publish that follows the speculation's
+// acceptance: a dropped speculation must leave no trace the gateway could act on. (The response reset is
+// written at once: the slot is free in the real state too, and the full step writes the same words.)
 __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint32_t slot,
-                             int32_t prompt_len) {
+                             int32_t prompt_len, bool spec) {
   const blink_request_slot* req = request(a, slot);
   const uint64_t seq = ld_v(&req->seq);
   const uint32_t flags = ld_v(&req->flags);
@@ -203,7 +265,12 @@ __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scra
   reset_response(a, slot, seq, (uint32_t)prompt_len);
   const int32_t err = blink_sched_check(s, prompt_len, max_tokens, temperature, top_p, top_k, min_p);
   if (err != BLINK_ERR_NONE) {
-    finish_response(a, slot, BLINK_FINISH_ERROR, (uint32_t)err);
+    if (spec) {
+      a->err_slot[a->num_err] = (int32_t)slot;
+      a->err_code[a->num_err++] = err;
+    } else {
+      finish_response(a, slot, BLINK_FINISH_ERROR, (uint32_t)err);
+    }
     return;
   }
   const uint64_t seed = flags & BLINK_RING_FLAG_HAS_SEED
@@ -217,14 +284,16 @@ __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scra
   x.room[slot] = (int32_t)a->max_output_len;  // a new request's output area is empty
 }
 
-// All threads: take every request queued up to `tail`, in submission order.
-__device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint64_t tail) {
+// All threads: take every request queued from `head` up to `tail`, in submission order; *head_out = tail.
+// The ring's copy of the head is written here, or (spec) by the publish after the acceptance.
+__device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint64_t head_in, uint64_t tail,
+                      uint64_t* head_out, bool spec) {
   __shared__ uint32_t sh_slot;
   __shared__ int32_t sh_len;
   const uint32_t* sq = (const uint32_t*)(a->ring + a->sq_offset);
   const int32_t ctx = s->h->cfg.context_len;
   __threadfence_system();  // the tail was read relaxed: what it covers is read after it
-  for (uint64_t head = a->sq_head; head < tail; ++head) {
+  for (uint64_t head = head_in; head < tail; ++head) {
     if (threadIdx.x == 0) {
       const uint32_t slot = ld_v(&sq[head % a->num_slots]);
       uint32_t len = ld_v(&request(a, slot)->prompt_len);
@@ -239,12 +308,12 @@ __device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x,
     int32_t* dst = s->tokens + (int64_t)sh_slot * ctx;
     for (int32_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = ld_v(&src[i]);
     __syncthreads();
-    if (threadIdx.x == 0) take_request(a, s, x, sh_slot, sh_len);
+    if (threadIdx.x == 0) take_request(a, s, x, sh_slot, sh_len, spec);
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    a->sq_head = tail;
-    st_v(&ring_header(a)->sq_head, tail);
+    *head_out = tail;
+    if (!spec) st_v(&ring_header(a)->sq_head, tail);
   }
   __syncthreads();
 }
@@ -290,8 +359,9 @@ __device__ __forceinline__ int look_slot(blink_loop_args* a, const blink_sched* 
 // together: each is a PCIe round trip): the submission tail, the stop flag, and for each live slot its
 // cancel word and the gateway's `consumed` (-> room). Thread 0 then finishes the cancelled sequences
 // (EngineLoop._apply_cancels). Returns 1: stop, 0: go on; *tail gets the submission tail.
+// With `spec`, a cancel's finish goes to the finish list (published if the speculation is taken).
 __device__ __forceinline__ int poll_ring(blink_loop_args* a, blink_sched* s, const loop_scratch& x,
-                                         uint64_t* tail, const ring_look& look, bool ahead) {
+                                         uint64_t* tail, const ring_look& look, bool ahead, bool spec) {
   __shared__ uint64_t sh_tail;
   __shared__ uint32_t sh_stop;
   if (threadIdx.x == 0) sh_tail = ahead ? look.tail : ld_v(&ring_header(a)->sq_tail);
@@ -311,7 +381,12 @@ __device__ __forceinline__ int poll_ring(blink_loop_args* a, blink_sched* s, con
     for (uint32_t slot = 0; slot < a->num_slots; ++slot) {
       if (!x.cancel[slot]) continue;
       blink_sched_finish(s, (int32_t)slot);
-      finish_response(a, slot, BLINK_FINISH_CANCELLED, 0);
+      if (spec) {
+        s->fin_slot[s->h->num_finished] = (int32_t)slot;
+        s->fin_reason[s->h->num_finished++] = BLINK_FINISH_CANCELLED;
+      } else {
+        finish_response(a, slot, BLINK_FINISH_CANCELLED, 0);
+      }
     }
   }
   __syncthreads();
@@ -339,6 +414,7 @@ __device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
     st_v(&hdr->waiting, 0u);
     cudaGraphSetConditional(a->branch_handle, a->num_branches);  // no branch
     cudaGraphSetConditional(a->loop_handle, 0);
+    a->exiting = 1;
     __threadfence_system();
     st_v(&a->ctl->exited, 1u);
   }
@@ -350,29 +426,106 @@ __device__ void mirror_counters(blink_loop_args* a) {  // thread 0: device count
   for (int i = 0; i < (int)(sizeof(blink_loop_counters) / 8); ++i) st_v(&dst[i], src[i]);
 }
 
-// ---- the loop body: this kernel, then SWITCH (the bucket graph) beside the publish kernel --------------------
-// Commits the last step's tokens to the scheduler, takes new requests and cancels, chooses and fills the
-// next step and picks its graph. With nothing to run it publishes what is pending itself, then polls (one
-// block, short sleeps, a heartbeat every millisecond).
+// ---- the scheduler state a kernel works on ----------------------------------------------------------------
+// All threads: bind `s` to a copy of the hot state at `src`: in shared memory when it fits (then `x` gets
+// its scratch there too; close_state writes it to `dst`), else in place at `dst` (copied from `src` first
+// when they differ). The cold arrays are shared by both copies.
+__device__ void open_state(blink_loop_args* a, blink_sched* s, loop_scratch* x, uint8_t* smem, const uint8_t* src,
+                           uint8_t* dst) {
+  uint8_t* hot = dst;
+  *x = {a->room, a->order, a->par, a->cancel};
+  if (a->smem_bytes) {
+    block_copy(smem, src, a->hot_bytes);
+    hot = smem;
+    x->room = (int32_t*)(smem + a->hot_bytes);
+    x->order = x->room + a->num_slots;
+    x->par = x->order + a->num_slots;
+    x->cancel = (uint8_t*)(x->par + 5 * a->num_slots);
+  } else if (src != dst) {
+    block_copy(dst, src, a->hot_bytes);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    blink_sched_bind_split(s, hot, a->sched_mem + a->hot_bytes, &((blink_sched_header*)hot)->cfg, 0);
+  __syncthreads();
+}
+
+__device__ void close_state(const blink_loop_args* a, const uint8_t* smem, uint8_t* dst) {
+  __syncthreads();
+  if (a->smem_bytes) block_copy(dst, smem, a->hot_bytes);
+}
+
+// The SWITCH branch of a filled step: bucket graph `bucket` over step buffer `b`.
+__device__ uint32_t branch_of(const blink_sched_header* h, int32_t bucket, uint32_t b) {
+  uint32_t index = 0;
+  while (h->cfg.buckets[index] != bucket) ++index;
+  return 2 * (b * (uint32_t)h->cfg.num_buckets + index) + (h->all_greedy ? 1 : 0);
+}
+
+// ---- the fast path: take the speculation -------------------------------------------------------------------
+// All threads. The spec kernel scheduled step n+1 while step n ran, as if none of step n's sampled tokens
+// stopped its sequence, and left placeholders where those tokens go. If none did and nothing was queued
+// after the speculation looked, its decisions are the full step's: write the tokens in, swap the states.
+// Returns 1 when taken (the step is chosen and its graph picked).
+__device__ int take_speculation(blink_loop_args* a, uint64_t t0) {
+  const uint32_t n = a->spec_rows;
+  int bad = threadIdx.x == 0 && ld_v(&ring_header(a)->sq_tail) != a->spec_tail;
+  for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const spec_row r = a->rows[j];
+    bad |= blink_is_stop_token(a->eos_ids, (int32_t)a->num_eos, a->stop_ids + (int64_t)r.slot * a->max_stop_ids,
+                               r.num_stop, r.ignore_eos, (int32_t)a->sampled[j]);
+  }
+  if (__syncthreads_or(bad)) return 0;
+  int32_t* input = (int32_t*)step_buf_of(a, 1 - a->buf);  // input_ids: the step buffer's first field
+  for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const spec_row r = a->rows[j];
+    const int32_t token = (int32_t)a->sampled[j];
+    a->tokens[r.hist] = token;
+    a->new_token[j] = token;
+    if (r.input_row >= 0) input[r.input_row] = token;
+  }
+  if (threadIdx.x == 0) {
+    cudaGraphSetConditional(a->branch_handle, a->spec_branch);
+    a->cur ^= 1u;
+    a->buf ^= 1u;
+    a->spec_ok = 0;
+    a->c.steps += 1;
+    a->c.tokens += n;
+    a->c.spec_hits += 1;
+    a->c.iterations += 1;
+    if (a->last_commit_ns) {
+      a->c.busy_ns += t0 - a->last_commit_ns;
+      a->c.busy_steps += 1;
+    }
+    a->last_commit_ns = t0;
+    a->c.sched_ns += now_ns() - t0;
+  }
+  return 1;
+}
+
+// ---- the loop body: this kernel, then SWITCH (the bucket graph) beside publish -> spec ----------------------
+// Takes the speculation when it holds; else the full step: commits the last step's tokens to the scheduler,
+// takes new requests and cancels, chooses and fills the next step and picks its graph. With nothing to run
+// it publishes what is pending itself, then polls (one block, short sleeps, a heartbeat every millisecond).
 __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop_args* a) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ blink_sched s;
   const uint64_t t0 = now_ns();
+  if (a->spec_ok) {
+    if (take_speculation(a, t0)) return;
+    if (threadIdx.x == 0) {
+      a->spec_ok = 0;
+      a->num_err = 0;  // the full step below admits those requests again
+      a->c.spec_misses += 1;
+    }
+    __syncthreads();
+  }
   ring_look look;
   look_issue(a, look);
-  uint8_t* hot = a->smem_bytes ? smem : a->sched_mem;
-  loop_scratch x = {a->room, a->order, a->par, a->cancel};
-  if (a->smem_bytes) {
-    block_copy(smem, a->sched_mem, a->hot_bytes);
-    x.room = (int32_t*)(smem + a->hot_bytes);
-    x.order = x.room + a->num_slots;
-    x.par = x.order + a->num_slots;
-    x.cancel = (uint8_t*)(x.par + 5 * a->num_slots);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0)
-    blink_sched_bind_split(&s, hot, a->sched_mem + a->hot_bytes, &((blink_sched_header*)hot)->cfg, 0);
-  __syncthreads();
+  const uint32_t cur = a->cur, next_buf = 1u - a->buf;
+  uint8_t* hot = hot_of(a, cur);
+  loop_scratch x;
+  open_state(a, &s, &x, smem, hot, hot);
   blink_sched_header* h = s.h;
   if (h->num_entries > 0) {  // the step that just ran: its tokens into the scheduler (published below)
     for (int32_t i = threadIdx.x; i < h->num_sampled; i += blockDim.x) a->sampled32[i] = (int32_t)a->sampled[i];
@@ -397,8 +550,9 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
   for (int attempt = 0;; ++attempt) {
     t_attempt = now_ns();
     uint64_t tail;
-    const int stop = poll_ring(a, &s, x, &tail, look, attempt == 0);
-    if (tail != a->sq_head) admit(a, &s, x, tail);
+    const int stop = poll_ring(a, &s, x, &tail, look, attempt == 0, false);
+    const uint64_t head = *sq_head_of(a, cur);
+    if (tail != head) admit(a, &s, x, head, tail, sq_head_of(a, cur), false);
     go = stop ? -1 : (blink_sched_schedule_par(&s, x.room, x.order, x.par) > 0 ? 1 : 0);
     if (go != 0) break;
     if (attempt == 0) {  // idle from here on: publish what is pending now, not when work comes back
@@ -432,18 +586,17 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
     shut_down(a, &s, BLINK_ERROR_ENGINE_STOPPING);
   } else {
     const uint64_t t_fill = now_ns();
-    const int32_t bucket = blink_fill_prologue_par(&s, a->step_buf, x.par);
+    uint8_t* buf = step_buf_of(a, next_buf);
+    const int32_t bucket = blink_fill_prologue_par(&s, buf, x.par);
     if (bucket < 0) {  // cannot happen with a budget <= the largest bucket; stop loudly rather than hang
       if (threadIdx.x == 0) st_v(&a->ctl->error, 1u);
       shut_down(a, &s, BLINK_ERROR_INTERNAL);
     } else {
-      blink_fill_token_rows(&s, a->step_buf, threadIdx.x, blockDim.x);
-      blink_fill_block_tables_par(&s, a->step_buf, x.par);
+      blink_fill_token_rows(&s, buf, threadIdx.x, blockDim.x);
+      blink_fill_block_tables_par(&s, buf, x.par);
       if (threadIdx.x == 0) {
-        const blink_sched_config* c = &h->cfg;
-        uint32_t index = 0;
-        while (c->buckets[index] != bucket) ++index;
-        cudaGraphSetConditional(a->branch_handle, 2 * index + (h->all_greedy ? 1 : 0));
+        cudaGraphSetConditional(a->branch_handle, branch_of(h, bucket, next_buf));
+        a->buf = next_buf;
         const uint64_t t_end = now_ns();
         a->c.sched_ns += t_end - t0;
         a->c.commit_ns += t_commit - t0;
@@ -456,18 +609,95 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
     a->c.iterations += 1;
     mirror_counters(a);
   }
+  close_state(a, smem, hot);
   __syncthreads();
-  if (a->smem_bytes) block_copy(a->sched_mem, smem, a->hot_bytes);
+  if (a->exiting && cur) {  // the host reads the final state from sched_mem
+    block_copy(a->sched_mem, a->smem_bytes ? smem : hot, a->hot_bytes);
+    if (threadIdx.x == 0) a->cur = 0;
+  }
 }
 
 // Beside the bucket graph: publish the tokens and finishes that blink_loop_step committed (from the
 // scheduler state in device memory), so that the ring's fences are off the step's critical path.
 __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_publish(blink_loop_args* a) {
   __shared__ blink_sched s;
-  if (threadIdx.x == 0) blink_sched_bind(&s, a->sched_mem, &((blink_sched_header*)a->sched_mem)->cfg);
+  if (threadIdx.x == 0) {
+    uint8_t* hot = hot_of(a, a->cur);
+    blink_sched_bind_split(&s, hot, a->sched_mem + a->hot_bytes, &((blink_sched_header*)hot)->cfg, 0);
+  }
   __syncthreads();
-  if (s.h->num_new == 0 && s.h->num_finished == 0) return;
-  publish(a, &s);
+  if (s.h->num_new != 0 || s.h->num_finished != 0 || a->num_err != 0) publish(a, &s);
+  if (threadIdx.x == 0) {
+    st_v(&ring_header(a)->sq_head, *sq_head_of(a, a->cur));  // a taken speculation's admissions
+    mirror_counters(a);
+  }
+}
+
+// After publish, beside the bucket graph: step n+1 scheduled on a copy of the state (see the file's head).
+// Nothing it does is visible unless the step kernel takes it: its ring writes are the response resets of
+// the requests it admits (the full step writes the same words), the rest waits in the copy and the lists.
+__global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop_args* a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ blink_sched s;
+  const uint64_t t0 = now_ns();
+  const uint32_t cur = a->cur, next_buf = 1u - a->buf;
+  if (a->exiting || ((const blink_sched_header*)hot_of(a, cur))->num_entries == 0) return;  // no step runs
+  loop_scratch x;
+  uint8_t* dst = hot_of(a, 1u - cur);
+  open_state(a, &s, &x, smem, hot_of(a, cur), dst);
+  blink_sched_header* h = s.h;
+  const int32_t n = h->num_sampled;
+  const int64_t ctx = h->cfg.context_len;
+  // step n's tokens as placeholders -(j + 1): never an EOS or stop id, so only lengths finish sequences
+  for (int32_t j = threadIdx.x; j < n; j += blockDim.x) a->sampled32[j] = -(j + 1);
+  if (threadIdx.x == 0) {
+    h->spec_mode = 1;
+    h->spec_tainted = 0;
+    a->num_err = 0;
+  }
+  __syncthreads();
+  blink_sched_update_par(&s, a->sampled32, x.par);  // every sampled row is published: new_slot[j] is row j's
+  for (int32_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const int32_t slot = s.new_slot[j];
+    a->rows[j] = {slot * ctx + s.num_tokens[slot] - 1, -1, slot, s.num_stop[slot], s.ignore_eos[slot]};
+  }
+  __syncthreads();
+  uint64_t tail;
+  ring_look unused;
+  int ok = !poll_ring(a, &s, x, &tail, unused, false, true);
+  if (ok) {
+    const uint64_t head = *sq_head_of(a, cur);
+    if (tail != head) admit(a, &s, x, head, tail, sq_head_of(a, 1u - cur), true);
+    else if (threadIdx.x == 0) *sq_head_of(a, 1u - cur) = head;
+    ok = blink_sched_schedule_par(&s, x.room, x.order, x.par) > 0 && !h->spec_tainted;
+  }
+  int32_t bucket = -1;
+  uint8_t* buf = step_buf_of(a, next_buf);
+  if (ok) bucket = blink_fill_prologue_par(&s, buf, x.par);
+  if (bucket >= 0) {
+    blink_fill_token_rows(&s, buf, threadIdx.x, blockDim.x);
+    blink_fill_block_tables_par(&s, buf, x.par);  // ends with a barrier: the token rows are written
+    const int32_t* input = (const int32_t*)buf;
+    for (int32_t i = threadIdx.x; i < h->num_tokens; i += blockDim.x) {
+      const int32_t id = input[i];
+      if (id < 0) a->rows[-id - 1].input_row = i;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    h->spec_mode = h->spec_tainted = 0;
+    if (bucket >= 0) {
+      a->spec_branch = branch_of(h, bucket, next_buf);
+      a->spec_tail = tail;
+      a->spec_rows = (uint32_t)n;
+      a->new_token = (int32_t*)(dst + ((uint8_t*)s.new_token - (uint8_t*)s.h));
+      a->spec_ok = 1;
+    } else {
+      a->c.spec_misses += 1;
+    }
+    a->c.spec_ns += now_ns() - t0;
+  }
+  if (bucket >= 0) close_state(a, smem, dst);
 }
 
 __global__ void read_globaltimer(uint64_t* out) { *out = now_ns(); }
@@ -479,6 +709,7 @@ struct blink_loop {
   cudaStream_t stream;
   blink_loop_args* dev_args;
   uint32_t smem_bytes;  // the step kernel's dynamic shared memory (0: its state stays in global memory)
+  void* owned[4];       // the speculation's buffers (hot_alt, rows, err_slot, err_code)
 };
 
 #define BLINK_TRY(call, code)               \
@@ -522,8 +753,9 @@ int blink_loop_read_globaltimer(uint64_t* out) {
   return 0;
 }
 
-// Build the loop graph around `children` (num_branches cudaGraph_t, branch 2i/2i+1 = bucket i
-// sampled/greedy), with `args` (host copy; its handles are filled here) copied to device memory.
+// Build the loop graph around `children` (num_branches cudaGraph_t: branch 2 * (b * num_buckets + i) + g =
+// bucket i over step buffer b (step_buf, step_buf_alt), sampled (g = 0) or greedy (g = 1)), with `args`
+// (host copy; its handles and the speculation's buffers are filled here) copied to device memory.
 int blink_loop_create(const blink_loop_args* args_in, void* const* children, uint32_t num_branches,
                       blink_loop** out) {
   blink_loop* L = new blink_loop();
@@ -556,6 +788,30 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   if (args.smem_bytes)
     BLINK_TRY(cudaFuncSetAttribute(blink_loop_step, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)args.smem_bytes), 18);
   L->smem_bytes = args.smem_bytes;
+  if (args.smem_bytes)
+    BLINK_TRY(cudaFuncSetAttribute(blink_loop_spec, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)args.smem_bytes), 19);
+  // the speculation: a second copy of the hot state, per-row and deferred-error lists; the cold arrays'
+  // addresses from the same carving the kernels use
+  blink_sched carve;
+  blink_sched_bind_split(&carve, args.sched_mem, args.sched_mem + args.hot_bytes, &hdr.cfg, nullptr);
+  args.tokens = carve.tokens;
+  args.stop_ids = carve.stop_ids;
+  BLINK_TRY(cudaMalloc(&L->owned[0], args.hot_bytes), 20);
+  BLINK_TRY(cudaMemcpy(L->owned[0], args.sched_mem, args.hot_bytes, cudaMemcpyDeviceToDevice), 21);
+  BLINK_TRY(cudaMalloc(&L->owned[1], sizeof(spec_row) * (uint64_t)hdr.cfg.step_max_seqs), 22);
+  BLINK_TRY(cudaMalloc(&L->owned[2], sizeof(int32_t) * (uint64_t)args.num_slots), 23);
+  BLINK_TRY(cudaMalloc(&L->owned[3], sizeof(int32_t) * (uint64_t)args.num_slots), 24);
+  args.hot_alt = (uint8_t*)L->owned[0];
+  args.rows = (spec_row*)L->owned[1];
+  args.err_slot = (int32_t*)L->owned[2];
+  args.err_code = (int32_t*)L->owned[3];
+  args.new_token = nullptr;
+  args.sq_head_alt = args.sq_head;
+  args.spec_tail = 0;
+  args.cur = args.buf = args.spec_ok = args.spec_branch = args.spec_rows = args.num_err = args.exiting = 0;
+  args.num_eos = (uint32_t)hdr.cfg.num_eos;
+  for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) args.eos_ids[i] = hdr.cfg.eos_ids[i];
+  if (num_branches != 4u * (uint32_t)hdr.cfg.num_buckets || !args.step_buf_alt) return 25 * 1000;
   BLINK_TRY(cudaMalloc(&L->dev_args, sizeof(blink_loop_args)), 6);
   BLINK_TRY(cudaMemcpy(L->dev_args, &args, sizeof(blink_loop_args), cudaMemcpyHostToDevice), 7);
 
@@ -582,6 +838,17 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   k.func = (void*)blink_loop_publish;
   k.sharedMemBytes = 0;
   BLINK_TRY(cudaGraphAddKernelNode(&publish_node, body, &step_node, 1, &k), 11);
+  k.func = (void*)blink_loop_spec;
+  k.sharedMemBytes = args.smem_bytes;
+  cudaGraphNode_t spec_node;
+  BLINK_TRY(cudaGraphAddKernelNode(&spec_node, body, &publish_node, 1, &k), 26);
+  // beside the bucket graph, publish and spec go first whenever an SM frees up
+  int least = 0, greatest = 0;
+  BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest), 27);
+  cudaKernelNodeAttrValue priority = {};
+  priority.priority = greatest;
+  BLINK_TRY(cudaGraphKernelNodeSetAttribute(publish_node, cudaKernelNodeAttributePriority, &priority), 28);
+  BLINK_TRY(cudaGraphKernelNodeSetAttribute(spec_node, cudaKernelNodeAttributePriority, &priority), 29);
 
   BLINK_TRY(cudaGraphInstantiateWithFlags(&L->exec, L->graph, 0), 12);
   BLINK_TRY(cudaGraphUpload(L->exec, L->stream), 13);
@@ -610,6 +877,7 @@ int blink_loop_destroy(blink_loop* L) {
   BLINK_TRY(cudaGraphDestroy(L->graph), 2);
   BLINK_TRY(cudaFree(L->dev_args), 3);
   BLINK_TRY(cudaStreamDestroy(L->stream), 4);
+  for (void* p : L->owned) BLINK_TRY(cudaFree(p), 5);
   delete L;
   return 0;
 }

@@ -2,7 +2,8 @@
 
 - for the same seeded requests it gives the host engine's tokens, bit for bit (same scheduler decisions,
   same bucket graphs), with the scheduler's state in shared memory and, for a ring too big for it, in
-  global memory;
+  global memory; steady decoding takes the speculation (step n+1 scheduled while step n runs), and steps
+  that sampled a stop token or must preempt drop it for the full step, with the same tokens;
 - cancelling mid-generation returns every KV block (device scheduler state and the ring's stats);
 - a prompt the context cannot hold is refused with PROMPT_TOO_LONG while other requests run;
 - shutdown with requests in flight reports each of them failed (ENGINE_STOPPING), none is left open;
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import signal
 import subprocess
@@ -104,7 +106,44 @@ def test_persistent_gives_the_host_engines_tokens_bit_for_bit(served):
     assert [s.tokens[x] for x in slots] == host_tokens
     assert s.engine.smem_bytes > 0  # the step kernel keeps the scheduler's hot state in shared memory
     s.engine.shutdown()  # the loop's counters are mirrored to the host as it leaves
-    assert s.engine.final_ctl["steps"] > 0 and s.engine.final_ctl["tokens"] == 4 * 24
+    ctl = s.engine.final_ctl
+    assert ctl["steps"] > 0 and ctl["tokens"] == 4 * 24
+    assert ctl["spec_hits"] >= ctl["steps"] // 2  # the decode steps: scheduled while the step before ran
+
+
+def _same_as_host(served, specs, runner_kw=None):
+    cfg, model = _peaky_model()
+    runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
+    host_tokens, host_fin, _ = _drive(runner, cfg, specs, config=CONFIG)
+    s = served(runner, cfg)
+    slots = s.submit(specs)
+    s.engine.start()
+    s.wait(lambda: len(s.finishes) == len(slots))
+    assert [s.finishes[x][0] for x in slots] == host_fin
+    assert [s.tokens[x] for x in slots] == host_tokens
+    s.engine.shutdown()
+    return host_tokens, host_fin, s.engine.final_ctl
+
+
+def test_a_sampled_stop_token_drops_the_speculation_and_stops_where_the_host_does(served):
+    cfg, model = _peaky_model()
+    runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
+    plain, _, _ = _drive(runner, cfg, _specs(), config=CONFIG)
+    # each request stops on a token it makes mid-way (at its first occurrence, in both engines)
+    specs = [dataclasses.replace(spec, stop_ids=(tokens[6 + 4 * i],)) for i, (spec, tokens) in enumerate(zip(_specs(), plain))]
+    tokens, finishes, ctl = _same_as_host(served, specs)
+    assert finishes == [FinishReason.STOP] * 4 and all(len(t) < 24 for t in tokens)
+    assert ctl["spec_misses"] >= 1 and ctl["spec_hits"] >= 1
+
+
+def test_steps_that_preempt_are_the_full_steps_with_the_hosts_tokens(served):
+    """Six 300-token sequences need 114 of the 96 KV blocks: the scheduler preempts (recompute)."""
+    gen = __import__("random").Random(5)
+    specs = [RequestSpec(i, [gen.randrange(3, 512) for _ in range(200)], 100, temperature=0.0, ignore_eos=True)
+             for i in range(6)]
+    tokens, finishes, ctl = _same_as_host(served, specs)
+    assert finishes == [FinishReason.LENGTH] * 6 and all(len(t) == 100 for t in tokens)
+    assert ctl["spec_misses"] >= 1 and ctl["spec_hits"] >= 1
 
 
 def test_a_ring_too_big_for_shared_memory_runs_from_global_memory(served):

@@ -28,8 +28,10 @@ def test_ctypes_structs_match_the_library(nvcc):
     lib = persistent_loop.load()  # raises when a size differs
     assert lib.blink_loop_args_bytes() == ctypes.sizeof(persistent_loop.LoopArgs)
     assert lib.blink_loop_ctl_bytes() == ctypes.sizeof(persistent_loop.LoopCtl)
-    # the loop's own counters close the struct, as in C
-    assert persistent_loop.LoopArgs.c_iterations.offset == ctypes.sizeof(persistent_loop.LoopArgs) - 8 * len(persistent_loop.COUNTERS)
+    # the loop's own counters, then the speculation's words, as in C; eos_ids close the struct
+    args = persistent_loop.LoopArgs
+    assert args.step_buf_alt.offset == args.c_iterations.offset + 8 * len(persistent_loop.COUNTERS)
+    assert args.eos_ids.offset + 4 * persistent_loop.MAX_EOS == ctypes.sizeof(args)
 
 
 def test_library_errors_name_the_step():

@@ -59,6 +59,10 @@ typedef struct blink_sched_header {
   int32_t num_entries, num_preempted;
   int32_t num_new, num_finished;
   int32_t bucket, num_tokens, num_sampled, all_greedy;
+  // speculation (the GPU loop schedules step n+1 while step n runs, on a copy of this header and the
+  // per-slot arrays; the large arrays are shared): in spec_mode nothing is preempted -- a step that would
+  // need it sets spec_tainted and the loop schedules that step again from the real state
+  int32_t spec_mode, spec_tainted;
 } blink_sched_header;
 
 typedef struct blink_sched {
@@ -135,6 +139,7 @@ BLINK_HD void blink_sched_init(blink_sched* s, const blink_sched_config* c) {
   h->num_running = h->num_waiting = h->num_entries = h->num_preempted = h->num_new = h->num_finished = 0;
   h->bucket = h->num_tokens = h->num_sampled = 0;
   h->all_greedy = 1;
+  h->spec_mode = h->spec_tainted = 0;
   for (int32_t b = 0; b < c->num_blocks; ++b) s->free_blocks[b] = b;
   for (int32_t i = 0; i < c->max_slots; ++i) { s->status[i] = BLINK_SEQ_FINISHED; s->num_table[i] = 0; }
 }
@@ -270,6 +275,10 @@ BLINK_HD void blink_preempt(blink_sched* s, int32_t slot) {
 // blocks run out; with nothing else to take, the sequence itself gives way (Scheduler._reserve).
 BLINK_HD int blink_reserve(blink_sched* s, int32_t slot, int32_t num_tokens) {
   blink_sched_header* h = s->h;
+  if (h->spec_mode && blink_extra_blocks(s, slot, num_tokens) > h->num_free) {
+    h->spec_tainted = 1;  // a speculative pass never preempts (see spec_mode)
+    return 0;
+  }
   while (blink_extra_blocks(s, slot, num_tokens) > h->num_free) {
     int32_t victim = -1;
     for (int32_t i = 0; i < h->num_running; ++i) {
@@ -364,7 +373,9 @@ BLINK_HD void blink_liveness(blink_sched* s, const int32_t* room, int32_t* order
     if (s->num_tokens[v] - s->num_computed[v] > 1) partial = 1;
     if (victim < 0 || blink_before(s, victim, v)) victim = v;
   }
-  if (partial) {
+  if (partial && h->spec_mode) {
+    h->spec_tainted = 1;
+  } else if (partial) {
     blink_preempt(s, victim);
     blink_schedule_pass(s, room, order);
   }
@@ -513,13 +524,21 @@ BLINK_HD void blink_fill_tokens(const blink_sched* s, uint8_t* buf, int32_t tid,
 }
 
 // ---- after the model ran -------------------------------------------------------------------------------
+// Whether `token` ends the sequence in `slot` by itself: an EOS id (unless ignored) or one of its stop ids.
+BLINK_HD int blink_is_stop_token(const int32_t* eos_ids, int32_t num_eos, const int32_t* stop_ids, int32_t num_stop,
+                                 int32_t ignore_eos, int32_t token) {
+  int is_stop = 0;
+  if (!ignore_eos)
+    for (int32_t i = 0; i < num_eos; ++i) is_stop |= token == eos_ids[i];
+  for (int32_t i = 0; i < num_stop; ++i) is_stop |= token == stop_ids[i];
+  return is_stop;
+}
+
 BLINK_HD int32_t blink_stop_reason(const blink_sched* s, int32_t slot, int32_t token) {
   const blink_sched_config* c = &s->h->cfg;
-  int is_stop = 0;
-  if (!s->ignore_eos[slot])
-    for (int32_t i = 0; i < c->num_eos; ++i) is_stop |= token == c->eos_ids[i];
-  for (int32_t i = 0; i < s->num_stop[slot]; ++i) is_stop |= token == s->stop_ids[(int64_t)slot * c->max_stop_ids + i];
-  if (is_stop) return 1;  // FinishReason.STOP
+  if (blink_is_stop_token(c->eos_ids, c->num_eos, s->stop_ids + (int64_t)slot * c->max_stop_ids, s->num_stop[slot],
+                          s->ignore_eos[slot], token))
+    return 1;  // FinishReason.STOP
   const int64_t generated = s->num_tokens[slot] - s->prompt_len[slot];
   if (generated + 1 >= s->max_tokens[slot] || s->num_tokens[slot] + 1 >= c->context_len) return 2;  // LENGTH
   return 0;
