@@ -4,6 +4,7 @@
 # ignore_eos, which it rejects: the folder's generation config has no EOS instead).
 #   bench/device_peer.sh start   # build the folder, start the server detached (setsid), wait until ready
 #   N=160 CONC=64 bench/device_peer.sh bench    # drive it; writes the bench JSON under $OUT
+# REQUEST_TIMEOUT (default 600 s of silence before a stream fails: interfered runs are slow).
 # The server takes minutes to load (466 s on an H200 here), so the two halves can be separate calls.
 set -u
 cd "$(dirname "$0")/.."
@@ -24,5 +25,5 @@ echo "transformers serve ready after $SECONDS s"
 [ "${1:-}" = bench ] || exit 0
 $PY -m blink.bench --url http://127.0.0.1:8001/v1 --api-key none --model "$DIR" --endpoint chat \
     --workload sharegpt --rates inf --max-concurrency "$CONC" --num-requests "$N" --label hf-serve-cb --no-ignore-eos \
-    --backend-pid "$(cat /tmp/hf_serve.pid)" --out "$OUT" --no-progress --warmup-requests 2 --request-timeout 300 ${EXTRA:-}
+    --backend-pid "$(cat /tmp/hf_serve.pid)" --out "$OUT" --no-progress --warmup-requests 2 --request-timeout ${REQUEST_TIMEOUT:-600} ${EXTRA:-}
 cp /tmp/hf_serve.log "$OUT/hf_serve.log"

@@ -6,6 +6,11 @@ One line per system (the run's `label`), one column per interference level (isol
 each number of interfering threads), side by side with shared y axes per metric. Runs at rate inf have
 no place on a rate axis and are left out (listed on stderr). When several files hold the same system,
 level and rate, the last one by file name (they carry a UTC timestamp) wins.
+
+    python bench/plots.py FILES --bars [--requests 128] --out bench/results/compare.png
+
+--bars: the all-at-once runs instead (issue 5's comparison): per metric, one group of bars per system,
+one bar per interference level, plus a panel of interfered / isolated ratios (output tok/s, P99 TPOT).
 """
 from __future__ import annotations
 
@@ -81,12 +86,85 @@ def plot(runs: dict[tuple[str, int], dict[float, dict]], out: str | Path) -> Pat
     return out
 
 
+def load_saturation(paths: list[str], requests: int | None = None) -> dict[tuple[str, int], dict]:
+    """(label, interfering threads) -> metrics of the all-at-once runs (of `requests` requests if given)."""
+    runs: dict[tuple[str, int], dict] = {}
+    for f in result_files(paths):
+        doc = json.loads(f.read_text())
+        if "metrics" not in doc or "arrivals" not in doc or not math.isinf(float(doc["arrivals"]["rate"])):
+            continue
+        if requests is not None and doc["metrics"].get("num_requests") != requests:
+            continue
+        runs[(doc["label"], (doc.get("interference") or {}).get("threads", 0))] = doc["metrics"]
+    return runs
+
+
+def plot_bars(runs: dict[tuple[str, int], dict], out: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not runs:
+        raise ValueError("no all-at-once run to plot")
+    levels = sorted({level for _, level in runs})
+    labels = sorted({label for label, _ in runs})
+    width = 0.8 / len(levels)
+    fig, axes = plt.subplots(1, len(METRICS) + 1, figsize=(4.6 * (len(METRICS) + 1), 4.2), squeeze=False)
+    panels = [(name, get, True) for name, get in METRICS]
+    panels.append(("interfered / isolated: tok/s (solid), P99 TPOT (hatched)", None, False))
+    for ax, (name, get, log) in zip(axes[0], panels):
+        for j, level in enumerate(levels):
+            xs, ys, extra = [], [], []
+            for i, label in enumerate(labels):
+                m, base = runs.get((label, level)), runs.get((label, 0))
+                if m is None:
+                    continue
+                if get is not None:
+                    xs.append(i + (j - (len(levels) - 1) / 2) * width)
+                    ys.append(get(m))
+                elif level and base:
+                    x = i + (j - (len(levels) - 1) / 2) * width
+                    xs.append(x - width / 4)
+                    ys.append(m["output_throughput_tok_s"] / base["output_throughput_tok_s"])
+                    extra.append((x + width / 4, m["tpot_ms"]["p99"] / base["tpot_ms"]["p99"]))
+            if get is None and not level:
+                continue
+            bw = width if get is not None else width / 2
+            bars = ax.bar(xs, ys, bw, color=f"C{j}", label=_title(level))
+            ax.bar_label(bars, fmt=lambda v: f"{v:,.0f}" if v >= 100 else f"{v:.3g}", fontsize=6, rotation=90, padding=2)
+            if extra:
+                bars = ax.bar([x for x, _ in extra], [y for _, y in extra], bw, color=f"C{j}", hatch="//",
+                              alpha=0.6)
+                ax.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90, padding=2)
+        if log:
+            ax.set_yscale("log")
+        else:
+            ax.axhline(1.0, color="k", lw=0.8)
+        ax.margins(y=0.25)
+        ax.set_xticks(range(len(labels)), labels, fontsize="small")
+        ax.set_title(name, fontsize="small")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("paths", nargs="+", help="result JSON files or folders holding them")
     p.add_argument("--out", default="bench/results/sweep.png")
+    p.add_argument("--bars", action="store_true", help="all-at-once runs as bars per system and interference level")
+    p.add_argument("--requests", type=int, default=None, help="--bars: keep runs of exactly this many requests")
     args = p.parse_args(argv)
-    print(plot(load_runs(args.paths), args.out))
+    if args.bars:
+        print(plot_bars(load_saturation(args.paths, args.requests), args.out))
+    else:
+        print(plot(load_runs(args.paths), args.out))
     return 0
 
 
