@@ -31,6 +31,7 @@
 // DESIGN.md "The GPU-resident loop" explains the choice of WHILE + SWITCH over device graph launch.
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "blink_ring.h"
@@ -843,12 +844,16 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   cudaGraphNode_t spec_node;
   BLINK_TRY(cudaGraphAddKernelNode(&spec_node, body, &publish_node, 1, &k), 26);
   // beside the bucket graph, publish and spec go first whenever an SM frees up
-  int least = 0, greatest = 0;
-  BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest), 27);
-  cudaKernelNodeAttrValue priority = {};
-  priority.priority = greatest;
-  BLINK_TRY(cudaGraphKernelNodeSetAttribute(publish_node, cudaKernelNodeAttributePriority, &priority), 28);
-  BLINK_TRY(cudaGraphKernelNodeSetAttribute(spec_node, cudaKernelNodeAttributePriority, &priority), 29);
+  // (BLINK_LOOP_SPEC_PRIORITY=0 leaves them at the default priority, for measuring)
+  const char* want = getenv("BLINK_LOOP_SPEC_PRIORITY");
+  if (!want || strcmp(want, "0") != 0) {
+    int least = 0, greatest = 0;
+    BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest), 27);
+    cudaKernelNodeAttrValue priority = {};
+    priority.priority = greatest;
+    BLINK_TRY(cudaGraphKernelNodeSetAttribute(publish_node, cudaKernelNodeAttributePriority, &priority), 28);
+    BLINK_TRY(cudaGraphKernelNodeSetAttribute(spec_node, cudaKernelNodeAttributePriority, &priority), 29);
+  }
 
   BLINK_TRY(cudaGraphInstantiateWithFlags(&L->exec, L->graph, 0), 12);
   BLINK_TRY(cudaGraphUpload(L->exec, L->stream), 13);
