@@ -8,21 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from gpu_backend.engine.sampler import SamplingRow, sample_step
-from gpu_backend.engine.scheduler import Batch, Sequence
+from gpu_backend.engine.sampler import sample_step, sampling_row
+from gpu_backend.engine.scheduler import Batch
 from gpu_backend.models import AttnBatch, ModelConfig, allocate_kv_cache
 from protocols.ring import TokenLogprob
-
-
-def sampling_row(seq: Sequence) -> SamplingRow:
-    """The sampling parameters of `seq`'s next token (position = its index in prompt + output)."""
-    spec = seq.spec
-    history = {}
-    if spec.uses_sampling_extensions:
-        history = {"prompt_ids": seq.token_ids[:seq.prompt_len], "output_ids": seq.token_ids[seq.prompt_len:]}
-    return SamplingRow(spec.temperature, spec.top_p, spec.top_k, spec.min_p, seq.rng_seed, len(seq.token_ids),
-                       spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty, spec.logit_bias,
-                       num_logprobs=spec.num_logprobs, **history)
 
 
 class CpuRunner:

@@ -3,8 +3,9 @@
 Between steps it takes new requests from the ring, honours cancels, and bumps the heartbeat. The model
 side is a runner: `CpuRunner` (torch on the CPU, `engine/cpu_runner.py`) or `GpuRunner` (bucketed CUDA
 graphs, `engine/gpu_runner.py`, the `host` mode). A runner has `num_blocks` and `run(batch) -> tokens`.
-A runner that applies penalties and logit bias and computes logprobs (the cpu one) also keeps
-`last_logprobs` of its last run; the loop refuses such requests (INVALID_PARAMS) for the others.
+A runner that applies penalties and logit bias and computes logprobs (both of these) also keeps
+`last_logprobs` of its last run (per sampled entry, or empty when none asked); the loop refuses such
+requests (INVALID_PARAMS) for a runner without it.
 """
 from __future__ import annotations
 
