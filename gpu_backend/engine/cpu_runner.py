@@ -15,6 +15,8 @@ from protocols.ring import TokenLogprob
 
 
 class CpuRunner:
+    sampling_extensions = True  # penalties, logit bias and logprobs (engine/sampler.py)
+
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, num_blocks: int, block_size: int):
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] float32, cpu

@@ -23,8 +23,9 @@ its tokens; so does a seeded row whose extensions leave its logits as they are (
 without extensions run exactly as before. The third graph costs capture time (three graphs per bucket
 instead of two, so about half as much again), the static buffer (max_num_seqs x V x 4 bytes: 131 MB at
 256 sequences and Llama 3's 128,256 tokens), and almost no pool memory (the graphs share one pool and run
-one at a time). `GpuRunnerConfig.logits_graphs=False` (the persistent mode, which refuses extensions)
-skips it; the host mode then runs such steps eagerly.
+one at a time); with `use_graphs=False` the LOGITS step runs eagerly like the others.
+`GpuRunnerConfig.sampling_extensions=False` (the persistent mode, whose loop refuses them) has none of this:
+no third graph, no buffer, no memory set aside for the eager part.
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ class GpuRunnerConfig:
     gpu_memory_fraction: float = 0.9
     num_kv_blocks: int = 0  # 0: size the cache from free memory and gpu_memory_fraction
     use_graphs: bool = True
-    logits_graphs: bool = True  # a third graph per bucket for steps with sampling extensions (else eager)
+    # penalties, logit bias, logprobs: a third graph per bucket, the logits buffer, memory for the eager part
+    sampling_extensions: bool = True
     # projections that a one-token step runs through kernels/gemv.py instead of cuBLAS, with the
     # (BLOCK_N, BLOCK_K, num_warps) that streamed Llama-3-8B's shapes fastest on an H200 (bench/NOTES.md)
     gemv_projections: tuple[tuple[str, tuple[int, int, int]], ...] = (
@@ -206,8 +208,10 @@ class GpuRunner:
         self.sin = freqs.sin().to(self.device)
         self.tokens_dev = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.tokens_host = torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
+        self.sampling_extensions = config.sampling_extensions  # the engine loop admits such requests when set
         # [S, V] float32: the LOGITS graphs' output, adjusted in place by the extensions
-        self.logits_dev = torch.zeros(config.max_num_seqs, cfg.vocab_size, dtype=torch.float32, device=self.device)
+        self.logits_dev = torch.zeros(config.max_num_seqs, cfg.vocab_size, dtype=torch.float32, device=self.device) \
+            if self.sampling_extensions else None
         self.last_logprobs: list[TokenLogprob | None] = []  # of the last `run`; empty when no row asked
         self._done = torch.cuda.Event()
         self.num_blocks = self._size_kv_cache()
@@ -236,15 +240,8 @@ class GpuRunner:
         self._step(bucket, greedy=False)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - probe.numel() * probe.element_size()
-        # the extension path's eager temporaries live beside the graph pool: counted on top, for every
-        # row with every extension
-        self._step(bucket, LOGITS)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        self._sample_extended(self.logits_dev[:seqs], False, _probe_rows(seqs))
-        torch.cuda.synchronize(self.device)
-        peak += torch.cuda.max_memory_allocated(self.device) - base
+        if self.sampling_extensions:
+            peak += self._extension_peak(bucket, seqs)
         del self.kv_cache, probe
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -259,6 +256,17 @@ class GpuRunner:
                  self.config.block_size, blocks * self.kv_block_bytes / _GiB, self.weights.num_bytes / _GiB,
                  (peak - self.weights.num_bytes) / _GiB)
         return int(blocks)
+
+    def _extension_peak(self, bucket: int, num_seqs: int) -> int:
+        """Bytes the extensions' eager part needs for every row with every extension: it runs beside the
+        graph pool, so it counts on top of a step's peak."""
+        self._step(bucket, LOGITS)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self._sample_extended(self.logits_dev[:num_seqs], False, _probe_rows(num_seqs))
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - base
 
     # ---- the step ------------------------------------------------------------------------------------
     def _step(self, num_tokens: int, greedy: bool | str) -> None:
@@ -290,7 +298,7 @@ class GpuRunner:
     def _step_extended(self, num_tokens: int, greedy: bool, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
         """A step whose sampled rows (`rows`, in order) include some with extensions: the LOGITS graph (or
         its eager twin), then the extensions and sampling, eagerly. Writes tokens_dev."""
-        if self.config.use_graphs and self.config.logits_graphs:
+        if self.config.use_graphs:
             self.graphs[(num_tokens, LOGITS)].replay()
         else:
             self._step(num_tokens, LOGITS)
@@ -352,7 +360,7 @@ class GpuRunner:
 
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        variants = (False, True, LOGITS) if self.config.logits_graphs else (False, True)
+        variants = (False, True, LOGITS) if self.sampling_extensions else (False, True)
         keys = [(b, g) for b in reversed(self.buckets) for g in variants]
         stream = torch.cuda.Stream(self.device)
         for bucket, greedy in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, unit="graph"):
@@ -396,11 +404,12 @@ class GpuRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[int]:
         """Tokens sampled for the entries with `samples`, in batch order; `last_logprobs` for the rows that
-        asked (empty when none did)."""
+        asked (empty when none did). Without `sampling_extensions` the engine loop has refused such rows."""
         bucket, greedy, num_sampled = self.fill(batch)
         self.bufs.upload(len(batch.entries))
         self.last_logprobs = []
-        if any(e.samples and e.seq.spec.uses_sampling_extensions for e in batch.entries):
+        if self.sampling_extensions and any(e.samples and e.seq.spec.uses_sampling_extensions
+                                            for e in batch.entries):
             rows = [sampling_row(e.seq) for e in batch.entries if e.samples]
             self.last_logprobs = self._step_extended(bucket, greedy, rows)
         elif self.config.use_graphs:

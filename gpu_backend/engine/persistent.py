@@ -14,7 +14,7 @@ failed, and if the loop died, so is every slot it had not finished.
 
 The loop does not apply penalties or logit bias, nor compute logprobs (the host mode does): its admission
 refuses such requests with INVALID_PARAMS, after the gateway has already refused them for this mode.
-Build its runner with `logits_graphs=False`: the graphs for those steps would never run.
+Build its runner with `sampling_extensions=False`: the graphs and memory for those steps would never be used.
 """
 from __future__ import annotations
 

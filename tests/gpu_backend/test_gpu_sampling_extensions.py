@@ -6,7 +6,8 @@ skipped elsewhere):
 - in a step mixing rows with and without extensions, the plain rows (and a seeded row that only asks for
   logprobs) get the tokens of a step without extensions;
 - logit_bias +100 forces a token, -100 bans one;
-- through the engine loop and a real ring, a request with logprobs gets one entry per token.
+- through the engine loop and a real ring, a request with logprobs gets one entry per token;
+- sizing the KV cache from free memory sets memory aside for the extensions' eager part.
 """
 from __future__ import annotations
 
@@ -115,14 +116,13 @@ def test_logit_bias_forces_and_bans_tokens(runner):
     assert banned != free
 
 
-def test_logprobs_reach_the_ring_through_the_engine_loop():
-    cfg, runner = _host_runner()
+def test_logprobs_reach_the_ring_through_the_engine_loop(runner):
     prompt = [5, 6, 7, 8, 9, 10]
     specs = [RequestSpec(0, prompt, 10, temperature=0.0, ignore_eos=True, num_logprobs=3),
              RequestSpec(1, prompt, 10, temperature=0.8, seed=4, ignore_eos=True, num_logprobs=0,
                          frequency_penalty=1.0),
              RequestSpec(2, prompt, 10, temperature=0.0, ignore_eos=True)]
-    tokens, finishes, loop = _drive(runner, cfg, specs)
+    tokens, finishes, loop = _drive(runner, runner.cfg, specs)
     assert finishes == [FinishReason.LENGTH] * 3 and all(len(t) == 10 for t in tokens)
     greedy, sampled, plain = loop.final_logprobs
     assert len(greedy) == len(sampled) == 10 and plain == []
@@ -131,3 +131,18 @@ def test_logprobs_reach_the_ring_through_the_engine_loop():
         assert entry.logprob <= 0
     assert all(entry.top == () and entry.logprob <= 0 for entry in sampled)
     assert tokens[0] == tokens[2]  # logprobs leave greedy decoding as it is
+
+
+def test_kv_sizing_sets_memory_aside_for_the_extensions():
+    blocks = {}
+    for extensions in (False, True):
+        _, runner = _host_runner(num_kv_blocks=0, gpu_memory_fraction=0.2, use_graphs=False,
+                                   sampling_extensions=extensions)
+        blocks[extensions] = runner.num_blocks
+        if extensions:
+            spec = RequestSpec(0, [5, 6, 7], 4, temperature=0.0, repetition_penalty=1.3, num_logprobs=20)
+            assert len(runner.run(_batch([spec]))) == 1 and len(runner.last_logprobs[0].top) == 20
+        del runner
+        torch.cuda.empty_cache()
+    print(f"\nKV blocks at 20% of the GPU: {blocks[False]} without the extensions, {blocks[True]} with them")
+    assert 0 < blocks[True] <= blocks[False]

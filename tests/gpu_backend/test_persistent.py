@@ -38,7 +38,7 @@ def _runner(model, cfg):
     from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig
 
     return GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=16,
-                                                 context_len=512, num_kv_blocks=96, logits_graphs=False),
+                                                 context_len=512, num_kv_blocks=96, sampling_extensions=False),
                      progress=False, keep_graphs=True)
 
 
@@ -157,6 +157,7 @@ def test_sampling_extensions_are_refused_and_others_run(served):
     cfg, model = _peaky_model()
     runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
     assert all(isinstance(greedy, bool) for _, greedy in runner.graphs)  # no LOGITS graphs: never used here
+    assert runner.logits_dev is None and not runner.sampling_extensions
     s = served(runner, cfg)
     s.engine.start()
     asks = [dict(num_logprobs=0), dict(presence_penalty=0.5), dict(frequency_penalty=-1.0),
