@@ -16,8 +16,10 @@ all-greedy steps; the full sampler otherwise: two graphs per bucket, the host pi
 The sampling extensions (logit bias, repetition/frequency/presence penalties, logprobs) take a third path,
 only in steps where some sampled row asks for one: a third graph per bucket (`LOGITS`) stops at the LM
 head and leaves float32 logits [S, V] in a static buffer; then, eagerly on the GPU, the bias and penalties
-of the rows that have them (`sampler.LogitAdjustments`, index tensors built once per step while the graph
-runs), the same sampling kernels as the other two graphs, and the logprobs (`sampler.token_logprobs`).
+of the rows that have them (`sampler.LogitAdjustments`: (row, token id) index tensors built on the host
+once per step while the graph runs, about 25 ns per history token of a repetition-penalized row, its prompt
+kept as an array between steps by `sampler.PromptCache`), the same sampling kernels as the other two
+graphs, and the logprobs (`sampler.token_logprobs`, one copy back).
 Rows without extensions in such a step see the very logits and kernels of the plain path, so they get
 its tokens; so does a seeded row whose extensions leave its logits as they are (logprobs only). Steps
 without extensions run exactly as before. The third graph costs capture time (three graphs per bucket
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu_backend.engine.sampler import LogitAdjustments, SamplingRow, sampling_row, token_logprobs
+from gpu_backend.engine.sampler import LogitAdjustments, PromptCache, SamplingRow, token_logprobs
 from gpu_backend.engine.scheduler import Batch
 from gpu_backend.models import ModelConfig, allocate_kv_cache
 from gpu_backend.models.rope import rope_inv_freq
@@ -213,6 +215,7 @@ class GpuRunner:
         self.logits_dev = torch.zeros(config.max_num_seqs, cfg.vocab_size, dtype=torch.float32, device=self.device) \
             if self.sampling_extensions else None
         self.last_logprobs: list[TokenLogprob | None] = []  # of the last `run`; empty when no row asked
+        self._prompts = PromptCache()
         self._done = torch.cuda.Event()
         self.num_blocks = self._size_kv_cache()
         self.kv_cache = allocate_kv_cache(cfg, self.num_blocks, config.block_size, self.dtype, self.device)
@@ -410,7 +413,7 @@ class GpuRunner:
         self.last_logprobs = []
         if self.sampling_extensions and any(e.samples and e.seq.spec.uses_sampling_extensions
                                             for e in batch.entries):
-            rows = [sampling_row(e.seq) for e in batch.entries if e.samples]
+            rows = self._prompts.rows([e.seq for e in batch.entries if e.samples])
             self.last_logprobs = self._step_extended(bucket, greedy, rows)
         elif self.config.use_graphs:
             self.graphs[(bucket, greedy)].replay()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -73,16 +72,38 @@ class SamplingRow:
                     or self.repetition_penalty != 1.0)
 
 
-def sampling_row(seq: scheduler.Sequence) -> SamplingRow:
+def sampling_row(seq: scheduler.Sequence, prompt_ids: np.ndarray | None = None) -> SamplingRow:
     """The sampling parameters of `seq`'s next token (position = its index in prompt + output), with only
-    the history its penalties read: the prompt for repetition, the output for any penalty."""
+    the history its penalties read: the prompt for repetition (`prompt_ids` when given, a copy of it), the
+    output for any penalty."""
     spec, ids, prompt_len = seq.spec, seq.token_ids, seq.prompt_len
     repetition = spec.repetition_penalty != 1.0
     penalized = repetition or spec.presence_penalty or spec.frequency_penalty
+    if repetition and prompt_ids is None:
+        prompt_ids = ids[:prompt_len]
     return SamplingRow(spec.temperature, spec.top_p, spec.top_k, spec.min_p, seq.rng_seed, len(ids),
                        spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty, spec.logit_bias,
-                       prompt_ids=ids[:prompt_len] if repetition else (),
+                       prompt_ids=prompt_ids if repetition else (),
                        output_ids=ids[prompt_len:] if penalized else (), num_logprobs=spec.num_logprobs)
+
+
+class PromptCache:
+    """Sampling rows for a step's sampled sequences, with the prompts of the repetition-penalized ones kept
+    as int64 arrays from one step to the next: the prompt is most of that penalty's history and never
+    changes, so a step converts only the output so far. Holds the last step's sequences only."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple[int, int], np.ndarray] = {}  # (slot, ring submission number) -> prompt ids
+
+    def rows(self, seqs: list[scheduler.Sequence]) -> list[SamplingRow]:
+        kept: dict[tuple[int, int], np.ndarray] = {}
+        for seq in seqs:
+            if seq.spec.repetition_penalty != 1.0:
+                key = (seq.slot, seq.seq)
+                cached = self._arrays.get(key)
+                kept[key] = cached if cached is not None else _int64(seq.token_ids[:seq.prompt_len])
+        self._arrays = kept
+        return [sampling_row(seq, kept.get((seq.slot, seq.seq))) for seq in seqs]
 
 
 def sample_step(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -158,11 +179,18 @@ class LogitAdjustments:
 
 def _index_pairs(histories: list[tuple[Sequence[int], ...]], vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """(row, token id) for every in-vocabulary id of each row's histories: two [m] int64 arrays."""
-    per_row = [np.fromiter(chain.from_iterable(h), dtype=np.int64) for h in histories]
-    rows = np.repeat(np.arange(len(per_row)), [len(a) for a in per_row])
-    ids = np.concatenate(per_row)
+    parts = [_int64(ids) for h in histories for ids in h]
+    rows = np.repeat(np.arange(len(histories)), [sum(len(ids) for ids in h) for h in histories])
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     keep = (ids >= 0) & (ids < vocab)
     return rows[keep], ids[keep]
+
+
+def _int64(ids: Sequence[int]) -> np.ndarray:
+    """An int64 array of `ids` (an int64 array passes through)."""
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int64:
+        return ids
+    return np.fromiter(ids, dtype=np.int64, count=len(ids))
 
 
 def _upload(parts: list, dtype: type, device: torch.device) -> list[torch.Tensor]:

@@ -1,13 +1,14 @@
 """Penalties, logit bias and logprobs (the sampler math the cpu and host engines share), against a plain
 torch reference that works one token at a time."""
+import dataclasses
 import math
 import random
 
 import pytest
 import torch
 
-from gpu_backend.engine.sampler import (LogitAdjustments, SamplingRow, apply_penalties, sample, sample_step,
-                                       sampling_row, token_logprobs)
+from gpu_backend.engine.sampler import (LogitAdjustments, PromptCache, SamplingRow, apply_penalties, sample,
+                                       sample_step, sampling_row, token_logprobs)
 from gpu_backend.engine.scheduler import Sequence
 from protocols.ring import RequestSpec
 
@@ -174,3 +175,20 @@ def test_sampling_row_copies_only_the_history_its_penalties_read():
     assert (tuple(r.prompt_ids), tuple(r.output_ids)) == ((), (8, 8))
     r = sampling_row(seq(repetition_penalty=1.2))
     assert (tuple(r.prompt_ids), tuple(r.output_ids)) == ((5, 6, 7), (8, 8))
+
+
+def test_prompt_cache_keeps_the_penalized_prompts_of_the_last_step_only():
+    def seq(slot, **kw):
+        spec = RequestSpec(slot, [5, 6, 7], 4, **kw)
+        return Sequence(slot=slot, seq=slot + 10, spec=spec, arrival=0, rng_seed=1, token_ids=[5, 6, 7, 8],
+                        prompt_len=3)
+    cache = PromptCache()
+    a, b, c = seq(0, repetition_penalty=1.5), seq(1, num_logprobs=1), seq(2, repetition_penalty=0.5)
+    first = cache.rows([a, b, c])
+    assert [tuple(r.prompt_ids) for r in first] == [(5, 6, 7), (), (5, 6, 7)]
+    assert [dataclasses.replace(r, prompt_ids=tuple(r.prompt_ids)) for r in first] == \
+        [dataclasses.replace(sampling_row(s), prompt_ids=tuple(sampling_row(s).prompt_ids)) for s in (a, b, c)]
+    a.token_ids.append(9)
+    second = cache.rows([a])
+    assert second[0].prompt_ids is first[0].prompt_ids and tuple(second[0].output_ids) == (8, 9)
+    assert cache.rows([c])[0].prompt_ids is not first[2].prompt_ids  # c left in between: converted again
