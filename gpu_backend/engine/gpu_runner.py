@@ -307,7 +307,8 @@ class GpuRunner:
             self._step(num_tokens, LOGITS)
         return self._sample_extended(self.logits_dev[:self.config.seqs_in(num_tokens)], greedy, rows)
 
-    def _sample_extended(self, logits: torch.Tensor, greedy: bool, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+    def _sample_extended(self, logits: torch.Tensor, greedy: bool,
+                         rows: list[SamplingRow]) -> list[TokenLogprob | None]:
         """Bias and penalties in place on `logits` [s, V] (rows past len(rows): padding), the plain path's
         sampling, then the logprobs of the rows that ask."""
         adjustments = LogitAdjustments.build(rows, logits.shape[1], self.device)  # host work while the GPU runs

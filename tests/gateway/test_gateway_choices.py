@@ -140,15 +140,17 @@ def persistent_mode(start_harness, pick_free_port):
 
 @pytest.mark.parametrize("param, fields", ENGINE_PARAMS, ids=[p for p, _ in ENGINE_PARAMS])
 def test_the_persistent_mode_refuses_engine_side_parameters(persistent_mode, param, fields):
+    mode = persistent_mode
     for stream in (False, True):
-        body = {"model": persistent_mode.model, "messages": [{"role": "user", "content": "hi"}], "stream": stream, **fields}
-        status, reply = persistent_mode.post("/v1/chat/completions", body)
+        body = {"model": mode.model, "messages": [{"role": "user", "content": "hi"}], "stream": stream, **fields}
+        status, reply = mode.post("/v1/chat/completions", body)
         assert status == 400, reply
         assert reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
-        assert "'persistent' engine mode" in reply["error"]["message"] and "not supported yet" in reply["error"]["message"]
-    status, reply = persistent_mode.post("/v1/completions", {"model": persistent_mode.model, "prompt": "hi", "logprobs": 0})
+        message = reply["error"]["message"]
+        assert "'persistent' engine mode" in message and "not supported yet" in message
+    status, reply = mode.post("/v1/completions", {"model": mode.model, "prompt": "hi", "logprobs": 0})
     assert status == 400 and reply["error"]["param"] == "logprobs"
-    assert persistent_mode.call(lambda: persistent_mode.backend.num_in_flight) == 0
+    assert mode.call(lambda: mode.backend.num_in_flight) == 0
 
 
 def test_the_persistent_mode_still_serves_n_echo_and_defaults(persistent_mode):

@@ -168,7 +168,8 @@ def test_default_values_are_not_engine_fields(persistent_mode):
         replies = generate(stub, auth, model=persistent_mode.model, prompt="hello", max_tokens=2, n=2,
                            presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias={})
     assert [c.finish_reason for c in reassemble(replies)] == ["length", "length"]
-    assert persistent_mode.engine.specs[-1].num_logprobs is None and persistent_mode.engine.specs[-1].repetition_penalty == 1.0
+    last = persistent_mode.engine.specs[-1]
+    assert last.num_logprobs is None and last.repetition_penalty == 1.0
     persistent_mode.wait_idle()
 
 
