@@ -23,9 +23,11 @@ graphs, and the logprobs (`sampler.token_logprobs`, one copy back).
 Rows without extensions in such a step see the very logits and kernels of the plain path, so they get
 its tokens; so does a seeded row whose extensions leave its logits as they are (logprobs only). Steps
 without extensions run exactly as before. The third graph costs capture time (three graphs per bucket
-instead of two, so about half as much again), the static buffer (max_num_seqs x V x 4 bytes: 131 MB at
-256 sequences and Llama 3's 128,256 tokens), and almost no pool memory (the graphs share one pool and run
-one at a time); with `use_graphs=False` the LOGITS step runs eagerly like the others.
+instead of two: about half as much again), the static buffer (max_num_seqs x V x 4 bytes: 131 MB at 256
+sequences and Llama 3's 128,256 tokens), almost no pool memory (the graphs share one pool and run one at
+a time), and KV blocks for the eager part's temporaries, measured at start-up with every row using every
+extension (`_extension_peak`); these are estimates from the shapes, `bench/gpu_extensions.py` measures
+them and the step time. With `use_graphs=False` the LOGITS step runs eagerly like the others.
 `GpuRunnerConfig.sampling_extensions=False` (the persistent mode, whose loop refuses them) has none of this:
 no third graph, no buffer, no memory set aside for the eager part.
 """
