@@ -361,7 +361,8 @@ class GpuRunner:
 
     @torch.inference_mode()
     def _capture(self, progress: bool) -> float:
-        """Capture (bucket, greedy) graphs, largest first, sharing one memory pool."""
+        """Capture (bucket, greedy) graphs, and (bucket, LOGITS) ones with the extensions, largest first, sharing
+        one memory pool."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
