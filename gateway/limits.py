@@ -11,9 +11,9 @@ from .backends import BackendInfo
 from .errors import bad_request
 
 CONTEXT_CODE = "context_length_exceeded"
-# Engine modes whose sampler applies penalties and logit bias and computes logprobs. The GPU modes
-# sample with a Triton kernel inside CUDA graphs that does not do these yet.
-ENGINE_SAMPLING_MODES = frozenset({"cpu"})
+# Engine modes whose sampler applies penalties and logit bias and computes logprobs. The persistent
+# mode's GPU-resident loop does not do these yet (and refuses them itself, INVALID_PARAMS).
+ENGINE_SAMPLING_MODES = frozenset({"cpu", "host"})
 
 
 def check_engine_modes(req: SamplingFields, infos: Sequence[BackendInfo]) -> None:
@@ -22,8 +22,8 @@ def check_engine_modes(req: SamplingFields, infos: Sequence[BackendInfo]) -> Non
     modes = sorted({info.engine_mode for info in infos} - ENGINE_SAMPLING_MODES)
     if params and modes:
         raise bad_request(f"'{params[0]}' is not supported yet by the '{modes[0]}' engine mode of this model's "
-                          f"backends: only the cpu engine applies penalties and logit_bias and computes logprobs "
-                          f"so far", params[0])
+                          f"backends: only the cpu and host engines apply penalties and logit_bias and compute "
+                          f"logprobs so far", params[0])
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> list[int]:

@@ -121,7 +121,8 @@ def _make_runner(args, model, cfg, config, context_len: int):
     runner = GpuRunner(model, cfg, GpuRunnerConfig(
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         block_size=config.block_size, context_len=context_len, gpu_memory_fraction=args.gpu_memory_fraction,
-        num_kv_blocks=args.num_kv_blocks, use_graphs=not args.no_graphs or args.mode == "persistent"),
+        num_kv_blocks=args.num_kv_blocks, use_graphs=not args.no_graphs or args.mode == "persistent",
+        sampling_extensions=args.mode != "persistent"),  # the persistent loop refuses them
         keep_graphs=args.mode == "persistent")
     print(f"GPU runner: {runner.num_blocks} KV blocks of {config.block_size} tokens "
           f"({runner.num_blocks * runner.kv_block_bytes / 2**30:.1f} GiB), {len(runner.graphs)} graphs "

@@ -23,6 +23,7 @@ Rules (DESIGN.md, "The rings"):
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -359,7 +360,7 @@ class RequestSpec:
         return ((FLAG_HAS_SEED if self.seed is not None else 0) | (FLAG_IGNORE_EOS if self.ignore_eos else 0)
                 | (FLAG_LOGPROBS if self.num_logprobs is not None else 0))
 
-    @property
+    @functools.cached_property  # the host engine asks for every sampled row of every step
     def uses_sampling_extensions(self) -> bool:
         """Penalties, logit bias or logprobs: what only some engine modes implement."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0

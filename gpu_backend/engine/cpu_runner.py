@@ -8,29 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from gpu_backend.engine.sampler import SamplingRow, sample_step
-from gpu_backend.engine.scheduler import Batch, Sequence
+from gpu_backend.engine.sampler import PromptCache, sample_step
+from gpu_backend.engine.scheduler import Batch
 from gpu_backend.models import AttnBatch, ModelConfig, allocate_kv_cache
 from protocols.ring import TokenLogprob
 
 
-def sampling_row(seq: Sequence) -> SamplingRow:
-    """The sampling parameters of `seq`'s next token (position = its index in prompt + output)."""
-    spec = seq.spec
-    history = {}
-    if spec.uses_sampling_extensions:
-        history = {"prompt_ids": seq.token_ids[:seq.prompt_len], "output_ids": seq.token_ids[seq.prompt_len:]}
-    return SamplingRow(spec.temperature, spec.top_p, spec.top_k, spec.min_p, seq.rng_seed, len(seq.token_ids),
-                       spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty, spec.logit_bias,
-                       num_logprobs=spec.num_logprobs, **history)
-
-
 class CpuRunner:
+    sampling_extensions = True  # penalties, logit bias and logprobs (engine/sampler.py)
+
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, num_blocks: int, block_size: int):
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] float32, cpu
         self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, block_size, torch.float32, "cpu")
         self.last_logprobs: list[TokenLogprob | None] = []  # of the last `run`, in its token order
+        self._prompts = PromptCache()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -39,7 +31,7 @@ class CpuRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[int]:
         """Tokens sampled for the entries with `samples`, in batch order."""
-        input_ids, positions, slots, sample_rows, rows = [], [], [], [], []
+        input_ids, positions, slots, sample_rows, sampled = [], [], [], [], []
         bs = self.block_size
         for entry in batch.entries:
             seq, start = entry.seq, entry.seq.num_computed
@@ -49,7 +41,7 @@ class CpuRunner:
             slots += [seq.block_table[p // bs] * bs + p % bs for p in pos]
             if entry.samples:
                 sample_rows.append(len(input_ids) - 1)
-                rows.append(sampling_row(seq))
+                sampled.append(seq)
         attn = AttnBatch(
             q_lens=[e.q_len for e in batch.entries],
             ctx_lens=[e.seq.num_computed + e.q_len for e in batch.entries],
@@ -62,5 +54,5 @@ class CpuRunner:
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])  # [n, V] float32
-        tokens, self.last_logprobs = sample_step(logits, rows)
+        tokens, self.last_logprobs = sample_step(logits, self._prompts.rows(sampled))
         return tokens

@@ -12,6 +12,24 @@ Per layer: fused residual add + RMSNorm -> qkv GEMM -> RoPE fused with the KV-ca
 attention (mixed prefill/decode, one launch) -> o GEMM -> add + RMSNorm -> gate_up GEMM -> SwiGLU ->
 down GEMM. Then the final norm, the LM head over the sampled rows only, and sampling (argmax for
 all-greedy steps; the full sampler otherwise: two graphs per bucket, the host picks one).
+
+The sampling extensions (logit bias, repetition/frequency/presence penalties, logprobs) take a third path,
+only in steps where some sampled row asks for one: a third graph per bucket (`LOGITS`) stops at the LM
+head and leaves float32 logits [S, V] in a static buffer; then, eagerly on the GPU, the bias and penalties
+of the rows that have them (`sampler.LogitAdjustments`: (row, token id) index tensors built on the host
+once per step while the graph runs, about 25 ns per history token of a repetition-penalized row, its prompt
+kept as an array between steps by `sampler.PromptCache`), the same sampling kernels as the other two
+graphs, and the logprobs (`sampler.token_logprobs`, one copy back).
+Rows without extensions in such a step see the very logits and kernels of the plain path, so they get
+its tokens; so does a seeded row whose extensions leave its logits as they are (logprobs only). Steps
+without extensions run exactly as before. The third graph costs capture time (three graphs per bucket
+instead of two: about half as much again), the static buffer (max_num_seqs x V x 4 bytes: 131 MB at 256
+sequences and Llama 3's 128,256 tokens), almost no pool memory (the graphs share one pool and run one at
+a time), and KV blocks for the eager part's temporaries, measured at start-up with every row using every
+extension (`_extension_peak`); these are estimates from the shapes, `bench/gpu_extensions.py` measures
+them and the step time. With `use_graphs=False` the LOGITS step runs eagerly like the others.
+`GpuRunnerConfig.sampling_extensions=False` (the persistent mode, whose loop refuses them) has none of this:
+no third graph, no buffer, no memory set aside for the eager part.
 """
 from __future__ import annotations
 
@@ -23,13 +41,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpu_backend.engine.sampler import LogitAdjustments, PromptCache, SamplingRow, token_logprobs
 from gpu_backend.engine.scheduler import Batch
 from gpu_backend.models import ModelConfig, allocate_kv_cache
 from gpu_backend.models.rope import rope_inv_freq
+from protocols.ring import TokenLogprob
 
 log = logging.getLogger("blink.gpu_runner")
 
 _GiB = 1 << 30
+LOGITS = "logits"  # the graph variant that stops at the logits: graphs[(bucket, LOGITS)]
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
@@ -57,6 +78,8 @@ class GpuRunnerConfig:
     gpu_memory_fraction: float = 0.9
     num_kv_blocks: int = 0  # 0: size the cache from free memory and gpu_memory_fraction
     use_graphs: bool = True
+    # penalties, logit bias, logprobs: a third graph per bucket, the logits buffer, memory for the eager part
+    sampling_extensions: bool = True
     # projections that a one-token step runs through kernels/gemv.py instead of cuBLAS, with the
     # (BLOCK_N, BLOCK_K, num_warps) that streamed Llama-3-8B's shapes fastest on an H200 (bench/NOTES.md)
     gemv_projections: tuple[tuple[str, tuple[int, int, int]], ...] = (
@@ -191,10 +214,16 @@ class GpuRunner:
         self.sin = freqs.sin().to(self.device)
         self.tokens_dev = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.tokens_host = torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
+        self.sampling_extensions = config.sampling_extensions  # the engine loop admits such requests when set
+        # [S, V] float32: the LOGITS graphs' output, adjusted in place by the extensions
+        self.logits_dev = torch.zeros(config.max_num_seqs, cfg.vocab_size, dtype=torch.float32, device=self.device) \
+            if self.sampling_extensions else None
+        self.last_logprobs: list[TokenLogprob | None] = []  # of the last `run`; empty when no row asked
+        self._prompts = PromptCache()
         self._done = torch.cuda.Event()
         self.num_blocks = self._size_kv_cache()
         self.kv_cache = allocate_kv_cache(cfg, self.num_blocks, config.block_size, self.dtype, self.device)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool | str], torch.cuda.CUDAGraph] = {}  # (bucket, greedy or LOGITS)
         self.set_graphs = [self.graphs] + [{} for _ in self.buffer_sets[1:]]  # graphs over each step buffer
         self.capture_s = self._capture(progress) if config.use_graphs else 0.0
 
@@ -214,10 +243,13 @@ class GpuRunner:
         self.kv_cache = probe
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._fill_dummy(self.buckets[-1], self.config.seqs_in(self.buckets[-1]))
-        self._step(self.buckets[-1], greedy=False)
+        bucket, seqs = self.buckets[-1], self.config.seqs_in(self.buckets[-1])
+        self._fill_dummy(bucket, seqs)
+        self._step(bucket, greedy=False)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - probe.numel() * probe.element_size()
+        if self.sampling_extensions:
+            peak += self._extension_peak(bucket, seqs)
         del self.kv_cache, probe
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -233,18 +265,62 @@ class GpuRunner:
                  (peak - self.weights.num_bytes) / _GiB)
         return int(blocks)
 
+    def _extension_peak(self, bucket: int, num_seqs: int) -> int:
+        """Bytes the extensions' eager part needs for every row with every extension: it runs beside the
+        graph pool, so it counts on top of a step's peak."""
+        self._step(bucket, LOGITS)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self._sample_extended(self.logits_dev[:num_seqs], False, _probe_rows(num_seqs))
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - base
+
     # ---- the step ------------------------------------------------------------------------------------
-    def _step(self, num_tokens: int, greedy: bool) -> None:
-        """The whole model step for a bucket of `num_tokens` (captured as a graph); writes tokens_dev."""
-        k, d, s = self._k, self.bufs.d, self.config.seqs_in(num_tokens)
+    def _step(self, num_tokens: int, greedy: bool | str) -> None:
+        """The whole model step for a bucket of `num_tokens` (captured as a graph); writes tokens_dev, or
+        for `greedy` = LOGITS stops at the sampled rows' logits and writes logits_dev."""
+        s = self.config.seqs_in(num_tokens)
+        logits = self._sampled_logits(num_tokens)                             # [s, V] float32
+        if greedy == LOGITS:
+            self.logits_dev[:s].copy_(logits)
+        else:
+            self._sample(logits, greedy)
+
+    def _sampled_logits(self, num_tokens: int) -> torch.Tensor:
+        """Every layer, then the head over the sampled rows: [seqs_in(num_tokens), V] float32."""
+        d, s = self.bufs.d, self.config.seqs_in(num_tokens)
         x, residual = self._layers(num_tokens)
         rows = torch.index_select(x, 0, d["sample_rows"][:s])                 # [s, hidden], before the last add
-        logits = self._head(rows, torch.index_select(residual, 0, d["sample_rows"][:s]))  # [s, V] float32
+        return self._head(rows, torch.index_select(residual, 0, d["sample_rows"][:s]))
+
+    def _sample(self, logits: torch.Tensor, greedy: bool) -> None:
+        """[s, V] float32 -> tokens_dev[:s]: argmax when every row is greedy, else the full sampler."""
+        d, s = self.bufs.d, logits.shape[0]
         if greedy:
             self.tokens_dev[:s].copy_(logits.argmax(dim=-1))
         else:
-            k["sample"](logits, d["temperature"][:s], d["top_k"][:s], d["top_p"][:s], d["min_p"][:s],
-                        d["seeds"][:s], d["sample_pos"][:s], out=self.tokens_dev[:s])
+            self._k["sample"](logits, d["temperature"][:s], d["top_k"][:s], d["top_p"][:s], d["min_p"][:s],
+                              d["seeds"][:s], d["sample_pos"][:s], out=self.tokens_dev[:s])
+
+    def _step_extended(self, num_tokens: int, greedy: bool, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+        """A step whose sampled rows (`rows`, in order) include some with extensions: the LOGITS graph (or
+        its eager twin), then the extensions and sampling, eagerly. Writes tokens_dev."""
+        if self.config.use_graphs:
+            self.graphs[(num_tokens, LOGITS)].replay()
+        else:
+            self._step(num_tokens, LOGITS)
+        return self._sample_extended(self.logits_dev[:self.config.seqs_in(num_tokens)], greedy, rows)
+
+    def _sample_extended(self, logits: torch.Tensor, greedy: bool,
+                         rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+        """Bias and penalties in place on `logits` [s, V] (rows past len(rows): padding), the plain path's
+        sampling, then the logprobs of the rows that ask."""
+        adjustments = LogitAdjustments.build(rows, logits.shape[1], self.device)  # host work while the GPU runs
+        if adjustments is not None:
+            adjustments.apply_(logits)
+        self._sample(logits, greedy)
+        return token_logprobs(logits, rows, self.tokens_dev[:len(rows)])
 
     def _layers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer over the bucket's tokens. Returns (last MLP output, residual), [t, hidden]."""
@@ -288,12 +364,15 @@ class GpuRunner:
 
     @torch.inference_mode()
     def _capture(self, progress: bool) -> float:
-        """Capture (bucket, greedy) graphs over each step buffer, largest first, sharing one memory pool."""
+        """Capture (bucket, greedy) graphs over each step buffer, and (bucket, LOGITS) ones with the extensions
+        (over the first), largest first, sharing one memory pool."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        keys = [(i, b, g) for i in range(len(self.buffer_sets)) for b in reversed(self.buckets) for g in (False, True)]
+        variants = (False, True, LOGITS) if self.sampling_extensions else (False, True)
+        keys = [(i, b, g) for i in range(len(self.buffer_sets)) for b in reversed(self.buckets)
+                for g in (variants if i == 0 else (False, True))]
         stream = torch.cuda.Stream(self.device)
         for index, bucket, greedy in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, unit="graph"):
             self.bufs = self.buffer_sets[index]
@@ -337,9 +416,16 @@ class GpuRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[int]:
+        """Tokens sampled for the entries with `samples`, in batch order; `last_logprobs` for the rows that
+        asked (empty when none did). Without `sampling_extensions` the engine loop has refused such rows."""
         bucket, greedy, num_sampled = self.fill(batch)
         self.bufs.upload(len(batch.entries))
-        if self.config.use_graphs:
+        self.last_logprobs = []
+        if self.sampling_extensions and any(e.samples and e.seq.spec.uses_sampling_extensions
+                                            for e in batch.entries):
+            rows = self._prompts.rows([e.seq for e in batch.entries if e.samples])
+            self.last_logprobs = self._step_extended(bucket, greedy, rows)
+        elif self.config.use_graphs:
             self.graphs[(bucket, greedy)].replay()
         else:
             self._step(bucket, greedy)
@@ -356,6 +442,23 @@ class GpuRunner:
         x, residual = self._layers(bucket)
         n = sum(e.q_len for e in batch.entries)
         return self._head(x[:n], residual[:n])
+
+    @torch.inference_mode()
+    def sampled_logits(self, batch: Batch) -> torch.Tensor:
+        """Eager step returning the sampled rows' float32 logits [num_sampled, V] as the LOGITS graph computes
+        them, before bias and penalties (tests hold the extensions against the sampler's math on these)."""
+        bucket, _, num_sampled = self.fill(batch)
+        self.bufs.upload(len(batch.entries))
+        self._step(bucket, LOGITS)
+        return self.logits_dev[:num_sampled].clone()
+
+
+def _probe_rows(num_rows: int) -> list[SamplingRow]:
+    """Sampled rows with every extension (20 logprobs), for measuring the extension path's memory."""
+    row = SamplingRow(1.0, 1.0, 0, 0.0, seed=0, position=2, presence_penalty=0.5, frequency_penalty=0.5,
+                      repetition_penalty=1.1, logit_bias=((0, 1.0),), prompt_ids=(0,), output_ids=(0,),
+                      num_logprobs=20)
+    return [row] * num_rows
 
 
 def fill_step(bufs: StepBuffers, batch: Batch, config: GpuRunnerConfig, buckets: tuple[int, ...]) -> tuple[int, bool, int]:

@@ -3,8 +3,9 @@
 Between steps it takes new requests from the ring, honours cancels, and bumps the heartbeat. The model
 side is a runner: `CpuRunner` (torch on the CPU, `engine/cpu_runner.py`) or `GpuRunner` (bucketed CUDA
 graphs, `engine/gpu_runner.py`, the `host` mode). A runner has `num_blocks` and `run(batch) -> tokens`.
-A runner that applies penalties and logit bias and computes logprobs (the cpu one) also keeps
-`last_logprobs` of its last run; the loop refuses such requests (INVALID_PARAMS) for the others.
+A runner with `sampling_extensions` set (both of these; not a GpuRunner built for the persistent loop)
+applies penalties and logit bias and computes logprobs, and keeps `last_logprobs` of its last run (per
+sampled entry, or empty when none asked); the loop refuses such requests (INVALID_PARAMS) for the others.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class EngineConfig:
 
 class Runner(Protocol):
     num_blocks: int
+    sampling_extensions: bool  # penalties, logit bias, logprobs; then also `last_logprobs`
 
     def run(self, batch: Batch) -> list[int]:
         """One token per entry with `samples`, in batch order."""
@@ -58,7 +60,7 @@ class EngineLoop:
                             tuple(model_cfg.eos_token_ids)),
             self.blocks,
         )
-        self.extensions = hasattr(runner, "last_logprobs")  # penalties, logit bias, logprobs
+        self.extensions = runner.sampling_extensions  # penalties, logit bias, logprobs
         self.stop_event = threading.Event()
         self.failed: str | None = None  # the engines' common face: why the engine ended on its own (never, here)
         self.steps = 0

@@ -12,6 +12,10 @@ control plane's Health reports STALLED on its own; this logs it too). `stop_even
 loop's stop flag: the loop reports every request in flight as failed (ENGINE_STOPPING) and ends. Then the
 host sweeps the ring so that nothing is left unanswered: requests queued after the loop's last look are
 failed, and if the loop died, so is every slot it had not finished.
+
+The loop does not apply penalties or logit bias, nor compute logprobs (the host mode does): its admission
+refuses such requests with INVALID_PARAMS, after the gateway has already refused them for this mode.
+Build its runner with `sampling_extensions=False`: the graphs and memory for those steps would never be used.
 """
 from __future__ import annotations
 

@@ -5,21 +5,26 @@ The uniform for (seed, position) is SplitMix64 of a mix of the two; the GPU kern
 function, so the same seed gives the same tokens in every engine mode (up to logit rounding).
 The draw is an inverse-CDF over the filtered distribution in descending-probability order.
 
-`sample_step` adds what only the `cpu` engine does so far (the GPU modes sample with a Triton kernel
-inside CUDA graphs, and the gateway refuses these parameters for them): logit bias, then repetition,
-frequency and presence penalties (vLLM's order and formulas), and logprobs. Logprobs are the
-log-softmax of the logits after bias, penalties and temperature (temperature 1 for greedy rows),
-before top-k/top-p/min-p filtering: vLLM's "processed_logprobs" mode.
+The sampling extensions, one definition for the `cpu` and `host` engines (the persistent loop does not
+have them): logit bias, then repetition, frequency and presence penalties (vLLM's order and formulas;
+`LogitAdjustments`, vectorized over rows, on the logits' device), and logprobs (`token_logprobs`, on the
+logits' device too). Logprobs are the log-softmax of the logits after bias, penalties and temperature
+(temperature 1 for greedy rows), before top-k/top-p/min-p filtering: vLLM's "processed_logprobs" mode.
+`sample` is the CPU engine's draw; the GPU runner draws with `kernels/sampling.py`, which matches it.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from protocols.ring import TokenLogprob
+
+if TYPE_CHECKING:
+    from gpu_backend.engine import scheduler
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -67,6 +72,40 @@ class SamplingRow:
                     or self.repetition_penalty != 1.0)
 
 
+def sampling_row(seq: scheduler.Sequence, prompt_ids: np.ndarray | None = None) -> SamplingRow:
+    """The sampling parameters of `seq`'s next token (position = its index in prompt + output), with only
+    the history its penalties read: the prompt for repetition (`prompt_ids` when given, a copy of it), the
+    output for any penalty."""
+    spec, ids, prompt_len = seq.spec, seq.token_ids, seq.prompt_len
+    repetition = spec.repetition_penalty != 1.0
+    penalized = repetition or spec.presence_penalty or spec.frequency_penalty
+    if repetition and prompt_ids is None:
+        prompt_ids = ids[:prompt_len]
+    return SamplingRow(spec.temperature, spec.top_p, spec.top_k, spec.min_p, seq.rng_seed, len(ids),
+                       spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty, spec.logit_bias,
+                       prompt_ids=prompt_ids if repetition else (),
+                       output_ids=ids[prompt_len:] if penalized else (), num_logprobs=spec.num_logprobs)
+
+
+class PromptCache:
+    """Sampling rows for a step's sampled sequences, with the prompts of the repetition-penalized ones kept
+    as int64 arrays from one step to the next: the prompt is most of that penalty's history and never
+    changes, so a step converts only the output so far. Holds the last step's sequences only."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple[int, int], np.ndarray] = {}  # (slot, ring submission number) -> prompt ids
+
+    def rows(self, seqs: list[scheduler.Sequence]) -> list[SamplingRow]:
+        kept: dict[tuple[int, int], np.ndarray] = {}
+        for seq in seqs:
+            if seq.spec.repetition_penalty != 1.0:
+                key = (seq.slot, seq.seq)
+                cached = self._arrays.get(key)
+                kept[key] = cached if cached is not None else _int64(seq.token_ids[:seq.prompt_len])
+        self._arrays = kept
+        return [sampling_row(seq, kept.get((seq.slot, seq.seq))) for seq in seqs]
+
+
 def sample_step(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [N, V] float32 -> N token ids and, for rows that ask, their logprobs."""
     logits = apply_penalties(logits, rows)
@@ -75,49 +114,114 @@ def sample_step(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Logit bias, then the repetition penalty over prompt + output (positive logits divided by it,
-    negative ones multiplied), then frequency (times the token's count in the output) and presence
-    (once if it occurs) subtracted. Returns `logits` itself when no row asks, else a copy. [N, V]"""
-    idx = [i for i, r in enumerate(rows) if r.adjusts_logits]
-    if not idx:
+    """`LogitAdjustments` of `rows` applied to a copy of `logits` [N, V]; `logits` itself when no row asks."""
+    adjustments = LogitAdjustments.build(rows, logits.shape[1], logits.device)
+    return logits if adjustments is None else adjustments.apply_(logits.clone())
+
+
+IndexPairs = tuple[torch.Tensor, torch.Tensor]  # ([m] row among the adjusted ones, [m] token id), int64
+
+
+@dataclass(frozen=True)
+class LogitAdjustments:
+    """Logit bias, then the repetition penalty over prompt + output (positive logits divided by it, negative
+    ones multiplied), then frequency (times the token's count in the output) and presence (once if it occurs)
+    subtracted: for the rows that have any, vectorized. Built once per step from the rows' histories into
+    flat (row, token id) index tensors on the logits' device (two host-to-device copies); no loop over the
+    vocabulary. Ids outside the vocabulary are dropped (the gateway checked them against the tokenizer's)."""
+
+    rows: torch.Tensor             # [n] int64: the adjusted rows of the logits
+    bias_at: IndexPairs | None     # one pair per logit_bias entry
+    bias: torch.Tensor             # [b] float32
+    seen_at: IndexPairs | None     # prompt + output ids of the rows with a repetition penalty (repeats harmless)
+    repetition: torch.Tensor       # [n, 1] float32
+    output_at: IndexPairs | None   # output ids of the rows with frequency/presence penalties, repeats kept
+    frequency: torch.Tensor        # [n, 1] float32
+    presence: torch.Tensor         # [n, 1] float32
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab: int, device: torch.device) -> LogitAdjustments | None:
+        """None when no row adjusts its logits."""
+        picked = [(i, r) for i, r in enumerate(rows) if r.adjusts_logits]
+        if not picked:
+            return None
+        bias = [(j, t, b) for j, (_, r) in enumerate(picked) for t, b in r.logit_bias if 0 <= t < vocab]
+        bias_rows, bias_ids, bias_vals = (np.array(c) for c in zip(*bias)) if bias else ([], [], [])
+        seen = _index_pairs([(r.prompt_ids, r.output_ids) if r.repetition_penalty != 1.0 else ()
+                             for _, r in picked], vocab)
+        output = _index_pairs([(r.output_ids,) if r.frequency_penalty or r.presence_penalty else ()
+                               for _, r in picked], vocab)
+        ints = _upload([[i for i, _ in picked], bias_rows, bias_ids, *seen, *output], np.int64, device)
+        floats = _upload([bias_vals, *([getattr(r, name) for _, r in picked] for name in
+                                       ("repetition_penalty", "frequency_penalty", "presence_penalty"))],
+                         np.float32, device)
+        pairs = [tuple(ints[k:k + 2]) if ints[k].numel() else None for k in (1, 3, 5)]
+        return cls(ints[0], pairs[0], floats[0], pairs[1], floats[1].unsqueeze(1), pairs[2],
+                   floats[2].unsqueeze(1), floats[3].unsqueeze(1))
+
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
+        """In place on `logits` [N, V] float32 (a copy of the adjusted rows is worked on); returns it."""
+        sub = logits[self.rows]                                                # [n, V]
+        if self.bias_at is not None:
+            sub.index_put_(self.bias_at, self.bias, accumulate=True)
+        if self.seen_at is not None:
+            seen = torch.zeros_like(sub, dtype=torch.bool)
+            seen[self.seen_at] = True
+            penalized = torch.where(sub > 0, sub / self.repetition, sub * self.repetition)
+            sub = torch.where(seen, penalized, sub)
+        if self.output_at is not None:
+            counts = torch.zeros_like(sub)
+            counts.index_put_(self.output_at, torch.ones_like(self.output_at[0], dtype=sub.dtype), accumulate=True)
+            sub -= self.frequency * counts + self.presence * (counts > 0).to(sub.dtype)
+        logits[self.rows] = sub
         return logits
-    out = logits.clone()
-    for i in idx:
-        _penalize(out[i], rows[i])
-    return out
 
 
-def _penalize(row: torch.Tensor, r: SamplingRow) -> None:
-    """In place on one row [V]. Ids outside the row are ignored (the gateway checked them against the vocabulary)."""
-    vocab = row.shape[0]
-    bias = [(t, b) for t, b in r.logit_bias if 0 <= t < vocab]
-    if bias:
-        row.index_add_(0, torch.tensor([t for t, _ in bias]), torch.tensor([b for _, b in bias], dtype=row.dtype))
-    if r.repetition_penalty != 1.0:
-        seen = torch.tensor([t for t in (*r.prompt_ids, *r.output_ids) if 0 <= t < vocab], dtype=torch.int64).unique()
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / r.repetition_penalty, vals * r.repetition_penalty)
-    if (r.frequency_penalty or r.presence_penalty) and r.output_ids:
-        counts = torch.bincount(torch.tensor(list(r.output_ids), dtype=torch.int64), minlength=vocab)[:vocab]
-        row -= r.frequency_penalty * counts.to(row.dtype) + r.presence_penalty * (counts > 0).to(row.dtype)
+def _index_pairs(histories: list[tuple[Sequence[int], ...]], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token id) for every in-vocabulary id of each row's histories: two [m] int64 arrays."""
+    parts = [_int64(ids) for h in histories for ids in h]
+    rows = np.repeat(np.arange(len(histories)), [sum(len(ids) for ids in h) for h in histories])
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    keep = (ids >= 0) & (ids < vocab)
+    return rows[keep], ids[keep]
 
 
-def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[TokenLogprob | None]:
+def _int64(ids: Sequence[int]) -> np.ndarray:
+    """An int64 array of `ids` (an int64 array passes through)."""
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int64:
+        return ids
+    return np.fromiter(ids, dtype=np.int64, count=len(ids))
+
+
+def _upload(parts: list, dtype: type, device: torch.device) -> list[torch.Tensor]:
+    """1-D sequences as views of one tensor on `device`, filled by one host-to-device copy."""
+    arrays = [np.asarray(p, dtype=dtype) for p in parts]
+    flat = torch.from_numpy(np.concatenate(arrays)).to(device)
+    return list(flat.split([len(a) for a in arrays]))
+
+
+def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
+                   tokens: list[int] | torch.Tensor) -> list[TokenLogprob | None]:
     """For rows with `num_logprobs`: log-softmax(logits / temperature) at the chosen token, and the
-    `num_logprobs` most likely tokens (descending). `logits` are the penalized ones. [N, V]"""
+    `num_logprobs` most likely tokens (descending). `logits` [N, V] float32 are the adjusted ones, on any
+    device; `tokens` [N] the chosen ids (a list, or an int64 tensor on that device). One copy to the host."""
     out: list[TokenLogprob | None] = [None] * len(rows)
     idx = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
     if not idx:
         return out
-    temps = torch.tensor([rows[i].temperature if rows[i].temperature > 0 else 1.0 for i in idx]).unsqueeze(1)
-    lps = torch.log_softmax(logits[idx].float() / temps, dim=-1)  # [n, V]
+    dev = logits.device
+    sel = torch.tensor(idx, device=dev)
+    temps = torch.tensor([rows[i].temperature if rows[i].temperature > 0 else 1.0 for i in idx], device=dev)
+    lps = torch.log_softmax(logits[sel].float() / temps.unsqueeze(1), dim=-1)  # [n, V]
+    chosen = lps.gather(1, torch.as_tensor(tokens, device=dev)[sel].unsqueeze(1))  # [n, 1]
     k = max(rows[i].num_logprobs for i in idx)
-    top_lps, top_ids = torch.topk(lps, k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
-    chosen = lps.gather(1, torch.tensor([tokens[i] for i in idx]).unsqueeze(1)).squeeze(1).tolist()
+    top_lps, top_ids = torch.topk(lps, k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())  # [n, k]
+    # float64 carries the ids exactly, so one copy brings everything back
+    host = torch.cat([chosen.double(), top_lps.double(), top_ids.double()], dim=1).cpu().tolist()
     for j, i in enumerate(idx):
         num = rows[i].num_logprobs
-        top = tuple(zip(top_ids[j, :num].tolist(), top_lps[j, :num].tolist()))
-        out[i] = TokenLogprob(chosen[j], top)
+        row = host[j]
+        out[i] = TokenLogprob(row[0], tuple(zip(map(int, row[1 + k: 1 + k + num]), row[1: 1 + num])))
     return out
 
 

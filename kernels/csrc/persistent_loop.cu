@@ -247,6 +247,14 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
 
 // ---- admission (RingConsumer.take_new + EngineLoop._admit) ------------------------------------------------
 // Thread 0: read the request's fixed part, reset its response, check it, queue it or fail it.
+// Penalties, logit bias or logprobs: the host and cpu engines apply them, this loop not yet. The gateway
+// refuses them for this mode; this answers a ring client that does not (INVALID_PARAMS, never ignored).
+__device__ bool wants_sampling_extensions(const blink_request_slot* req, uint32_t flags) {
+  return (flags & BLINK_RING_FLAG_LOGPROBS) || ld_v(&req->presence_penalty) != 0.0f ||
+         ld_v(&req->frequency_penalty) != 0.0f || ld_v(&req->repetition_penalty) != 1.0f ||
+         ld_v(&req->num_logit_bias) != 0u;
+}
+
 // With `spec` (the spec kernel) an error is deferred to the publish that follows the speculation's
 // acceptance: a dropped speculation must leave no trace the gateway could act on. (The response reset is
 // written at once: the slot is free in the real state too, and the full step writes the same words.)
@@ -264,7 +272,8 @@ __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scra
   int32_t* stops = s->stop_ids + (int64_t)slot * s->h->cfg.max_stop_ids;  // copied in, then added in place
   for (uint32_t i = 0; i < num_stop; ++i) stops[i] = ld_v(&req->stop_ids[i]);
   reset_response(a, slot, seq, (uint32_t)prompt_len);
-  const int32_t err = blink_sched_check(s, prompt_len, max_tokens, temperature, top_p, top_k, min_p);
+  int32_t err = blink_sched_check(s, prompt_len, max_tokens, temperature, top_p, top_k, min_p);
+  if (err == BLINK_ERR_NONE && wants_sampling_extensions(req, flags)) err = BLINK_ERR_INVALID_PARAMS;
   if (err != BLINK_ERR_NONE) {
     if (spec) {
       a->err_slot[a->num_err] = (int32_t)slot;

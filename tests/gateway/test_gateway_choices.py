@@ -132,33 +132,35 @@ ENGINE_PARAMS = [
 
 
 @pytest.fixture(scope="module")
-def host_mode(start_harness, pick_free_port):
+def persistent_mode(start_harness, pick_free_port):
     config = GatewayConfig(host="127.0.0.1", port=0, grpc_port=pick_free_port(), api_keys=frozenset({"k"}),
                            slot_wait_s=2.0)
-    return start_harness(config, "k", engine_mode="host")
+    return start_harness(config, "k", engine_mode="persistent")
 
 
 @pytest.mark.parametrize("param, fields", ENGINE_PARAMS, ids=[p for p, _ in ENGINE_PARAMS])
-def test_gpu_engine_modes_refuse_engine_side_parameters(host_mode, param, fields):
+def test_the_persistent_mode_refuses_engine_side_parameters(persistent_mode, param, fields):
+    mode = persistent_mode
     for stream in (False, True):
-        body = {"model": host_mode.model, "messages": [{"role": "user", "content": "hi"}], "stream": stream, **fields}
-        status, reply = host_mode.post("/v1/chat/completions", body)
+        body = {"model": mode.model, "messages": [{"role": "user", "content": "hi"}], "stream": stream, **fields}
+        status, reply = mode.post("/v1/chat/completions", body)
         assert status == 400, reply
         assert reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
-        assert "'host' engine mode" in reply["error"]["message"] and "not supported yet" in reply["error"]["message"]
-    status, reply = host_mode.post("/v1/completions", {"model": host_mode.model, "prompt": "hi", "logprobs": 0})
+        message = reply["error"]["message"]
+        assert "'persistent' engine mode" in message and "not supported yet" in message
+    status, reply = mode.post("/v1/completions", {"model": mode.model, "prompt": "hi", "logprobs": 0})
     assert status == 400 and reply["error"]["param"] == "logprobs"
-    assert host_mode.call(lambda: host_mode.backend.num_in_flight) == 0
+    assert mode.call(lambda: mode.backend.num_in_flight) == 0
 
 
-def test_gpu_engine_modes_still_serve_n_echo_and_defaults(host_mode):
-    body = {"model": host_mode.model, "prompt": "hello", "n": 2, "echo": True, "max_tokens": 2,
+def test_the_persistent_mode_still_serves_n_echo_and_defaults(persistent_mode):
+    body = {"model": persistent_mode.model, "prompt": "hello", "n": 2, "echo": True, "max_tokens": 2,
             "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {},
             "stop": ["zzz"], "user": "u-1", "priority": 1}
-    status, reply = host_mode.post("/v1/completions", body)
+    status, reply = persistent_mode.post("/v1/completions", body)
     assert status == 200, reply
     assert [c["index"] for c in reply["choices"]] == [0, 1]
     assert all(c["text"].startswith("hello") and c["logprobs"] is None for c in reply["choices"])
-    spec = host_mode.engine.specs[-1]
+    spec = persistent_mode.engine.specs[-1]
     assert spec.priority == 1 and spec.num_logprobs is None and spec.repetition_penalty == 1.0
-    host_mode.wait_idle()
+    persistent_mode.wait_idle()

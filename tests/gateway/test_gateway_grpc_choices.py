@@ -36,15 +36,16 @@ def start_mode(start_harness, pick_free_port, engine_mode: str):
 
 
 @pytest.fixture(scope="module")
-def host_mode(start_harness, pick_free_port):
-    """A backend that announces the 'host' (GPU) engine mode: no penalties, logit_bias or logprobs."""
-    return start_mode(start_harness, pick_free_port, "host")
+def persistent_mode(start_harness, pick_free_port):
+    """A backend that announces the 'persistent' (GPU loop) engine mode: no penalties, logit_bias or logprobs."""
+    return start_mode(start_harness, pick_free_port, "persistent")
 
 
-@pytest.fixture(scope="module")
-def cpu_mode(start_harness, pick_free_port):
-    """The echo engine announcing the cpu engine mode, so that engine-side fields reach its ring."""
-    return start_mode(start_harness, pick_free_port, "cpu")
+@pytest.fixture(scope="module", params=["cpu", "host"])
+def cpu_mode(request, start_harness, pick_free_port):
+    """The echo engine announcing an engine mode with the sampling extensions (cpu, host), so that
+    engine-side fields reach its ring."""
+    return start_mode(start_harness, pick_free_port, request.param)
 
 
 # ---------------------------------------------------------------- n
@@ -160,15 +161,16 @@ def test_logprobs_zero_and_unset(cpu_mode):
     cpu_mode.wait_idle()
 
 
-def test_default_values_are_not_engine_fields(host_mode):
+def test_default_values_are_not_engine_fields(persistent_mode):
     """Zero penalties, a repetition penalty of 1 and an empty bias are the defaults: every mode serves them."""
-    channel, stub, auth = open_stub(host_mode)
+    channel, stub, auth = open_stub(persistent_mode)
     with channel:
-        replies = generate(stub, auth, model=host_mode.model, prompt="hello", max_tokens=2, n=2,
+        replies = generate(stub, auth, model=persistent_mode.model, prompt="hello", max_tokens=2, n=2,
                            presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias={})
     assert [c.finish_reason for c in reassemble(replies)] == ["length", "length"]
-    assert host_mode.engine.specs[-1].num_logprobs is None and host_mode.engine.specs[-1].repetition_penalty == 1.0
-    host_mode.wait_idle()
+    last = persistent_mode.engine.specs[-1]
+    assert last.num_logprobs is None and last.repetition_penalty == 1.0
+    persistent_mode.wait_idle()
 
 
 ENGINE_FIELDS = [
@@ -181,15 +183,15 @@ ENGINE_FIELDS = [
 
 
 @pytest.mark.parametrize("param, fields, http_fields", ENGINE_FIELDS, ids=[p for p, _, _ in ENGINE_FIELDS])
-def test_gpu_engine_modes_refuse_engine_fields_as_http_does(host_mode, param, fields, http_fields):
-    channel, stub, auth = open_stub(host_mode)
+def test_the_persistent_mode_refuses_engine_fields_as_http_does(persistent_mode, param, fields, http_fields):
+    channel, stub, auth = open_stub(persistent_mode)
     with channel:
         for prompt in ({"messages": CHAT}, {"prompt": "hi"}):
-            err = rpc_error(lambda: generate(stub, auth, model=host_mode.model, **prompt, **fields))
+            err = rpc_error(lambda: generate(stub, auth, model=persistent_mode.model, **prompt, **fields))
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert trailing(err)["error-param"] == param
-            assert "'host' engine mode" in err.details()
-    status, body = host_mode.post("/v1/chat/completions", {"model": host_mode.model, **http_fields,
+            assert "'persistent' engine mode" in err.details()
+    status, body = persistent_mode.post("/v1/chat/completions", {"model": persistent_mode.model, **http_fields,
                                                           "messages": [{"role": "user", "content": "hi"}]})
     assert status == 400 and err.details() == body["error"]["message"]
-    assert host_mode.call(lambda: host_mode.backend.num_in_flight) == 0
+    assert persistent_mode.call(lambda: persistent_mode.backend.num_in_flight) == 0

@@ -108,14 +108,15 @@ def _peaky_model(seed=0):
 
 
 def _drive(runner, cfg, specs, *, steps_before_cancel=None, cancel=(), config=None):
-    """Run an EngineLoop over a real shm ring until every request ends. Returns (tokens, finishes, loop)."""
+    """Run an EngineLoop over a real shm ring until every request ends. Returns (tokens, finishes, loop);
+    `loop.final_logprobs` has the logprobs of the requests that asked."""
     ring = create_ring(f"blink-gpu-test-{os.getpid()}", RingGeometry(16, 256, 256), "test")
     try:
         prod = RingProducer(attach_ring(ring.name))
         loop = EngineLoop(runner, cfg, RingConsumer(ring), config or EngineConfig(
             block_size=16, max_num_batched_tokens=64, max_num_seqs=8), context_len=512)
         slots = [prod.submit(s) for s in specs]
-        tokens, finishes, steps = {s: [] for s in slots}, {}, 0
+        tokens, logprobs, finishes, steps = {s: [] for s in slots}, {s: [] for s in slots}, {}, 0
         while len(finishes) < len(slots):
             loop.step()
             steps += 1
@@ -126,10 +127,12 @@ def _drive(runner, cfg, specs, *, steps_before_cancel=None, cancel=(), config=No
                 if s not in finishes:
                     upd = prod.poll(s)
                     tokens[s] += upd.tokens
+                    logprobs[s] += upd.logprobs
                     if upd.finish is not FinishReason.NONE:
                         finishes[s] = upd.finish
             assert steps < 2000, "engine made no progress"
         loop.final_stats = ring.stats()
+        loop.final_logprobs = [logprobs[s] for s in slots]  # per request, one entry per token when it asked
         return [tokens[s] for s in slots], [finishes[s] for s in slots], loop
     finally:
         ring.close()

@@ -6,6 +6,7 @@
   that sampled a stop token or must preempt drop it for the full step, with the same tokens;
 - cancelling mid-generation returns every KV block (device scheduler state and the ring's stats);
 - a prompt the context cannot hold is refused with PROMPT_TOO_LONG while other requests run;
+- penalties, logit bias and logprobs (which this loop does not apply) are refused with INVALID_PARAMS;
 - shutdown with requests in flight reports each of them failed (ENGINE_STOPPING), none is left open;
 - idle, the loop keeps its heartbeat fresh;
 - live: `blink serve --mode persistent` with a ring of 4 slots answers a burst of 12 concurrent requests.
@@ -39,7 +40,8 @@ def _runner(model, cfg):
     from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig
 
     return GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=16,
-                                                 context_len=512, num_kv_blocks=96), progress=False, keep_graphs=True)
+                                                 context_len=512, num_kv_blocks=96, sampling_extensions=False),
+                     progress=False, keep_graphs=True)
 
 
 class Served:
@@ -187,6 +189,22 @@ def test_prompt_longer_than_the_context_is_refused_and_others_run(served):
                              RequestSpec(1, [5, 6, 7], 8, temperature=0.0, ignore_eos=True)])
     s.wait(lambda: len(s.finishes) == 2)
     assert s.finishes[too_long] == (FinishReason.ERROR, ErrorCode.PROMPT_TOO_LONG) and s.tokens[too_long] == []
+    assert s.finishes[ok][0] is FinishReason.LENGTH and len(s.tokens[ok]) == 8
+
+
+def test_sampling_extensions_are_refused_and_others_run(served):
+    cfg, model = _peaky_model()
+    runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
+    assert all(isinstance(greedy, bool) for _, greedy in runner.graphs)  # no LOGITS graphs: never used here
+    assert runner.logits_dev is None and not runner.sampling_extensions
+    s = served(runner, cfg)
+    s.engine.start()
+    asks = [dict(num_logprobs=0), dict(presence_penalty=0.5), dict(frequency_penalty=-1.0),
+            dict(repetition_penalty=1.2), dict(logit_bias=((5, 1.0),))]
+    refused = s.submit([RequestSpec(i, [5, 6, 7], 4, temperature=0.0, **kw) for i, kw in enumerate(asks)])
+    ok, = s.submit([RequestSpec(9, [5, 6, 7], 8, temperature=0.0, ignore_eos=True, repetition_penalty=1.0)])
+    s.wait(lambda: len(s.finishes) == len(asks) + 1)
+    assert all(s.finishes[x] == (FinishReason.ERROR, ErrorCode.INVALID_PARAMS) and s.tokens[x] == [] for x in refused)
     assert s.finishes[ok][0] is FinishReason.LENGTH and len(s.tokens[ok]) == 8
 
 

@@ -1,10 +1,16 @@
-"""Penalties, logit bias and logprobs of the cpu engine's sampler, against a plain torch reference."""
+"""Penalties, logit bias and logprobs (the sampler math the cpu and host engines share), against a plain
+torch reference that works one token at a time."""
+import dataclasses
 import math
+import random
 
 import pytest
 import torch
 
-from gpu_backend.engine.sampler import SamplingRow, apply_penalties, sample, sample_step, token_logprobs
+from gpu_backend.engine.sampler import (LogitAdjustments, PromptCache, SamplingRow, apply_penalties, sample,
+                                       sample_step, sampling_row, token_logprobs)
+from gpu_backend.engine.scheduler import Sequence
+from protocols.ring import RequestSpec
 
 VOCAB = 64
 
@@ -15,13 +21,16 @@ def row(temperature=0.0, seed=7, **kw):
 
 def reference(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
     """vLLM's formulas, one token at a time: bias, repetition over prompt + output, frequency, presence."""
-    out = logits.clone()
+    out, vocab = logits.clone(), logits.shape[0]
     for t, b in r.logit_bias:
-        out[t] += b
+        if 0 <= t < vocab:
+            out[t] += b
     for t in set(r.prompt_ids) | set(r.output_ids):
-        out[t] = out[t] / r.repetition_penalty if out[t] > 0 else out[t] * r.repetition_penalty
+        if 0 <= t < vocab:
+            out[t] = out[t] / r.repetition_penalty if out[t] > 0 else out[t] * r.repetition_penalty
     for t in set(r.output_ids):
-        out[t] -= r.frequency_penalty * list(r.output_ids).count(t) + r.presence_penalty
+        if 0 <= t < vocab:
+            out[t] -= r.frequency_penalty * list(r.output_ids).count(t) + r.presence_penalty
     return out
 
 
@@ -103,3 +112,83 @@ def test_without_extensions_sample_step_is_sample(logits):
 def test_ids_outside_the_vocabulary_are_ignored(logits):
     r = row(logit_bias=((VOCAB + 5, 100.0),), repetition_penalty=2.0, prompt_ids=(VOCAB + 1,))
     assert torch.equal(apply_penalties(logits[:1], [r]), logits[:1])
+
+
+def random_row(gen: random.Random) -> SamplingRow:
+    """Each extension on or off at random; histories empty, repeated, or reaching outside the vocabulary."""
+    def ids(n):
+        return tuple(gen.choice([gen.randrange(VOCAB), gen.randrange(4), VOCAB + gen.randrange(3)])
+                     for _ in range(gen.choice([0, 1, n])))
+    pick = gen.random
+    return SamplingRow(gen.choice([0.0, 0.7]), 1.0, 0, 0.0, seed=gen.randrange(99), position=3,
+                       presence_penalty=gen.uniform(-2, 2) if pick() < 0.5 else 0.0,
+                       frequency_penalty=gen.uniform(-2, 2) if pick() < 0.5 else 0.0,
+                       repetition_penalty=gen.choice([1.0, 0.4, 1.3, 2.0]),
+                       logit_bias=tuple((gen.randrange(VOCAB + 4), gen.choice([-100.0, 100.0, gen.uniform(-5, 5)]))
+                                        for _ in range(gen.choice([0, 1, 4]))),
+                       prompt_ids=ids(20), output_ids=ids(12))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_vectorized_adjustments_match_the_per_token_reference_on_random_rows(seed):
+    gen = random.Random(seed)
+    rows = [random_row(gen) for _ in range(9)]
+    logits = torch.randn(9, VOCAB, generator=torch.Generator().manual_seed(seed)) * 4  # negatives too
+    got = apply_penalties(logits, rows)
+    for i, r in enumerate(rows):
+        assert torch.allclose(got[i], reference(logits[i], r), atol=1e-5, rtol=1e-6), r
+        if not r.adjusts_logits:
+            assert torch.equal(got[i], logits[i])
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_once_per_token():
+    logits = torch.tensor([[2.0, -2.0, 3.0, -1.0, 0.0]])
+    r = SamplingRow(0.0, 1.0, 0, 0.0, 0, 0, repetition_penalty=2.0, prompt_ids=(0, 0, 1), output_ids=(1, 4, 0))
+    assert apply_penalties(logits, [r]).tolist() == [[1.0, -4.0, 3.0, -1.0, 0.0]]
+
+
+def test_logit_bias_entries_for_one_token_add_up_and_out_of_vocabulary_ones_are_dropped():
+    logits = torch.zeros(1, 4)
+    r = SamplingRow(0.0, 1.0, 0, 0.0, 0, 0, logit_bias=((1, 1.5), (1, 2.0), (4, 100.0), (2, -100.0)))
+    assert apply_penalties(logits, [r]).tolist() == [[0.0, 3.5, -100.0, 0.0]]
+
+
+def test_adjustments_of_neutral_rows_are_none_and_empty_parts_are_skipped():
+    assert LogitAdjustments.build([row(), row(num_logprobs=3)], VOCAB, torch.device("cpu")) is None
+    adj = LogitAdjustments.build([row(), row(frequency_penalty=1.0)], VOCAB, torch.device("cpu"))
+    assert adj.rows.tolist() == [1] and adj.bias_at is adj.seen_at is adj.output_at is None
+
+
+def test_token_logprobs_take_the_chosen_tokens_as_a_tensor_too(logits):
+    rows = [row(0.5, num_logprobs=3), row(), row(1.0, num_logprobs=0)]
+    tokens = [4, 9, 11]
+    assert token_logprobs(logits[:3], rows, torch.tensor(tokens)) == token_logprobs(logits[:3], rows, tokens)
+
+
+def test_sampling_row_copies_only_the_history_its_penalties_read():
+    def seq(**kw):
+        spec = RequestSpec(0, [5, 6, 7], 4, **kw)
+        return Sequence(slot=0, seq=1, spec=spec, arrival=0, rng_seed=9, token_ids=[5, 6, 7, 8, 8], prompt_len=3)
+    r = sampling_row(seq(num_logprobs=2))
+    assert (r.prompt_ids, r.output_ids, r.position, r.seed, r.num_logprobs) == ((), (), 5, 9, 2)
+    r = sampling_row(seq(frequency_penalty=0.5))
+    assert (tuple(r.prompt_ids), tuple(r.output_ids)) == ((), (8, 8))
+    r = sampling_row(seq(repetition_penalty=1.2))
+    assert (tuple(r.prompt_ids), tuple(r.output_ids)) == ((5, 6, 7), (8, 8))
+
+
+def test_prompt_cache_keeps_the_penalized_prompts_of_the_last_step_only():
+    def seq(slot, **kw):
+        spec = RequestSpec(slot, [5, 6, 7], 4, **kw)
+        return Sequence(slot=slot, seq=slot + 10, spec=spec, arrival=0, rng_seed=1, token_ids=[5, 6, 7, 8],
+                        prompt_len=3)
+    cache = PromptCache()
+    a, b, c = seq(0, repetition_penalty=1.5), seq(1, num_logprobs=1), seq(2, repetition_penalty=0.5)
+    first = cache.rows([a, b, c])
+    assert [tuple(r.prompt_ids) for r in first] == [(5, 6, 7), (), (5, 6, 7)]
+    assert [dataclasses.replace(r, prompt_ids=tuple(r.prompt_ids)) for r in first] == \
+        [dataclasses.replace(sampling_row(s), prompt_ids=tuple(sampling_row(s).prompt_ids)) for s in (a, b, c)]
+    a.token_ids.append(9)
+    second = cache.rows([a])
+    assert second[0].prompt_ids is first[0].prompt_ids and tuple(second[0].output_ids) == (8, 9)
+    assert cache.rows([c])[0].prompt_ids is not first[2].prompt_ids  # c left in between: converted again
