@@ -2,7 +2,8 @@
 skipped elsewhere):
 
 - penalties, logit bias and logprobs give the tokens and logprobs of the sampler's math (the cpu engine's
-  functions, on the CPU) applied to the same logits, with graphs and eagerly;
+  functions, on the CPU) applied to the same logits, the tokens drawn by the same GPU sampler kernel (the
+  CPU's sampler may order tied bf16 logits differently), with graphs and eagerly;
 - in a step mixing rows with and without extensions, the plain rows (and a seeded row that only asks for
   logprobs) get the tokens of a step without extensions;
 - logit_bias +100 forces a token, -100 bans one;
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from test_gpu_runner import _drive, _peaky_model, _runner  # noqa: E402
 from gpu_backend.engine.gpu_runner import LOGITS  # noqa: E402
-from gpu_backend.engine.sampler import sample_step, sampling_row  # noqa: E402
+from gpu_backend.engine.sampler import apply_penalties, sampling_row, token_logprobs  # noqa: E402
 from gpu_backend.engine.scheduler import Batch, ScheduledSeq, Sequence  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
 
@@ -82,8 +83,18 @@ def _assert_logprobs_close(got, want, atol=2e-4):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_extensions_match_the_sampler_math_on_the_same_logits(runner, seed):
     batch = _batch(_specs(seed), seed)
+    from kernels import sampling
+
     logits = runner.sampled_logits(batch).cpu()
-    want_tokens, want_lps = sample_step(logits, [sampling_row(e.seq) for e in batch.entries])
+    rows = [sampling_row(e.seq) for e in batch.entries]
+    adjusted = apply_penalties(logits, rows)  # the sampler's math, on the CPU
+
+    def column(name, dtype):
+        return torch.tensor([getattr(r, name) for r in rows], dtype=dtype, device="cuda")
+    want_tokens = sampling.sample(adjusted.cuda(), column("temperature", torch.float32), column("top_k", torch.int32),
+                                  column("top_p", torch.float32), column("min_p", torch.float32),
+                                  column("seed", torch.int64), column("position", torch.int64)).tolist()
+    want_lps = token_logprobs(adjusted, rows, want_tokens)
     tokens = runner.run(batch)
     assert tokens == want_tokens
     assert len(runner.last_logprobs) == len(tokens)
