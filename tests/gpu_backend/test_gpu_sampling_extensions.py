@@ -13,6 +13,7 @@ skipped elsewhere):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -40,14 +41,18 @@ def runner(request):
     return _host_runner(use_graphs=request.param == "graphs")[1]
 
 
+_submissions = itertools.count(1)
+
+
 def _batch(specs: list[RequestSpec], seed: int = 0) -> Batch:
-    """Each spec as a whole-prompt prefill whose last row samples, with a made-up output history."""
+    """Each spec as a whole-prompt prefill whose last row samples, with a made-up output history. Each
+    sequence is a new submission (the runner keeps prompts by (slot, submission), as the ring numbers them)."""
     gen = random.Random(seed)
     entries = []
     for i, spec in enumerate(specs):
         output = [gen.choice([7, 7, 8, gen.randrange(3, VOCAB)]) for _ in range(3)]
         ids = list(spec.prompt_ids) + output
-        seq = Sequence(slot=i, seq=i + 1, spec=spec, arrival=i, rng_seed=spec.seed or 0, token_ids=ids,
+        seq = Sequence(slot=i, seq=next(_submissions), spec=spec, arrival=i, rng_seed=spec.seed or 0, token_ids=ids,
                        prompt_len=len(spec.prompt_ids), block_table=[i])
         entries.append(ScheduledSeq(seq, len(ids), True))
     return Batch(entries)
