@@ -78,6 +78,12 @@ def plot(runs: dict[tuple[str, int], dict[float, dict]], out: str | Path) -> Pat
             if row == 0:
                 ax.set_title(_title(level))
                 ax.legend(fontsize="small")
+    return _save(fig, out)
+
+
+def _save(fig, out: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -146,12 +152,7 @@ def plot_bars(runs: dict[tuple[str, int], dict], out: str | Path) -> Path:
         ax.set_title(name, fontsize="small")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize="x-small")
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:
