@@ -21,6 +21,7 @@ Writes a JSON file (commit, GPU, driver, torch) and prints a table.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -86,6 +87,19 @@ def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
     b.record()
     b.synchronize()
     return a.elapsed_time(b) / reps
+
+
+def mechanism_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
+    """The same replay run the way the loop runs a step (WHILE { kernel -> SWITCH(graph) }), no scheduling."""
+    from kernels import persistent_loop
+
+    bucket, greedy, _ = runner.fill(batch)
+    runner.bufs.upload(len(batch.entries))
+    torch.cuda.synchronize()
+    ns = ctypes.c_double()
+    persistent_loop.check(persistent_loop.load().blink_loop_bench_mechanism(
+        runner.graphs[(bucket, greedy)].raw_cuda_graph(), reps, ctypes.byref(ns)), "the mechanism's replay")
+    return ns.value / 1e6
 
 
 def prefill_steps(runner: GpuRunner, batch_size: int, prompt_len: int) -> int:
@@ -233,11 +247,14 @@ def main() -> None:
         moved = weight_bytes + bsz * ctx_len * kv_token_bytes
         pers = persistent_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
         pers_bare = bare_replay_ms(runner, decode_batch(runner, bsz, pers["ctx_len_mid"]))
+        pers_mech = mechanism_replay_ms(runner, decode_batch(runner, bsz, pers["ctx_len_mid"]))
         rows.append({"batch": bsz, "ctx_len": ctx_len, "bare_step_ms": ms, "bare_tok_s": bsz / ms * 1e3,
                      "achieved_gbps": moved / ms / 1e6, "floor_ms": moved / gbps / 1e6,
                      "host": host, "host_overhead_us": 1e3 * (host["step_ms_median"] - ms),
                      "persistent": pers, "persistent_bare_step_ms": pers_bare,
-                     "persistent_overhead_us": 1e3 * (pers["step_ms_mean"] - pers_bare)})
+                     "persistent_overhead_us": 1e3 * (pers["step_ms_mean"] - pers_bare),
+                     "mechanism_step_ms": pers_mech,  # the replay inside WHILE/SWITCH with no scheduling
+                     "persistent_over_mechanism_us": 1e3 * (pers["step_ms_mean"] - pers_mech)})
         r = rows[-1]
         print(f"B={bsz:4d} bare {ms:7.3f} ms ({r['achieved_gbps']:6.0f} GB/s, floor {r['floor_ms']:.3f} ms) | host "
               f"{host['step_ms_median']:7.3f} ms (+{r['host_overhead_us']:6.0f} us), "
@@ -246,7 +263,8 @@ def main() -> None:
               f"{pers['sched_us_per_step']:.1f} us = commit {pers['commit_us_per_step']:.1f} + schedule "
               f"{pers['schedule_us_per_step']:.1f} + fill {pers['fill_us_per_step']:.1f} + rest; speculation "
               f"taken {pers['spec_hits']} / missed {pers['spec_misses']}, spec kernel {pers['spec_us_per_step']:.1f} us "
-              f"beside the graph), CPU {pers['cpu_us_per_token']:.3f} us/token", flush=True)
+              f"beside the graph), CPU {pers['cpu_us_per_token']:.3f} us/token; the replay inside WHILE/SWITCH "
+              f"alone {pers_mech:7.3f} ms (loop step +{r['persistent_over_mechanism_us']:.1f} us over it)", flush=True)
     result = {"bench": "gpu_host", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
               "driver": torch.cuda.get_device_properties(0).name, "torch": torch.__version__,
               "host": platform.node(), "model": args.model, "weight_bytes": weight_bytes,

@@ -712,6 +712,12 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
 
 __global__ void read_globaltimer(uint64_t* out) { *out = now_ns(); }
 
+// For measuring (bench/gpu_host.py): the loop's mechanism with no scheduling in it.
+__global__ void bench_countdown(uint32_t* left, cudaGraphConditionalHandle loop, cudaGraphConditionalHandle branch) {
+  cudaGraphSetConditional(branch, 0);
+  if (--*left == 0) cudaGraphSetConditional(loop, 0);
+}
+
 // ---- host side: build, launch, watch ----------------------------------------------------------------------
 struct blink_loop {
   cudaGraph_t graph;
@@ -875,6 +881,67 @@ uint32_t blink_loop_smem_bytes(const blink_loop* L) { return L->smem_bytes; }
 
 int blink_loop_launch(blink_loop* L) {
   BLINK_TRY(cudaGraphLaunch(L->exec, L->stream), 1);
+  return 0;
+}
+
+// The graph `child` replayed `iterations` times as the loop runs a step: WHILE { a one-thread kernel ->
+// SWITCH (one branch: child) }, launched once. *ns_out: GPU time per iteration (CUDA events), so the
+// loop's step can be compared with the same replay inside the same conditional nodes.
+int blink_loop_bench_mechanism(void* child, uint32_t iterations, double* ns_out) {
+  cudaStream_t stream;
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  cudaGraphConditionalHandle loop, branch;
+  uint32_t* left = nullptr;
+  BLINK_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), 1);
+  BLINK_TRY(cudaMalloc(&left, sizeof(uint32_t)), 2);
+  BLINK_TRY(cudaGraphCreate(&graph, 0), 3);
+  BLINK_TRY(cudaGraphConditionalHandleCreate(&loop, graph, 1, cudaGraphCondAssignDefault), 4);
+  cudaGraphNodeParams w = {};
+  w.type = cudaGraphNodeTypeConditional;
+  w.conditional.handle = loop;
+  w.conditional.type = cudaGraphCondTypeWhile;
+  w.conditional.size = 1;
+  cudaGraphNode_t while_node, count_node, switch_node, child_node;
+  BLINK_TRY(cudaGraphAddNode(&while_node, graph, nullptr, nullptr, 0, &w), 5);
+  cudaGraph_t body = w.conditional.phGraph_out[0];
+  BLINK_TRY(cudaGraphConditionalHandleCreate(&branch, body, 1, cudaGraphCondAssignDefault), 6);
+  void* kernel_args[] = {&left, &loop, &branch};
+  cudaKernelNodeParams k = {};
+  k.gridDim = dim3(1);
+  k.blockDim = dim3(1);
+  k.kernelParams = kernel_args;
+  k.func = (void*)bench_countdown;
+  BLINK_TRY(cudaGraphAddKernelNode(&count_node, body, nullptr, 0, &k), 7);
+  cudaGraphNodeParams sw = {};
+  sw.type = cudaGraphNodeTypeConditional;
+  sw.conditional.handle = branch;
+  sw.conditional.type = cudaGraphCondTypeSwitch;
+  sw.conditional.size = 1;
+  BLINK_TRY(cudaGraphAddNode(&switch_node, body, &count_node, nullptr, 1, &sw), 8);
+  BLINK_TRY(cudaGraphAddChildGraphNode(&child_node, sw.conditional.phGraph_out[0], nullptr, 0, (cudaGraph_t)child), 9);
+  BLINK_TRY(cudaGraphInstantiateWithFlags(&exec, graph, 0), 10);
+  BLINK_TRY(cudaGraphUpload(exec, stream), 11);
+  cudaEvent_t a, b;
+  BLINK_TRY(cudaEventCreate(&a), 12);
+  BLINK_TRY(cudaEventCreate(&b), 13);
+  float ms = 0.0f;
+  for (int round = 0; round < 2; ++round) {  // the first round warms up
+    const uint32_t n = round ? iterations : 3;
+    BLINK_TRY(cudaMemcpyAsync(left, &n, sizeof(n), cudaMemcpyHostToDevice, stream), 14);
+    BLINK_TRY(cudaEventRecord(a, stream), 15);
+    BLINK_TRY(cudaGraphLaunch(exec, stream), 16);
+    BLINK_TRY(cudaEventRecord(b, stream), 17);
+    BLINK_TRY(cudaEventSynchronize(b), 18);
+    BLINK_TRY(cudaEventElapsedTime(&ms, a, b), 19);
+  }
+  *ns_out = 1e6 * (double)ms / iterations;
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaFree(left);
+  cudaStreamDestroy(stream);
   return 0;
 }
 
