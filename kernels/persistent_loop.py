@@ -37,7 +37,7 @@ class LoopArgs(ctypes.Structure):  # blink_loop_args
                 + [("sched_mem", _p), ("hot_bytes", _u64), ("smem_bytes", _u32), ("_pad0", _u32)]
                 + [(n, _p) for n in ("step_buf", "sampled", "sampled32", "slot_seq", "slot_produced", "room",
                                      "order", "cancel", "par", "ctl")]
-                + [("loop_handle", _u64), ("branch_handle", _u64), ("num_branches", _u32), ("_pad1", _u32),
+                + [("loop_handle", _u64), ("branch_handle", _u64), ("num_branches", _u32), ("check_tail", _u32),
                    ("clock_offset_ns", _i64)]
                 + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns")]
                 + [(f"c_{n}", _u64) for n in COUNTERS]

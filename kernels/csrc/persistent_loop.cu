@@ -102,7 +102,7 @@ struct blink_loop_args {
   blink_loop_ctl* ctl;                    // device address of the mapped control block
   cudaGraphConditionalHandle loop_handle, branch_handle;
   uint32_t num_branches;
-  uint32_t _pad1;
+  uint32_t check_tail;                    // 1: new requests queued after the speculation looked drop it
   int64_t clock_offset_ns;                // CLOCK_MONOTONIC = %globaltimer + offset (response timestamps)
   // the loop's own words (device memory, read and written only by the kernels)
   uint64_t sq_head, beats, generated, last_commit_ns;
@@ -479,7 +479,7 @@ __device__ uint32_t branch_of(const blink_sched_header* h, int32_t bucket, uint3
 // Returns 1 when taken (the step is chosen and its graph picked).
 __device__ int take_speculation(blink_loop_args* a, uint64_t t0) {
   const uint32_t n = a->spec_rows;
-  int bad = threadIdx.x == 0 && ld_v(&ring_header(a)->sq_tail) != a->spec_tail;
+  int bad = threadIdx.x == 0 && a->check_tail && ld_v(&ring_header(a)->sq_tail) != a->spec_tail;
   for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
     const spec_row r = a->rows[j];
     bad |= blink_is_stop_token(a->eos_ids, (int32_t)a->num_eos, a->stop_ids + (int64_t)r.slot * a->max_stop_ids,
@@ -825,6 +825,9 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   args.sq_head_alt = args.sq_head;
   args.spec_tail = 0;
   args.cur = args.buf = args.spec_ok = args.spec_branch = args.spec_rows = args.num_err = args.exiting = 0;
+  // BLINK_LOOP_SPEC_TAIL_CHECK=0 (for measuring only): new requests wait for the next speculation
+  const char* tail_check = getenv("BLINK_LOOP_SPEC_TAIL_CHECK");
+  args.check_tail = !(tail_check && strcmp(tail_check, "0") == 0);
   args.num_eos = (uint32_t)hdr.cfg.num_eos;
   for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) args.eos_ids[i] = hdr.cfg.eos_ids[i];
   if (num_branches != 4u * (uint32_t)hdr.cfg.num_buckets || !args.step_buf_alt) return 25 * 1000;
