@@ -1,4 +1,5 @@
-"""Loader of the GPU-resident loop (`csrc/persistent_loop.cu` over `blink_sched.h` and `blink_ring.h`):
+"""Loader of the GPU-resident loop (`csrc/persistent_loop.cu` over `blink_loop.cuh`, `blink_loop_spec.cuh`,
+`blink_sched.h` and `blink_ring.h`):
 compiled with nvcc for sm_90 on first use, cached by a hash of the sources, loaded with ctypes.
 
 `LoopArgs` and `LoopCtl` mirror the C structs field for field; `load()` checks their sizes against the
@@ -14,8 +15,8 @@ from pathlib import Path
 
 from kernels.sched_host import CSRC, cached_build
 
-SOURCES = (CSRC / "persistent_loop.cu", CSRC / "include" / "blink_sched.h", CSRC / "include" / "blink_sched_par.cuh",
-           CSRC / "include" / "blink_ring.h")
+SOURCES = (CSRC / "persistent_loop.cu", CSRC / "include" / "blink_loop.cuh", CSRC / "include" / "blink_loop_spec.cuh",
+           CSRC / "include" / "blink_sched.h", CSRC / "include" / "blink_sched_par.cuh", CSRC / "include" / "blink_ring.h")
 ARCH = os.environ.get("BLINK_CUDA_ARCH", "sm_90")
 _u32, _u64, _i64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
 

@@ -1,0 +1,412 @@
+// The GPU-resident loop's state and its side of the ring, for kernels/csrc/persistent_loop.cu (device
+// code; the file's head explains the loop). The arguments every kernel reads, the counters mirrored to the
+// host, the ring's memory order (payload first, the validating word last with a release store at system
+// scope), publishing, admission, the look at the ring, shutdown.
+#ifndef BLINK_LOOP_CUH
+#define BLINK_LOOP_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "blink_ring.h"
+#include "blink_sched.h"
+
+#define BLINK_LOOP_THREADS 256
+#define BLINK_LOOP_IDLE_SLEEP_MAX_NS 2000u
+#define BLINK_LOOP_IDLE_BEAT_NS 1000000ull  // heartbeat while idle: every 1 ms
+// ErrorCode values of protocols/ring.py beyond the scheduler's own (blink_sched_error)
+#define BLINK_ERROR_ENGINE_STOPPING 4u
+#define BLINK_ERROR_INTERNAL 5u
+
+struct blink_loop_counters {
+  uint64_t iterations;       // loop kernel runs
+  uint64_t steps;            // model steps
+  uint64_t tokens;           // tokens published
+  uint64_t busy_ns;          // sum over back-to-back steps of commit-to-commit time
+  uint64_t busy_steps;
+  uint64_t sched_ns;         // sum over steps of the loop kernel's time (commit, admission, schedule, fill)
+  uint64_t idle_polls;
+  uint64_t commit_ns;        // parts of sched_ns: copy-in + applying the sampled tokens,
+  uint64_t schedule_ns;      // ring poll + admission + scheduling (of the last attempt),
+  uint64_t fill_ns;          // step buffer fill + picking the graph
+  uint64_t spec_hits;        // steps whose speculation was taken
+  uint64_t spec_misses;      // speculations dropped (a stop token, new requests, a preemption, nothing to run)
+  uint64_t spec_ns;          // the spec kernel's time (beside the bucket graph)
+};
+
+// Shared with the host (pinned, mapped): the host writes `stop`; the loop only stores the rest (a read of
+// host memory is a PCIe round trip, so the loop keeps its counters in device memory and mirrors them).
+struct blink_loop_ctl {
+  uint32_t stop;             // host: 1 = fail what is in flight, leave the loop
+  uint32_t exited;           // loop: 1 once the last iteration ran
+  blink_loop_counters c;
+  uint32_t error;            // nonzero: the loop stopped on an internal error (a bucket it has no graph for)
+  uint32_t _pad;
+};
+
+// What the step kernel needs about sampled row j of the running step to accept the speculation: where its
+// token goes in the history and in the speculated step buffer, and how to tell a stop token.
+struct spec_row {
+  int64_t hist;                           // index into the token history
+  int32_t input_row;                      // its input row in the speculated step, -1: none
+  int32_t slot;
+  int32_t num_stop;                       // the slot's stop ids (0: only EOS can stop it)
+  int32_t ignore_eos;
+};
+
+// Everything the kernels need, in device memory (written once by the host before the launch).
+struct blink_loop_args {
+  uint8_t* ring;                          // device address of the ring
+  uint64_t sq_offset, requests_offset, responses_offset, request_bytes, response_bytes, prompt_offset;
+  uint32_t num_slots, max_prompt_len, max_output_len, max_stop_ids;
+  uint8_t* sched_mem;                     // blink_sched state (device)
+  uint64_t hot_bytes;                     // its hot prefix (blink_sched_bind_split), set by blink_loop_create
+  uint32_t smem_bytes;                    // 0: the hot prefix does not fit in shared memory, use it in place
+  uint32_t _pad0;
+  uint8_t* step_buf;                      // gpu_runner.StepBuffers.dev
+  const int64_t* sampled;                 // gpu_runner.tokens_dev: the graphs' sampled tokens
+  int32_t* sampled32;                     // [max_seqs] scratch
+  uint64_t* slot_seq;                     // [num_slots] the request seq a slot serves
+  uint32_t* slot_produced;                // [num_slots] tokens published (the response's `produced`)
+  int32_t* room;                          // [num_slots] scratch (when not in shared memory)
+  int32_t* order;                         // [num_slots] scratch of blink_sched_schedule (idem)
+  uint8_t* cancel;                        // [num_slots] scratch (idem)
+  int32_t* par;                           // [5 * num_slots] scratch of blink_sched_par.cuh (idem)
+  blink_loop_ctl* ctl;                    // device address of the mapped control block
+  cudaGraphConditionalHandle loop_handle, branch_handle;
+  uint32_t num_branches;
+  uint32_t check_tail;                    // 1: new requests queued after the speculation looked drop it
+  int64_t clock_offset_ns;                // CLOCK_MONOTONIC = %globaltimer + offset (response timestamps)
+  // the loop's own words (device memory, read and written only by the kernels)
+  uint64_t sq_head, beats, generated, last_commit_ns;
+  blink_loop_counters c;
+  // speculation and the second step buffer; the pointers are set by blink_loop_create
+  uint8_t* step_buf_alt;                  // the step buffer of the branches b = 1 (step_buf: b = 0)
+  uint8_t* hot_alt;                       // the second copy of the scheduler's hot prefix
+  int32_t* tokens;                        // the scheduler's token history (cold, shared by both copies)
+  int32_t* stop_ids;                      // its stop ids (cold, shared)
+  spec_row* rows;                             // [max_seqs] per sampled row of the running step (spec kernel)
+  int32_t* err_slot;                      // [num_slots] admission errors the speculation found (deferred)
+  int32_t* err_code;
+  int32_t* new_token;                     // the speculated state's new_token (where placeholders go)
+  uint64_t sq_head_alt;                   // the speculated state's submission head
+  uint64_t spec_tail;                     // the submission tail the speculation saw
+  uint32_t cur;                           // which hot copy is the real state (0: sched_mem, 1: hot_alt)
+  uint32_t buf;                           // the step buffer of the step that runs now
+  uint32_t spec_ok;                       // 1: the other copy holds step n+1, filled into the other buffer
+  uint32_t spec_branch;                   // its SWITCH branch
+  uint32_t spec_rows;                     // sampled rows of the running step
+  uint32_t num_err;                       // deferred admission errors, published with the accepted step
+  uint32_t exiting;                       // the loop is ending: nothing more to speculate
+  uint32_t num_eos;
+  int32_t eos_ids[BLINK_SCHED_MAX_EOS];
+};
+
+
+// ---- memory access to the ring ------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ T ld_v(const T* p) { return *(const volatile T*)p; }
+template <typename T>
+__device__ __forceinline__ void st_v(T* p, T v) { *(volatile T*)p = v; }
+
+__device__ __forceinline__ void st_release_u32(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ blink_ring_header* ring_header(const blink_loop_args* a) {
+  return (blink_ring_header*)a->ring;
+}
+__device__ __forceinline__ blink_request_slot* request(const blink_loop_args* a, uint32_t slot) {
+  return (blink_request_slot*)(a->ring + a->requests_offset + (uint64_t)slot * a->request_bytes);
+}
+__device__ __forceinline__ blink_response_slot* response(const blink_loop_args* a, uint32_t slot) {
+  return (blink_response_slot*)(a->ring + a->responses_offset + (uint64_t)slot * a->response_bytes);
+}
+
+// The two copies of the scheduler's hot state, their submission heads, and the two step buffers.
+__device__ __forceinline__ uint8_t* hot_of(const blink_loop_args* a, uint32_t state) {
+  return state ? a->hot_alt : a->sched_mem;
+}
+__device__ __forceinline__ uint64_t* sq_head_of(blink_loop_args* a, uint32_t state) {
+  return state ? &a->sq_head_alt : &a->sq_head;
+}
+__device__ __forceinline__ uint8_t* step_buf_of(const blink_loop_args* a, uint32_t b) {
+  return b ? a->step_buf_alt : a->step_buf;
+}
+
+// Response words as RingConsumer writes them: counters first, `seq` last (they now belong to `seq`).
+__device__ void reset_response(const blink_loop_args* a, uint32_t slot, uint64_t seq, uint32_t prompt_len) {
+  blink_response_slot* r = response(a, slot);
+  st_v(&r->produced, 0u);
+  st_v(&r->finish_reason, (uint32_t)BLINK_FINISH_NONE);
+  st_v(&r->error_code, 0u);
+  st_v(&r->prompt_len, prompt_len);
+  st_v(&r->first_token_ns, (uint64_t)0);
+  st_v(&r->last_token_ns, (uint64_t)0);
+  st_release_u64(&r->seq, seq);
+}
+
+// The last word on a slot: error code, then the finish reason (release: after every token of the slot).
+__device__ void finish_response(const blink_loop_args* a, uint32_t slot, uint32_t reason, uint32_t error) {
+  blink_response_slot* r = response(a, slot);
+  st_v(&r->error_code, error);
+  st_release_u32(&r->finish_reason, reason);
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {  // splitmix64's finalizer: seeds for unseeded requests
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Copy `bytes` (a multiple of 8; both ends 16-byte aligned) with every thread of the block.
+__device__ void block_copy(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
+  for (uint64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+  if (bytes % 16 && threadIdx.x == 0) ((uint2*)dst)[bytes / 8 - 1] = ((const uint2*)src)[bytes / 8 - 1];
+}
+
+struct loop_scratch {  // per-slot scratch of one loop kernel: shared memory when it fits, else global
+  int32_t* room;
+  int32_t* order;
+  int32_t* par;
+  uint8_t* cancel;
+};
+
+// ---- publishing (RingConsumer.publish / finish / set_stats / beat) -----------------------------------------
+// All threads: the tokens of the last update, one per slot (its `produced` last, with release), then,
+// after a system fence, the finishes. Thread 0: the header's counters and the heartbeat.
+__device__ void publish(blink_loop_args* a, const blink_sched* s) {
+  const blink_sched_header* h = s->h;
+  const uint64_t now = now_ns() + (uint64_t)a->clock_offset_ns;
+  const uint32_t cap = a->max_output_len;
+  for (int32_t i = threadIdx.x; i < h->num_new; i += blockDim.x) {
+    const uint32_t slot = (uint32_t)s->new_slot[i];
+    blink_response_slot* r = response(a, slot);
+    const uint32_t p = a->slot_produced[slot];
+    st_v(&r->tokens[p % cap], s->new_token[i]);
+    if (p == 0) st_v(&r->first_token_ns, now);
+    st_v(&r->last_token_ns, now);
+    st_release_u32(&r->produced, p + 1);
+    a->slot_produced[slot] = p + 1;
+  }
+  __threadfence_system();
+  __syncthreads();
+  for (int32_t i = threadIdx.x; i < h->num_finished; i += blockDim.x)
+    finish_response(a, (uint32_t)s->fin_slot[i], (uint32_t)s->fin_reason[i], 0);
+  for (uint32_t i = threadIdx.x; i < a->num_err; i += blockDim.x)  // a speculation's admission errors
+    finish_response(a, (uint32_t)a->err_slot[i], BLINK_FINISH_ERROR, (uint32_t)a->err_code[i]);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    blink_ring_header* hdr = ring_header(a);
+    a->num_err = 0;
+    a->generated += h->num_new;
+    st_v(&hdr->generated_tokens, a->generated);
+    st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
+    st_v(&hdr->running, (uint32_t)h->num_running);
+    st_v(&hdr->waiting, (uint32_t)h->num_waiting);
+    a->beats += 1;
+    st_v(&hdr->heartbeat, a->beats);
+  }
+}
+
+// ---- admission (RingConsumer.take_new + EngineLoop._admit) ------------------------------------------------
+// Thread 0: read the request's fixed part, reset its response, check it, queue it or fail it.
+// Penalties, logit bias or logprobs: the host and cpu engines apply them, this loop not yet. The gateway
+// refuses them for this mode; this answers a ring client that does not (INVALID_PARAMS, never ignored).
+__device__ bool wants_sampling_extensions(const blink_request_slot* req, uint32_t flags) {
+  return (flags & BLINK_RING_FLAG_LOGPROBS) || ld_v(&req->presence_penalty) != 0.0f ||
+         ld_v(&req->frequency_penalty) != 0.0f || ld_v(&req->repetition_penalty) != 1.0f ||
+         ld_v(&req->num_logit_bias) != 0u;
+}
+
+// With `spec` (the spec kernel) an error is deferred to the publish that follows the speculation's
+// acceptance: a dropped speculation must leave no trace the gateway could act on. (The response reset is
+// written at once: the slot is free in the real state too, and the full step writes the same words.)
+__device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint32_t slot,
+                             int32_t prompt_len, bool spec) {
+  const blink_request_slot* req = request(a, slot);
+  const uint64_t seq = ld_v(&req->seq);
+  const uint32_t flags = ld_v(&req->flags);
+  const int64_t max_tokens = ld_v(&req->max_tokens);
+  const float temperature = ld_v(&req->temperature), top_p = ld_v(&req->top_p), min_p = ld_v(&req->min_p);
+  const int32_t top_k = ld_v(&req->top_k);
+  const uint32_t priority = ld_v(&req->priority);
+  uint32_t num_stop = ld_v(&req->num_stop_ids);
+  if (num_stop > a->max_stop_ids) num_stop = a->max_stop_ids;
+  int32_t* stops = s->stop_ids + (int64_t)slot * s->h->cfg.max_stop_ids;  // copied in, then added in place
+  for (uint32_t i = 0; i < num_stop; ++i) stops[i] = ld_v(&req->stop_ids[i]);
+  reset_response(a, slot, seq, (uint32_t)prompt_len);
+  int32_t err = blink_sched_check(s, prompt_len, max_tokens, temperature, top_p, top_k, min_p);
+  if (err == BLINK_ERR_NONE && wants_sampling_extensions(req, flags)) err = BLINK_ERR_INVALID_PARAMS;
+  if (err != BLINK_ERR_NONE) {
+    if (spec) {
+      a->err_slot[a->num_err] = (int32_t)slot;
+      a->err_code[a->num_err++] = err;
+    } else {
+      finish_response(a, slot, BLINK_FINISH_ERROR, (uint32_t)err);
+    }
+    return;
+  }
+  const uint64_t seed = flags & BLINK_RING_FLAG_HAS_SEED
+                            ? ld_v(&req->seed)
+                            : mix64(now_ns() ^ ((uint64_t)slot << 40) ^ ld_v(&req->request_id));
+  const int32_t* prompt = s->tokens + (int64_t)slot * s->h->cfg.context_len;  // already copied there
+  blink_sched_add(s, (int32_t)slot, prompt, prompt_len, max_tokens, priority, stops, (int32_t)num_stop,
+                  (flags & BLINK_RING_FLAG_IGNORE_EOS) ? 1 : 0, temperature, top_k, top_p, min_p, seed);
+  a->slot_seq[slot] = seq;
+  a->slot_produced[slot] = 0;
+  x.room[slot] = (int32_t)a->max_output_len;  // a new request's output area is empty
+}
+
+// All threads: take every request queued from `head` up to `tail`, in submission order; *head_out = tail.
+// The ring's copy of the head is written here, or (spec) by the publish after the acceptance.
+__device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint64_t head_in, uint64_t tail,
+                      uint64_t* head_out, bool spec) {
+  __shared__ uint32_t sh_slot;
+  __shared__ int32_t sh_len;
+  const uint32_t* sq = (const uint32_t*)(a->ring + a->sq_offset);
+  const int32_t ctx = s->h->cfg.context_len;
+  __threadfence_system();  // the tail was read relaxed: what it covers is read after it
+  for (uint64_t head = head_in; head < tail; ++head) {
+    if (threadIdx.x == 0) {
+      const uint32_t slot = ld_v(&sq[head % a->num_slots]);
+      uint32_t len = ld_v(&request(a, slot)->prompt_len);
+      if (len > a->max_prompt_len) len = a->max_prompt_len;
+      sh_slot = slot;
+      sh_len = (int32_t)len;
+    }
+    __syncthreads();
+    // the prompt goes straight to the scheduler's token array (at most context_len of it: longer is refused)
+    const int32_t n = sh_len < ctx ? sh_len : ctx;
+    const int32_t* src = (const int32_t*)((const uint8_t*)request(a, sh_slot) + a->prompt_offset);
+    int32_t* dst = s->tokens + (int64_t)sh_slot * ctx;
+    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = ld_v(&src[i]);
+    __syncthreads();
+    if (threadIdx.x == 0) take_request(a, s, x, sh_slot, sh_len, spec);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    *head_out = tail;
+    if (!spec) st_v(&ring_header(a)->sq_head, tail);
+  }
+  __syncthreads();
+}
+
+// The ring words a poll needs, loaded into registers at the start of the step kernel and used after the
+// commit: their PCIe round trips overlap the commit's work (a load in flight does not hold a barrier up).
+#define BLINK_LOOP_PREFETCH 4  // slots per thread (up to 4 x the block's threads)
+struct ring_look {
+  uint64_t tail;
+  uint32_t stop;
+  uint64_t cancel_seq[BLINK_LOOP_PREFETCH];
+  uint32_t consumed[BLINK_LOOP_PREFETCH];
+};
+
+__device__ __forceinline__ void look_issue(const blink_loop_args* a, ring_look& r) {
+#pragma unroll
+  for (uint32_t k = 0; k < BLINK_LOOP_PREFETCH; ++k) {  // unrolled: the words stay in registers
+    const uint32_t slot = threadIdx.x + k * blockDim.x;
+    if (slot < a->num_slots) {
+      r.cancel_seq[k] = ld_v(&request(a, slot)->cancel_seq);
+      r.consumed[k] = ld_v(&response(a, slot)->consumed);
+    }
+  }
+  // relaxed, not acquire: an acquire would hold this thread's next memory accesses (the commit's) until
+  // it completes; admission fences before it reads what the tail covers
+  if (threadIdx.x == 0) r.tail = ld_v(&ring_header(a)->sq_tail);
+  if (threadIdx.x == 32 % blockDim.x) r.stop = ld_v(&a->ctl->stop);
+}
+
+// One slot's part of a look: whether it is cancelled, and its output room (live slots only).
+__device__ __forceinline__ int look_slot(blink_loop_args* a, const blink_sched* s, const loop_scratch& x,
+                                         uint32_t slot, uint64_t cancel_seq, uint32_t consumed) {
+  uint8_t cancelled = 0;
+  if (s->status[slot] != BLINK_SEQ_FINISHED) {
+    cancelled = cancel_seq == a->slot_seq[slot];
+    x.room[slot] = (int32_t)a->max_output_len - (int32_t)(a->slot_produced[slot] - consumed);
+  }
+  x.cancel[slot] = cancelled;
+  return cancelled;
+}
+
+// All threads: one look at the ring (with `ahead`, the words in `look`; else loaded now, all issued
+// together: each is a PCIe round trip): the submission tail, the stop flag, and for each live slot its
+// cancel word and the gateway's `consumed` (-> room). Thread 0 then finishes the cancelled sequences
+// (EngineLoop._apply_cancels). Returns 1: stop, 0: go on; *tail gets the submission tail.
+// With `spec`, a cancel's finish goes to the finish list (published if the speculation is taken).
+__device__ __forceinline__ int poll_ring(blink_loop_args* a, blink_sched* s, const loop_scratch& x,
+                                         uint64_t* tail, const ring_look& look, bool ahead, bool spec) {
+  __shared__ uint64_t sh_tail;
+  __shared__ uint32_t sh_stop;
+  if (threadIdx.x == 0) sh_tail = ahead ? look.tail : ld_v(&ring_header(a)->sq_tail);
+  if (threadIdx.x == 32 % blockDim.x) sh_stop = ahead ? look.stop : ld_v(&a->ctl->stop);
+  int any = 0;
+#pragma unroll
+  for (uint32_t k = 0; k < BLINK_LOOP_PREFETCH; ++k) {  // the slots whose words may have been loaded ahead
+    const uint32_t slot = threadIdx.x + k * blockDim.x;
+    if (slot < a->num_slots) {
+      any |= look_slot(a, s, x, slot, ahead ? look.cancel_seq[k] : ld_v(&request(a, slot)->cancel_seq),
+                       ahead ? look.consumed[k] : ld_v(&response(a, slot)->consumed));
+    }
+  }
+  for (uint32_t slot = threadIdx.x + BLINK_LOOP_PREFETCH * blockDim.x; slot < a->num_slots; slot += blockDim.x)
+    any |= look_slot(a, s, x, slot, ld_v(&request(a, slot)->cancel_seq), ld_v(&response(a, slot)->consumed));
+  if (__syncthreads_or(any) && threadIdx.x == 0) {
+    for (uint32_t slot = 0; slot < a->num_slots; ++slot) {
+      if (!x.cancel[slot]) continue;
+      blink_sched_finish(s, (int32_t)slot);
+      if (spec) {
+        s->fin_slot[s->h->num_finished] = (int32_t)slot;
+        s->fin_reason[s->h->num_finished++] = BLINK_FINISH_CANCELLED;
+      } else {
+        finish_response(a, slot, BLINK_FINISH_CANCELLED, 0);
+      }
+    }
+  }
+  __syncthreads();
+  *tail = sh_tail;
+  return sh_stop != 0;
+}
+
+// All threads, on `stop`: the last tokens published, every live sequence reported failed (never dropped
+// silently), the loop told to end.
+__device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
+  publish(a, s);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    blink_sched_header* h = s->h;
+    h->num_new = h->num_finished = 0;  // published: the publish kernel of this iteration does nothing
+    for (uint32_t slot = 0; slot < a->num_slots; ++slot) {
+      if (s->status[slot] == BLINK_SEQ_FINISHED) continue;
+      blink_sched_finish(s, (int32_t)slot);
+      finish_response(a, slot, BLINK_FINISH_ERROR, error);
+    }
+    h->num_entries = 0;
+    blink_ring_header* hdr = ring_header(a);
+    st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
+    st_v(&hdr->running, 0u);
+    st_v(&hdr->waiting, 0u);
+    cudaGraphSetConditional(a->branch_handle, a->num_branches);  // no branch
+    cudaGraphSetConditional(a->loop_handle, 0);
+    a->exiting = 1;
+    __threadfence_system();
+    st_v(&a->ctl->exited, 1u);
+  }
+}
+
+__device__ void mirror_counters(blink_loop_args* a) {  // thread 0: device counters -> the host's view
+  const uint64_t* src = (const uint64_t*)&a->c;
+  uint64_t* dst = (uint64_t*)&a->ctl->c;
+  for (int i = 0; i < (int)(sizeof(blink_loop_counters) / 8); ++i) st_v(&dst[i], src[i]);
+}
+
+#endif  // BLINK_LOOP_CUH
