@@ -58,7 +58,7 @@ class _Bound(ctypes.Structure):  # blink_sched
 
 @dataclass(frozen=True)
 class StepGeometry:
-    """The step buffer the bucket graphs read (gpu_runner.StepBuffers): T tokens, S rows, the buckets."""
+    """The step buffer the bucket graphs read (step_buffers.StepBuffers): T tokens, S rows, the buckets."""
 
     max_tokens: int
     max_seqs: int

@@ -3,7 +3,7 @@
 included), small block pools that force preemption, full output buffers. Step by step: the same batch
 entries (slot, q_len, samples), the same preemptions, the same published tokens and finishes, the same
 block tables, free list (block ids and order) and queue order; every block back in the pool at the end.
-A second pass fills the step buffer from both (gpu_runner.fill_step) and compares it byte for byte."""
+A second pass fills the step buffer from both (step_buffers.fill_step) and compares it byte for byte."""
 import random
 
 import numpy as np

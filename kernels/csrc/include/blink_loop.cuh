@@ -63,7 +63,7 @@ struct blink_loop_args {
   uint64_t hot_bytes;                     // its hot prefix (blink_sched_bind_split), set by blink_loop_create
   uint32_t smem_bytes;                    // 0: the hot prefix does not fit in shared memory, use it in place
   uint32_t _pad0;
-  uint8_t* step_buf;                      // gpu_runner.StepBuffers.dev
+  uint8_t* step_buf;                      // step_buffers.StepBuffers.dev
   const int64_t* sampled;                 // gpu_runner.tokens_dev: the graphs' sampled tokens
   int32_t* sampled32;                     // [max_seqs] scratch
   uint64_t* slot_seq;                     // [num_slots] the request seq a slot serves

@@ -44,7 +44,7 @@ typedef struct blink_sched_config {
   int32_t max_stop_ids;
   int32_t num_eos;
   int32_t eos_ids[BLINK_SCHED_MAX_EOS];
-  // the step buffer the bucket graphs read (gpu_runner.StepBuffers)
+  // the step buffer the bucket graphs read (step_buffers.StepBuffers)
   int32_t step_max_tokens;     // T
   int32_t step_max_seqs;       // S (GpuRunnerConfig.max_num_seqs: a bucket's graph has min(bucket, S) rows)
   int32_t num_buckets;
@@ -388,7 +388,7 @@ BLINK_HD int32_t blink_sched_schedule(blink_sched* s, const int32_t* room, int32
   return s->h->num_entries;
 }
 
-// ---- the step buffer (gpu_runner.StepBuffers / fill_step) -------------------------------------------------
+// ---- the step buffer (step_buffers.StepBuffers / fill_step) -------------------------------------------------
 BLINK_HD int32_t blink_step_field_size(int32_t field) {
   const int32_t eight = (1 << BLINK_F_POSITIONS) | (1 << BLINK_F_SLOT_MAPPING) | (1 << BLINK_F_SAMPLE_ROWS) |
                         (1 << BLINK_F_SEEDS) | (1 << BLINK_F_SAMPLE_POS);

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_backend.engine.gpu_runner import GpuRunnerConfig, StepBuffers, bucket_for, fill_step, token_buckets
+from gpu_backend.engine.gpu_runner import GpuRunnerConfig
+from gpu_backend.engine.step_buffers import StepBuffers, bucket_for, fill_step, token_buckets
 from gpu_backend.engine.scheduler import BlockManager, Scheduler, SchedulerConfig
 from protocols.ring import RequestSpec
 
