@@ -2,7 +2,8 @@
 
 The poller is the only code that touches a ring's response side. While requests are in flight it
 finds the slots with news (`ready_slots`: one vectorized read of every slot's counters), polls those,
-and pushes each `TokenUpdate` into that request's `UpdateQueue`; it polls again right after the
+and hands each `TokenUpdate` to that request's `sink` if it has one (a streamed response writes it to its
+client right there), else (or when the sink declines) pushes it into the request's `UpdateQueue`; it polls again right after the
 readers ran while news keeps coming (up to `poll_spin_s` after the last), else every `poll_active_s`;
 with no request in flight it waits for a submission. It releases a slot once the engine has reported a finish, also
 for requests whose client went away (those are cancelled first, then drained).
@@ -15,6 +16,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -85,11 +87,16 @@ class UpdateQueue:
 
     def put_nowait(self, update: TokenUpdate) -> None:
         self._updates.append(update)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the reader: `get` returns the next update, or None if there is none."""
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def get(self) -> TokenUpdate:
-        while not self._updates:
+    async def get(self) -> TokenUpdate | None:
+        """The next update; None when `wake` woke the reader with none queued (it checks what else it waits for)."""
+        if not self._updates:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
             self._waiter = self._loop.create_future()
@@ -97,14 +104,21 @@ class UpdateQueue:
                 await self._waiter
             finally:
                 self._waiter = None
+            if not self._updates:
+                return None
         return self._updates.popleft()
 
     def qsize(self) -> int:
         return len(self._updates)
 
 
+# Takes an update from the poller, in the poller (no task switch): True when it dealt with it, False when
+# the update should go into the request's queue for its reader instead. It must not raise or block.
+Sink = Callable[[TokenUpdate], bool]
+
+
 class RequestHandle:
-    """The gateway's side of one submitted request: updates arrive in `queue`."""
+    """The gateway's side of one submitted request: updates arrive in `queue`, or go to `sink` first."""
 
     def __init__(self, backend: Backend, slot: int, spec: RequestSpec):
         self.backend = backend
@@ -114,7 +128,8 @@ class RequestHandle:
         self.finished = False  # the engine reported a finish (or the gateway gave up on the engine)
         self.abandoned = False  # nobody reads `queue` any more
         self.submitted_s = time.perf_counter()
-        self.num_produced = 0  # tokens pushed into `queue` so far
+        self.num_produced = 0  # tokens pushed into `queue` (or taken by `sink`) so far
+        self.sink: Sink | None = None  # set by a reader that can take updates in the poller
 
     @property
     def outstanding_tokens(self) -> int:
@@ -122,9 +137,10 @@ class RequestHandle:
         prompt_len = len(self.spec.prompt_ids) if self.num_produced == 0 else 0
         return prompt_len + max(self.spec.max_tokens - self.num_produced, 0)
 
-    async def next(self) -> TokenUpdate:
+    async def next(self) -> TokenUpdate | None:
+        """The next update; None when the reader was woken without one (`UpdateQueue.wake`)."""
         update = await self.queue.get()
-        if update.finish != FinishReason.NONE:
+        if update is not None and update.finish != FinishReason.NONE:
             self.finished = True
         return update
 
@@ -330,7 +346,8 @@ class Backend:
             num_updates += 1
             if not handle.abandoned:
                 handle.num_produced += len(update.tokens)
-                handle.queue.put_nowait(update)
+                if handle.sink is None or not handle.sink(update):
+                    handle.queue.put_nowait(update)
             if update.finish != FinishReason.NONE:
                 del self._requests[slot]
                 self._producer.release(slot)
