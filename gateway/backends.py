@@ -167,6 +167,9 @@ class Backend:
         self._next_check_s = 0.0
         self._news_s = 0.0  # when a poll last found tokens or a finish (time.monotonic)
         self._queued_tokens = 0  # outstanding tokens of requests waiting here for a ring slot
+        # Sum of `outstanding_tokens` over `_requests`, kept as they change: routing reads it per request,
+        # and summing over hundreds of streams each time made routing quadratic in the streams in flight.
+        self._outstanding = 0
         self.stalled = False  # heartbeat stuck for stall_timeout_s with requests in flight: they were failed
         self._ejected_at: int | None = None  # the heartbeat that stood still when the pool ejected it
         self.dead = False  # control plane unreachable: its requests were failed (set by the pool)
@@ -229,7 +232,7 @@ class Backend:
     @property
     def outstanding_tokens(self) -> int:
         """Prompt plus output tokens still to be produced for requests here (the gateway's own count)."""
-        return self._queued_tokens + sum(h.outstanding_tokens for h in self._requests.values())
+        return self._queued_tokens + self._outstanding
 
     @property
     def serving(self) -> bool:
@@ -259,6 +262,7 @@ class Backend:
         self.num_requests += 1
         handle = RequestHandle(self, slot, spec)
         self._requests[slot] = handle
+        self._outstanding += handle.outstanding_tokens
         self._wakeup.set()
         return handle
 
@@ -345,11 +349,14 @@ class Backend:
                 continue
             num_updates += 1
             if not handle.abandoned:
+                outstanding = handle.outstanding_tokens
                 handle.num_produced += len(update.tokens)
+                self._outstanding += handle.outstanding_tokens - outstanding
                 if handle.sink is None or not handle.sink(update):
                     handle.queue.put_nowait(update)
             if update.finish != FinishReason.NONE:
                 del self._requests[slot]
+                self._outstanding -= handle.outstanding_tokens
                 self._producer.release(slot)
                 self._wake_one()
         return num_updates
