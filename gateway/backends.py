@@ -160,6 +160,7 @@ class Backend:
         self.config = config
         self._producer = producer
         self._requests: dict[int, RequestHandle] = {}  # slot -> request in flight
+        self._slot_list: list[int] | None = None  # its slots, for `ready_slots` (None: changed since)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._wakeup = asyncio.Event()
         self._poller: asyncio.Task | None = None
@@ -262,6 +263,7 @@ class Backend:
         self.num_requests += 1
         handle = RequestHandle(self, slot, spec)
         self._requests[slot] = handle
+        self._slot_list = None
         self._outstanding += handle.outstanding_tokens
         self._wakeup.set()
         return handle
@@ -342,7 +344,9 @@ class Backend:
     def _poll_once(self) -> int:
         """Pass each request's news to its reader; returns how many requests had some."""
         num_updates = 0
-        for slot in self._producer.ready_slots(list(self._requests)):
+        if self._slot_list is None:
+            self._slot_list = list(self._requests)
+        for slot in self._producer.ready_slots(self._slot_list):
             handle = self._requests[slot]
             update = self._producer.poll(slot)
             if not update.tokens and update.finish == FinishReason.NONE:
@@ -356,6 +360,7 @@ class Backend:
                     handle.queue.put_nowait(update)
             if update.finish != FinishReason.NONE:
                 del self._requests[slot]
+                self._slot_list = None
                 self._outstanding -= handle.outstanding_tokens
                 self._producer.release(slot)
                 self._wake_one()

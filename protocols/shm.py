@@ -230,6 +230,8 @@ class RingProducer:
         self._finish_w = words + R.RESP_FINISH_REASON // 4
         self._consumed_w = words + R.RESP_CONSUMED // 4
         self._resp_w0, self._resp_words = self.geometry.responses_offset // 4, self.geometry.response_bytes // 4
+        self._ready_of: Sequence[int] | None = None  # the last `ready_slots` list, and its slots as an array
+        self._ready_idx = np.zeros(0, dtype=np.int64)
         self._u32, self._u64, self._i32 = memoryview(ring.u32), memoryview(ring.u64), memoryview(ring.i32)
         for slot in (range(self.geometry.num_slots) if slots is None else slots):
             self._adopt(slot)
@@ -392,9 +394,11 @@ class RingProducer:
         """Those of `slots` whose response may hold news (tokens not consumed yet, or a finish): the
         ones worth a `poll`. Three vectorized reads, so a poller's cost per round grows with the tokens
         that arrived rather than with the slots in flight. False positives (a slot the engine has not
-        taken yet, or `defer_consumed`) cost one empty `poll`; nothing new is ever missed."""
-        idx = np.fromiter(slots, dtype=np.int64, count=len(slots))
-        u32 = self.ring.u32
+        taken yet, or `defer_consumed`) cost one empty `poll`; nothing new is ever missed. A list passed
+        again (the same object) is taken to hold the same slots: pass a new one when they change."""
+        if slots is not self._ready_of:  # a poller passes the same list while its requests stay the same
+            self._ready_of, self._ready_idx = slots, np.fromiter(slots, dtype=np.int64, count=len(slots))
+        idx, u32 = self._ready_idx, self.ring.u32
         news = (u32[self._produced_w[idx]] != u32[self._consumed_w[idx]]) | (u32[self._finish_w[idx]] != FinishReason.NONE)
         return idx[news].tolist()
 
