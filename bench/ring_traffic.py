@@ -29,9 +29,10 @@ It first waits for the cores to be idle (other developers' runs share this machi
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import contextlib
-import heapq
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -43,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -51,6 +54,7 @@ from gpu_backend.control_server import ControlServer, Description  # noqa: E402
 from gpu_backend.models import preset_config  # noqa: E402
 from gpu_backend.models.demo import default_cache_dir  # noqa: E402
 from gpu_backend.models.random_tokenizer import ensure_random_tokenizer  # noqa: E402
+import protocols.ring as R  # noqa: E402
 from protocols.ring import EngineState, FinishReason, RequestSpec, RingGeometry  # noqa: E402
 from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring  # noqa: E402
 from tests.conftest import _wait_health, free_port  # noqa: E402
@@ -73,21 +77,38 @@ def lag_us(token: int, recv_ns: int) -> float:
 
 
 class TrafficEngine:
-    """The fake engine's loop (benchmark only): tokens at `tok_s` per stream, 0 = as fast as possible.
-    Each token id encodes its publish time (`token_for`), so a client can measure per-token latency."""
+    """The fake engine's loop (benchmark only): tokens at `tok_s` per stream, 0 = one per stream per step.
+    Each token id encodes its publish time (`token_for`), so a client can measure per-token latency.
+
+    Each step publishes every due token with a few vectorized reads and stores (one token id per step:
+    they share its publish time), so that publishing 25k tokens/s costs the core it shares with the client
+    little and comes out in small, even steps rather than in bursts after the client held the core."""
 
     def __init__(self, ring_name: str, control: str, tok_s: float, num_slots: int = 1024, idle_s: float = 0.0):
         self.ring = create_ring(ring_name, RingGeometry(num_slots, 4096, 1024), MODEL_NAME)
-        self.consumer = RingConsumer(self.ring)
+        self.consumer = RingConsumer(self.ring)  # requests in, finishes, heartbeat; tokens are stored here
         self.interval_s = 1.0 / tok_s if tok_s > 0 else 0.0
         desc = Description(MODEL_NAME, str(ensure_random_tokenizer(TOKENIZER_CFG, default_cache_dir())),
                            MODEL_NAME, 4096, TOKENIZER_CFG.vocab_size, (), "traffic")
         self.control = ControlServer(control, desc, self.ring)
-        self.streams: dict[int, list] = {}  # slot -> [seq, produced, max_tokens, next_due_s]
         self.idle_s = idle_s  # sleep between loop iterations (0: spin)
-        self.due: list[tuple[float, int]] = []  # (due time, slot) heap
+        g, slots = self.ring.geometry, np.arange(num_slots)
+        resp = g.responses_offset + slots * g.response_bytes  # [num_slots] byte offsets
+        req = np.array([self.ring.req(slot) for slot in range(num_slots)])
+        self.produced_w, self.consumed_w = (resp + R.RESP_PRODUCED) // 4, (resp + R.RESP_CONSUMED) // 4
+        self.tokens_w = (resp + R.RESP_TOKENS) // 4
+        self.first_ns_w, self.last_ns_w = (resp + R.RESP_FIRST_TOKEN_NS) // 8, (resp + R.RESP_LAST_TOKEN_NS) // 8
+        self.cancel_w = (req + R.REQ_CANCEL_SEQ) // 8
+        self.seq = np.zeros(num_slots, np.uint64)
+        self.produced = np.zeros(num_slots, np.int64)
+        self.max_tokens = np.zeros(num_slots, np.int64)
+        self.capacity = np.zeros(num_slots, np.int64)
+        self.due_s = np.full(num_slots, np.inf)  # next token's due time; inf: no request
+        self.late_us = array.array("d")  # each token's publish time - its due time
+        self.step_gaps_us = array.array("d")  # time between steps that published something
+        self._last_publish_s = 0.0
 
-    def run(self, stop: mp.Event) -> None:
+    def run(self, stop: mp.Event, stats_path: str | None = None) -> None:
         self.control.start()
         self.consumer.set_state(EngineState.SERVING)
         try:
@@ -98,41 +119,63 @@ class TrafficEngine:
         finally:
             self.control.stop()
             self.ring.close()
+            if stats_path:
+                Path(stats_path).write_text(json.dumps(self.stats()))
+
+    def stats(self) -> dict:
+        """How evenly tokens went out: lateness against their due times, gaps between publishing steps."""
+        out = {}
+        for name, values in (("engine_late_us", self.late_us), ("engine_step_gap_us", self.step_gaps_us)):
+            v = np.sort(np.frombuffer(values, dtype=np.float64)) if len(values) else np.zeros(1)
+            out.update({f"{name}_p50": v[len(v) // 2], f"{name}_p99": v[int(0.99 * (len(v) - 1))], f"{name}_max": v[-1]})
+        return out
 
     def step(self, now: float) -> None:
         """Publish every token that is due; a cancel is seen at the stream's next due time."""
         self.consumer.beat()
         for t in self.consumer.take_new():
-            self.streams[t.slot] = [t.seq, 0, t.spec.max_tokens, now]
-            heapq.heappush(self.due, (now, t.slot))
-        while self.due and self.due[0][0] <= now:
-            _, slot = heapq.heappop(self.due)
-            s = self.streams[slot]
-            if self.consumer.cancelled(slot, s[0]):
-                self._finish(slot, FinishReason.CANCELLED)
-                continue
-            if self.consumer.room(slot) > 0:
-                self.consumer.publish(slot, [token_for(time.monotonic_ns())])
-                s[1] += 1
-            if s[1] >= s[2]:
-                self._finish(slot, FinishReason.LENGTH)
-            else:
-                s[3] = max(s[3] + self.interval_s, now) if self.interval_s else now
-                heapq.heappush(self.due, (s[3], slot))
-            if not self.interval_s:
-                break  # as fast as possible: one token per stream per iteration
+            self.seq[t.slot], self.produced[t.slot], self.max_tokens[t.slot] = t.seq, 0, t.spec.max_tokens
+            g = self.ring.geometry
+            self.capacity[t.slot] = g.logprob_window if t.spec.num_logprobs is not None else g.max_output_len
+            self.due_s[t.slot] = now
+        due = np.flatnonzero(self.due_s <= now)
+        if not len(due):
+            return
+        u32, u64 = self.ring.u32, self.ring.u64
+        cancelled = u64[self.cancel_w[due]] == self.seq[due]
+        for slot in due[cancelled]:
+            self._finish(int(slot), FinishReason.CANCELLED)
+        due = due[~cancelled]
+        ok = due[self.produced[due] - u32[self.consumed_w[due]] < self.capacity[due]]  # room in the output buffer
+        now_ns = time.monotonic_ns()
+        produced = self.produced[ok]
+        self.ring.i32[self.tokens_w[ok] + produced % self.ring.geometry.max_output_len] = token_for(now_ns)
+        u64[self.first_ns_w[ok[produced == 0]]] = now_ns
+        u64[self.last_ns_w[ok]] = now_ns
+        self.produced[ok] = produced + 1
+        u32[self.produced_w[ok]] = produced + 1  # after the tokens: a reader reads `produced` first
+        u64[R.HDR_GENERATED_TOKENS // 8] += len(ok)
+        self.late_us.extend(((now - self.due_s[ok]) * 1e6).tolist())
+        if len(ok):
+            if self._last_publish_s:
+                self.step_gaps_us.append((now - self._last_publish_s) * 1e6)
+            self._last_publish_s = now
+        self.due_s[due] = np.maximum(self.due_s[due] + self.interval_s, now)
+        for slot in ok[produced + 1 >= self.max_tokens[ok]]:
+            self._finish(int(slot), FinishReason.LENGTH)
 
     def _finish(self, slot: int, reason: FinishReason) -> None:
         self.consumer.finish(slot, reason)
-        del self.streams[slot]
+        self.due_s[slot] = np.inf
 
 
 def _engine_main(ring: str, control: str, tok_s: float, stop: mp.Event, idle_s: float = 0.0,
-                 cores: set[int] | None = None) -> None:
+                 cores: set[int] | None = None, stats_path: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cores:
         os.sched_setaffinity(0, cores)
-    TrafficEngine(ring, control, tok_s, idle_s=idle_s).run(stop)
+    gc.freeze()  # what the fork inherited (torch's objects among them) stays out of every collection
+    TrafficEngine(ring, control, tok_s, idle_s=idle_s).run(stop, stats_path)
 
 
 def direct_ttft_ms(ring_name: str, samples: int) -> list[float]:
@@ -181,12 +224,13 @@ def openai_ttft_ms(url: str, key: str, samples: int) -> list[float]:
 
 
 @contextlib.contextmanager
-def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = None):
-    """A TrafficEngine process with its ring and control plane; yields (ring name, control address)."""
+def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = None, stats_path: str | None = None):
+    """A TrafficEngine process with its ring and control plane; yields (ring name, control address, pid).
+    With `stats_path`: the engine writes `TrafficEngine.stats()` there when it stops."""
     ring, control = f"blink-traffic-{os.getpid()}", f"127.0.0.1:{free_port()}"
     stop = mp.Event()
     engine = mp.get_context("fork").Process(target=_engine_main, daemon=True,
-                                            args=(ring, control, tok_s, stop, idle_s, cores))
+                                            args=(ring, control, tok_s, stop, idle_s, cores, stats_path))
     engine.start()
     try:
         deadline = time.monotonic() + 60
@@ -252,48 +296,30 @@ def ttft(args: argparse.Namespace) -> None:
           f"gateway adds {result['gateway_added_ttft_ms_median']:.3f} ms at the median")
 
 
-async def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | None = None) -> dict:
-    """`streams` concurrent streaming completions; per-token publish-to-receipt latency from the ids.
-    With `gateway_pid`: the gateway's CPU per token received after every stream started (steady state)."""
-    import re
+def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | None = None,
+                   tick_s: float = 0.0) -> dict:
+    """`streams` concurrent streaming completions (`bench/stream_client.py`); per-token publish-to-receipt
+    latency from the ids. With `gateway_pid`: the gateway's CPU per token received after every stream
+    started (steady state)."""
+    from stream_client import run_streams
 
-    import aiohttp
-
-    word = re.compile(rb"w(\d+)")
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True}
-    lags, counts, first_ns = [], [], []  # lags: (receipt ns, lag us)
     steady = {}  # the gateway's CPU seconds and the tokens received when the last stream started
-
-    async def one(session: aiohttp.ClientSession) -> None:
-        got = 0
-        async with session.post(f"{url}/completions", json=body) as resp:
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                now = time.monotonic_ns()
-                text = line.split(b'"text":"', 1)[1].split(b'"', 1)[0] if b'"text":"' in line else b""
-                for m in word.finditer(text):
-                    lags.append((now, lag_us(int(m.group(1)), now)))
-                    got += 1
-                if got and len(first_ns) < streams and got == len(word.findall(text)):
-                    first_ns.append(now)
-                    if len(first_ns) == streams and gateway_pid:
-                        steady.update(cpu_s=cpu_s(gateway_pid), tokens=len(lags))
-        counts.append(got)
-
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, headers={"Authorization": f"Bearer {key}"}) as session:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(session) for _ in range(streams)))
-        wall = time.perf_counter() - t0
-    steady_ns = max(first_ns)  # every stream has started: the ramp of request set-ups is over
-    if steady and len(lags) > steady["tokens"]:
-        steady_us = 1e6 * (cpu_s(gateway_pid) - steady["cpu_s"]) / (len(lags) - steady["tokens"])
+    mark = (lambda stats: steady.update(cpu_s=cpu_s(gateway_pid), tokens=len(stats.tokens))) if gateway_pid else None
+    gc.collect()
+    gc.freeze()  # the client's collections must not walk torch's objects (imported with the engine's code)
+    counters, stats, wall = run_streams(url, key, body, streams, tick_s, mark)
+    samples = list(zip(stats.times_ns, (lag_us(t, r) for t, r in zip(stats.tokens, stats.times_ns))))
+    steady_ns = max(stats.first_ns)  # every stream has started: the ramp of request set-ups is over
+    if steady and len(samples) > steady["tokens"]:
+        steady_us = 1e6 * (cpu_s(gateway_pid) - steady["cpu_s"]) / (len(samples) - steady["tokens"])
         steady = {"gateway_cpu_us_per_token_steady": steady_us}
-    return {"streams": streams, "max_tokens": max_tokens, "wall_s": wall, "tokens": sum(counts),
-            "complete_streams": sum(c == max_tokens for c in counts), "tok_s": sum(counts) / wall,
-            "steady_ns": steady_ns, **steady, **lag_stats("lag_us", lags, steady_ns)}
+    counts = [c.num_tokens for c in counters]
+    return {"streams": streams, "max_tokens": max_tokens, "client_tick_s": tick_s, "wall_s": wall,
+            "tokens": sum(counts), "complete_streams": sum(c.ok and c.num_tokens == max_tokens for c in counters),
+            "tok_s": sum(counts) / wall, "steady_ns": steady_ns, "ramp_s": (steady_ns - stats.t0_ns) / 1e9,
+            "samples": samples, **steady, **lag_stats("lag_us", samples, steady_ns)}
 
 
 def cpu_s(pid: int) -> float:
@@ -314,15 +340,17 @@ def lag_stats(name: str, samples: list[tuple[int, float]], steady_ns: int) -> di
     return out
 
 
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (not idle or iowait) so far (/proc/stat, all cores)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_idle_fraction(window_s: float) -> float:
-    """Share of the machine's CPU time that was idle over `window_s` (/proc/stat, all cores)."""
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return fields[3] + fields[4], sum(fields)  # idle + iowait, total
-    idle0, total0 = sample()
+    """Share of the machine's CPU time that was idle over `window_s`."""
+    busy0, t0 = _busy_cpu_s(), time.monotonic()
     time.sleep(window_s)
-    idle1, total1 = sample()
-    return (idle1 - idle0) / max(total1 - total0, 1)
+    return 1 - (_busy_cpu_s() - busy0) / ((time.monotonic() - t0) * os.cpu_count())
 
 
 def wait_for_idle(min_idle: float = 0.9, window_s: float = 2.0, timeout_s: float = 900.0) -> float:
@@ -343,34 +371,47 @@ def stream(args: argparse.Namespace) -> None:
     cores = sorted(os.sched_getaffinity(0))
     gw_cores, other = set(cores[-args.gateway_cores:]), set(cores[:-args.gateway_cores]) or set(cores)
     probe = None if args.no_probe else f"/tmp/blink-emit-lags-{os.getpid()}.json"
-    with traffic_engine(args.tok_s, idle_s=0.0005, cores=other) as (_, control, engine_pid):
+    engine_stats = Path(f"/tmp/blink-engine-stats-{os.getpid()}.json")
+    with traffic_engine(args.tok_s, idle_s=0.0005, cores=other, stats_path=str(engine_stats)) as (_, control, engine_pid):
         with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile,
                               poll_spin_s=args.poll_spin_s) as (url, gateway_pid):
             os.sched_setaffinity(0, other)
             pids = {"gateway": gateway_pid, "engine": engine_pid, "client": os.getpid()}
-            cpu0 = {name: cpu_s(pid) for name, pid in pids.items()}
-            result = asyncio.run(stream_clients(url, "traffic-key", args.streams, args.tokens, gateway_pid))
+            cpu0, busy0 = {name: cpu_s(pid) for name, pid in pids.items()}, _busy_cpu_s()
+            result = stream_clients(url, "traffic-key", args.streams, args.tokens, gateway_pid,
+                                    args.client_tick_ms / 1e3)
             result.update({f"{name}_cpu_util": (cpu_s(pid) - cpu0[name]) / result["wall_s"]
                            for name, pid in pids.items()})
+            # Cores' worth of CPU that others used meanwhile (other developers' runs share this machine).
+            ours = sum(result[f"{name}_cpu_util"] for name in pids)
+            result["foreign_cpu_util"] = (_busy_cpu_s() - busy0) / result["wall_s"] - ours
             result["gateway_cpu_us_per_token"] = 1e6 * result["gateway_cpu_util"] * result["wall_s"] / max(result["tokens"], 1)
+    result.update(json.loads(engine_stats.read_text()))
+    engine_stats.unlink()
     emit = []
     if probe:
         emit = [(t, lag_us(token, t)) for t, token in json.loads(Path(probe).read_text())]
         os.unlink(probe)
+    if args.samples_out:  # every token's (time ns, lag us), for looking at a run's course
+        np.savez_compressed(args.samples_out, emit=np.array(emit).reshape(-1, 2),
+                            client=np.array(result.pop("samples")).reshape(-1, 2))
+    result.pop("samples", None)
     result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
               "gateway_poll_spin_s": args.poll_spin_s,
               "engine_tok_s_per_stream": args.tok_s, **result, **(lag_stats("emit_lag_us", emit, result["steady_ns"]) if emit else {})}
     record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else "")
            + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}"))
     print(f"{result['streams']} streams x {result['max_tokens']} tokens at {args.tok_s:g} tok/s each: "
-          f"{result['tok_s']:.0f} tok/s delivered, {result['complete_streams']} complete; per-token "
+          f"{result['tok_s']:.0f} tok/s delivered, {result['complete_streams']} complete (all started after "
+          f"{result['ramp_s']:.2f} s); per-token "
           f"publish->client latency P50 {result['lag_us_p50'] / 1e3:.2f} ms, P99 {result['lag_us_p99'] / 1e3:.2f} ms "
           f"(steady state: {result['lag_us_steady_p50'] / 1e3:.2f}, {result['lag_us_steady_p99'] / 1e3:.2f}); "
           + (f"publish->gateway emit P50 {result['emit_lag_us_p50'] / 1e3:.3f} ms, P99 {result['emit_lag_us_p99'] / 1e3:.3f} ms "
              f"(steady state: {result['emit_lag_us_steady_p50'] / 1e3:.3f}, {result['emit_lag_us_steady_p99'] / 1e3:.3f}); "
              if emit else "") + f"CPU use: gateway {result['gateway_cpu_util']:.0%} ({result['gateway_cpu_us_per_token']:.1f} us/token, steady "
           f"{result.get('gateway_cpu_us_per_token_steady', float('nan')):.1f}), engine {result['engine_cpu_util']:.0%}, "
-          f"client {result['client_cpu_util']:.0%}")
+          f"client {result['client_cpu_util']:.0%}; others {result['foreign_cpu_util']:.0%}; engine publish lateness "
+          f"P50 {result['engine_late_us_p50'] / 1e3:.2f} ms, P99 {result['engine_late_us_p99'] / 1e3:.2f} ms")
 
 
 def main() -> None:
@@ -390,6 +431,9 @@ def main() -> None:
                     "token; by default it polls back to back while tokens flow, using its whole core)")
     st.add_argument("--idle-wait-s", type=float, default=900.0,
                     help="first wait up to this long for the cores to be 90%% idle over 2 s (0: don't)")
+    st.add_argument("--client-tick-ms", type=float, default=0.0,
+                    help="the client reads every this many ms instead of being woken by each write (0)")
+    st.add_argument("--samples-out", help="also write every token's emit and client (time, lag) here (.npz)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     (ttft if args.cmd == "ttft" else stream)(args)
