@@ -31,12 +31,20 @@ LAST_CHUNK = b"\r\n0\r\n\r\n"  # after [DONE]: the end of its chunk, then the te
 class StreamStats:
     """What every stream's reads add up to: (receipt ns, token id) per token, first-token times."""
 
-    def __init__(self, num_streams: int, on_all_started: Callable[[StreamStats], None] | None = None):
+    def __init__(self, num_streams: int, on_all_started: Callable[[StreamStats], None] | None = None,
+                 on_first_end: Callable[[StreamStats], None] | None = None):
         self.times_ns, self.tokens = array.array("q"), array.array("q")
         self.first_ns: list[int] = []
+        self.end_ns: list[int] = []  # when each stream's body was complete
         self.t0_ns = 0  # when the first stream was opened
         self.num_streams = num_streams
         self.on_all_started = on_all_started  # called once, when the last stream gets its first token
+        self.on_first_end = on_first_end  # called once, when the first stream is complete
+
+    def ended(self, now_ns: int) -> None:
+        self.end_ns.append(now_ns)
+        if len(self.end_ns) == 1 and self.on_first_end is not None:
+            self.on_first_end(self)
 
     def first_token(self, now_ns: int) -> None:
         self.first_ns.append(now_ns)
@@ -96,13 +104,14 @@ def completion_request(url: str, key: str, body: dict) -> bytes:
 
 
 def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float = 0.0,
-                on_all_started: Callable[[StreamStats], None] | None = None, connect_batch: int = 128,
+                on_all_started: Callable[[StreamStats], None] | None = None,
+                on_first_end: Callable[[StreamStats], None] | None = None, connect_batch: int = 128,
                 connect_gap_s: float = 0.005) -> tuple[list[SseCounter], StreamStats, float]:
     """All streams: `connect_batch` connections every `connect_gap_s` (a listen backlog that overflows
     costs a connection a retransmit a second later), read as they go; returns each stream's counter, the
     token samples and the wall time (s)."""
     parts = urlsplit(url)
-    request, stats = completion_request(url, key, body), StreamStats(num_streams, on_all_started)
+    request, stats = completion_request(url, key, body), StreamStats(num_streams, on_all_started, on_first_end)
     poller, open_socks, counters = select.epoll(), {}, []
     t0, t0_ns = time.perf_counter(), time.monotonic_ns()
     next_connect_s = t0
@@ -120,7 +129,9 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
         for fd, _ in poller.poll(timeout):
             sock, counter = open_socks[fd]
             data = sock.recv(65536)  # under malloc's mmap threshold
-            if not data or counter.feed(data, time.monotonic_ns()):
+            now_ns = time.monotonic_ns()
+            if not data or counter.feed(data, now_ns):
+                stats.ended(now_ns)
                 poller.unregister(fd)
                 sock.close()
                 del open_socks[fd]

@@ -111,6 +111,10 @@ class UpdateQueue:
     def qsize(self) -> int:
         return len(self._updates)
 
+    def __bool__(self) -> bool:
+        """Updates are waiting."""
+        return bool(self._updates)
+
 
 # Takes an update from the poller, in the poller (no task switch): True when it dealt with it, False when
 # the update should go into the request's queue for its reader instead. It must not raise or block.
@@ -136,6 +140,12 @@ class RequestHandle:
         """Work still ahead: the prompt until the first token arrives, then what max_tokens leaves."""
         prompt_len = len(self.spec.prompt_ids) if self.num_produced == 0 else 0
         return prompt_len + max(self.spec.max_tokens - self.num_produced, 0)
+
+    def produced(self, num_tokens: int) -> int:
+        """`num_tokens` more arrived; returns by how much `outstanding_tokens` fell."""
+        before = self.outstanding_tokens
+        self.num_produced += num_tokens
+        return before - self.outstanding_tokens
 
     async def next(self) -> TokenUpdate | None:
         """The next update; None when the reader was woken without one (`UpdateQueue.wake`)."""
@@ -353,9 +363,8 @@ class Backend:
                 continue
             num_updates += 1
             if not handle.abandoned:
-                outstanding = handle.outstanding_tokens
-                handle.num_produced += len(update.tokens)
-                self._outstanding += handle.outstanding_tokens - outstanding
+                if update.tokens:
+                    self._outstanding -= handle.produced(len(update.tokens))
                 if handle.sink is None or not handle.sink(update):
                     handle.queue.put_nowait(update)
             if update.finish != FinishReason.NONE:

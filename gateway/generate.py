@@ -143,7 +143,7 @@ class Generation:
     @property
     def in_order(self) -> bool:
         """Nothing of this request waits for its reader: an update taken now would be the next one out."""
-        return self._held is None and not self.handle.queue.qsize()
+        return self._held is None and not self.handle.queue
 
     def _within_budget(self, tokens: list[int]) -> list[int]:
         if self.budget_tokens is None:

@@ -178,6 +178,9 @@ class TokenUpdate:
 
 
 _FINISH_REASONS = {int(f): f for f in FinishReason}
+# u32 word offsets within a slot's response, for `RingProducer.poll`
+_W_FINISH, _W_PRODUCED, _W_CONSUMED = R.RESP_FINISH_REASON // 4, R.RESP_PRODUCED // 4, R.RESP_CONSUMED // 4
+_W_PROMPT_LEN, _W_ERROR_CODE, _W_TOKENS = R.RESP_PROMPT_LEN // 4, R.RESP_ERROR_CODE // 4, R.RESP_TOKENS // 4
 
 
 @dataclass
@@ -354,24 +357,32 @@ class RingProducer:
     def poll(self, slot: int) -> TokenUpdate:
         """Tokens the engine produced since the last poll; frees their room in the output buffer."""
         out = self._active[slot]
-        # Python-int reads through memoryviews: a poll per token per stream is the gateway's hot path,
-        # and a numpy scalar read costs several times a memoryview's.
+        # Python-int reads through memoryviews at precomputed word offsets: a poll per token per stream is
+        # the gateway's hot path, and a numpy scalar read costs several times a memoryview's.
         u32, w = self._u32, self._resp_w0 + slot * self._resp_words  # w: the response's first u32 word
-        if self._u64[w // 2] != out.seq:
+        if self._u64[w >> 1] != out.seq:
             return TokenUpdate()  # not taken by the engine yet
-        value = u32[w + R.RESP_FINISH_REASON // 4]  # before `produced`
-        finish = _FINISH_REASONS.get(value) or FinishReason(value)
-        produced = u32[w + R.RESP_PRODUCED // 4]
-        update = TokenUpdate(finish=finish, started=True, prompt_len=u32[w + R.RESP_PROMPT_LEN // 4])
-        if produced > out.consumed:
-            update.tokens = self._tokens(w + R.RESP_TOKENS // 4, out.consumed, produced)
+        value = u32[w + _W_FINISH]  # before `produced`
+        finish = _FINISH_REASONS.get(value)
+        if finish is None:
+            finish = FinishReason(value)  # raises for a word no FinishReason names
+        produced = u32[w + _W_PRODUCED]
+        consumed = out.consumed
+        update = TokenUpdate(finish=finish, started=True, prompt_len=u32[w + _W_PROMPT_LEN])
+        if produced > consumed:
+            cap = self.geometry.max_output_len
+            first = consumed % cap
+            if first + produced - consumed <= cap:  # no wrap: one slice
+                update.tokens = self._i32[w + _W_TOKENS + first : w + _W_TOKENS + first + produced - consumed].tolist()
+            else:
+                update.tokens = self._tokens(w + _W_TOKENS, consumed, produced)
             if out.num_logprobs is not None:
-                update.logprobs = [self._logprob(slot, i, out.num_logprobs) for i in range(out.consumed, produced)]
+                update.logprobs = [self._logprob(slot, i, out.num_logprobs) for i in range(consumed, produced)]
             out.consumed = produced
             if not self.defer_consumed:
-                u32[w + R.RESP_CONSUMED // 4] = produced
+                u32[w + _W_CONSUMED] = produced
         if finish == FinishReason.ERROR:
-            update.error_code = ErrorCode(u32[w + R.RESP_ERROR_CODE // 4])
+            update.error_code = ErrorCode(u32[w + _W_ERROR_CODE])
             update.error = update.error_code.message
         out.finished = finish != FinishReason.NONE
         return update
