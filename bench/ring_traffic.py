@@ -1,11 +1,7 @@
-"""BENCHMARK-ONLY ring traffic generator: a fake engine with no model, and the gateway's added TTFT.
+"""BENCHMARK-ONLY: the gateway in front of a fake engine (`bench/traffic_engine.py`): its added TTFT, and
+streamed tokens per second with their added latency.
 
     .venv/bin/python bench/ring_traffic.py ttft [--samples 300] [--out bench/results]
-
-`TrafficEngine` plays a backend: it creates a ring, serves the control plane (Describe/Health) with a
-WordLevel tokenizer, and answers every request with tokens at `--tok-s` per stream (the first one as
-soon as it sees the request), honouring cancels and backpressure. It never runs a model: it exists so
-that the gateway's own cost can be measured without an engine's cost on top. Never serve clients with it.
 
 `ttft`: the engine runs in its own process, spinning, so it answers a request within microseconds.
 1. direct: a RingProducer in this process submits a 1-token request and polls for the token; the median
@@ -16,25 +12,29 @@ that the gateway's own cost can be measured without an engine's cost on top. Nev
 The gateway's added TTFT = median(HTTP) - median(direct). Writes JSON (commit, machine) and prints a row.
 
     .venv/bin/python bench/ring_traffic.py stream [--streams 512] [--tokens 200] [--tok-s 50] [--no-probe]
-                                                  [--poll-spin-s 0] [--idle-wait-s 900]
+                                                  [--poll-spin-s 0] [--client-tick-ms 1] [--idle-wait-s 900]
 
 `stream`: the gateway on the last core, engine and client on the others; N concurrent streams. Per-token
 latency from the publish time each token id encodes: to the client's receipt, and (unless --no-probe) to
-the gateway's hand-off of the chunk to its socket (`bench/gateway_probe.py` wraps the gateway's stream writes);
-percentiles over all tokens and over the steady state (published after every stream started); CPU use
-per process, and the gateway's CPU per token after every stream started. The gateway spin-polls while
-tokens flow, so its CPU use is its whole core whatever its work: `--poll-spin-s 0` measures the work.
-It first waits for the cores to be idle (other developers' runs share this machine).
+the gateway's hand-off of the chunk to its socket (`bench/gateway_probe.py` wraps the gateway's stream
+writes), the gateway's added latency. Percentiles over all tokens, the steady state (published after every
+stream started) and the all-open part of it (before the first stream ended: no set-ups, no ends); CPU use
+per process, and the gateway's CPU per token in those windows. The gateway spin-polls while tokens flow,
+so its CPU use is its whole core whatever its work: `--poll-spin-s 0` measures the work.
+The client (`bench/stream_client.py`) shares a core with the engine and must not hold it up: raw sockets
+and one epoll loop that reads every byte and counts tokens per stream; by default it reads every 1 ms, so
+that the gateway's writes do not pay for waking it on loopback. The engine publishes each step's due
+tokens at once, vectorized, at SCHED_FIFO where allowed (it stands in for a GPU, which a client does not
+delay) and reports its lateness. It first waits for the cores to be idle (other developers' runs share
+this machine) and reports what others (and the hypervisor: steal) took of the cores during the run.
 """
 from __future__ import annotations
 
 import argparse
-import array
 import asyncio
 import contextlib
 import gc
 import json
-import multiprocessing as mp
 import os
 import platform
 import signal
@@ -50,152 +50,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from blink.bench.results import commit  # noqa: E402
-from gpu_backend.control_server import ControlServer, Description  # noqa: E402
-from gpu_backend.models import preset_config  # noqa: E402
-from gpu_backend.models.demo import default_cache_dir  # noqa: E402
-from gpu_backend.models.random_tokenizer import ensure_random_tokenizer  # noqa: E402
-import protocols.ring as R  # noqa: E402
-from protocols.ring import EngineState, FinishReason, RequestSpec, RingGeometry  # noqa: E402
-from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring  # noqa: E402
+from protocols.ring import FinishReason, RequestSpec  # noqa: E402
+from protocols.shm import RingProducer, attach_ring  # noqa: E402
 from tests.conftest import _wait_health, free_port  # noqa: E402
-
-MODEL_NAME = "ring-traffic"
-TOKENIZER_CFG = preset_config("smollm2-135m")  # only its vocabulary size: the tokenizer is WordLevel w0..wN
-
-
-TIME_UNIT_NS = 10_000  # streamed token ids encode their publish time in these units, modulo the vocabulary
-
-
-def token_for(now_ns: int) -> int:
-    return 1 + (now_ns // TIME_UNIT_NS) % (TOKENIZER_CFG.vocab_size - 1)
-
-
-def lag_us(token: int, recv_ns: int) -> float:
-    """Publish-to-receipt time of a token made by `token_for` (unambiguous below ~0.49 s)."""
-    span = TOKENIZER_CFG.vocab_size - 1
-    return ((recv_ns // TIME_UNIT_NS) % span - (token - 1)) % span * TIME_UNIT_NS / 1e3
-
-
-class TrafficEngine:
-    """The fake engine's loop (benchmark only): tokens at `tok_s` per stream, 0 = one per stream per step.
-    Each token id encodes its publish time (`token_for`), so a client can measure per-token latency.
-
-    Each step publishes every due token with a few vectorized reads and stores (one token id per step:
-    they share its publish time), so that publishing 25k tokens/s costs the core it shares with the client
-    little and comes out in small, even steps rather than in bursts after the client held the core."""
-
-    def __init__(self, ring_name: str, control: str, tok_s: float, num_slots: int = 1024, idle_s: float = 0.0):
-        self.ring = create_ring(ring_name, RingGeometry(num_slots, 4096, 1024), MODEL_NAME)
-        self.consumer = RingConsumer(self.ring)  # requests in, finishes, heartbeat; tokens are stored here
-        self.interval_s = 1.0 / tok_s if tok_s > 0 else 0.0
-        desc = Description(MODEL_NAME, str(ensure_random_tokenizer(TOKENIZER_CFG, default_cache_dir())),
-                           MODEL_NAME, 4096, TOKENIZER_CFG.vocab_size, (), "traffic")
-        self.control = ControlServer(control, desc, self.ring)
-        self.idle_s = idle_s  # sleep between loop iterations (0: spin)
-        g, slots = self.ring.geometry, np.arange(num_slots)
-        resp = g.responses_offset + slots * g.response_bytes  # [num_slots] byte offsets
-        req = np.array([self.ring.req(slot) for slot in range(num_slots)])
-        self.produced_w, self.consumed_w = (resp + R.RESP_PRODUCED) // 4, (resp + R.RESP_CONSUMED) // 4
-        self.tokens_w = (resp + R.RESP_TOKENS) // 4
-        self.first_ns_w, self.last_ns_w = (resp + R.RESP_FIRST_TOKEN_NS) // 8, (resp + R.RESP_LAST_TOKEN_NS) // 8
-        self.cancel_w = (req + R.REQ_CANCEL_SEQ) // 8
-        self.seq = np.zeros(num_slots, np.uint64)
-        self.produced = np.zeros(num_slots, np.int64)
-        self.max_tokens = np.zeros(num_slots, np.int64)
-        self.capacity = np.zeros(num_slots, np.int64)
-        self.due_s = np.full(num_slots, np.inf)  # next token's due time; inf: no request
-        self.late_us = array.array("d")  # each token's publish time - its due time
-        self.step_gaps_us = array.array("d")  # time between steps that published something
-        self._last_publish_s = 0.0
-        self.sched = "normal"  # the loop thread's scheduling (`_raise_priority`)
-
-    def run(self, stop: mp.Event, stats_path: str | None = None) -> None:
-        # Before the control plane's threads start, so that they have it too: one of them holding the GIL
-        # while the client has the core would hold this loop up.
-        self.sched = _raise_priority()
-        self.control.start()
-        self.consumer.set_state(EngineState.SERVING)
-        try:
-            while not stop.is_set():
-                self.step(time.monotonic())
-                if self.idle_s:
-                    time.sleep(self.idle_s)
-        finally:
-            self.control.stop()
-            self.ring.close()
-            if stats_path:
-                Path(stats_path).write_text(json.dumps(self.stats()))
-
-    def stats(self) -> dict:
-        """How evenly tokens went out: lateness against their due times, gaps between publishing steps."""
-        out = {"engine_sched": self.sched}
-        for name, values in (("engine_late_us", self.late_us), ("engine_step_gap_us", self.step_gaps_us)):
-            v = np.sort(np.frombuffer(values, dtype=np.float64)) if len(values) else np.zeros(1)
-            out.update({f"{name}_p50": v[len(v) // 2], f"{name}_p99": v[int(0.99 * (len(v) - 1))], f"{name}_max": v[-1]})
-        return out
-
-    def step(self, now: float) -> None:
-        """Publish every token that is due; a cancel is seen at the stream's next due time."""
-        self.consumer.beat()
-        for t in self.consumer.take_new():
-            self.seq[t.slot], self.produced[t.slot], self.max_tokens[t.slot] = t.seq, 0, t.spec.max_tokens
-            g = self.ring.geometry
-            self.capacity[t.slot] = g.logprob_window if t.spec.num_logprobs is not None else g.max_output_len
-            self.due_s[t.slot] = now
-        due = np.flatnonzero(self.due_s <= now)
-        if not len(due):
-            return
-        u32, u64 = self.ring.u32, self.ring.u64
-        cancelled = u64[self.cancel_w[due]] == self.seq[due]
-        for slot in due[cancelled]:
-            self._finish(int(slot), FinishReason.CANCELLED)
-        due = due[~cancelled]
-        ok = due[self.produced[due] - u32[self.consumed_w[due]] < self.capacity[due]]  # room in the output buffer
-        now_ns = time.monotonic_ns()
-        produced = self.produced[ok]
-        self.ring.i32[self.tokens_w[ok] + produced % self.ring.geometry.max_output_len] = token_for(now_ns)
-        u64[self.first_ns_w[ok[produced == 0]]] = now_ns
-        u64[self.last_ns_w[ok]] = now_ns
-        self.produced[ok] = produced + 1
-        u32[self.produced_w[ok]] = produced + 1  # after the tokens: a reader reads `produced` first
-        u64[R.HDR_GENERATED_TOKENS // 8] += len(ok)
-        self.late_us.extend(((now - self.due_s[ok]) * 1e6).tolist())
-        if len(ok):
-            if self._last_publish_s:
-                self.step_gaps_us.append((now - self._last_publish_s) * 1e6)
-            self._last_publish_s = now
-        self.due_s[due] = np.maximum(self.due_s[due] + self.interval_s, now)
-        for slot in ok[produced + 1 >= self.max_tokens[ok]]:
-            self._finish(int(slot), FinishReason.LENGTH)
-
-    def _finish(self, slot: int, reason: FinishReason) -> None:
-        self.consumer.finish(slot, reason)
-        self.due_s[slot] = np.inf
-
-
-def _raise_priority() -> str:
-    """The engine stands in for a GPU, which no client process delays: its loop thread preempts the client
-    it shares a core with (SCHED_FIFO; it sleeps between steps, so it cannot starve that core), or at
-    least outweighs it (nice -10) where real-time scheduling is not allowed. Returns what it got."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-        return "fifo"
-    except PermissionError:
-        pass
-    try:
-        os.nice(-10)
-        return "nice-10"
-    except PermissionError:
-        return "normal"
-
-
-def _engine_main(ring: str, control: str, tok_s: float, stop: mp.Event, idle_s: float = 0.0,
-                 cores: set[int] | None = None, stats_path: str | None = None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if cores:
-        os.sched_setaffinity(0, cores)
-    gc.freeze()  # what the fork inherited (torch's objects among them) stays out of every collection
-    TrafficEngine(ring, control, tok_s, idle_s=idle_s).run(stop, stats_path)
+from traffic_engine import MODEL_NAME, lag_us, traffic_engine  # noqa: E402
 
 
 def direct_ttft_ms(ring_name: str, samples: int) -> list[float]:
@@ -241,26 +99,6 @@ def openai_ttft_ms(url: str, key: str, samples: int) -> list[float]:
                 ttft = 1e3 * (time.perf_counter() - t0)
         out.append(ttft)
     return out[5:]
-
-
-@contextlib.contextmanager
-def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = None, stats_path: str | None = None):
-    """A TrafficEngine process with its ring and control plane; yields (ring name, control address, pid).
-    With `stats_path`: the engine writes `TrafficEngine.stats()` there when it stops."""
-    ring, control = f"blink-traffic-{os.getpid()}", f"127.0.0.1:{free_port()}"
-    stop = mp.Event()
-    engine = mp.get_context("fork").Process(target=_engine_main, daemon=True,
-                                            args=(ring, control, tok_s, stop, idle_s, cores, stats_path))
-    engine.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(f"/dev/shm/{ring}") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)  # the control plane starts right after the ring
-        yield ring, control, engine.pid
-    finally:
-        stop.set()
-        engine.join(timeout=10)
 
 
 @contextlib.contextmanager
@@ -489,8 +327,9 @@ def main() -> None:
                     "token; by default it polls back to back while tokens flow, using its whole core)")
     st.add_argument("--idle-wait-s", type=float, default=900.0,
                     help="first wait up to this long for the cores to be 90%% idle over 2 s (0: don't)")
-    st.add_argument("--client-tick-ms", type=float, default=0.0,
-                    help="the client reads every this many ms instead of being woken by each write (0)")
+    st.add_argument("--client-tick-ms", type=float, default=1.0,
+                    help="the client reads what arrived every this many ms (0: it is woken by each write, which "
+                         "on loopback the gateway's send pays for; a client on another host costs it nothing)")
     st.add_argument("--samples-out", help="also write every token's emit and client (time, lag) here (.npz)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()

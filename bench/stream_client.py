@@ -72,11 +72,13 @@ class SseCounter:
             self.head = head
             if not head.startswith(b"HTTP/1.1 200"):
                 return True  # an error reply: `ok` says so
-        cut = buf.rfind(b"\n\n") + 2
-        events, self.pending = buf[:cut], buf[cut:]
+        cut = buf.rfind(b"\n\n") + 2  # 1: no complete event yet
         if cut > 1:
+            events, self.pending = buf[:cut], buf[cut:]
             self._events(events, now_ns)
             self.saw_done = events.endswith(DONE)
+        else:
+            self.pending = buf
         return self.saw_done and self.pending == LAST_CHUNK
 
     def _events(self, events: bytes, now_ns: int) -> None:
