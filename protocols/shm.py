@@ -436,13 +436,13 @@ class RingProducer:
 
     def reclaim(self) -> list[int]:
         """Release adopted or abandoned slots whose finish has arrived; returns them."""
-        done = []
-        for slot, out in list(self._active.items()):
-            if not out.finished and self._finished_seq(slot) == out.seq:
-                out.finished = True
-            if out.finished and slot not in done:
-                done.append(slot)
-        return done
+        if self._active:  # one vectorized read finds the slots with a finish (a scalar read each took 10 us)
+            idx = np.fromiter(self._active, dtype=np.int64, count=len(self._active))
+            for slot in idx[self.ring.u32[self._finish_w[idx]] != FinishReason.NONE].tolist():
+                out = self._active[slot]
+                if not out.finished and self._finished_seq(slot) == out.seq:
+                    out.finished = True
+        return [slot for slot, out in self._active.items() if out.finished]
 
     def unfinished_slots(self) -> list[int]:
         """Outstanding slots whose finish has not been seen yet."""
