@@ -278,7 +278,8 @@ def stream(args: argparse.Namespace) -> None:
               "gateway_poll_spin_s": args.poll_spin_s,
               "engine_tok_s_per_stream": args.tok_s, **result, **(lag_stats("emit_lag_us", emit, result) if emit else {})}
     record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else "")
-           + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}"))
+           + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}")
+           + ("" if args.client_tick_ms else "_woken") + (f"_{args.tag}" if args.tag else ""))
     print(summary(result))
 
 
@@ -330,6 +331,7 @@ def main() -> None:
     st.add_argument("--client-tick-ms", type=float, default=1.0,
                     help="the client reads what arrived every this many ms (0: it is woken by each write, which "
                          "on loopback the gateway's send pays for; a client on another host costs it nothing)")
+    st.add_argument("--tag", help="appended to the result file's name (repeated runs)")
     st.add_argument("--samples-out", help="also write every token's emit and client (time, lag) here (.npz)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
