@@ -155,7 +155,7 @@ def ttft(args: argparse.Namespace) -> None:
 
 
 def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | None = None,
-                   tick_s: float = 0.0) -> dict:
+                   tick_s: float = 0.0, connect_batch: int = 0) -> dict:
     """`streams` concurrent streaming completions (`bench/stream_client.py`); per-token publish-to-receipt
     latency from the ids. With `gateway_pid`: the gateway's CPU per token received after every stream
     started (steady state)."""
@@ -167,9 +167,12 @@ def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pi
 
     def mark(name: str):
         return (lambda stats: marks.update({name: (cpu_s(gateway_pid), len(stats.tokens))})) if gateway_pid else None
+    warm_up = run_streams(url, key, {**body, "max_tokens": 2}, 8, tick_s)[0]  # what the gateway does once only
+    assert all(c.ok for c in warm_up), "warm-up requests failed"
     gc.collect()
     gc.freeze()  # the client's collections must not walk torch's objects (imported with the engine's code)
-    counters, stats, wall = run_streams(url, key, body, streams, tick_s, mark("started"), mark("first_end"))
+    counters, stats, wall = run_streams(url, key, body, streams, tick_s, mark("started"), mark("first_end"),
+                                        connect_batch)
     samples = list(zip(stats.times_ns, (lag_us(t, r) for t, r in zip(stats.tokens, stats.times_ns))))
     windows = {"steady_ns": max(stats.first_ns),  # every stream has started: the ramp of request set-ups is over
                "first_end_ns": min(stats.end_ns)}  # until here, every stream was open (no stream ends yet)
@@ -253,7 +256,7 @@ def stream(args: argparse.Namespace) -> None:
             pids = {"gateway": gateway_pid, "engine": engine_pid, "client": os.getpid()}
             cpu0, (busy0, steal0), overflows0 = {name: cpu_s(pid) for name, pid in pids.items()}, _cpu_s(), listen_overflows()
             result = stream_clients(url, "traffic-key", args.streams, args.tokens, gateway_pid,
-                                    args.client_tick_ms / 1e3)
+                                    args.client_tick_ms / 1e3, args.connect_batch)
             result.update({f"{name}_cpu_util": (cpu_s(pid) - cpu0[name]) / result["wall_s"]
                            for name, pid in pids.items()})
             # Cores' worth of CPU that others used meanwhile: other processes (other developers' runs share
@@ -331,6 +334,8 @@ def main() -> None:
     st.add_argument("--client-tick-ms", type=float, default=1.0,
                     help="the client reads what arrived every this many ms (0: it is woken by each write, which "
                          "on loopback the gateway's send pays for; a client on another host costs it nothing)")
+    st.add_argument("--connect-batch", type=int, default=0,
+                    help="open this many connections every 5 ms (0: all at once)")
     st.add_argument("--tag", help="appended to the result file's name (repeated runs)")
     st.add_argument("--samples-out", help="also write every token's emit and client (time, lag) here (.npz)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))

@@ -107,12 +107,14 @@ def completion_request(url: str, key: str, body: dict) -> bytes:
 
 def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float = 0.0,
                 on_all_started: Callable[[StreamStats], None] | None = None,
-                on_first_end: Callable[[StreamStats], None] | None = None, connect_batch: int = 128,
+                on_first_end: Callable[[StreamStats], None] | None = None, connect_batch: int = 0,
                 connect_gap_s: float = 0.005) -> tuple[list[SseCounter], StreamStats, float]:
-    """All streams: `connect_batch` connections every `connect_gap_s` (a listen backlog that overflows
-    costs a connection a retransmit a second later), read as they go; returns each stream's counter, the
-    token samples and the wall time (s)."""
-    parts = urlsplit(url)
+    """All streams, `connect_batch` connections every `connect_gap_s` (0: all at once), read as they go;
+    returns each stream's counter, the token samples and the wall time (s). Connections are opened without
+    blocking: one whose SYN a full listen backlog dropped (`listen_overflows` in the results counts them;
+    it waits a second or more for the retransmit) holds up no other stream."""
+    connect_batch = connect_batch or num_streams
+    addr = (urlsplit(url).hostname, urlsplit(url).port)
     request, stats = completion_request(url, key, body), StreamStats(num_streams, on_all_started, on_first_end)
     poller, open_socks, counters = select.epoll(), {}, []
     t0, t0_ns = time.perf_counter(), time.monotonic_ns()
@@ -121,15 +123,19 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
         connecting = len(counters) < num_streams
         if connecting and time.perf_counter() >= next_connect_s:
             for _ in range(min(connect_batch, num_streams - len(counters))):
-                counters.append(_connect(parts, request, SseCounter(stats), poller, open_socks))
+                counters.append(_connect(addr, SseCounter(stats), poller, open_socks))
             next_connect_s += connect_gap_s
         if tick_s:
             time.sleep(tick_s)
             timeout = 0
         else:
             timeout = max(0.0, next_connect_s - time.perf_counter()) if connecting else -1
-        for fd, _ in poller.poll(timeout):
+        for fd, events in poller.poll(timeout):
             sock, counter = open_socks[fd]
+            if events & select.EPOLLOUT:  # connected: the request fits the empty send buffer
+                sock.send(request)
+                poller.modify(fd, select.EPOLLIN)
+                continue
             data = sock.recv(65536)  # under malloc's mmap threshold
             now_ns = time.monotonic_ns()
             if not data or counter.feed(data, now_ns):
@@ -142,10 +148,10 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
     return counters, stats, time.perf_counter() - t0
 
 
-def _connect(parts, request: bytes, counter: SseCounter, poller: select.epoll, open_socks: dict) -> SseCounter:
-    sock = socket.create_connection((parts.hostname, parts.port))
-    sock.sendall(request)
+def _connect(addr: tuple[str, int], counter: SseCounter, poller: select.epoll, open_socks: dict) -> SseCounter:
+    sock = socket.socket()
     sock.setblocking(False)
+    sock.connect_ex(addr)  # EINPROGRESS: writable once connected
     open_socks[sock.fileno()] = (sock, counter)
-    poller.register(sock.fileno(), select.EPOLLIN)
+    poller.register(sock.fileno(), select.EPOLLOUT)
     return counter

@@ -2,11 +2,12 @@
 
 The poller is the only code that touches a ring's response side. While requests are in flight it
 finds the slots with news (`ready_slots`: one vectorized read of every slot's counters), polls those,
-and hands each `TokenUpdate` to that request's `sink` if it has one (a streamed response writes it to its
-client right there), else (or when the sink declines) pushes it into the request's `UpdateQueue`; it polls again right after the
-readers ran while news keeps coming (up to `poll_spin_s` after the last), else every `poll_active_s`;
-with no request in flight it waits for a submission. It releases a slot once the engine has reported a finish, also
-for requests whose client went away (those are cancelled first, then drained).
+and hands each `TokenUpdate` to that request's `sink` if it has one (a streamed response writes it to
+its client right there, `gateway/sse.py`), else (or when the sink declines) pushes it into the request's
+`UpdateQueue`; it polls again right after the readers ran while news keeps coming (up to `poll_spin_s`
+after the last), else every `poll_active_s`; with no request in flight it waits for a submission. It
+releases a slot once the engine has reported a finish, also for requests whose client went away (those
+are cancelled first, then drained).
 """
 
 from __future__ import annotations

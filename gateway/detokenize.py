@@ -84,11 +84,11 @@ class TokenPieces:
     Special tokens add nothing, as with `decode(ids, skip_special_tokens=True)`.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, texts: TokenTexts | None = None):
         self._tokenizer = tokenizer
         self.byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
-        self._texts = TokenTexts(tokenizer) if self.byte_level else None
+        self._texts = (texts or TokenTexts(tokenizer)) if self.byte_level else None  # the tokenizer's, shared
         self._pieces: dict[int, bytes | str] = {}  # id -> its piece after another token
         self._firsts: dict[int, str] = {}  # id -> its piece at the start of a text (WordPiece)
         # WordPiece: a piece is what a token adds after some other token, any one (here the first not special).
@@ -96,8 +96,11 @@ class TokenPieces:
             next(i for i in range(tokenizer.get_vocab_size()) if i not in self.special_ids)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer) -> TokenPieces | None:
-        return cls(tokenizer) if isinstance(tokenizer.decoder, (decoders.ByteLevel, decoders.WordPiece)) else None
+    def for_tokenizer(cls, tokenizer: Tokenizer, texts: TokenTexts | None = None) -> TokenPieces | None:
+        """`texts`: the tokenizer's `TokenTexts`, whose byte cache this shares."""
+        if isinstance(tokenizer.decoder, (decoders.ByteLevel, decoders.WordPiece)):
+            return cls(tokenizer, texts)
+        return None
 
     def piece(self, token_id: int) -> bytes | str:
         """After another (non-special) token: bytes (ByteLevel) or text (WordPiece); empty for a special token."""
