@@ -360,7 +360,7 @@ class Backend:
         for slot in self._producer.ready_slots(self._slot_list):
             handle = self._requests[slot]
             update = self._producer.poll(slot)
-            if not update.tokens and update.finish == FinishReason.NONE:
+            if not update.tokens and not update.finish:  # FinishReason.NONE is 0
                 continue
             num_updates += 1
             if not handle.abandoned:
@@ -368,7 +368,7 @@ class Backend:
                     self._outstanding -= handle.produced(len(update.tokens))
                 if handle.sink is None or not handle.sink(update):
                     handle.queue.put_nowait(update)
-            if update.finish != FinishReason.NONE:
+            if update.finish:
                 del self._requests[slot]
                 self._slot_list = None
                 self._outstanding -= handle.outstanding_tokens

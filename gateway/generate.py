@@ -117,9 +117,9 @@ class Generation:
         self._lps += update.logprobs[:num_used]
         if self.stream.stopped:
             return self._finish(text, "stop")
-        if len(tokens) < len(update.tokens) or (update.finish == FinishReason.NONE and self._budget_spent):
+        if len(tokens) < len(update.tokens) or (not update.finish and self._budget_spent):
             return self._finish(text + self.stream.finish(), "length")
-        if update.finish == FinishReason.NONE:
+        if not update.finish:  # FinishReason.NONE is 0
             return self._piece(text) if text else None
         if update.finish not in _FINISH_NAMES:
             if self._may_fail_over(update):

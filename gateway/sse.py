@@ -23,7 +23,6 @@ from collections.abc import Callable
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
-from protocols.ring import FinishReason
 from protocols.shm import TokenUpdate
 
 from .choices import Choices
@@ -110,7 +109,7 @@ class SseBody:
     def _sink(self, index: int, gen: Generation) -> Callable[[TokenUpdate], bool]:
         def sink(update: TokenUpdate) -> bool:
             """Runs in the poller: True once the update's events (if any) are written, False to queue it."""
-            if update.finish != FinishReason.NONE or not self._writable(gen):
+            if update.finish or not self._writable(gen):  # a finish (FinishReason.NONE is 0) is the task's
                 return False
             try:
                 piece = gen.take(update)

@@ -170,7 +170,7 @@ class TokenUpdate:
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the request asked
-    finish: FinishReason = FinishReason.NONE
+    finish: FinishReason = FinishReason.NONE  # 0 (false) while the request runs
     error: str = ""
     error_code: ErrorCode = ErrorCode.NONE
     prompt_len: int = 0
@@ -381,10 +381,13 @@ class RingProducer:
             out.consumed = produced
             if not self.defer_consumed:
                 u32[w + _W_CONSUMED] = produced
-        if finish == FinishReason.ERROR:
-            update.error_code = ErrorCode(u32[w + _W_ERROR_CODE])
-            update.error = update.error_code.message
-        out.finished = finish != FinishReason.NONE
+        if finish:  # FinishReason.NONE is 0
+            out.finished = True
+            if finish == FinishReason.ERROR:
+                update.error_code = ErrorCode(u32[w + _W_ERROR_CODE])
+                update.error = update.error_code.message
+        else:
+            out.finished = False
         return update
 
     def _tokens(self, t0: int, start: int, stop: int) -> list[int]:
