@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -249,41 +250,45 @@ def stream(args: argparse.Namespace) -> None:
     gw_cores, other = set(cores[-args.gateway_cores:]), set(cores[:-args.gateway_cores]) or set(cores)
     probe = None if args.no_probe else f"/tmp/blink-emit-lags-{os.getpid()}.json"
     engine_stats = Path(f"/tmp/blink-engine-stats-{os.getpid()}.json")
-    with traffic_engine(args.tok_s, idle_s=0.0005, cores=other, stats_path=str(engine_stats)) as (_, control, engine_pid):
+    with traffic_engine(args.tok_s, idle_s=0.0005, cores=other, stats_path=str(engine_stats)) as (_, control, engine):
         with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile,
-                              poll_spin_s=args.poll_spin_s) as (url, gateway_pid):
+                              poll_spin_s=args.poll_spin_s) as (url, gateway):
             os.sched_setaffinity(0, other)
-            pids = {"gateway": gateway_pid, "engine": engine_pid, "client": os.getpid()}
-            cpu0, (busy0, steal0), overflows0 = {name: cpu_s(pid) for name, pid in pids.items()}, _cpu_s(), listen_overflows()
-            result = stream_clients(url, "traffic-key", args.streams, args.tokens, gateway_pid,
-                                    args.client_tick_ms / 1e3, args.connect_batch)
-            result.update({f"{name}_cpu_util": (cpu_s(pid) - cpu0[name]) / result["wall_s"]
-                           for name, pid in pids.items()})
-            # Cores' worth of CPU that others used meanwhile: other processes (other developers' runs share
-            # this machine) and interrupts, and what the hypervisor did not give this VM (steal).
-            busy1, steal1 = _cpu_s()
-            ours = sum(result[f"{name}_cpu_util"] for name in pids)
-            result["foreign_cpu_util"] = (busy1 - busy0) / result["wall_s"] - ours
-            result["steal_cpu_util"] = (steal1 - steal0) / result["wall_s"]
-            result["listen_overflows"] = listen_overflows() - overflows0
-            result["gateway_cpu_us_per_token"] = 1e6 * result["gateway_cpu_util"] * result["wall_s"] / max(result["tokens"], 1)
+            result = with_cpu_use({"gateway": gateway, "engine": engine, "client": os.getpid()}, lambda: stream_clients(
+                url, "traffic-key", args.streams, args.tokens, gateway, args.client_tick_ms / 1e3, args.connect_batch))
     result.update(json.loads(engine_stats.read_text()))
     engine_stats.unlink()
     emit = []
     if probe:
         emit = [(t, lag_us(token, t)) for t, token in json.loads(Path(probe).read_text())]
         os.unlink(probe)
+    samples = result.pop("samples")
     if args.samples_out:  # every token's (time ns, lag us), for looking at a run's course
-        np.savez_compressed(args.samples_out, emit=np.array(emit).reshape(-1, 2),
-                            client=np.array(result.pop("samples")).reshape(-1, 2))
-    result.pop("samples", None)
+        np.savez_compressed(args.samples_out, emit=np.array(emit).reshape(-1, 2), client=np.array(samples).reshape(-1, 2))
     result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
-              "gateway_poll_spin_s": args.poll_spin_s,
-              "engine_tok_s_per_stream": args.tok_s, **result, **(lag_stats("emit_lag_us", emit, result) if emit else {})}
+              "gateway_poll_spin_s": args.poll_spin_s, "engine_tok_s_per_stream": args.tok_s, **result,
+              **(lag_stats("emit_lag_us", emit, result) if emit else {})}
     record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else "")
            + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}")
            + ("" if args.client_tick_ms else "_woken") + (f"_{args.tag}" if args.tag else ""))
     print(summary(result))
+
+
+def with_cpu_use(pids: dict[str, int], run: Callable[[], dict]) -> dict:
+    """`run()`'s result with each process's CPU use over its `wall_s` (cores), the gateway's CPU per token,
+    the machine's other CPU use and steal, and the connections listen backlogs dropped meanwhile."""
+    cpu0, (busy0, steal0), overflows0 = {name: cpu_s(pid) for name, pid in pids.items()}, _cpu_s(), listen_overflows()
+    result = run()
+    wall_s = result["wall_s"]
+    result.update({f"{name}_cpu_util": (cpu_s(pid) - cpu0[name]) / wall_s for name, pid in pids.items()})
+    # Cores' worth of CPU that others used meanwhile: other processes (other developers' runs share this
+    # machine) and interrupts, and what the hypervisor did not give this VM (steal).
+    busy1, steal1 = _cpu_s()
+    result["foreign_cpu_util"] = (busy1 - busy0) / wall_s - sum(result[f"{name}_cpu_util"] for name in pids)
+    result["steal_cpu_util"] = (steal1 - steal0) / wall_s
+    result["listen_overflows"] = listen_overflows() - overflows0
+    result["gateway_cpu_us_per_token"] = 1e6 * result["gateway_cpu_util"] * wall_s / max(result["tokens"], 1)
+    return result
 
 
 def summary(r: dict) -> str:
