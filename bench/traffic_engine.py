@@ -75,8 +75,6 @@ class TrafficEngine:
         self.capacity = np.zeros(num_slots, np.int64)
         self.due_s = np.full(num_slots, np.inf)  # next token's due time; inf: no request
         self.late_us = array.array("d")  # each token's publish time - its due time
-        self.step_gaps_us = array.array("d")  # time between steps that published something
-        self._last_publish_s = 0.0
         self.sched = "normal"  # the loop thread's scheduling (`_raise_priority`)
 
     def run(self, stop: mp.Event, stats_path: str | None = None) -> None:
@@ -97,12 +95,10 @@ class TrafficEngine:
                 Path(stats_path).write_text(json.dumps(self.stats()))
 
     def stats(self) -> dict:
-        """How evenly tokens went out: lateness against their due times, gaps between publishing steps."""
-        out = {"engine_sched": self.sched}
-        for name, values in (("engine_late_us", self.late_us), ("engine_step_gap_us", self.step_gaps_us)):
-            v = np.sort(np.frombuffer(values, dtype=np.float64)) if len(values) else np.zeros(1)
-            out.update({f"{name}_p50": v[len(v) // 2], f"{name}_p99": v[int(0.99 * (len(v) - 1))], f"{name}_max": v[-1]})
-        return out
+        """How evenly tokens went out: their lateness against their due times (us), and the loop's scheduling."""
+        v = np.sort(np.frombuffer(self.late_us, dtype=np.float64)) if len(self.late_us) else np.zeros(1)
+        return {"engine_sched": self.sched, "engine_late_us_p50": v[len(v) // 2],
+                "engine_late_us_p99": v[int(0.99 * (len(v) - 1))], "engine_late_us_max": v[-1]}
 
     def step(self, now: float) -> None:
         """Publish every token that is due; a cancel is seen at the stream's next due time."""
@@ -130,10 +126,6 @@ class TrafficEngine:
         u32[self.produced_w[ok]] = produced + 1  # after the tokens: a reader reads `produced` first
         u64[R.HDR_GENERATED_TOKENS // 8] += len(ok)
         self.late_us.extend(((now - self.due_s[ok]) * 1e6).tolist())
-        if len(ok):
-            if self._last_publish_s:
-                self.step_gaps_us.append((now - self._last_publish_s) * 1e6)
-            self._last_publish_s = now
         self.due_s[due] = np.maximum(self.due_s[due] + self.interval_s, now)
         for slot in ok[produced + 1 >= self.max_tokens[ok]]:
             self._finish(int(slot), FinishReason.LENGTH)
