@@ -2,9 +2,10 @@
 
     python bench/gateway_probe.py PROBE_JSON PROFILE_FILE GATEWAY_ARGS...
 
-Every byte of a streamed body goes through `gateway.http._write`; the probe records when each write is
-handed to the transport and, at exit, the token ids (`w123` words of the ring-traffic vocabulary) in the
-chunk texts of that write: [[monotonic ns, token id], ...] in PROBE_JSON (empty: no probe). PROFILE_FILE
+Every byte of a streamed body goes through `gateway.sse._write` (in the poller or the stream's task) or
+`_write_end` (`gateway.http._write` before those); the probe records when each write is handed to the
+transport and, at exit, the token ids (`w123` words of the ring-traffic vocabulary) in the chunk texts of
+that write: [[monotonic ns, token id], ...] in PROBE_JSON (empty: no probe). PROFILE_FILE
 (empty: none) gets a cProfile dump. Kept apart from ring_traffic.py so that the gateway process imports
 what a gateway imports and nothing more (torch's objects would make every full GC pass slower).
 """
@@ -29,19 +30,22 @@ WORD = re.compile(rb"w(\d+)")
 
 def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
     # Kept cheap (well under 1 us a write, no object the GC tracks): times and bytes now, ids parsed at exit.
-    times_ns, writes, write = array.array("q"), [], getattr(http, "_write", None)
+    times_ns, writes = array.array("q"), []
 
-    async def probed_write(resp, data: bytes, eof: bool = False) -> None:
+    def probed_write(body, data: bytes) -> None:  # gateway.sse: every write before a stream's end
         times_ns.append(time.monotonic_ns())
         writes.append(data)
-        await write(resp, data, eof)
+        write(body, data)
 
-    async def probed_send(resp, chunk) -> None:  # gateways from before `_write` (before/after runs)
-        choices = getattr(chunk, "choices", None)
-        if choices and getattr(choices[0], "text", None):
-            times_ns.append(time.monotonic_ns())
-            writes.append(b'"text":"%s"' % choices[0].text.encode())
-        await send(resp, chunk)
+    async def probed_write_end(body, data: bytes) -> None:  # gateway.sse: a stream's last write
+        times_ns.append(time.monotonic_ns())
+        writes.append(data)
+        await write_end(body, data)
+
+    async def probed_http_write(resp, data: bytes, eof: bool = False) -> None:  # gateways before gateway.sse
+        times_ns.append(time.monotonic_ns())
+        writes.append(data)
+        await http_write(resp, data, eof)
 
     gc_ns, gc_start = [0, 0, 0], [0]  # time in collections of each generation
 
@@ -52,10 +56,13 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
             gc_ns[info["generation"]] += time.perf_counter_ns() - gc_start[0]
     gc.callbacks.append(gc_timer)
 
-    if probe and write is not None:
-        http._write = probed_write
-    elif probe:
-        send, http._send = http._send, probed_send
+    if probe:
+        try:
+            import gateway.sse as sse
+        except ImportError:
+            http_write, http._write = http._write, probed_http_write
+        else:
+            (write, sse._write), (write_end, sse._write_end) = (sse._write, probed_write), (sse._write_end, probed_write_end)
     profiler = None
     if profile:
         import cProfile

@@ -1,11 +1,7 @@
-"""BENCHMARK-ONLY ring traffic generator: a fake engine with no model, and the gateway's added TTFT.
+"""BENCHMARK-ONLY: the gateway in front of a fake engine (`bench/traffic_engine.py`): its added TTFT, and
+streamed tokens per second with their added latency.
 
     .venv/bin/python bench/ring_traffic.py ttft [--samples 300] [--out bench/results]
-
-`TrafficEngine` plays a backend: it creates a ring, serves the control plane (Describe/Health) with a
-WordLevel tokenizer, and answers every request with tokens at `--tok-s` per stream (the first one as
-soon as it sees the request), honouring cancels and backpressure. It never runs a model: it exists so
-that the gateway's own cost can be measured without an engine's cost on top. Never serve clients with it.
 
 `ttft`: the engine runs in its own process, spinning, so it answers a request within microseconds.
 1. direct: a RingProducer in this process submits a 1-token request and polls for the token; the median
@@ -16,24 +12,29 @@ that the gateway's own cost can be measured without an engine's cost on top. Nev
 The gateway's added TTFT = median(HTTP) - median(direct). Writes JSON (commit, machine) and prints a row.
 
     .venv/bin/python bench/ring_traffic.py stream [--streams 512] [--tokens 200] [--tok-s 50] [--no-probe]
-                                                  [--poll-spin-s 0] [--idle-wait-s 900]
+                                                  [--poll-spin-s 0] [--client-tick-ms 1] [--idle-wait-s 900]
 
 `stream`: the gateway on the last core, engine and client on the others; N concurrent streams. Per-token
 latency from the publish time each token id encodes: to the client's receipt, and (unless --no-probe) to
-the gateway's hand-off of the chunk to its socket (`bench/gateway_probe.py` wraps the gateway's stream writes);
-percentiles over all tokens and over the steady state (published after every stream started); CPU use
-per process, and the gateway's CPU per token after every stream started. The gateway spin-polls while
-tokens flow, so its CPU use is its whole core whatever its work: `--poll-spin-s 0` measures the work.
-It first waits for the cores to be idle (other developers' runs share this machine).
+the gateway's hand-off of the chunk to its socket (`bench/gateway_probe.py` wraps the gateway's stream
+writes), the gateway's added latency. Percentiles over all tokens, the steady state (published after every
+stream started) and the all-open part of it (before the first stream ended: no set-ups, no ends); CPU use
+per process, and the gateway's CPU per token in those windows. The gateway spin-polls while tokens flow,
+so its CPU use is its whole core whatever its work: `--poll-spin-s 0` measures the work.
+The client (`bench/stream_client.py`) shares a core with the engine and must not hold it up: raw sockets
+and one epoll loop that reads every byte and counts tokens per stream; by default it reads every 1 ms, so
+that the gateway's writes do not pay for waking it on loopback. The engine publishes each step's due
+tokens at once, vectorized, at SCHED_FIFO where allowed (it stands in for a GPU, which a client does not
+delay) and reports its lateness. It first waits for the cores to be idle (other developers' runs share
+this machine) and reports what others (and the hypervisor: steal) took of the cores during the run.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import heapq
+import gc
 import json
-import multiprocessing as mp
 import os
 import platform
 import signal
@@ -41,98 +42,19 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from blink.bench.results import commit  # noqa: E402
-from gpu_backend.control_server import ControlServer, Description  # noqa: E402
-from gpu_backend.models import preset_config  # noqa: E402
-from gpu_backend.models.demo import default_cache_dir  # noqa: E402
-from gpu_backend.models.random_tokenizer import ensure_random_tokenizer  # noqa: E402
-from protocols.ring import EngineState, FinishReason, RequestSpec, RingGeometry  # noqa: E402
-from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring  # noqa: E402
+from protocols.ring import FinishReason, RequestSpec  # noqa: E402
+from protocols.shm import RingProducer, attach_ring  # noqa: E402
 from tests.conftest import _wait_health, free_port  # noqa: E402
-
-MODEL_NAME = "ring-traffic"
-TOKENIZER_CFG = preset_config("smollm2-135m")  # only its vocabulary size: the tokenizer is WordLevel w0..wN
-
-
-TIME_UNIT_NS = 10_000  # streamed token ids encode their publish time in these units, modulo the vocabulary
-
-
-def token_for(now_ns: int) -> int:
-    return 1 + (now_ns // TIME_UNIT_NS) % (TOKENIZER_CFG.vocab_size - 1)
-
-
-def lag_us(token: int, recv_ns: int) -> float:
-    """Publish-to-receipt time of a token made by `token_for` (unambiguous below ~0.49 s)."""
-    span = TOKENIZER_CFG.vocab_size - 1
-    return ((recv_ns // TIME_UNIT_NS) % span - (token - 1)) % span * TIME_UNIT_NS / 1e3
-
-
-class TrafficEngine:
-    """The fake engine's loop (benchmark only): tokens at `tok_s` per stream, 0 = as fast as possible.
-    Each token id encodes its publish time (`token_for`), so a client can measure per-token latency."""
-
-    def __init__(self, ring_name: str, control: str, tok_s: float, num_slots: int = 1024, idle_s: float = 0.0):
-        self.ring = create_ring(ring_name, RingGeometry(num_slots, 4096, 1024), MODEL_NAME)
-        self.consumer = RingConsumer(self.ring)
-        self.interval_s = 1.0 / tok_s if tok_s > 0 else 0.0
-        desc = Description(MODEL_NAME, str(ensure_random_tokenizer(TOKENIZER_CFG, default_cache_dir())),
-                           MODEL_NAME, 4096, TOKENIZER_CFG.vocab_size, (), "traffic")
-        self.control = ControlServer(control, desc, self.ring)
-        self.streams: dict[int, list] = {}  # slot -> [seq, produced, max_tokens, next_due_s]
-        self.idle_s = idle_s  # sleep between loop iterations (0: spin)
-        self.due: list[tuple[float, int]] = []  # (due time, slot) heap
-
-    def run(self, stop: mp.Event) -> None:
-        self.control.start()
-        self.consumer.set_state(EngineState.SERVING)
-        try:
-            while not stop.is_set():
-                self.step(time.monotonic())
-                if self.idle_s:
-                    time.sleep(self.idle_s)
-        finally:
-            self.control.stop()
-            self.ring.close()
-
-    def step(self, now: float) -> None:
-        """Publish every token that is due; a cancel is seen at the stream's next due time."""
-        self.consumer.beat()
-        for t in self.consumer.take_new():
-            self.streams[t.slot] = [t.seq, 0, t.spec.max_tokens, now]
-            heapq.heappush(self.due, (now, t.slot))
-        while self.due and self.due[0][0] <= now:
-            _, slot = heapq.heappop(self.due)
-            s = self.streams[slot]
-            if self.consumer.cancelled(slot, s[0]):
-                self._finish(slot, FinishReason.CANCELLED)
-                continue
-            if self.consumer.room(slot) > 0:
-                self.consumer.publish(slot, [token_for(time.monotonic_ns())])
-                s[1] += 1
-            if s[1] >= s[2]:
-                self._finish(slot, FinishReason.LENGTH)
-            else:
-                s[3] = max(s[3] + self.interval_s, now) if self.interval_s else now
-                heapq.heappush(self.due, (s[3], slot))
-            if not self.interval_s:
-                break  # as fast as possible: one token per stream per iteration
-
-    def _finish(self, slot: int, reason: FinishReason) -> None:
-        self.consumer.finish(slot, reason)
-        del self.streams[slot]
-
-
-def _engine_main(ring: str, control: str, tok_s: float, stop: mp.Event, idle_s: float = 0.0,
-                 cores: set[int] | None = None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if cores:
-        os.sched_setaffinity(0, cores)
-    TrafficEngine(ring, control, tok_s, idle_s=idle_s).run(stop)
+from traffic_engine import MODEL_NAME, lag_us, traffic_engine  # noqa: E402
 
 
 def direct_ttft_ms(ring_name: str, samples: int) -> list[float]:
@@ -178,25 +100,6 @@ def openai_ttft_ms(url: str, key: str, samples: int) -> list[float]:
                 ttft = 1e3 * (time.perf_counter() - t0)
         out.append(ttft)
     return out[5:]
-
-
-@contextlib.contextmanager
-def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = None):
-    """A TrafficEngine process with its ring and control plane; yields (ring name, control address)."""
-    ring, control = f"blink-traffic-{os.getpid()}", f"127.0.0.1:{free_port()}"
-    stop = mp.Event()
-    engine = mp.get_context("fork").Process(target=_engine_main, daemon=True,
-                                            args=(ring, control, tok_s, stop, idle_s, cores))
-    engine.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(f"/dev/shm/{ring}") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)  # the control plane starts right after the ring
-        yield ring, control, engine.pid
-    finally:
-        stop.set()
-        engine.join(timeout=10)
 
 
 @contextlib.contextmanager
@@ -252,48 +155,41 @@ def ttft(args: argparse.Namespace) -> None:
           f"gateway adds {result['gateway_added_ttft_ms_median']:.3f} ms at the median")
 
 
-async def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | None = None) -> dict:
-    """`streams` concurrent streaming completions; per-token publish-to-receipt latency from the ids.
-    With `gateway_pid`: the gateway's CPU per token received after every stream started (steady state)."""
-    import re
+def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | None = None,
+                   tick_s: float = 0.0, connect_batch: int = 0) -> dict:
+    """`streams` concurrent streaming completions (`bench/stream_client.py`); per-token publish-to-receipt
+    latency from the ids. With `gateway_pid`: the gateway's CPU per token received after every stream
+    started (steady state)."""
+    from stream_client import run_streams
 
-    import aiohttp
-
-    word = re.compile(rb"w(\d+)")
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True}
-    lags, counts, first_ns = [], [], []  # lags: (receipt ns, lag us)
-    steady = {}  # the gateway's CPU seconds and the tokens received when the last stream started
+    marks = {}  # the gateway's CPU seconds and the tokens received when the last stream started, the first ended
 
-    async def one(session: aiohttp.ClientSession) -> None:
-        got = 0
-        async with session.post(f"{url}/completions", json=body) as resp:
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                now = time.monotonic_ns()
-                text = line.split(b'"text":"', 1)[1].split(b'"', 1)[0] if b'"text":"' in line else b""
-                for m in word.finditer(text):
-                    lags.append((now, lag_us(int(m.group(1)), now)))
-                    got += 1
-                if got and len(first_ns) < streams and got == len(word.findall(text)):
-                    first_ns.append(now)
-                    if len(first_ns) == streams and gateway_pid:
-                        steady.update(cpu_s=cpu_s(gateway_pid), tokens=len(lags))
-        counts.append(got)
-
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, headers={"Authorization": f"Bearer {key}"}) as session:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(session) for _ in range(streams)))
-        wall = time.perf_counter() - t0
-    steady_ns = max(first_ns)  # every stream has started: the ramp of request set-ups is over
-    if steady and len(lags) > steady["tokens"]:
-        steady_us = 1e6 * (cpu_s(gateway_pid) - steady["cpu_s"]) / (len(lags) - steady["tokens"])
-        steady = {"gateway_cpu_us_per_token_steady": steady_us}
-    return {"streams": streams, "max_tokens": max_tokens, "wall_s": wall, "tokens": sum(counts),
-            "complete_streams": sum(c == max_tokens for c in counts), "tok_s": sum(counts) / wall,
-            "steady_ns": steady_ns, **steady, **lag_stats("lag_us", lags, steady_ns)}
+    def mark(name: str):
+        return (lambda stats: marks.update({name: (cpu_s(gateway_pid), len(stats.tokens))})) if gateway_pid else None
+    warm_up = run_streams(url, key, {**body, "max_tokens": 2}, 8, tick_s)[0]  # what the gateway does once only
+    assert all(c.ok for c in warm_up), "warm-up requests failed"
+    gc.collect()
+    gc.freeze()  # the client's collections must not walk torch's objects (imported with the engine's code)
+    counters, stats, wall = run_streams(url, key, body, streams, tick_s, mark("started"), mark("first_end"),
+                                        connect_batch)
+    samples = list(zip(stats.times_ns, (lag_us(t, r) for t, r in zip(stats.tokens, stats.times_ns))))
+    windows = {"steady_ns": max(stats.first_ns),  # every stream has started: the ramp of request set-ups is over
+               "first_end_ns": min(stats.end_ns)}  # until here, every stream was open (no stream ends yet)
+    cpu = {}
+    if gateway_pid and "started" in marks:
+        end = marks.get("first_end", (cpu_s(gateway_pid), len(samples)))
+        for name, (cpu1, tokens1) in (("steady", (cpu_s(gateway_pid), len(samples))), ("all_open", end)):
+            cpu0, tokens0 = marks["started"]
+            if tokens1 > tokens0:
+                cpu[f"gateway_cpu_us_per_token_{name}"] = 1e6 * (cpu1 - cpu0) / (tokens1 - tokens0)
+    counts = [c.num_tokens for c in counters]
+    return {"streams": streams, "max_tokens": max_tokens, "client_tick_s": tick_s, "wall_s": wall,
+            "tokens": sum(counts), "complete_streams": sum(c.ok and c.num_tokens == max_tokens for c in counters),
+            "tok_s": sum(counts) / wall, **windows, "ramp_s": (windows["steady_ns"] - stats.t0_ns) / 1e9,
+            "all_open_s": (windows["first_end_ns"] - windows["steady_ns"]) / 1e9,
+            "samples": samples, **cpu, **lag_stats("lag_us", samples, windows)}
 
 
 def cpu_s(pid: int) -> float:
@@ -302,27 +198,37 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def lag_stats(name: str, samples: list[tuple[int, float]], steady_ns: int) -> dict:
-    """Percentiles of (receipt ns, lag us) samples: all of them, and those published in the steady state."""
+def lag_stats(name: str, samples: list[tuple[int, float]], windows: dict) -> dict:
+    """Percentiles of (receipt ns, lag us) samples by publish time: all of them; `_steady`: published after
+    every stream started; `_all_open`: and before the first stream ended (all streams open, no ends)."""
     out = {}
+    steady_ns, first_end_ns = windows["steady_ns"], windows["first_end_ns"]
     for part, lags in (("", [lag for _, lag in samples]),
-                       ("_steady", [lag for t, lag in samples if t - lag * 1e3 >= steady_ns])):
+                       ("_steady", [lag for t, lag in samples if t - lag * 1e3 >= steady_ns]),
+                       ("_all_open", [lag for t, lag in samples if steady_ns <= t - lag * 1e3 < first_end_ns])):
         lags.sort()
+        if not lags:
+            continue
         q = lambda f: lags[min(len(lags) - 1, int(f * len(lags)))]  # noqa: E731
         out.update({f"{name}{part}_p50": q(0.5), f"{name}{part}_p90": q(0.9), f"{name}{part}_p99": q(0.99),
                     f"{name}{part}_max": lags[-1], f"{name}{part}_samples": len(lags)})
     return out
 
 
+def _cpu_s() -> tuple[float, float]:
+    """CPU seconds the whole machine has spent so far busy (not idle, iowait or stolen), and stolen by the
+    hypervisor (cycles this VM's cores did not get) (/proc/stat, all cores)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:8]) - fields[3] - fields[4] - fields[7]) / tick, fields[7] / tick
+
+
 def _cpu_idle_fraction(window_s: float) -> float:
-    """Share of the machine's CPU time that was idle over `window_s` (/proc/stat, all cores)."""
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return fields[3] + fields[4], sum(fields)  # idle + iowait, total
-    idle0, total0 = sample()
+    """Share of the machine's CPU time that was idle over `window_s`."""
+    (busy0, steal0), t0 = _cpu_s(), time.monotonic()
     time.sleep(window_s)
-    idle1, total1 = sample()
-    return (idle1 - idle0) / max(total1 - total0, 1)
+    busy1, steal1 = _cpu_s()
+    return 1 - (busy1 - busy0 + steal1 - steal0) / ((time.monotonic() - t0) * os.cpu_count())
 
 
 def wait_for_idle(min_idle: float = 0.9, window_s: float = 2.0, timeout_s: float = 900.0) -> float:
@@ -343,34 +249,74 @@ def stream(args: argparse.Namespace) -> None:
     cores = sorted(os.sched_getaffinity(0))
     gw_cores, other = set(cores[-args.gateway_cores:]), set(cores[:-args.gateway_cores]) or set(cores)
     probe = None if args.no_probe else f"/tmp/blink-emit-lags-{os.getpid()}.json"
-    with traffic_engine(args.tok_s, idle_s=0.0005, cores=other) as (_, control, engine_pid):
+    engine_stats = Path(f"/tmp/blink-engine-stats-{os.getpid()}.json")
+    with traffic_engine(args.tok_s, idle_s=0.0005, cores=other, stats_path=str(engine_stats)) as (_, control, engine):
         with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile,
-                              poll_spin_s=args.poll_spin_s) as (url, gateway_pid):
+                              poll_spin_s=args.poll_spin_s) as (url, gateway):
             os.sched_setaffinity(0, other)
-            pids = {"gateway": gateway_pid, "engine": engine_pid, "client": os.getpid()}
-            cpu0 = {name: cpu_s(pid) for name, pid in pids.items()}
-            result = asyncio.run(stream_clients(url, "traffic-key", args.streams, args.tokens, gateway_pid))
-            result.update({f"{name}_cpu_util": (cpu_s(pid) - cpu0[name]) / result["wall_s"]
-                           for name, pid in pids.items()})
-            result["gateway_cpu_us_per_token"] = 1e6 * result["gateway_cpu_util"] * result["wall_s"] / max(result["tokens"], 1)
+            result = with_cpu_use({"gateway": gateway, "engine": engine, "client": os.getpid()}, lambda: stream_clients(
+                url, "traffic-key", args.streams, args.tokens, gateway, args.client_tick_ms / 1e3, args.connect_batch))
+    result.update(json.loads(engine_stats.read_text()))
+    engine_stats.unlink()
     emit = []
     if probe:
         emit = [(t, lag_us(token, t)) for t, token in json.loads(Path(probe).read_text())]
         os.unlink(probe)
+    samples = result.pop("samples")
+    if args.samples_out:  # every token's (time ns, lag us), for looking at a run's course
+        np.savez_compressed(args.samples_out, emit=np.array(emit).reshape(-1, 2), client=np.array(samples).reshape(-1, 2))
     result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
-              "gateway_poll_spin_s": args.poll_spin_s,
-              "engine_tok_s_per_stream": args.tok_s, **result, **(lag_stats("emit_lag_us", emit, result["steady_ns"]) if emit else {})}
+              "gateway_poll_spin_s": args.poll_spin_s, "engine_tok_s_per_stream": args.tok_s, **result,
+              **(lag_stats("emit_lag_us", emit, result) if emit else {})}
     record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else "")
-           + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}"))
-    print(f"{result['streams']} streams x {result['max_tokens']} tokens at {args.tok_s:g} tok/s each: "
-          f"{result['tok_s']:.0f} tok/s delivered, {result['complete_streams']} complete; per-token "
-          f"publish->client latency P50 {result['lag_us_p50'] / 1e3:.2f} ms, P99 {result['lag_us_p99'] / 1e3:.2f} ms "
-          f"(steady state: {result['lag_us_steady_p50'] / 1e3:.2f}, {result['lag_us_steady_p99'] / 1e3:.2f}); "
-          + (f"publish->gateway emit P50 {result['emit_lag_us_p50'] / 1e3:.3f} ms, P99 {result['emit_lag_us_p99'] / 1e3:.3f} ms "
-             f"(steady state: {result['emit_lag_us_steady_p50'] / 1e3:.3f}, {result['emit_lag_us_steady_p99'] / 1e3:.3f}); "
-             if emit else "") + f"CPU use: gateway {result['gateway_cpu_util']:.0%} ({result['gateway_cpu_us_per_token']:.1f} us/token, steady "
-          f"{result.get('gateway_cpu_us_per_token_steady', float('nan')):.1f}), engine {result['engine_cpu_util']:.0%}, "
-          f"client {result['client_cpu_util']:.0%}")
+           + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}")
+           + ("" if args.client_tick_ms else "_woken") + (f"_{args.tag}" if args.tag else ""))
+    print(summary(result))
+
+
+def with_cpu_use(pids: dict[str, int], run: Callable[[], dict]) -> dict:
+    """`run()`'s result with each process's CPU use over its `wall_s` (cores), the gateway's CPU per token,
+    the machine's other CPU use and steal, and the connections listen backlogs dropped meanwhile."""
+    cpu0, (busy0, steal0), overflows0 = {name: cpu_s(pid) for name, pid in pids.items()}, _cpu_s(), listen_overflows()
+    result = run()
+    wall_s = result["wall_s"]
+    result.update({f"{name}_cpu_util": (cpu_s(pid) - cpu0[name]) / wall_s for name, pid in pids.items()})
+    # Cores' worth of CPU that others used meanwhile: other processes (other developers' runs share this
+    # machine) and interrupts, and what the hypervisor did not give this VM (steal).
+    busy1, steal1 = _cpu_s()
+    result["foreign_cpu_util"] = (busy1 - busy0) / wall_s - sum(result[f"{name}_cpu_util"] for name in pids)
+    result["steal_cpu_util"] = (steal1 - steal0) / wall_s
+    result["listen_overflows"] = listen_overflows() - overflows0
+    result["gateway_cpu_us_per_token"] = 1e6 * result["gateway_cpu_util"] * wall_s / max(result["tokens"], 1)
+    return result
+
+
+def summary(r: dict) -> str:
+    """A run's figures in a few lines (ms for latencies)."""
+    def lags(name: str) -> str:
+        return ", ".join(f"{part or 'all'} P50 {r[f'{name}{part}_p50'] / 1e3:.2f} / P99 {r[f'{name}{part}_p99'] / 1e3:.2f}"
+                         for part in ("", "_steady", "_all_open") if f"{name}{part}_p50" in r)
+    lines = [f"{r['streams']} streams x {r['max_tokens']} tokens at {r['engine_tok_s_per_stream']:g} tok/s each: "
+             f"{r['tok_s']:.0f} tok/s delivered, {r['complete_streams']} complete; all started after {r['ramp_s']:.2f} s, "
+             f"all open for {r['all_open_s']:.2f} s",
+             f"  publish -> client (ms): {lags('lag_us')}"]
+    if "emit_lag_us_p50" in r:
+        lines.append(f"  publish -> gateway emit (ms): {lags('emit_lag_us')}")
+    lines += [f"  CPU: gateway {r['gateway_cpu_util']:.0%} ({r['gateway_cpu_us_per_token']:.1f} us/token; steady "
+              f"{r.get('gateway_cpu_us_per_token_steady', float('nan')):.1f}, all open "
+              f"{r.get('gateway_cpu_us_per_token_all_open', float('nan')):.1f}), engine {r['engine_cpu_util']:.0%} "
+              f"({r['engine_sched']}), client {r['client_cpu_util']:.0%}; others {r['foreign_cpu_util']:.0%}, "
+              f"stolen {r['steal_cpu_util']:.0%}; listen overflows {r['listen_overflows']}",
+              f"  engine publish lateness P50 {r['engine_late_us_p50'] / 1e3:.2f} ms, P99 {r['engine_late_us_p99'] / 1e3:.2f} ms, "
+              f"max {r['engine_late_us_max'] / 1e3:.2f} ms"]
+    return "\n".join(lines)
+
+
+def listen_overflows() -> int:
+    """Connections the kernel dropped so far because a listen backlog was full (each waits a retransmit)."""
+    head, values = [line.split() for line in Path("/proc/net/netstat").read_text().splitlines()
+                    if line.startswith("TcpExt:")][:2]
+    return int(values[head.index("ListenOverflows")])
 
 
 def main() -> None:
@@ -390,6 +336,13 @@ def main() -> None:
                     "token; by default it polls back to back while tokens flow, using its whole core)")
     st.add_argument("--idle-wait-s", type=float, default=900.0,
                     help="first wait up to this long for the cores to be 90%% idle over 2 s (0: don't)")
+    st.add_argument("--client-tick-ms", type=float, default=1.0,
+                    help="the client reads what arrived every this many ms (0: it is woken by each write, which "
+                         "on loopback the gateway's send pays for; a client on another host costs it nothing)")
+    st.add_argument("--connect-batch", type=int, default=0,
+                    help="open this many connections every 5 ms (0: all at once)")
+    st.add_argument("--tag", help="appended to the result file's name (repeated runs)")
+    st.add_argument("--samples-out", help="also write every token's emit and client (time, lag) here (.npz)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     (ttft if args.cmd == "ttft" else stream)(args)

@@ -2,10 +2,12 @@
 
 The poller is the only code that touches a ring's response side. While requests are in flight it
 finds the slots with news (`ready_slots`: one vectorized read of every slot's counters), polls those,
-and pushes each `TokenUpdate` into that request's `UpdateQueue`; it polls again right after the
-readers ran while news keeps coming (up to `poll_spin_s` after the last), else every `poll_active_s`;
-with no request in flight it waits for a submission. It releases a slot once the engine has reported a finish, also
-for requests whose client went away (those are cancelled first, then drained).
+and hands each `TokenUpdate` to that request's `sink` if it has one (a streamed response writes it to
+its client right there, `gateway/sse.py`), else (or when the sink declines) pushes it into the request's
+`UpdateQueue`; it polls again right after the readers ran while news keeps coming (up to `poll_spin_s`
+after the last), else every `poll_active_s`; with no request in flight it waits for a submission. It
+releases a slot once the engine has reported a finish, also for requests whose client went away (those
+are cancelled first, then drained).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -85,11 +88,16 @@ class UpdateQueue:
 
     def put_nowait(self, update: TokenUpdate) -> None:
         self._updates.append(update)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the reader: `get` returns the next update, or None if there is none."""
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def get(self) -> TokenUpdate:
-        while not self._updates:
+    async def get(self) -> TokenUpdate | None:
+        """The next update; None when `wake` woke the reader with none queued (it checks what else it waits for)."""
+        if not self._updates:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
             self._waiter = self._loop.create_future()
@@ -97,14 +105,25 @@ class UpdateQueue:
                 await self._waiter
             finally:
                 self._waiter = None
+            if not self._updates:
+                return None
         return self._updates.popleft()
 
     def qsize(self) -> int:
         return len(self._updates)
 
+    def __bool__(self) -> bool:
+        """Updates are waiting."""
+        return bool(self._updates)
+
+
+# Takes an update from the poller, in the poller (no task switch): True when it dealt with it, False when
+# the update should go into the request's queue for its reader instead. It must not raise or block.
+Sink = Callable[[TokenUpdate], bool]
+
 
 class RequestHandle:
-    """The gateway's side of one submitted request: updates arrive in `queue`."""
+    """The gateway's side of one submitted request: updates arrive in `queue`, or go to `sink` first."""
 
     def __init__(self, backend: Backend, slot: int, spec: RequestSpec):
         self.backend = backend
@@ -114,7 +133,8 @@ class RequestHandle:
         self.finished = False  # the engine reported a finish (or the gateway gave up on the engine)
         self.abandoned = False  # nobody reads `queue` any more
         self.submitted_s = time.perf_counter()
-        self.num_produced = 0  # tokens pushed into `queue` so far
+        self.num_produced = 0  # tokens pushed into `queue` (or taken by `sink`) so far
+        self.sink: Sink | None = None  # set by a reader that can take updates in the poller
 
     @property
     def outstanding_tokens(self) -> int:
@@ -122,9 +142,16 @@ class RequestHandle:
         prompt_len = len(self.spec.prompt_ids) if self.num_produced == 0 else 0
         return prompt_len + max(self.spec.max_tokens - self.num_produced, 0)
 
-    async def next(self) -> TokenUpdate:
+    def produced(self, num_tokens: int) -> int:
+        """`num_tokens` more arrived; returns by how much `outstanding_tokens` fell."""
+        before = self.outstanding_tokens
+        self.num_produced += num_tokens
+        return before - self.outstanding_tokens
+
+    async def next(self) -> TokenUpdate | None:
+        """The next update; None when the reader was woken without one (`UpdateQueue.wake`)."""
         update = await self.queue.get()
-        if update.finish != FinishReason.NONE:
+        if update is not None and update.finish != FinishReason.NONE:
             self.finished = True
         return update
 
@@ -144,6 +171,7 @@ class Backend:
         self.config = config
         self._producer = producer
         self._requests: dict[int, RequestHandle] = {}  # slot -> request in flight
+        self._slot_list: list[int] | None = None  # its slots, for `ready_slots` (None: changed since)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._wakeup = asyncio.Event()
         self._poller: asyncio.Task | None = None
@@ -151,6 +179,9 @@ class Backend:
         self._next_check_s = 0.0
         self._news_s = 0.0  # when a poll last found tokens or a finish (time.monotonic)
         self._queued_tokens = 0  # outstanding tokens of requests waiting here for a ring slot
+        # Sum of `outstanding_tokens` over `_requests`, kept as they change: routing reads it per request,
+        # and summing over hundreds of streams each time made routing quadratic in the streams in flight.
+        self._outstanding = 0
         self.stalled = False  # heartbeat stuck for stall_timeout_s with requests in flight: they were failed
         self._ejected_at: int | None = None  # the heartbeat that stood still when the pool ejected it
         self.dead = False  # control plane unreachable: its requests were failed (set by the pool)
@@ -213,7 +244,7 @@ class Backend:
     @property
     def outstanding_tokens(self) -> int:
         """Prompt plus output tokens still to be produced for requests here (the gateway's own count)."""
-        return self._queued_tokens + sum(h.outstanding_tokens for h in self._requests.values())
+        return self._queued_tokens + self._outstanding
 
     @property
     def serving(self) -> bool:
@@ -243,6 +274,8 @@ class Backend:
         self.num_requests += 1
         handle = RequestHandle(self, slot, spec)
         self._requests[slot] = handle
+        self._slot_list = None
+        self._outstanding += handle.outstanding_tokens
         self._wakeup.set()
         return handle
 
@@ -322,17 +355,23 @@ class Backend:
     def _poll_once(self) -> int:
         """Pass each request's news to its reader; returns how many requests had some."""
         num_updates = 0
-        for slot in self._producer.ready_slots(list(self._requests)):
+        if self._slot_list is None:
+            self._slot_list = list(self._requests)
+        for slot in self._producer.ready_slots(self._slot_list):
             handle = self._requests[slot]
             update = self._producer.poll(slot)
-            if not update.tokens and update.finish == FinishReason.NONE:
+            if not update.tokens and not update.finish:  # FinishReason.NONE is 0
                 continue
             num_updates += 1
             if not handle.abandoned:
-                handle.num_produced += len(update.tokens)
-                handle.queue.put_nowait(update)
-            if update.finish != FinishReason.NONE:
+                if update.tokens:
+                    self._outstanding -= handle.produced(len(update.tokens))
+                if handle.sink is None or not handle.sink(update):
+                    handle.queue.put_nowait(update)
+            if update.finish:
                 del self._requests[slot]
+                self._slot_list = None
+                self._outstanding -= handle.outstanding_tokens
                 self._producer.release(slot)
                 self._wake_one()
         return num_updates

@@ -44,6 +44,11 @@ class Choices:
         """Every choice has sent its last piece."""
         return self._remaining == 0
 
+    @property
+    def in_order(self) -> bool:
+        """No piece waits for the reader: a piece of any choice written now comes after every one before it."""
+        return self._queue.empty()
+
     async def next_piece(self) -> tuple[int, Piece] | None:
         """(choice index, piece) in arrival order; None once every choice has finished. Raises ApiError."""
         if self._remaining == 0:

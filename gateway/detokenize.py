@@ -1,10 +1,20 @@
-"""Streaming detokenization: token ids in, text out, never half a character, cut at stop strings."""
+"""Streaming detokenization: token ids in, text out, never half a character, cut at stop strings.
+
+Two ways, one result. Most tokenizers' decoders turn each token into a piece of its own whatever came
+before (`TokenPieces`): the text is then the pieces joined, bytes for byte-level BPE (decoded as UTF-8 as
+they complete), and a stream costs a cached lookup per token (`PieceDetokenizer`). For the others, a
+stream decodes a small sliding window per token with the tokenizer's own decoder (`IncrementalDetokenizer`).
+Tests hold the two to the same output, token by token.
+"""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable, Sequence
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
+
+from .token_text import TokenTexts
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_LEN = 6  # prompt tokens kept as decoding context, so the first output token decodes in place
@@ -62,6 +72,89 @@ class IncrementalDetokenizer:
         return text
 
 
+class TokenPieces:
+    """What each token adds to a text, for decoders where that depends on the token alone (cached per id;
+    one per tokenizer, shared by its streams). `for_tokenizer` gives None for other decoders.
+
+    - ByteLevel (GPT-2, Llama 3, Qwen, SmolLM): the token's bytes (`TokenTexts`, as the decoder maps
+      them); the text is their UTF-8 decoding, lossy as the decoder's.
+    - WordPiece (BERT; the `w123` vocabulary of random-weights models): the decoder handles each token
+      on its own (a space before it, or its "##" prefix dropped; cleanup), then joins them: a token's
+      piece is what it adds after any token, the first token of a text its own decoding.
+    Special tokens add nothing, as with `decode(ids, skip_special_tokens=True)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, texts: TokenTexts | None = None):
+        self._tokenizer = tokenizer
+        self.byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self._texts = (texts or TokenTexts(tokenizer)) if self.byte_level else None  # the tokenizer's, shared
+        self._pieces: dict[int, bytes | str] = {}  # id -> its piece after another token
+        self._firsts: dict[int, str] = {}  # id -> its piece at the start of a text (WordPiece)
+        # WordPiece: a piece is what a token adds after some other token, any one (here the first not special).
+        self._ref = None if self.byte_level else \
+            next(i for i in range(tokenizer.get_vocab_size()) if i not in self.special_ids)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, texts: TokenTexts | None = None) -> TokenPieces | None:
+        """`texts`: the tokenizer's `TokenTexts`, whose byte cache this shares."""
+        if isinstance(tokenizer.decoder, (decoders.ByteLevel, decoders.WordPiece)):
+            return cls(tokenizer, texts)
+        return None
+
+    def piece(self, token_id: int) -> bytes | str:
+        """After another (non-special) token: bytes (ByteLevel) or text (WordPiece); empty for a special token."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self._make(token_id)
+        return piece
+
+    def first(self, token_id: int) -> str:
+        """At the start of a text (WordPiece)."""
+        text = self._firsts.get(token_id)
+        if text is None:
+            text = self._firsts[token_id] = self._decode([token_id])
+        return text
+
+    def _make(self, token_id: int) -> bytes | str:
+        if token_id in self.special_ids:
+            return b"" if self.byte_level else ""
+        if self.byte_level:
+            return self._texts.bytes(token_id)
+        return self._decode([self._ref, token_id])[len(self._decode([self._ref])):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class PieceDetokenizer:
+    """`IncrementalDetokenizer`'s job for tokenizers with `TokenPieces`: a cached piece per token.
+    Bytes are decoded as they complete a character (never half a character; invalid bytes become U+FFFD)."""
+
+    def __init__(self, pieces: TokenPieces, context_ids: Sequence[int] = ()):
+        self._pieces = pieces
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if pieces.byte_level else None
+        context = [t for t in context_ids[-CONTEXT_LEN:] if t not in pieces.special_ids]
+        if self._utf8 is not None:
+            self._utf8.decode(b"".join(pieces.piece(t) for t in context))  # a character the prompt left open
+        self._started = bool(context)  # a text has begun: tokens are not first any more
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text that became final (may be empty)."""
+        if self._utf8 is not None:
+            return self._utf8.decode(self._pieces.piece(token_id))
+        if self._started:
+            return self._pieces.piece(token_id)
+        if token_id in self._pieces.special_ids:
+            return ""
+        self._started = True
+        return self._pieces.first(token_id)
+
+    def flush(self) -> str:
+        """At the end of the sequence: a character left incomplete, as U+FFFD."""
+        return self._utf8.decode(b"", final=True) if self._utf8 is not None else ""
+
+
 class StopMatcher:
     """Finds stop strings across chunk boundaries.
 
@@ -108,8 +201,11 @@ class TextStream:
     """
 
     def __init__(self, tokenizer: Tokenizer, stops: Iterable[str] = (), context_ids: Sequence[int] = (),
-                 single_texts: dict[int, str] | None = None):
-        self._detok = IncrementalDetokenizer(tokenizer, context_ids, single_texts=single_texts)
+                 single_texts: dict[int, str] | None = None, pieces: TokenPieces | None = None):
+        """`single_texts` and `pieces`: the tokenizer's shared caches (`TokenizerService`); with `pieces`,
+        a stream costs a lookup per token instead of a decode."""
+        self._detok = PieceDetokenizer(pieces, context_ids) if pieces is not None else \
+            IncrementalDetokenizer(tokenizer, context_ids, single_texts=single_texts)
         self._matcher = StopMatcher(stops)
         self.num_tokens = 0
         self.stopped = False  # a stop string matched

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from protocols.ring import ErrorCode, FinishReason, TokenLogprob
+from protocols.shm import TokenUpdate
 
 from .backends import RequestHandle
 from .detokenize import TextStream
@@ -29,6 +30,10 @@ class Piece:
     finish_reason: str | None = None  # "stop" or "length" on the last piece
     token_ids: list[int] = field(default_factory=list)  # the tokens this text came from
     logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when the request asked
+
+
+class _MayFailOver(Exception):
+    """`take` met a failure that `next_piece` may move to another backend (an await `take` cannot do)."""
 
 
 def engine_error(code: ErrorCode, message: str) -> ApiError:
@@ -64,6 +69,9 @@ class Generation:
         self.finish_reason: str | None = None
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
+        self._held: Piece | BaseException | None = None  # see `hold`
+        self._ids: list[int] = []  # tokens taken since the last piece (no text yet: half a character)
+        self._lps: list[TokenLogprob] = []  # and their logprobs
         self._closed = False
 
     @property
@@ -76,33 +84,66 @@ class Generation:
 
     async def next_piece(self) -> Piece:
         """The next non-empty piece of text, or the last one (finish_reason set). Raises ApiError."""
-        ids: list[int] = []
-        lps: list[TokenLogprob] = []
         while True:
+            if self._held is not None:
+                held, self._held = self._held, None
+                if isinstance(held, BaseException):
+                    raise held
+                return held
             update = await self.handle.next()
-            if update.tokens:
-                self.last_token_s = time.perf_counter()
-                self.first_token_s = self.first_token_s or self.last_token_s
-            num_before = self.stream.num_tokens
-            tokens = self._within_budget(update.tokens)
-            text = self.stream.add(tokens)
-            num_used = self.stream.num_tokens - num_before  # none after a stop string
-            ids += tokens[:num_used]
-            lps += update.logprobs[:num_used]
-            if self.stream.stopped:
-                return self._finish(text, "stop", ids, lps)
-            if len(tokens) < len(update.tokens) or (update.finish == FinishReason.NONE and self._budget_spent):
-                return self._finish(text + self.stream.finish(), "length", ids, lps)
-            if update.finish == FinishReason.NONE:
-                if text:
-                    return Piece(text, None, ids, lps)
+            if update is None:  # woken for a held piece
                 continue
-            if update.finish not in _FINISH_NAMES:
+            try:
+                piece = self.take(update)
+            except _MayFailOver:
                 if await self._failed_over(update):
                     continue
-                raise self._failure(update.finish, update.error_code, update.error)
-            text += self.stream.finish()
-            return self._finish(text, "stop" if self.stream.stopped else _FINISH_NAMES[update.finish], ids, lps)
+                raise self._failure(update.finish, update.error_code, update.error) from None
+            if piece is not None:
+                return piece
+
+    def take(self, update: TokenUpdate) -> Piece | None:
+        """One update in: the piece it completes (the last one with finish_reason set), or None while its
+        tokens make no text yet. Synchronous, so that the poller can run it (see `hold`). Raises ApiError
+        for an engine failure, `_MayFailOver` when another backend may still take the request."""
+        if update.tokens:
+            self.last_token_s = time.perf_counter()
+            self.first_token_s = self.first_token_s or self.last_token_s
+        num_before = self.stream.num_tokens
+        tokens = self._within_budget(update.tokens)
+        text = self.stream.add(tokens)
+        num_used = self.stream.num_tokens - num_before  # none after a stop string
+        self._ids += tokens[:num_used]
+        self._lps += update.logprobs[:num_used]
+        if self.stream.stopped:
+            return self._finish(text, "stop")
+        if len(tokens) < len(update.tokens) or (not update.finish and self._budget_spent):
+            return self._finish(text + self.stream.finish(), "length")
+        if not update.finish:  # FinishReason.NONE is 0
+            return self._piece(text) if text else None
+        if update.finish not in _FINISH_NAMES:
+            if self._may_fail_over(update):
+                raise _MayFailOver
+            raise self._failure(update.finish, update.error_code, update.error)
+        text += self.stream.finish()
+        return self._finish(text, "stop" if self.stream.stopped else _FINISH_NAMES[update.finish])
+
+    def _piece(self, text: str, finish_reason: str | None = None) -> Piece:
+        """The text with the tokens (and logprobs) taken since the last piece."""
+        piece = Piece(text, finish_reason, self._ids, self._lps)
+        self._ids, self._lps = [], []
+        return piece
+
+    def hold(self, item: Piece | BaseException) -> None:
+        """A piece (or error) that `take` made outside `next_piece`, for its reader: `next_piece` returns
+        (or raises) it next, and a reader waiting there is woken."""
+        self._held = item
+        self.handle.queue.wake()
+
+    @property
+    def in_order(self) -> bool:
+        """Nothing of this request waits for its reader: an update taken now would be the next one out."""
+        return self._held is None and not self.handle.queue
 
     def _within_budget(self, tokens: list[int]) -> list[int]:
         if self.budget_tokens is None:
@@ -113,21 +154,23 @@ class Generation:
     def _budget_spent(self) -> bool:
         return self.budget_tokens is not None and self.stream.num_tokens >= self.budget_tokens
 
-    async def _failed_over(self, update) -> bool:
-        """Before the first token, a backend's failure (not the client's) moves the request to another."""
-        if self.failover is None or self.first_token_s is not None or update.error_code in _CLIENT_ERRORS:
-            return False
+    def _may_fail_over(self, update: TokenUpdate) -> bool:
+        """Before the first token, a backend's failure (not the client's) may move the request to another."""
+        return self.failover is not None and self.first_token_s is None and update.error_code not in _CLIENT_ERRORS
+
+    async def _failed_over(self, update: TokenUpdate) -> bool:
         handle = await self.failover(self.handle, update.error or update.error_code.name)
         if handle is None:
             return False
+        handle.sink = self.handle.sink
         self.handle.close()
         self.handle = handle
         return True
 
-    def _finish(self, text: str, reason: str, ids: list[int], lps: list[TokenLogprob]) -> Piece:
+    def _finish(self, text: str, reason: str) -> Piece:
         self.finish_reason = reason
         self.handle.close()  # a stop string ends the request here: the engine is cancelled
-        return Piece(text, reason, ids, lps)
+        return self._piece(text, reason)
 
     def _failure(self, finish: FinishReason, code: ErrorCode, message: str) -> ApiError:
         self.finish_reason = "error"

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -15,15 +14,11 @@ from protocols.openai import (ChatCompletionRequest, CompletionRequest, Detokeni
 
 from .auth import PRINCIPAL
 from .choices import Choices
-from .errors import ApiError
 from .formats import ChatFormat, CompletionFormat, OutputFormat
-from .generate import Piece
 from .pipeline import detokenize, parse, start_generation, tokenize
+from .sse import SSE_HEADERS, SseBody
 from .state import GatewayState
 
-log = logging.getLogger("blink.gateway.http")
-
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER = "X-Request-Id"  # the gateway's request number, as in its logs and the ring
 
 STATE = web.AppKey("state", GatewayState)
@@ -121,62 +116,9 @@ async def _generate(request: web.Request, req, make_format: Callable[[Choices], 
 async def _stream(request: web.Request, choices: Choices, fmt: OutputFormat, include_usage: bool):
     first = await choices.next_piece()  # a failure before the first token still gets its status code
     resp = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: str(choices.request_id)})
-    await resp.prepare(request)
-    try:
-        last = await _stream_pieces(request, resp, choices, first, fmt, include_usage)
-        await _write(resp, last + b"data: [DONE]\n\n", eof=True)
-    except ConnectionResetError:
-        log.info("client went away during request %d: cancelling it", choices.request_id,
-                 extra={"request_id": choices.request_id})
+    writer = await resp.prepare(request)
+    await SseBody(resp, writer, choices, fmt, request.app[STATE].metrics).run(first, include_usage)
     return resp
-
-
-async def _stream_pieces(request: web.Request, resp: web.StreamResponse, choices: Choices,
-                         item: tuple[int, Piece] | None, fmt: OutputFormat, include_usage: bool) -> bytes:
-    """Writes each piece's events as it comes (one write each); returns the events of the last piece
-    and the usage (or the error event), which go out with [DONE] in the response's final write."""
-    last = b""
-    try:
-        while item is not None:
-            index, piece = item
-            events = _piece_events(fmt, index, piece)
-            if choices.finished:
-                last = events
-                break
-            if events:
-                await _write(resp, events)
-            item = await choices.next_piece()
-    except ApiError as err:  # headers are gone: the error travels as an event
-        log.warning("request %d failed mid-stream: %s", choices.request_id, err,
-                    extra={"request_id": choices.request_id})
-        request.app[STATE].metrics.rejected(err)
-        return _event(err.body().model_dump_json().encode())
-    if include_usage:
-        last += _event(fmt.usage_chunk(choices.prompt_len, choices.completion_tokens).model_dump_json().encode())
-    return last
-
-
-def _piece_events(fmt: OutputFormat, index: int, piece: Piece) -> bytes:
-    """The SSE events of one piece: its text (and logprobs) chunk, then its finish chunk."""
-    events = b""
-    if piece.text or piece.logprobs:
-        logprobs = list(zip(piece.token_ids, piece.logprobs)) if piece.logprobs else ()
-        events = _event(fmt.chunk_json(index, piece.text, logprobs=logprobs))
-    if piece.finish_reason:
-        events += _event(fmt.chunk_json(index, finish_reason=piece.finish_reason))
-    return events
-
-
-def _event(chunk_json: bytes) -> bytes:
-    return b"data: %s\n\n" % chunk_json
-
-
-async def _write(resp: web.StreamResponse, data: bytes, eof: bool = False) -> None:
-    """Every byte of a stream's body goes out here: one transport write per call (chunked encoding)."""
-    if eof:
-        await resp.write_eof(data)
-    else:
-        await resp.write(data)
 
 
 def _json(text: str, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -103,7 +103,8 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
             choice = spec if spec.seed is None or i == 0 else dataclasses.replace(spec, seed=spec.seed + i)
             failover = Failover(state.router, req.model, choice, state.metrics)
             handle = await failover.submit()
-            stream = TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids, tokenizer.single_texts)
+            stream = TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids, tokenizer.single_texts,
+                                tokenizer.token_pieces)
             gens.append(Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s,
                                    failover=failover))
     except BaseException:

@@ -29,6 +29,10 @@ from .tokenize import TokenizerService
 
 log = logging.getLogger("blink.gateway")
 
+# Connections the kernel holds for accept(). aiohttp's default of 128 overflows when hundreds of clients
+# connect at once while the loop is busy: each connection dropped there waits a second for a SYN-ACK retransmit.
+LISTEN_BACKLOG = 1024
+
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable]):
@@ -162,7 +166,8 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
     await runner.setup()
     try:
         # reuse_port: the workers of `--workers N` share the port; the kernel spreads connections.
-        await web.TCPSite(runner, config.host, config.port, reuse_port=config.workers > 1).start()
+        await web.TCPSite(runner, config.host, config.port, reuse_port=config.workers > 1,
+                          backlog=LISTEN_BACKLOG).start()
     except OSError:
         if grpc_server is not None:
             await grpc_server.close(0)

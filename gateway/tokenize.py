@@ -14,6 +14,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from .detokenize import TokenPieces
 from .token_text import TokenTexts
 
 
@@ -87,6 +88,7 @@ class TokenizerService:
         self.chat_template = ChatTemplate(source, special) if source else None
         self.token_texts = TokenTexts(self.tokenizer)
         self.single_texts: dict[int, str] = {}  # id -> decode([id]) without special tokens (detokenize.py)
+        self.token_pieces = TokenPieces.for_tokenizer(self.tokenizer, self.token_texts)  # None: streams decode a window
         self._executor = executor
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -55,6 +55,34 @@ def test_tokens_flow_and_the_slot_is_released(ring):
     asyncio.run(main())
 
 
+def test_outstanding_tokens_follow_submissions_tokens_and_releases(ring):
+    """The running count routing reads is the sum over the requests in flight, at every step."""
+    async def main():
+        backend = make_backend(ring)
+        backend.start()
+        engine = RingConsumer(ring)
+
+        def check(expected: int) -> None:
+            assert backend.outstanding_tokens == expected == \
+                sum(h.outstanding_tokens for h in backend._requests.values())
+        a, b = await backend.submit(spec(1)), await backend.submit(spec(2))
+        check(2 * (3 + 4))
+        taken = engine.take_new()
+        engine.publish(taken[0].slot, [7, 8])
+        await asyncio.wait_for(a.next(), 1)
+        check(2 + 3 + 4)  # a's prompt is done, 2 of its 4 tokens too
+        a.close()  # cancelled in the engine; its slot stays in flight until the engine confirms
+        engine.publish(taken[1].slot, [5, 6, 7, 8])
+        engine.finish(taken[1].slot, FinishReason.LENGTH)
+        await asyncio.wait_for(b.next(), 1)
+        check(2)
+        engine.finish(taken[0].slot, FinishReason.CANCELLED)
+        await asyncio.sleep(0.01)
+        check(0)
+        await backend.close()
+    asyncio.run(main())
+
+
 def test_stalled_heartbeat_fails_requests_and_routes_around(ring):
     async def main():
         backend = make_backend(ring, stall_timeout_s=0.2)

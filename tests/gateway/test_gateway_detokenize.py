@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.detokenize import IncrementalDetokenizer, StopMatcher, TextStream
+from gateway.detokenize import IncrementalDetokenizer, PieceDetokenizer, StopMatcher, TextStream, TokenPieces
 
 MIXED = "ok 🙂 héllo 世界 done 👩‍💻!"
 
@@ -128,3 +128,70 @@ def test_text_stream_multibyte_stop(byte_tokenizer):
     stream = TextStream(byte_tokenizer, ["界"])
     out = "".join(stream.add([t]) for t in ids)
     assert out == "ok 世" and stream.stopped
+
+
+# ---------------------------------------------------------------- the per-token pieces path
+
+
+def _wordpiece_tokenizer():
+    """The random-weights vocabulary's decoder (WordPiece, cleanup on) over words, suffixes, punctuation
+    that cleanup rewrites, and special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["w0", "w1", "w22", "hello", "do", "not", "n't", "'", "'s", "'m", ".", ",", "?", "!", "##ing",
+             "##s", "é", "世界", "a b"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens([AddedToken("[SEP]", special=True)])
+    tok.add_tokens([AddedToken("<plain>", special=False)])
+    return tok
+
+
+def _both(tokenizer, ids, context=()):
+    """Each token's text and the flush, by the window decoder and by the pieces."""
+    generic = IncrementalDetokenizer(tokenizer, context)
+    fast = PieceDetokenizer(TokenPieces.for_tokenizer(tokenizer), context)
+    return ([generic.add(t) for t in ids], generic.flush()), ([fast.add(t) for t in ids], fast.flush())
+
+
+def test_pieces_give_the_window_decoders_text_token_by_token(byte_tokenizer):
+    rng = random.Random(1)
+    alphabet = list("abc xyz,.'\n") + ["é", "ß", "世", "🙂", "👩‍💻", "<|im_end|>", "<|endoftext|>"]
+    for _ in range(200):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        ids = byte_tokenizer.encode(text).ids
+        context = byte_tokenizer.encode(rng.choice(["", "hi", "<|im_start|>", "prompt 世界"])).ids
+        generic, fast = _both(byte_tokenizer, ids, context)
+        assert fast == generic, text
+
+
+def test_pieces_match_on_wordpiece_with_specials_and_cleanup():
+    tok = _wordpiece_tokenizer()
+    rng = random.Random(2)
+    vocab = range(tok.get_vocab_size(with_added_tokens=True))
+    for _ in range(300):
+        ids = [rng.choice(vocab) for _ in range(rng.randint(1, 12))]
+        context = [rng.choice(vocab) for _ in range(rng.randint(0, 3))]
+        generic, fast = _both(tok, ids, context)
+        assert fast == generic, (ids, context)
+        assert "".join(fast[0]) == tok.decode(context + ids)[len(tok.decode(context)):]
+
+
+def test_invalid_bytes_give_the_same_text(byte_tokenizer):
+    """Byte tokens in any order (invalid UTF-8 too): the same text in the end, U+FFFD where bytes are bad."""
+    byte_ids = [byte_tokenizer.token_to_id(c) for c in ("\u0100", "Ã", "ł", "Ĥ", "¤", "ð", "Ł")]
+    rng = random.Random(3)
+    for _ in range(200):
+        ids = [rng.choice(byte_ids + byte_tokenizer.encode("ab").ids) for _ in range(rng.randint(1, 10))]
+        (generic, g_tail), (fast, f_tail) = _both(byte_tokenizer, ids)
+        assert "".join(fast) + f_tail == "".join(generic) + g_tail == byte_tokenizer.decode(ids)
+
+
+def test_other_decoders_keep_the_window():
+    from tokenizers import Tokenizer, decoders, models
+
+    tok = Tokenizer(models.WordLevel({"▁a": 0, "b": 1}, unk_token="b"))
+    tok.decoder = decoders.Metaspace()
+    assert TokenPieces.for_tokenizer(tok) is None
+    assert isinstance(TextStream(tok)._detok, IncrementalDetokenizer)

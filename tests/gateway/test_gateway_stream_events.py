@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,8 @@ from gateway.choices import Choices
 from gateway.detokenize import TextStream
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generate import Generation
-from gateway.http import STATE, _stream_pieces
+from gateway.backends import RequestHandle
+from gateway.sse import HIGH_WATER_BYTES, SseBody
 from protocols.ring import FinishReason, RequestSpec, TokenLogprob
 from protocols.shm import TokenUpdate
 
@@ -67,6 +69,7 @@ class ScriptedHandle:
         self.slot, self.submitted_s = 0, time.perf_counter()
         self._updates = list(updates)
         self.cancelled = False
+        self.sink = None
 
     async def next(self) -> TokenUpdate:
         return self._updates.pop(0)
@@ -75,12 +78,79 @@ class ScriptedHandle:
         self.cancelled = bool(self._updates)
 
 
+class PolledHandle(RequestHandle):
+    """A real RequestHandle fed as the poller feeds it (`feed`): through its sink first, then its queue."""
+
+    def __init__(self, updates: list[TokenUpdate]):
+        super().__init__(SimpleNamespace(cancel=self._cancel), 0, RequestSpec(7, [1, 2], 64, temperature=0.0))
+        self._updates = list(updates)
+        self.cancelled = False
+        self.num_direct = 0  # updates the sink took
+
+    def _cancel(self, handle) -> None:
+        self.cancelled = True
+
+    async def feed(self, gap: Callable[[], Awaitable[None]]) -> None:
+        for update in self._updates:
+            await gap()
+            if self.abandoned:
+                return
+            if self.sink is not None and self.sink(update):
+                self.num_direct += 1
+            else:
+                self.queue.put_nowait(update)
+
+
+async def _rounds(num: int = 3) -> None:
+    """The poller's next round comes after the readers it woke have run."""
+    for _ in range(num):
+        await asyncio.sleep(0)
+
+
+class RecordingTransport:
+    def __init__(self):
+        self.frames: list[bytes] = []
+        self.buffered = 0  # what a slow client leaves in the gateway's write buffer
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.frames.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class RecordingWriter:
+    """aiohttp's payload writer as SseBody uses it: chunked, its transport, drain, its byte count."""
+
+    chunked = True
+
+    def __init__(self):
+        self.transport = RecordingTransport()
+        self.output_size = 0
+        self.num_drains = 0
+
+    async def drain(self) -> None:
+        self.num_drains += 1
+        self.transport.buffered = 0
+
+
 class RecordingResponse:
     def __init__(self):
-        self.writes: list[bytes] = []
+        self.eof: bytes | None = None
 
-    async def write(self, data: bytes) -> None:
-        self.writes.append(data)
+    async def write_eof(self, data: bytes) -> None:
+        self.eof = data
+
+
+def _unframe(frame: bytes) -> bytes:
+    """A chunked-encoding frame's payload (its length checked)."""
+    size, rest = frame.split(b"\r\n", 1)
+    assert rest.endswith(b"\r\n") and int(size, 16) == len(rest) - 2
+    return rest[:-2]
 
 
 def _batched(ids: list[int], per_poll: int, finish: FinishReason) -> list[TokenUpdate]:
@@ -89,20 +159,36 @@ def _batched(ids: list[int], per_poll: int, finish: FinishReason) -> list[TokenU
     return updates
 
 
-def _stream_events(tokenizer, updates, stops=(), fmt_cls=CompletionFormat, include_usage=True):
-    """(writes, last): each body write before the end, and the final write's events (then [DONE])."""
-    handle = ScriptedHandle(updates)
-    gen = Generation(handle, TextStream(tokenizer, stops, [1, 2]), prompt_len=2)
-    choices = Choices([gen], tokenizer=None)
-    fmt = fmt_cls("id-1", "m")
+def _run_body(choices: Choices, fmt, include_usage: bool, handles=(), writer=None, gap=_rounds):
+    """Streams `choices` into recording fakes; `handles` (PolledHandle) are fed meanwhile.
+    Returns (writes before the end, the final write without [DONE], writer)."""
+    writer = writer or RecordingWriter()
     resp = RecordingResponse()
 
     async def run():
+        feeders = [asyncio.create_task(h.feed(gap)) for h in handles]
         first = await choices.next_piece()
-        return await _stream_pieces(None, resp, choices, first, fmt, include_usage)
-    last = asyncio.run(run())
+        await SseBody(resp, writer, choices, fmt, NO_METRICS).run(first, include_usage)
+        await asyncio.gather(*feeders)
+    asyncio.run(run())
     choices.close()
-    return resp.writes, last, handle
+    assert resp.eof.endswith(b"data: [DONE]\n\n")
+    writes = [_unframe(f) for f in writer.transport.frames]
+    assert writer.output_size == sum(map(len, writer.transport.frames))
+    return writes, resp.eof[:-len(b"data: [DONE]\n\n")], writer
+
+
+NO_METRICS = SimpleNamespace(rejected=lambda err: None)
+
+
+def _stream_events(tokenizer, updates, stops=(), fmt_cls=CompletionFormat, include_usage=True, direct=False):
+    """(writes, last, handle): each body write before the end, the final write's events (then [DONE]).
+    `direct`: fed as the poller feeds a real handle, so the sink writes what it can."""
+    handle = PolledHandle(updates) if direct else ScriptedHandle(updates)
+    gen = Generation(handle, TextStream(tokenizer, stops, [1, 2]), prompt_len=2)
+    choices = Choices([gen], tokenizer=None)
+    writes, last, _ = _run_body(choices, fmt_cls("id-1", "m"), include_usage, [handle] if direct else ())
+    return writes, last, handle
 
 
 def _events(data: bytes) -> list[dict]:
@@ -116,11 +202,13 @@ def _text(writes, last) -> str:
     return "".join(c["text"] if "text" in c else c["delta"].get("content", "") for c in choices)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["task", "direct"])
 @pytest.mark.parametrize("per_poll", [2, 3, 5, 100])
-def test_several_tokens_per_poll_give_the_same_text_and_event_sequence(byte_tokenizer, per_poll):
+def test_several_tokens_per_poll_give_the_same_text_and_event_sequence(byte_tokenizer, per_poll, direct):
     ids = byte_tokenizer.encode("the quick brown fox jumps over the lazy dog é🙂世界").ids
-    one_writes, one_last, _ = _stream_events(byte_tokenizer, _batched(ids, 1, FinishReason.LENGTH))
-    many_writes, many_last, _ = _stream_events(byte_tokenizer, _batched(ids, per_poll, FinishReason.LENGTH))
+    one_writes, one_last, _ = _stream_events(byte_tokenizer, _batched(ids, 1, FinishReason.LENGTH), direct=direct)
+    many_writes, many_last, _ = _stream_events(byte_tokenizer, _batched(ids, per_poll, FinishReason.LENGTH),
+                                               direct=direct)
     assert _text(many_writes, many_last) == _text(one_writes, one_last) == \
         byte_tokenizer.decode(ids)  # whole characters, nothing lost or doubled
     for writes in (one_writes, many_writes):  # one write per poll's piece: one text event each
@@ -135,10 +223,36 @@ def test_several_tokens_per_poll_give_the_same_text_and_event_sequence(byte_toke
         assert all("usage" not in e for e in events[:-1])
 
 
+@pytest.mark.parametrize("stops", [(), ("o w",), ("there",)])
+@pytest.mark.parametrize("per_poll", [1, 2, 5])
+@pytest.mark.parametrize("cls", [ChatFormat, CompletionFormat])
+def test_the_poller_writes_the_bytes_the_task_writes(byte_tokenizer, cls, per_poll, stops):
+    """The sink's writes (in the poller) are the task's writes, byte for byte, and each event is the schema's
+    own JSON of that chunk; the end (finish, usage, [DONE]) is the task's either way."""
+    ids = byte_tokenizer.encode("hello world, hello there 🙂 the end").ids
+    bodies, schema = [], cls("id-1", "m")
+    schema.created = 0
+    for direct in (False, True):
+        handle = PolledHandle(_batched(ids, per_poll, FinishReason.LENGTH)) if direct else \
+            ScriptedHandle(_batched(ids, per_poll, FinishReason.LENGTH))
+        choices = Choices([Generation(handle, TextStream(byte_tokenizer, stops, [1, 2]), prompt_len=2)], tokenizer=None)
+        fmt = cls("id-1", "m")
+        fmt.created = 0
+        writes, last, _ = _run_body(choices, fmt, True, [handle] if direct else ())
+        bodies.append((writes, last))
+        if direct:
+            assert handle.num_direct >= len(writes) - 1  # all but the first piece came through the sink
+    assert bodies[0] == bodies[1]
+    for write in bodies[1][0]:
+        [chunk] = _events(write)
+        text = chunk["choices"][0].get("text", chunk["choices"][0].get("delta", {}).get("content"))
+        assert write == b"data: %s\n\n" % schema.chunk(0, text).model_dump_json().encode()
+
+
 def test_chat_stream_role_first_then_templates(byte_tokenizer):
     ids = byte_tokenizer.encode("hello world, hello there").ids
     writes, last, _ = _stream_events(byte_tokenizer, _batched(ids, 2, FinishReason.STOP), fmt_cls=ChatFormat,
-                                     include_usage=False)
+                                     include_usage=False, direct=True)
     events = [e for w in [*writes, last] for e in _events(w)]
     assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[0]["choices"][0]["delta"]["content"]
     assert all("role" not in e["choices"][0]["delta"] for e in events[1:])
@@ -146,11 +260,12 @@ def test_chat_stream_role_first_then_templates(byte_tokenizer):
     assert _text(writes, last) == "hello world, hello there"
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["task", "direct"])
 @pytest.mark.parametrize("per_poll", [1, 2, 4, 100])
-def test_stop_string_across_a_batch_cuts_at_the_same_place(byte_tokenizer, per_poll):
+def test_stop_string_across_a_batch_cuts_at_the_same_place(byte_tokenizer, per_poll, direct):
     ids = byte_tokenizer.encode("hello world, hello there").ids
     writes, last, handle = _stream_events(byte_tokenizer, _batched(ids, per_poll, FinishReason.LENGTH),
-                                          stops=["o w", "zz"])
+                                          stops=["o w", "zz"], direct=direct)
     assert _text(writes, last) == "hell"
     events = _events(last)
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
@@ -158,21 +273,43 @@ def test_stop_string_across_a_batch_cuts_at_the_same_place(byte_tokenizer, per_p
     assert handle.cancelled == (per_poll < len(ids))  # a stop before the engine's end cancels it there
 
 
-def test_error_mid_stream_is_the_last_event(byte_tokenizer):
+@pytest.mark.parametrize("direct", [False, True], ids=["task", "direct"])
+def test_error_mid_stream_is_the_last_event(byte_tokenizer, direct):
     ids = byte_tokenizer.encode("hello world").ids
-    updates = [TokenUpdate(tokens=ids[:2], started=True),
+    updates = [TokenUpdate(tokens=ids[:1], started=True), TokenUpdate(tokens=ids[1:2], started=True),
                TokenUpdate(finish=FinishReason.ERROR, error="boom", started=True)]
-    state = SimpleNamespace(metrics=SimpleNamespace(rejected=lambda err: None))
-    request = SimpleNamespace(app={STATE: state})
-    handle = ScriptedHandle(updates)
+    handle = PolledHandle(updates) if direct else ScriptedHandle(updates)
     choices = Choices([Generation(handle, TextStream(byte_tokenizer, (), [1, 2]), prompt_len=2)], tokenizer=None)
-    resp = RecordingResponse()
-
-    async def run():
-        first = await choices.next_piece()
-        return await _stream_pieces(request, resp, choices, first, CompletionFormat("id-1", "m"), True)
-    last = asyncio.run(run())
-    choices.close()
-    assert [_events(w)[0]["choices"][0]["text"] for w in resp.writes] == [byte_tokenizer.decode(ids[:2])]
+    writes, last, _ = _run_body(choices, CompletionFormat("id-1", "m"), True, [handle] if direct else ())
+    assert "".join(_events(w)[0]["choices"][0]["text"] for w in writes) == byte_tokenizer.decode(ids[:2])
     [error] = _events(last)
     assert "boom" in error["error"]["message"]  # no usage after an error, as before
+
+
+def test_a_slow_client_moves_its_stream_to_the_task_and_loses_nothing(byte_tokenizer):
+    """Over the high-water mark the sink declines; the task writes, waits for the drain, and the sink takes
+    over again: every token arrives once, in order."""
+    ids = byte_tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3).ids
+    handle = PolledHandle(_batched(ids, 1, FinishReason.LENGTH))
+    choices = Choices([Generation(handle, TextStream(byte_tokenizer, (), [1, 2]), prompt_len=2)], tokenizer=None)
+    writer, num_updates = RecordingWriter(), [0]
+
+    async def gap():  # every 10th update finds the client's buffer full
+        await _rounds()
+        num_updates[0] += 1
+        writer.transport.buffered = HIGH_WATER_BYTES + 1 if num_updates[0] % 10 == 0 else writer.transport.buffered
+    writes, last, _ = _run_body(choices, CompletionFormat("id-1", "m"), True, [handle], writer, gap)
+    assert _text(writes, last) == byte_tokenizer.decode(ids)
+    assert writer.num_drains >= 2 and 0 < handle.num_direct < len(ids) - 2
+
+
+def test_a_closed_connection_takes_nothing_in_the_poller(byte_tokenizer):
+    ids = byte_tokenizer.encode("hello world").ids
+    handle = PolledHandle([])
+    gen = Generation(handle, TextStream(byte_tokenizer, (), [1, 2]), prompt_len=2)
+    body = SseBody(RecordingResponse(), RecordingWriter(), Choices([gen], tokenizer=None), CompletionFormat("i", "m"))
+    body._attach()
+    body.transport.closing = True
+    assert not handle.sink(TokenUpdate(tokens=ids[:1], started=True))
+    body._detach()
+    assert handle.sink is None

@@ -252,3 +252,7 @@ def test_ready_slots_names_only_slots_with_news(ring):
     cons.publish(talking, [9])
     assert prod.ready_slots([talking]) == [talking]
     assert prod.ready_slots([]) == [] and prod.ready_slots([waiting]) == []
+    slots = [quiet, talking]  # the same list again (a poller's, unchanged): its slots are read afresh
+    assert prod.ready_slots(slots) == [talking]
+    prod.poll(talking)
+    assert prod.ready_slots(slots) == []

@@ -1,0 +1,160 @@
+"""A streamed response's body: each choice's pieces as server-sent events on the client's connection.
+
+One body, two ways in. The handler's task writes the first piece, then gives each choice's request a
+`sink`: from then on the backend's poller hands every update to it, and the sink detokenizes it and
+writes its chunk to the socket right there, with no task woken and no coroutine resumed per token. The
+sink declines an update (it goes into the request's queue and the task takes it, as every other reader
+does) whenever writing it there would change what the client sees or would have to wait:
+- the stream's end: finish chunks, usage and [DONE] go out in the task's one final write (a last piece
+  the sink made, a stop string or a key's budget reached, is `hold`-en for the task);
+- an engine's finish or failure (errors as an event; failover);
+- a slow client: its connection buffers over HIGH_WATER_BYTES in the gateway, so the task writes and
+  waits for it to drain while the poller and the other streams go on; its updates wait in its queue;
+- anything of the stream still waiting for the task (so chunks stay in order), and with n > 1 a piece of
+  another choice that the task has not written yet.
+Both ways write through `_write`, one transport write per piece, framed as aiohttp frames a chunked body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+
+from protocols.shm import TokenUpdate
+
+from .choices import Choices
+from .errors import ApiError
+from .formats import OutputFormat
+from .generate import Generation, Piece
+from .metrics import Metrics
+
+log = logging.getLogger("blink.gateway.http")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A connection holding more unsent bytes than this in the gateway has a client that reads too slowly: its
+# stream leaves the poller for its task, which waits for the socket to drain (asyncio's default high water).
+HIGH_WATER_BYTES = 64 * 1024
+DONE = b"data: [DONE]\n\n"
+
+
+class SseBody:
+    """The body of one streamed response, after `prepare` (`writer` is what `prepare` returned)."""
+
+    def __init__(self, resp: web.StreamResponse, writer: AbstractStreamWriter, choices: Choices,
+                 fmt: OutputFormat, metrics: Metrics | None = None):
+        self.resp, self.writer, self.choices, self.fmt, self.metrics = resp, writer, choices, fmt, metrics
+        self.transport = writer.transport
+        self.chunked = writer.chunked  # HTTP/1.1: chunked encoding; 1.0: the body runs to the close
+        self._attached = False
+        send_headers = getattr(writer, "send_headers", None)  # aiohttp >= 3.12 holds them for the first write
+        if send_headers is not None:
+            send_headers()
+
+    async def run(self, first: tuple[int, Piece], include_usage: bool) -> None:
+        """Writes every piece (from `first` on) and the end; returns once the body is complete."""
+        try:
+            last = await self._pieces(first, include_usage)
+            self._detach()
+            await _write_end(self, last + DONE)
+        except ConnectionResetError:
+            log.info("client went away during request %d: cancelling it", self.choices.request_id,
+                     extra={"request_id": self.choices.request_id})
+        finally:
+            self._detach()
+
+    async def _pieces(self, item: tuple[int, Piece] | None, include_usage: bool) -> bytes:
+        """The task's way: writes each piece's events as it comes (one write each); returns the events of
+        the last piece and the usage (or the error event), which go out with [DONE] in the final write."""
+        last = b""
+        try:
+            while item is not None:
+                index, piece = item
+                events = piece_events(self.fmt, index, piece)
+                if self.choices.finished:
+                    last = events
+                    break
+                if events:
+                    _write(self, events)
+                    if self.transport.get_write_buffer_size() > HIGH_WATER_BYTES:
+                        await self.writer.drain()  # a slow client: wait here, not in the poller
+                self._attach()
+                item = await self.choices.next_piece()
+        except ApiError as err:  # headers are gone: the error travels as an event
+            log.warning("request %d failed mid-stream: %s", self.choices.request_id, err,
+                        extra={"request_id": self.choices.request_id})
+            if self.metrics is not None:
+                self.metrics.rejected(err)
+            return event(err.body().model_dump_json().encode())
+        if include_usage:
+            usage = self.fmt.usage_chunk(self.choices.prompt_len, self.choices.completion_tokens)
+            last += event(usage.model_dump_json().encode())
+        return last
+
+    # ---------------------------------------------------------------- the poller's way
+    def _attach(self) -> None:
+        if not self._attached:
+            self._attached = True
+            for index, gen in enumerate(self.choices.gens):
+                gen.handle.sink = self._sink(index, gen)
+
+    def _detach(self) -> None:
+        if self._attached:
+            self._attached = False
+            for gen in self.choices.gens:
+                gen.handle.sink = None
+
+    def _sink(self, index: int, gen: Generation) -> Callable[[TokenUpdate], bool]:
+        def sink(update: TokenUpdate) -> bool:
+            """Runs in the poller: True once the update's events (if any) are written, False to queue it."""
+            if update.finish or not self._writable(gen):  # a finish (FinishReason.NONE is 0) is the task's
+                return False
+            try:
+                piece = gen.take(update)
+                if piece is not None:
+                    if piece.finish_reason:
+                        gen.hold(piece)  # the end is the task's
+                    else:
+                        _write(self, piece_events(self.fmt, index, piece))
+            except Exception as exc:  # never into the poller (it would fail every request): to the reader
+                log.exception("request %d: streaming a piece failed", self.choices.request_id)
+                gen.hold(exc)
+            return True
+        return sink
+
+    def _writable(self, gen: Generation) -> bool:
+        """The next piece of `gen` may be written now, in order, without waiting for the client."""
+        return (gen.in_order and self.choices.in_order and not self.transport.is_closing()
+                and self.transport.get_write_buffer_size() <= HIGH_WATER_BYTES)
+
+
+def piece_events(fmt: OutputFormat, index: int, piece: Piece) -> bytes:
+    """The SSE events of one piece: its text (and logprobs) chunk, then its finish chunk."""
+    events = b""
+    if piece.text or piece.logprobs:
+        logprobs = list(zip(piece.token_ids, piece.logprobs)) if piece.logprobs else ()
+        events = event(fmt.chunk_json(index, piece.text, logprobs=logprobs))
+    if piece.finish_reason:
+        events += event(fmt.chunk_json(index, finish_reason=piece.finish_reason))
+    return events
+
+
+def event(chunk_json: bytes) -> bytes:
+    return b"data: %s\n\n" % chunk_json
+
+
+def _write(body: SseBody, data: bytes) -> None:
+    """Every byte of a stream's body before its end goes out here: one transport write per call, framed as
+    aiohttp frames a chunked body (its writer counts the bytes)."""
+    if body.transport is None or body.transport.is_closing():
+        raise ConnectionResetError("the client closed the connection")
+    frame = b"%x\r\n%s\r\n" % (len(data), data) if body.chunked else data
+    body.writer.output_size += len(frame)
+    body.transport.write(frame)
+
+
+async def _write_end(body: SseBody, data: bytes) -> None:
+    """The end of a stream's body: its last events with the chunked-encoding terminator, one write."""
+    await body.resp.write_eof(data)
