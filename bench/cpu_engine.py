@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
-from protocols.shm import RingProducer, attach_ring  # noqa: E402
+from protocols.shm import attach_ring  # noqa: E402
+from protocols.shm_producer import RingProducer  # noqa: E402
 from blink.bench.results import commit  # noqa: E402
 from tests.conftest import _describe, free_port  # noqa: E402
 

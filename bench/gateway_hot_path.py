@@ -33,7 +33,8 @@ from gateway.generate import Generation  # noqa: E402
 from gateway.sse import SseBody  # noqa: E402
 from gateway.tokenize import TokenizerService  # noqa: E402
 from protocols.ring import RequestSpec  # noqa: E402
-from protocols.shm import RingProducer, attach_ring  # noqa: E402
+from protocols.shm import attach_ring  # noqa: E402
+from protocols.shm_producer import RingProducer  # noqa: E402
 from traffic_engine import TOKENIZER_CFG, TrafficEngine, default_cache_dir, ensure_random_tokenizer  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]

@@ -42,7 +42,9 @@ from gpu_backend.engine.persistent import PersistentEngine  # noqa: E402
 from gpu_backend.engine.scheduler import Batch, ScheduledSeq, Sequence  # noqa: E402
 from gpu_backend.models import load_model  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec, RingGeometry  # noqa: E402
-from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring  # noqa: E402
+from protocols.shm import attach_ring, create_ring  # noqa: E402
+from protocols.shm_consumer import RingConsumer  # noqa: E402
+from protocols.shm_producer import RingProducer  # noqa: E402
 
 
 def copy_gbps() -> float:

@@ -52,7 +52,8 @@ sys.path.insert(0, str(ROOT))
 
 from blink.bench.results import commit  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
-from protocols.shm import RingProducer, attach_ring  # noqa: E402
+from protocols.shm import attach_ring  # noqa: E402
+from protocols.shm_producer import RingProducer  # noqa: E402
 from tests.conftest import _wait_health, free_port  # noqa: E402
 from traffic_engine import MODEL_NAME, lag_us, traffic_engine  # noqa: E402
 

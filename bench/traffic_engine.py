@@ -26,7 +26,8 @@ from gpu_backend.models import preset_config
 from gpu_backend.models.demo import default_cache_dir
 from gpu_backend.models.random_tokenizer import ensure_random_tokenizer
 from protocols.ring import EngineState, FinishReason, RingGeometry
-from protocols.shm import RingConsumer, create_ring
+from protocols.shm import create_ring
+from protocols.shm_consumer import RingConsumer
 from tests.conftest import free_port
 
 MODEL_NAME = "ring-traffic"

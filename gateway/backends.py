@@ -25,7 +25,8 @@ import grpc
 from protocols import control_pb2, control_pb2_grpc
 from protocols.rdma import RdmaProducer
 from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry
-from protocols.shm import RingFull, RingProducer, TokenUpdate
+from protocols.shm import RingFull
+from protocols.shm_producer import RingProducer, TokenUpdate
 
 from .config import GatewayConfig
 from .errors import unavailable

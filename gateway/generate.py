@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from protocols.ring import ErrorCode, FinishReason, TokenLogprob
-from protocols.shm import TokenUpdate
+from protocols.shm_producer import TokenUpdate
 
 from .backends import RequestHandle
 from .detokenize import TextStream

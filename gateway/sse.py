@@ -23,7 +23,7 @@ from collections.abc import Callable
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
-from protocols.shm import TokenUpdate
+from protocols.shm_producer import TokenUpdate
 
 from .choices import Choices
 from .errors import ApiError

@@ -1,6 +1,6 @@
 """The gateway's end of the `tcp` transport: a ring producer whose ring is a `blink agent` over TCP.
 
-`TcpProducer` has the interface `Backend` uses of `protocols.shm.RingProducer` (submit, poll, cancel,
+`TcpProducer` has the interface `Backend` uses of `protocols.shm_producer.RingProducer` (submit, poll, cancel,
 release, reclaim, heartbeat, free_slots, connected, close), so nothing above it changes. Writes become
 frames (protocols/tcp_wire.py) queued in an outbox and sent once per event-loop pass; the agent's
 Tokens frames are accumulated per slot until `poll` takes them.
@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from protocols import tcp_wire as W
 from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry
-from protocols.shm import RingFull, TokenUpdate
+from protocols.shm import RingFull
+from protocols.shm_producer import TokenUpdate
 
 log = logging.getLogger("blink.gateway.tcp")
 

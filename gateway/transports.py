@@ -14,7 +14,8 @@ import grpc
 
 from protocols import control_pb2_grpc
 from protocols.rdma import RdmaLinkError, RdmaProducer
-from protocols.shm import RingAttachError, RingProducer, SqLock, attach_ring
+from protocols.shm import RingAttachError, SqLock, attach_ring
+from protocols.shm_producer import RingProducer
 
 from .config import GatewayConfig
 from .tcp_producer import AgentMismatch, TcpProducer

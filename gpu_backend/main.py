@@ -62,7 +62,8 @@ def run_backend(args: argparse.Namespace) -> int:
     from gpu_backend.models import load_model, model_fingerprint
     from gpu_backend.models.demo import default_cache_dir, ensure_demo_model
     from gpu_backend.models.random_tokenizer import ensure_random_tokenizer
-    from protocols.shm import RingConsumer, create_ring
+    from protocols.shm import create_ring
+    from protocols.shm_consumer import RingConsumer
 
     if args.threads:
         torch.set_num_threads(args.threads)

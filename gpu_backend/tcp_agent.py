@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from protocols import tcp_wire as W
 from protocols.ring import ErrorCode, FinishReason
-from protocols.shm import SHM_DIR, RingAttachError, RingFull, RingProducer, attach_ring
+from protocols.shm import SHM_DIR, RingAttachError, RingFull, attach_ring
+from protocols.shm_producer import RingProducer
 
 log = logging.getLogger("blink.agent")
 

@@ -21,7 +21,8 @@ from typing import Protocol
 
 from . import ring as R
 from .ring import ErrorCode, FinishReason, RequestSpec, RingGeometry
-from .shm import RingProducer, ShmRing, TokenUpdate
+from .shm import ShmRing
+from .shm_producer import RingProducer, TokenUpdate
 
 RESP_LINE_BYTES = 64  # line 0 of a response slot: seq, produced, finish, times, prompt_len, error_code
 HDR_ENGINE_LINE = (R.HDR_HEARTBEAT, 64)  # header line 2: heartbeat, state, stats

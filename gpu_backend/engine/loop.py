@@ -19,7 +19,7 @@ from typing import Protocol
 from gpu_backend.engine.scheduler import Batch, BlockManager, Finished, Scheduler, SchedulerConfig
 from gpu_backend.models import ModelConfig
 from protocols.ring import EngineState, ErrorCode, FinishReason, TokenLogprob
-from protocols.shm import RingConsumer, TakenRequest
+from protocols.shm_consumer import RingConsumer, TakenRequest
 
 log = logging.getLogger("blink.engine")
 

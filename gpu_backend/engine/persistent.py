@@ -36,7 +36,8 @@ from gpu_backend.models import ModelConfig
 from kernels import persistent_loop as native
 from protocols import ring as R
 from protocols.ring import EngineState, ErrorCode, FinishReason
-from protocols.shm import RingConsumer, ShmRing
+from protocols.shm import ShmRing
+from protocols.shm_consumer import RingConsumer
 
 log = logging.getLogger("blink.persistent")
 

@@ -21,7 +21,9 @@ from gpu_backend.control_server import ControlServer, Description
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer, start_gateway
 from protocols.ring import EngineState, ErrorCode, FinishReason, RingGeometry
-from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring
+from protocols.shm import attach_ring, create_ring
+from protocols.shm_consumer import RingConsumer
+from protocols.shm_producer import RingProducer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "

@@ -12,7 +12,9 @@ from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.route import Router
 from protocols.ring import FinishReason, RequestSpec, RingGeometry
-from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring
+from protocols.shm import attach_ring, create_ring
+from protocols.shm_consumer import RingConsumer
+from protocols.shm_producer import RingProducer
 
 GEOMETRY = RingGeometry(num_slots=2, max_prompt_len=16, max_output_len=8, max_stop_ids=2)
 

@@ -18,7 +18,8 @@ from gateway.errors import ApiError
 from gateway.main import config_from_args, parse_args
 from gateway.route import LeastOutstandingTokens, MostFreeKv, PrefixAffinity, Router
 from gateway.server import start_gateway
-from protocols.shm import RingProducer, attach_ring, create_ring
+from protocols.shm import attach_ring, create_ring
+from protocols.shm_producer import RingProducer
 
 from tests.gateway.conftest import ERROR_TOKEN, GEOMETRY, EchoEngine
 

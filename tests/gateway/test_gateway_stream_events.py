@@ -19,7 +19,7 @@ from gateway.generate import Generation
 from gateway.backends import RequestHandle
 from gateway.sse import HIGH_WATER_BYTES, SseBody
 from protocols.ring import FinishReason, RequestSpec, TokenLogprob
-from protocols.shm import TokenUpdate
+from protocols.shm_producer import TokenUpdate
 
 TEXTS = ["a", " w12", "", '"', "\\", "\\u0041", "/", "\x00\x01\x1f\x7f", "\n\r\t\b\f", "é", "🙂", "世界",
          "\u2028\u2029", "</script>", "\ufffd", "blink-chunk-text-7d1e", '"blink-chunk-text-7d1e"',

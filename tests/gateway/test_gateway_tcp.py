@@ -17,7 +17,9 @@ from gateway.tcp_producer import TcpProducer
 from gpu_backend.tcp_agent import TcpAgent
 from protocols import tcp_wire as W
 from protocols.ring import FinishReason, RequestSpec, RingGeometry, TokenLogprob
-from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring
+from protocols.shm import attach_ring, create_ring
+from protocols.shm_consumer import RingConsumer
+from protocols.shm_producer import RingProducer
 
 GEOMETRY = RingGeometry(num_slots=2, max_prompt_len=16, max_output_len=4, max_stop_ids=2)
 CONFIG = GatewayConfig(slot_wait_s=2.0, heartbeat_check_s=0.02, tcp_idle_timeout_s=0.5)

@@ -86,7 +86,9 @@ def _drain_reaches_every_worker(url: str, control: str, body: dict) -> None:
 def test_two_producers_share_a_ring_slot_by_slot(tmp_path):
     """What each worker does on an shm ring: disjoint slots, one lock around the submission queue."""
     from protocols.ring import RequestSpec, RingGeometry
-    from protocols.shm import RingConsumer, RingFull, RingProducer, SqLock, attach_ring, create_ring
+    from protocols.shm import RingFull, SqLock, attach_ring, create_ring
+    from protocols.shm_consumer import RingConsumer
+    from protocols.shm_producer import RingProducer
 
     ring = create_ring(f"blink-split-test-{os.getpid()}", RingGeometry(8, 16, 4, 2), "fp")
     try:

@@ -23,7 +23,9 @@ from gpu_backend.engine.loop import EngineConfig, EngineLoop  # noqa: E402
 from gpu_backend.engine.scheduler import Batch, ScheduledSeq, Sequence  # noqa: E402
 from gpu_backend.models import LlamaModel, preset_config  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec, RingGeometry  # noqa: E402
-from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring  # noqa: E402
+from protocols.shm import attach_ring, create_ring  # noqa: E402
+from protocols.shm_consumer import RingConsumer  # noqa: E402
+from protocols.shm_producer import RingProducer  # noqa: E402
 
 
 def _runner(model, cfg, **kw):

@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from test_gpu_runner import _drive, _peaky_model, _specs  # noqa: E402
 from gpu_backend.engine.loop import EngineConfig  # noqa: E402
 from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry  # noqa: E402
-from protocols.shm import RingProducer, attach_ring, create_ring  # noqa: E402
+from protocols.shm import attach_ring, create_ring  # noqa: E402
+from protocols.shm_producer import RingProducer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = EngineConfig(block_size=16, max_num_batched_tokens=64, max_num_seqs=8)

@@ -5,7 +5,9 @@ import os
 
 from gpu_backend.engine.persistent import PersistentEngine
 from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry
-from protocols.shm import RingConsumer, RingProducer, attach_ring, create_ring
+from protocols.shm import attach_ring, create_ring
+from protocols.shm_consumer import RingConsumer
+from protocols.shm_producer import RingProducer
 
 
 def _engine_over(ring) -> PersistentEngine:

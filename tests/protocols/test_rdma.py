@@ -9,7 +9,9 @@ import pytest
 from protocols import ring as R
 from protocols.rdma import RdmaLinkError, RdmaProducer
 from protocols.ring import FinishReason, RequestSpec, RingGeometry
-from protocols.shm import RingConsumer, RingProducer, ShmRing, attach_ring, create_ring
+from protocols.shm import ShmRing, attach_ring, create_ring
+from protocols.shm_consumer import RingConsumer
+from protocols.shm_producer import RingProducer
 
 GEOM = RingGeometry(num_slots=4, max_prompt_len=32, max_output_len=8, max_stop_ids=4)
 

@@ -8,7 +8,9 @@ import pytest
 
 from protocols import ring as R
 from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry, TokenLogprob
-from protocols.shm import RingAttachError, RingConsumer, RingFull, RingProducer, attach_ring, create_ring
+from protocols.shm import RingAttachError, RingFull, attach_ring, create_ring
+from protocols.shm_consumer import RingConsumer
+from protocols.shm_producer import RingProducer
 
 GEOM = RingGeometry(num_slots=4, max_prompt_len=32, max_output_len=8, max_stop_ids=4)
 
@@ -225,7 +227,8 @@ def test_two_processes_share_the_ring(ring):
     prod = RingProducer(ring)
     slot = prod.submit(spec(n=4))
     code = f"""
-from protocols.shm import attach_ring, RingConsumer
+from protocols.shm import attach_ring
+from protocols.shm_consumer import RingConsumer
 from protocols.ring import FinishReason
 cons = RingConsumer(attach_ring({ring.name!r}))
 [t] = cons.take_new()
