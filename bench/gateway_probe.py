@@ -2,7 +2,8 @@
 
     python bench/gateway_probe.py PROBE_JSON PROFILE_FILE GATEWAY_ARGS...
 
-Every byte of a streamed body goes through `gateway.sse._write` (in the poller or the stream's task) or
+Every byte of a streamed body before its end goes to the transport of its `gateway.sse.SseBody` (from
+the poller's sink or the stream's task; the probe wraps that transport's `write`), its end through
 `_write_end` (`gateway.http._write` before those); the probe records when each write is handed to the
 transport and, at exit, the token ids (`w123` words of the ring-traffic vocabulary) in the chunk texts of
 that write: [[monotonic ns, token id], ...] in PROBE_JSON (empty: no probe). PROFILE_FILE
@@ -32,10 +33,24 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
     # Kept cheap (well under 1 us a write, no object the GC tracks): times and bytes now, ids parsed at exit.
     times_ns, writes = array.array("q"), []
 
-    def probed_write(body, data: bytes) -> None:  # gateway.sse: every write before a stream's end
-        times_ns.append(time.monotonic_ns())
-        writes.append(data)
-        write(body, data)
+    class ProbedTransport:  # gateway.sse: a body's transport, through which every write before its end goes
+        __slots__ = ("write", "is_closing", "get_write_buffer_size", "get_extra_info")
+
+        def __init__(self, transport) -> None:
+            transport_write = transport.write
+
+            def write(data: bytes) -> None:
+                times_ns.append(time.monotonic_ns())
+                writes.append(data)
+                transport_write(data)
+            self.write = write
+            self.is_closing, self.get_write_buffer_size = transport.is_closing, transport.get_write_buffer_size
+            self.get_extra_info = transport.get_extra_info
+
+    def probed_body_init(body, *args, **kwargs) -> None:
+        body_init(body, *args, **kwargs)
+        if body.transport is not None:
+            body.transport = ProbedTransport(body.transport)
 
     async def probed_write_end(body, data: bytes) -> None:  # gateway.sse: a stream's last write
         times_ns.append(time.monotonic_ns())
@@ -62,7 +77,8 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
         except ImportError:
             http_write, http._write = http._write, probed_http_write
         else:
-            (write, sse._write), (write_end, sse._write_end) = (sse._write, probed_write), (sse._write_end, probed_write_end)
+            body_init, sse.SseBody.__init__ = sse.SseBody.__init__, probed_body_init
+            write_end, sse._write_end = sse._write_end, probed_write_end
     profiler = None
     if profile:
         import cProfile

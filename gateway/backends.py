@@ -145,9 +145,11 @@ class RequestHandle:
 
     def produced(self, num_tokens: int) -> int:
         """`num_tokens` more arrived; returns by how much `outstanding_tokens` fell."""
-        before = self.outstanding_tokens
-        self.num_produced += num_tokens
-        return before - self.outstanding_tokens
+        # `outstanding_tokens` before and after, inlined: once per update of every request
+        produced, max_tokens = self.num_produced, self.spec.max_tokens
+        before = (len(self.spec.prompt_ids) if produced == 0 else 0) + (max_tokens - produced if max_tokens > produced else 0)
+        self.num_produced = produced = produced + num_tokens
+        return before - (len(self.spec.prompt_ids) if produced == 0 else 0) - (max_tokens - produced if max_tokens > produced else 0)
 
     async def next(self) -> TokenUpdate | None:
         """The next update; None when the reader was woken without one (`UpdateQueue.wake`)."""
@@ -358,16 +360,19 @@ class Backend:
         num_updates = 0
         if self._slot_list is None:
             self._slot_list = list(self._requests)
+        requests, poll = self._requests, self._producer.poll  # bound once a round, used once per update
         for slot in self._producer.ready_slots(self._slot_list):
-            handle = self._requests[slot]
-            update = self._producer.poll(slot)
-            if not update.tokens and not update.finish:  # FinishReason.NONE is 0
+            handle = requests[slot]
+            update = poll(slot)
+            tokens = update.tokens
+            if not tokens and not update.finish:  # FinishReason.NONE is 0
                 continue
             num_updates += 1
             if not handle.abandoned:
-                if update.tokens:
-                    self._outstanding -= handle.produced(len(update.tokens))
-                if handle.sink is None or not handle.sink(update):
+                if tokens:
+                    self._outstanding -= handle.produced(len(tokens))
+                sink = handle.sink
+                if sink is None or not sink(update):
                     handle.queue.put_nowait(update)
             if update.finish:
                 del self._requests[slot]

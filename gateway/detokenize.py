@@ -166,6 +166,11 @@ class StopMatcher:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
 
+    @property
+    def stops(self) -> bool:
+        """It has stop strings to look for (without, `feed` passes text through)."""
+        return bool(self._stops)
+
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, matched)."""
         if not self._stops:
@@ -211,6 +216,15 @@ class TextStream:
         self.stopped = False  # a stop string matched
 
     def add(self, token_ids: Iterable[int]) -> str:
+        if not self._matcher.stops:  # no stop string: one cached piece per token, nothing held back
+            if self.stopped:
+                return ""
+            add, text, num_tokens = self._detok.add, "", self.num_tokens
+            for token_id in token_ids:
+                text += add(token_id)
+                num_tokens += 1
+            self.num_tokens = num_tokens
+            return text
         out = []
         for token_id in token_ids:
             if self.stopped:

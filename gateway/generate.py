@@ -106,21 +106,30 @@ class Generation:
         """One update in: the piece it completes (the last one with finish_reason set), or None while its
         tokens make no text yet. Synchronous, so that the poller can run it (see `hold`). Raises ApiError
         for an engine failure, `_MayFailOver` when another backend may still take the request."""
-        if update.tokens:
-            self.last_token_s = time.perf_counter()
-            self.first_token_s = self.first_token_s or self.last_token_s
-        num_before = self.stream.num_tokens
-        tokens = self._within_budget(update.tokens)
-        text = self.stream.add(tokens)
-        num_used = self.stream.num_tokens - num_before  # none after a stop string
-        self._ids += tokens[:num_used]
-        self._lps += update.logprobs[:num_used]
-        if self.stream.stopped:
+        tokens, stream = update.tokens, self.stream
+        if tokens:
+            self.last_token_s = now_s = time.perf_counter()
+            if not self.first_token_s:
+                self.first_token_s = now_s
+        num_before = stream.num_tokens
+        if self.budget_tokens is not None:
+            tokens = tokens[:max(0, self.budget_tokens - num_before)]
+        text = stream.add(tokens)
+        num_used = stream.num_tokens - num_before  # none after a stop string
+        if num_used:
+            self._ids += tokens if num_used == len(tokens) else tokens[:num_used]
+            if update.logprobs:
+                self._lps += update.logprobs[:num_used]
+        if stream.stopped:
             return self._finish(text, "stop")
         if len(tokens) < len(update.tokens) or (not update.finish and self._budget_spent):
-            return self._finish(text + self.stream.finish(), "length")
+            return self._finish(text + stream.finish(), "length")
         if not update.finish:  # FinishReason.NONE is 0
-            return self._piece(text) if text else None
+            if not text:
+                return None
+            piece = Piece(text, None, self._ids, self._lps)  # `_piece`, inlined: once per token streamed
+            self._ids, self._lps = [], []
+            return piece
         if update.finish not in _FINISH_NAMES:
             if self._may_fail_over(update):
                 raise _MayFailOver

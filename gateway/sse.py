@@ -107,27 +107,43 @@ class SseBody:
                 gen.handle.sink = None
 
     def _sink(self, index: int, gen: Generation) -> Callable[[TokenUpdate], bool]:
+        # The poller's hot path (once per token per stream): everything it reads is bound here once, and a
+        # plain text piece goes out as one formatted frame (event and chunked framing in one step).
+        transport, writer, chunked, fmt, choices = self.transport, self.writer, self.chunked, self.fmt, self.choices
+        if transport is None:
+            return lambda update: False  # no connection to write to: the task takes every update
+        is_closing, buffered, take, chunk_json = (transport.is_closing, transport.get_write_buffer_size,
+                                                  gen.take, fmt.chunk_json)
+        write, several = transport.write, len(choices.gens) > 1
+
         def sink(update: TokenUpdate) -> bool:
             """Runs in the poller: True once the update's events (if any) are written, False to queue it."""
-            if update.finish or not self._writable(gen):  # a finish (FinishReason.NONE is 0) is the task's
+            # Not writable now: a finish (FinishReason.NONE is 0) is the task's; so is
+            # anything after a piece still waiting for the task (this choice's, or with n > 1 another's),
+            # a closing connection and a slow client's.
+            if (update.finish or gen._held is not None or gen.handle.queue or (several and not choices.in_order)
+                    or is_closing() or buffered() > HIGH_WATER_BYTES):
                 return False
             try:
-                piece = gen.take(update)
+                piece = take(update)
                 if piece is not None:
                     if piece.finish_reason:
                         gen.hold(piece)  # the end is the task's
-                    else:
-                        _write(self, piece_events(self.fmt, index, piece))
+                    elif piece.logprobs:
+                        _write(self, piece_events(fmt, index, piece))
+                    elif piece.text:  # `piece_events` of a plain text piece, framed as `_write` frames it
+                        chunk = chunk_json(index, piece.text)
+                        if chunked:
+                            frame = b"%x\r\ndata: %s\n\n\r\n" % (len(chunk) + 8, chunk)
+                        else:
+                            frame = b"data: %s\n\n" % chunk
+                        writer.output_size += len(frame)
+                        write(frame)
             except Exception as exc:  # never into the poller (it would fail every request): to the reader
                 log.exception("request %d: streaming a piece failed", self.choices.request_id)
                 gen.hold(exc)
             return True
         return sink
-
-    def _writable(self, gen: Generation) -> bool:
-        """The next piece of `gen` may be written now, in order, without waiting for the client."""
-        return (gen.in_order and self.choices.in_order and not self.transport.is_closing()
-                and self.transport.get_write_buffer_size() <= HIGH_WATER_BYTES)
 
 
 def piece_events(fmt: OutputFormat, index: int, piece: Piece) -> bytes:

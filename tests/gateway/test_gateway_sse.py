@@ -61,21 +61,50 @@ def _stream(harness, body: dict, rcvbuf: int | None = None) -> socket.socket:
     return sock
 
 
+class _Watched:
+    """A body's transport with its writes (the task that made each) and its buffer checks on record: both of a
+    body's ways of writing (its task's `_write` and the poller's sink) go through `body.transport`."""
+
+    def __init__(self, transport):
+        self._transport, self.writers, self.most_buffered = transport, [], 0
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def write(self, data: bytes) -> None:
+        self.writers.append(asyncio.current_task().get_name())
+        self._transport.write(data)
+
+    def get_write_buffer_size(self) -> int:
+        size = self._transport.get_write_buffer_size()
+        self.most_buffered = max(self.most_buffered, size)
+        return size
+
+
+def _watch_bodies(monkeypatch, bodies: list, first_sndbuf: int | None = None) -> None:
+    """Every SseBody made from now on gets a `_Watched` transport and goes into `bodies`."""
+    init = sse.SseBody.__init__
+
+    def watched_init(self, *args):
+        init(self, *args)
+        if first_sndbuf and not bodies:
+            self.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, first_sndbuf)
+        self.transport = _Watched(self.transport)
+        bodies.append(self)
+    monkeypatch.setattr(sse.SseBody, "__init__", watched_init)
+
+
 def test_the_poller_writes_the_chunks(harness, monkeypatch):
     """After the first piece, a stream's chunks leave from the poller's task, not the stream's own."""
-    writers = []
-    write = sse._write
-
-    def recording_write(body, data):
-        writers.append(asyncio.current_task().get_name())
-        write(body, data)
-    monkeypatch.setattr(sse, "_write", recording_write)
+    bodies = []
+    _watch_bodies(monkeypatch, bodies)
     prompt = harness.tokenizer.encode("hello world", add_special_tokens=False).ids
     sock = _stream(harness, {"model": harness.model, "prompt": prompt, "max_tokens": 40, "stream": True})
     texts = _texts(_read_body(sock))
     sock.close()
     assert "".join(texts) == harness.tokenizer.decode((prompt * 40)[:40])
-    assert sum(name.startswith("poller") for name in writers) >= len(writers) - 2, writers
+    writers = bodies[0].transport.writers
+    assert len(writers) >= 10 and sum(name.startswith("poller") for name in writers) >= len(writers) - 2, writers
 
 
 def test_a_slow_reader_does_not_stall_other_streams_and_loses_nothing(harness, monkeypatch):
@@ -83,21 +112,8 @@ def test_a_slow_reader_does_not_stall_other_streams_and_loses_nothing(harness, m
     over the high-water mark (its kernel buffers made small, the mark low: the echo engine's streams are
     short), its task takes over and waits; the other streams go on, and the slow one gets every token."""
     monkeypatch.setattr(sse, "HIGH_WATER_BYTES", 512)
-    bodies, init, writable = [], sse.SseBody.__init__, sse.SseBody._writable
-    most_buffered = [0]
-
-    def first_body_small_buffers(self, *args):
-        init(self, *args)
-        if not bodies:
-            self.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        bodies.append(self)
-
-    def recording_writable(self, gen):
-        if self is bodies[0]:
-            most_buffered[0] = max(most_buffered[0], self.transport.get_write_buffer_size())
-        return writable(self, gen)
-    monkeypatch.setattr(sse.SseBody, "__init__", first_body_small_buffers)
-    monkeypatch.setattr(sse.SseBody, "_writable", recording_writable)
+    bodies = []
+    _watch_bodies(monkeypatch, bodies, first_sndbuf=4096)
     prompt = harness.tokenizer.encode("the quick brown fox", add_special_tokens=False).ids
     body = {"model": harness.model, "prompt": prompt, "max_tokens": 200, "stream": True}
     expected = harness.tokenizer.decode((prompt * 200)[:200])
@@ -109,7 +125,7 @@ def test_a_slow_reader_does_not_stall_other_streams_and_loses_nothing(harness, m
         others_s = time.monotonic() - t0
     assert all("".join(texts) == expected for texts in others)
     assert others_s < 3.0
-    assert most_buffered[0] > sse.HIGH_WATER_BYTES  # the slow stream did leave the poller
+    assert bodies[0].transport.most_buffered > sse.HIGH_WATER_BYTES  # the slow stream did leave the poller
     texts = _texts(_read_body(slow))
     slow.close()
     assert "".join(texts) == expected  # every token, once, in order
