@@ -76,10 +76,15 @@ def decode_batch(runner: GpuRunner, batch_size: int, ctx_len: int) -> Batch:
     return Batch(entries)
 
 
-def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
+def _graph_for(runner: GpuRunner, batch: Batch) -> torch.cuda.CUDAGraph:
+    """`batch` written into the runner's step buffer; the bucket graph that runs it."""
     bucket, greedy, _ = runner.fill(batch)
     runner.bufs.upload(len(batch.entries))
-    graph = runner.graphs[(bucket, greedy)]
+    return runner.graphs[(bucket, greedy)]
+
+
+def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
+    graph = _graph_for(runner, batch)
     for _ in range(5):
         graph.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -95,12 +100,11 @@ def mechanism_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> floa
     """The same replay run the way the loop runs a step (WHILE { kernel -> SWITCH(graph) }), no scheduling."""
     from kernels import persistent_loop
 
-    bucket, greedy, _ = runner.fill(batch)
-    runner.bufs.upload(len(batch.entries))
+    graph = _graph_for(runner, batch)
     torch.cuda.synchronize()
     ns = ctypes.c_double()
     persistent_loop.check(persistent_loop.load().blink_loop_bench_mechanism(
-        runner.graphs[(bucket, greedy)].raw_cuda_graph(), reps, ctypes.byref(ns)), "the mechanism's replay")
+        graph.raw_cuda_graph(), reps, ctypes.byref(ns)), "the mechanism's replay")
     return ns.value / 1e6
 
 

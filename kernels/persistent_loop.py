@@ -43,9 +43,8 @@ class LoopArgs(ctypes.Structure):  # blink_loop_args
                 + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns")]
                 + [(f"c_{n}", _u64) for n in COUNTERS]
                 # the speculation (blink_loop_create fills all but step_buf_alt)
-                + [(n, _p) for n in ("step_buf_alt", "hot_alt", "tokens", "stop_ids", "rows", "err_slot", "err_code",
-                                     "new_token")]
-                + [(n, _u64) for n in ("sq_head_alt", "spec_tail")]
+                + [(n, _p) for n in ("step_buf_alt", "hot_alt", "tokens", "stop_ids", "rows", "err_slot", "err_code")]
+                + [(n, _u64) for n in ("new_token_offset", "sq_head_alt", "spec_tail")]
                 + [(n, _u32) for n in ("cur", "buf", "spec_ok", "spec_branch", "spec_rows", "num_err", "exiting",
                                        "num_eos")]
                 + [("eos_ids", ctypes.c_int32 * MAX_EOS)])

@@ -68,13 +68,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
     blink_sched_update_par(&s, a->sampled32, x.par);
     if (threadIdx.x == 0) {
       h->num_entries = 0;
-      a->c.steps += 1;
-      a->c.tokens += h->num_new;
-      if (a->last_commit_ns) {
-        a->c.busy_ns += t0 - a->last_commit_ns;
-        a->c.busy_steps += 1;
-      }
-      a->last_commit_ns = t0;
+      count_step(a, t0, h->num_new);
     }
     __syncthreads();
   }
@@ -279,7 +273,7 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   args.rows = (spec_row*)L->owned[1];
   args.err_slot = (int32_t*)L->owned[2];
   args.err_code = (int32_t*)L->owned[3];
-  args.new_token = nullptr;
+  args.new_token_offset = (uint64_t)((uint8_t*)carve.new_token - (uint8_t*)carve.h);
   args.sq_head_alt = args.sq_head;
   args.spec_tail = 0;
   args.cur = args.buf = args.spec_ok = args.spec_branch = args.spec_rows = args.num_err = args.exiting = 0;

@@ -88,7 +88,7 @@ struct blink_loop_args {
   spec_row* rows;                             // [max_seqs] per sampled row of the running step (spec kernel)
   int32_t* err_slot;                      // [num_slots] admission errors the speculation found (deferred)
   int32_t* err_code;
-  int32_t* new_token;                     // the speculated state's new_token (where placeholders go)
+  uint64_t new_token_offset;              // new_token's byte offset in a hot copy (where placeholders go)
   uint64_t sq_head_alt;                   // the speculated state's submission head
   uint64_t spec_tail;                     // the submission tail the speculation saw
   uint32_t cur;                           // which hot copy is the real state (0: sched_mem, 1: hot_alt)
@@ -401,6 +401,17 @@ __device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
     __threadfence_system();
     st_v(&a->ctl->exited, 1u);
   }
+}
+
+// Thread 0: a model step was committed at t0 with `tokens` new tokens (busy time: back-to-back steps only).
+__device__ void count_step(blink_loop_args* a, uint64_t t0, int32_t tokens) {
+  a->c.steps += 1;
+  a->c.tokens += tokens;
+  if (a->last_commit_ns) {
+    a->c.busy_ns += t0 - a->last_commit_ns;
+    a->c.busy_steps += 1;
+  }
+  a->last_commit_ns = t0;
 }
 
 __device__ void mirror_counters(blink_loop_args* a) {  // thread 0: device counters -> the host's view

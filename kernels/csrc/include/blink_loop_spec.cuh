@@ -57,11 +57,12 @@ __device__ int take_speculation(blink_loop_args* a, uint64_t t0) {
   }
   if (__syncthreads_or(bad)) return 0;
   int32_t* input = (int32_t*)step_buf_of(a, 1 - a->buf);  // input_ids: the step buffer's first field
+  int32_t* new_token = (int32_t*)(hot_of(a, 1 - a->cur) + a->new_token_offset);  // the speculated state's
   for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
     const spec_row r = a->rows[j];
     const int32_t token = (int32_t)a->sampled[j];
     a->tokens[r.hist] = token;
-    a->new_token[j] = token;
+    new_token[j] = token;
     if (r.input_row >= 0) input[r.input_row] = token;
   }
   if (threadIdx.x == 0) {
@@ -69,15 +70,9 @@ __device__ int take_speculation(blink_loop_args* a, uint64_t t0) {
     a->cur ^= 1u;
     a->buf ^= 1u;
     a->spec_ok = 0;
-    a->c.steps += 1;
-    a->c.tokens += n;
+    count_step(a, t0, (int32_t)n);
     a->c.spec_hits += 1;
     a->c.iterations += 1;
-    if (a->last_commit_ns) {
-      a->c.busy_ns += t0 - a->last_commit_ns;
-      a->c.busy_steps += 1;
-    }
-    a->last_commit_ns = t0;
     a->c.sched_ns += now_ns() - t0;
   }
   return 1;
@@ -140,7 +135,6 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
       a->spec_branch = branch_of(h, bucket, next_buf);
       a->spec_tail = tail;
       a->spec_rows = (uint32_t)n;
-      a->new_token = (int32_t*)(dst + ((uint8_t*)s.new_token - (uint8_t*)s.h));
       a->spec_ok = 1;
     } else {
       a->c.spec_misses += 1;
