@@ -38,7 +38,8 @@ class LoopArgs(ctypes.Structure):  # blink_loop_args
                 + [("sched_mem", _p), ("hot_bytes", _u64), ("smem_bytes", _u32), ("_pad0", _u32)]
                 + [(n, _p) for n in ("step_buf", "sampled", "sampled32", "slot_seq", "slot_produced", "room",
                                      "order", "cancel", "par", "ctl")]
-                + [("loop_handle", _u64), ("branch_handle", _u64), ("num_branches", _u32), ("check_tail", _u32),
+                + [("loop_handle", _u64), ("branch_handle", _u64), ("full_handle", _u64), ("num_branches", _u32),
+                   ("check_tail", _u32),
                    ("clock_offset_ns", _i64)]
                 + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns")]
                 + [(f"c_{n}", _u64) for n in COUNTERS]
@@ -46,7 +47,7 @@ class LoopArgs(ctypes.Structure):  # blink_loop_args
                 + [(n, _p) for n in ("step_buf_alt", "hot_alt", "tokens", "stop_ids", "rows", "err_slot", "err_code")]
                 + [(n, _u64) for n in ("new_token_offset", "sq_head_alt", "spec_tail")]
                 + [(n, _u32) for n in ("cur", "buf", "spec_ok", "spec_branch", "spec_rows", "num_err", "exiting",
-                                       "num_eos")]
+                                       "num_eos", "spec_done", "_pad1")]
                 + [("eos_ids", ctypes.c_int32 * MAX_EOS)])
 
 
@@ -84,7 +85,8 @@ def load() -> ctypes.CDLL:
         "blink_loop_unregister": (i32, [_p]),
         "blink_loop_alloc_ctl": (i32, [pp, pp]),
         "blink_loop_read_globaltimer": (i32, [ctypes.POINTER(_u64)]),
-        "blink_loop_create": (i32, [ctypes.POINTER(LoopArgs), pp, _u32, pp]),
+        "blink_loop_create": (i32, [ctypes.POINTER(LoopArgs), pp, pp, _u32, pp]),
+        "blink_loop_take_linked": (_u32, [_p]),
         "blink_loop_launch": (i32, [_p]),
         "blink_loop_smem_bytes": (_u32, [_p]),
         "blink_loop_poll": (i32, [_p]),

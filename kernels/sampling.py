@@ -4,8 +4,8 @@ logit rounding).
 
 Three steps, all graph-capturable (fixed grids from shapes, parameters read from device tensors, no
 host sync, no .item()):
-1. `_softmax_kernel` (Triton), one program per row: argmax of the raw logits (the token of greedy rows:
-   temperature <= 0 or top_k == 1) and probs = softmax(logits / temperature), like the CPU engine.
+1. `_softmax_kernel` (Triton), one program per row: argmax of the raw logits (written as the token of
+   greedy rows only: temperature <= 0 or top_k == 1) and probs = softmax(logits / temperature), like the CPU engine.
 2. `torch.sort(probs, descending=True, stable=True)`. A full-vocabulary sort is what makes the
    inverse-CDF draw identical to the CPU engine's for every top_k/top_p/min_p (the filters are defined
    on the descending order and the draw walks it). torch.sort runs on device with no host sync and is
@@ -72,7 +72,10 @@ def _softmax_kernel(logits_ptr, temp_ptr, top_k_ptr, probs_ptr, tokens_ptr, voca
         z = z * tl.exp(m - m_safe) + tl.exp(y - m_safe)
         m = m_new
     top = tl.max(best, axis=0)
-    tl.store(tokens_ptr + row, tl.min(tl.where(best == top, best_idx, vocab), axis=0).to(tokens_ptr.dtype.element_ty))
+    # greedy rows only: every row's token is written once (by this kernel or `_select_kernel`), so the
+    # persistent loop can take a row's token as final as soon as it differs from the -1 it left there
+    tl.store(tokens_ptr + row, tl.min(tl.where(best == top, best_idx, vocab), axis=0).to(tokens_ptr.dtype.element_ty),
+             mask=greedy)
     m_row = tl.max(m, axis=0)
     z_row = tl.sum(z * tl.exp(m - m_row), axis=0)
     for start in range(0, vocab, BLOCK):

@@ -76,6 +76,7 @@ class PersistentEngine:
         self._loop = ctypes.c_void_p()
         self._registered = False
         self.smem_bytes = 0
+        self.take_linked = 0  # bucket graphs whose take kernel starts after the logits (all, normally)
 
     # ---- set-up ------------------------------------------------------------------------------------
     def _register_ring(self) -> int:
@@ -120,14 +121,23 @@ class PersistentEngine:
         children = [graphs[(bucket, greedy)].raw_cuda_graph()  # branch 2 * (buffer * buckets + i) + greedy
                     for graphs in runner.set_graphs for bucket in runner.buckets for greedy in (False, True)]
         child_array = (ctypes.c_void_p * len(children))(*children)
+        samplers = runner.sampler_graphs()  # same order: where each graph's logits are done
+        sampler_array = (ctypes.c_void_p * len(samplers))(*[g.raw_cuda_graph() for g in samplers])
         torch.cuda.synchronize(runner.device)  # every set-up copy done before the loop reads its state
         t0 = time.perf_counter()
-        native.check(self.lib.blink_loop_create(ctypes.byref(args), child_array, len(children),
+        native.check(self.lib.blink_loop_create(ctypes.byref(args), child_array, sampler_array, len(children),
                                                 ctypes.byref(self._loop)), "building the loop graph")
+        del samplers
         self.smem_bytes = self.lib.blink_loop_smem_bytes(self._loop)
+        self.take_linked = self.lib.blink_loop_take_linked(self._loop)
         log.info("loop graph: %d bucket graphs under one WHILE/SWITCH graph, instantiated in %.2f s; scheduler "
-                 "state in %s", len(children), time.perf_counter() - t0,
-                 f"{self.smem_bytes} B of shared memory" if self.smem_bytes else "global memory (too many slots)")
+                 "state in %s; the take kernel starts after the logits in %d of them", len(children),
+                 time.perf_counter() - t0,
+                 f"{self.smem_bytes} B of shared memory" if self.smem_bytes else "global memory (too many slots)",
+                 self.take_linked)
+        if self.take_linked < len(children):
+            log.warning("%d bucket graphs do not end with their sampler's nodes: their take kernel waits from the "
+                        "graph's start (one SM's block slot held for the whole step)", len(children) - self.take_linked)
         consumer = RingConsumer(self.ring)
         consumer.set_stats(self.num_blocks, self.num_blocks, 0, 0)  # the loop keeps free/running/waiting current
         consumer.set_state(EngineState.SERVING)

@@ -1,12 +1,10 @@
 // The GPU-resident loop: one CUDA graph, launched once, that serves the ring with no host CPU per token.
 //
 //   WHILE (loop_handle) {
-//     step kernel       accept the speculation below when the step that just ran sampled no stop token and
-//                       nothing new is queued (write its tokens where it left placeholders: a few stores);
-//                       otherwise the full step: apply the sampled tokens, admit new requests from the ring,
-//                       honour cancels, choose the next step and fill its step buffer (blink_sched.h, with
-//                       the block-parallel parts of blink_sched_par.cuh) -- or, with nothing to run, spin
-//                       (one block) until work comes. Then pick the bucket graph.
+//     IF (full_handle)  the full step (blink_loop_step): apply the sampled tokens, admit new requests from
+//                       the ring, honour cancels, choose the next step and fill its step buffer (blink_sched.h,
+//                       with the block-parallel parts of blink_sched_par.cuh) -- or, with nothing to run,
+//                       spin (one block) until work comes. Then pick the bucket graph.
 //     then, side by side:
 //       SWITCH (branch) step buffer b, bucket i: branch 2 * (b * num_buckets + i) + greedy (child graphs
 //                       captured by PyTorch over one of two step buffers)
@@ -15,10 +13,15 @@
 //                       ones are shared, written only where the real state does not look), step n's tokens
 //                       applied as placeholders, the ring polled and admitted (errors and cancels deferred),
 //                       the step chosen and filled into the other step buffer
+//     and in each SWITCH branch, after the graph's logits (beside its sampler):
+//       take kernel     waits for the spec kernel and the sampled tokens; when no token stops its sequence and
+//                       nothing new is queued, takes the speculation (writes the tokens where it left
+//                       placeholders: a few stores), picks the next graph and clears full_handle; else sets it
 //   }
-// So the step's critical path between two bucket graphs is the short check, not the scheduler. A step that
-// samples a stop token (or would preempt, or finds new requests queued after the speculation looked) takes
-// the full path: the decisions are always those of the serial scheduler on the real state.
+// So between two bucket graphs there is only the take kernel's last microsecond and the conditional nodes,
+// not the scheduler. A step that samples a stop token (or would preempt, or finds new requests queued after
+// the speculation looked) takes the full path: the decisions are always those of the serial scheduler on
+// the real state.
 // The kernels keep the scheduler's hot state (header, per-slot scalars, lists) in shared memory for
 // their serial parts: one thread walking global memory pays a cache miss per load.
 //
@@ -38,23 +41,14 @@
 #include "blink_loop_spec.cuh"
 #include "blink_sched_par.cuh"
 
-// ---- the loop body: this kernel, then SWITCH (the bucket graph) beside publish -> spec ----------------------
-// Takes the speculation when it holds; else the full step: commits the last step's tokens to the scheduler,
+// ---- the full step (the IF node), then SWITCH (the bucket graph) beside publish -> spec -> take ------------
+// Runs when blink_loop_take did not take the speculation: commits the last step's tokens to the scheduler,
 // takes new requests and cancels, chooses and fills the next step and picks its graph. With nothing to run
 // it publishes what is pending itself, then polls (one block, short sleeps, a heartbeat every millisecond).
 __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop_args* a) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ blink_sched s;
   const uint64_t t0 = now_ns();
-  if (a->spec_ok) {
-    if (take_speculation(a, t0)) return;
-    if (threadIdx.x == 0) {
-      a->spec_ok = 0;
-      a->num_err = 0;  // the full step below admits those requests again
-      a->c.spec_misses += 1;
-    }
-    __syncthreads();
-  }
   ring_look look;
   look_issue(a, look);
   const uint32_t cur = a->cur, next_buf = 1u - a->buf;
@@ -64,6 +58,8 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
   blink_sched_header* h = s.h;
   if (h->num_entries > 0) {  // the step that just ran: its tokens into the scheduler (published below)
     for (int32_t i = threadIdx.x; i < h->num_sampled; i += blockDim.x) a->sampled32[i] = (int32_t)a->sampled[i];
+    const int32_t rows = (int32_t)graph_rows(h);  // read: back to -1 for blink_loop_take (same thread, same row)
+    for (int32_t i = threadIdx.x; i < rows; i += blockDim.x) a->sampled[i] = -1;
     __syncthreads();
     blink_sched_update_par(&s, a->sampled32, x.par);
     if (threadIdx.x == 0) {
@@ -177,8 +173,31 @@ struct blink_loop {
   cudaStream_t stream;
   blink_loop_args* dev_args;
   uint32_t smem_bytes;  // the step kernel's dynamic shared memory (0: its state stays in global memory)
+  uint32_t take_linked; // branches whose take kernel starts after the graph's logits (else with the graph)
   void* owned[4];       // the speculation's buffers (hot_alt, rows, err_slot, err_code)
 };
+
+// In `g` (one stream's capture, whose nodes come in capture order), the node captured just before its
+// last `tail` nodes, if one of those depends on it; else nullptr. Only a start signal: what starts there
+// waits for its data itself.
+static cudaGraphNode_t node_before_tail(cudaGraph_t g, size_t tail) {
+  size_t n = 0;
+  if (cudaGraphGetNodes(g, nullptr, &n) != cudaSuccess || n <= tail) return nullptr;
+  cudaGraphNode_t* nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * n);
+  cudaGraphNode_t found = nullptr;
+  size_t count = 0;
+  if (cudaGraphGetNodes(g, nodes, &n) == cudaSuccess &&
+      cudaGraphNodeGetDependentNodes(nodes[n - tail - 1], nullptr, nullptr, &count) == cudaSuccess && count) {
+    cudaGraphNode_t* next = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * count);
+    if (cudaGraphNodeGetDependentNodes(nodes[n - tail - 1], next, nullptr, &count) == cudaSuccess)
+      for (size_t j = 0; j < count && !found; ++j)
+        for (size_t i = n - tail; i < n && !found; ++i)
+          if (next[j] == nodes[i]) found = nodes[n - tail - 1];
+    free(next);
+  }
+  free(nodes);
+  return found;
+}
 
 #define BLINK_TRY(call, code)               \
   do {                                      \
@@ -224,8 +243,10 @@ int blink_loop_read_globaltimer(uint64_t* out) {
 // Build the loop graph around `children` (num_branches cudaGraph_t: branch 2 * (b * num_buckets + i) + g =
 // bucket i over step buffer b (step_buf, step_buf_alt), sampled (g = 0) or greedy (g = 1)), with `args`
 // (host copy; its handles and the speculation's buffers are filled here) copied to device memory.
-int blink_loop_create(const blink_loop_args* args_in, void* const* children, uint32_t num_branches,
-                      blink_loop** out) {
+// `samplers[i]`: the sampling part of children[i] captured alone (its node count says where the logits
+// are done: blink_loop_take starts there).
+int blink_loop_create(const blink_loop_args* args_in, void* const* children, void* const* samplers,
+                      uint32_t num_branches, blink_loop** out) {
   blink_loop* L = new blink_loop();
   blink_loop_args args = *args_in;
   args.num_branches = num_branches;
@@ -242,7 +263,10 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   BLINK_TRY(cudaGraphAddNode(&loop_node, L->graph, nullptr, nullptr, 0, &loop_params), 4);
   cudaGraph_t body = loop_params.conditional.phGraph_out[0];
 
-  BLINK_TRY(cudaGraphConditionalHandleCreate(&args.branch_handle, body, num_branches, cudaGraphCondAssignDefault), 5);
+  // both set in one iteration for the next: created on the outer graph, so their defaults (the full step
+  // first, no branch) apply once, at the launch, not at each iteration
+  BLINK_TRY(cudaGraphConditionalHandleCreate(&args.branch_handle, L->graph, num_branches, cudaGraphCondAssignDefault), 5);
+  BLINK_TRY(cudaGraphConditionalHandleCreate(&args.full_handle, L->graph, 1, cudaGraphCondAssignDefault), 30);
   // the scheduler's hot prefix goes to shared memory when it fits, with the per-slot scratch after it
   blink_sched_header hdr;
   BLINK_TRY(cudaMemcpy(&hdr, args.sched_mem, sizeof(hdr), cudaMemcpyDeviceToHost), 15);
@@ -283,6 +307,8 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   args.num_eos = (uint32_t)hdr.cfg.num_eos;
   for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) args.eos_ids[i] = hdr.cfg.eos_ids[i];
   if (num_branches != 4u * (uint32_t)hdr.cfg.num_buckets || !args.step_buf_alt) return 25 * 1000;
+  // every row's token is awaited by blink_loop_take: -1 until the graph writes it (int64: 0xff bytes)
+  BLINK_TRY(cudaMemset(args.sampled, 0xff, sizeof(int64_t) * (uint64_t)hdr.cfg.step_max_seqs), 31);
   BLINK_TRY(cudaMalloc(&L->dev_args, sizeof(blink_loop_args)), 6);
   BLINK_TRY(cudaMemcpy(L->dev_args, &args, sizeof(blink_loop_args), cudaMemcpyHostToDevice), 7);
 
@@ -293,34 +319,56 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
   k.kernelParams = kernel_args;
   k.func = (void*)blink_loop_step;
   k.sharedMemBytes = args.smem_bytes;
-  cudaGraphNode_t step_node, switch_node, publish_node;
-  BLINK_TRY(cudaGraphAddKernelNode(&step_node, body, nullptr, 0, &k), 8);
+  cudaGraphNode_t full_node, step_node, switch_node, publish_node;
+  cudaGraphNodeParams full = {};
+  full.type = cudaGraphNodeTypeConditional;
+  full.conditional.handle = args.full_handle;
+  full.conditional.type = cudaGraphCondTypeIf;
+  full.conditional.size = 1;
+  BLINK_TRY(cudaGraphAddNode(&full_node, body, nullptr, nullptr, 0, &full), 8);
+  BLINK_TRY(cudaGraphAddKernelNode(&step_node, full.conditional.phGraph_out[0], nullptr, 0, &k), 32);
 
   cudaGraphNodeParams sw = {};
   sw.type = cudaGraphNodeTypeConditional;
   sw.conditional.handle = args.branch_handle;
   sw.conditional.type = cudaGraphCondTypeSwitch;
   sw.conditional.size = num_branches;
-  BLINK_TRY(cudaGraphAddNode(&switch_node, body, &step_node, nullptr, 1, &sw), 9);
-  for (uint32_t i = 0; i < num_branches; ++i) {
-    cudaGraphNode_t child;
+  BLINK_TRY(cudaGraphAddNode(&switch_node, body, &full_node, nullptr, 1, &sw), 9);
+  // beside the bucket graph, publish, spec and take go first whenever an SM frees up
+  // (BLINK_LOOP_SPEC_PRIORITY=0 leaves them at the default priority, for measuring)
+  const char* want = getenv("BLINK_LOOP_SPEC_PRIORITY");
+  const bool prioritize = !want || strcmp(want, "0") != 0;
+  cudaKernelNodeAttrValue priority = {};
+  if (prioritize) {
+    int least = 0, greatest = 0;
+    BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest), 27);
+    priority.priority = greatest;
+  }
+  L->take_linked = 0;
+  for (uint32_t i = 0; i < num_branches; ++i) {  // each branch: the bucket graph, its take kernel after the logits
+    cudaGraphNode_t child, take;
+    cudaGraph_t inner;
+    size_t sampler_nodes = 0;
     BLINK_TRY(cudaGraphAddChildGraphNode(&child, sw.conditional.phGraph_out[i], nullptr, 0, (cudaGraph_t)children[i]), 10);
+    BLINK_TRY(cudaGraphChildGraphNodeGetGraph(child, &inner), 35);
+    BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)samplers[i], nullptr, &sampler_nodes), 36);
+    cudaGraphNode_t logits_done = node_before_tail(inner, sampler_nodes);
+    L->take_linked += logits_done != nullptr;
+    cudaKernelNodeParams t = k;
+    t.func = (void*)blink_loop_take;
+    t.blockDim = dim3(BLINK_LOOP_TAKE_THREADS);
+    t.sharedMemBytes = 0;
+    BLINK_TRY(cudaGraphAddKernelNode(&take, inner, logits_done ? &logits_done : nullptr, logits_done ? 1 : 0, &t), 33);
+    if (prioritize) BLINK_TRY(cudaGraphKernelNodeSetAttribute(take, cudaKernelNodeAttributePriority, &priority), 34);
   }
   k.func = (void*)blink_loop_publish;
   k.sharedMemBytes = 0;
-  BLINK_TRY(cudaGraphAddKernelNode(&publish_node, body, &step_node, 1, &k), 11);
+  BLINK_TRY(cudaGraphAddKernelNode(&publish_node, body, &full_node, 1, &k), 11);
   k.func = (void*)blink_loop_spec;
   k.sharedMemBytes = args.smem_bytes;
   cudaGraphNode_t spec_node;
   BLINK_TRY(cudaGraphAddKernelNode(&spec_node, body, &publish_node, 1, &k), 26);
-  // beside the bucket graph, publish and spec go first whenever an SM frees up
-  // (BLINK_LOOP_SPEC_PRIORITY=0 leaves them at the default priority, for measuring)
-  const char* want = getenv("BLINK_LOOP_SPEC_PRIORITY");
-  if (!want || strcmp(want, "0") != 0) {
-    int least = 0, greatest = 0;
-    BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest), 27);
-    cudaKernelNodeAttrValue priority = {};
-    priority.priority = greatest;
+  if (prioritize) {
     BLINK_TRY(cudaGraphKernelNodeSetAttribute(publish_node, cudaKernelNodeAttributePriority, &priority), 28);
     BLINK_TRY(cudaGraphKernelNodeSetAttribute(spec_node, cudaKernelNodeAttributePriority, &priority), 29);
   }
@@ -333,6 +381,7 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, uin
 }
 
 uint32_t blink_loop_smem_bytes(const blink_loop* L) { return L->smem_bytes; }
+uint32_t blink_loop_take_linked(const blink_loop* L) { return L->take_linked; }
 
 int blink_loop_launch(blink_loop* L) {
   BLINK_TRY(cudaGraphLaunch(L->exec, L->stream), 1);

@@ -108,6 +108,7 @@ def test_persistent_gives_the_host_engines_tokens_bit_for_bit(served):
     assert [s.finishes[x][0] for x in slots] == host_fin == [FinishReason.LENGTH] * 4
     assert [s.tokens[x] for x in slots] == host_tokens
     assert s.engine.smem_bytes > 0  # the step kernel keeps the scheduler's hot state in shared memory
+    assert s.engine.take_linked == 4 * len(runner.buckets)  # every branch's take kernel starts after the logits
     s.engine.shutdown()  # the loop's counters are mirrored to the host as it leaves
     ctl = s.engine.final_ctl
     assert ctl["steps"] > 0 and ctl["tokens"] == 4 * 24

@@ -44,7 +44,7 @@ struct blink_loop_ctl {
   uint32_t _pad;
 };
 
-// What the step kernel needs about sampled row j of the running step to accept the speculation: where its
+// What blink_loop_take needs about sampled row j of the running step to accept the speculation: where its
 // token goes in the history and in the speculated step buffer, and how to tell a stop token.
 struct spec_row {
   int64_t hist;                           // index into the token history
@@ -64,7 +64,7 @@ struct blink_loop_args {
   uint32_t smem_bytes;                    // 0: the hot prefix does not fit in shared memory, use it in place
   uint32_t _pad0;
   uint8_t* step_buf;                      // step_buffers.StepBuffers.dev
-  const int64_t* sampled;                 // gpu_runner.tokens_dev: the graphs' sampled tokens
+  int64_t* sampled;                       // gpu_runner.tokens_dev: the graphs' sampled tokens (-1: not yet)
   int32_t* sampled32;                     // [max_seqs] scratch
   uint64_t* slot_seq;                     // [num_slots] the request seq a slot serves
   uint32_t* slot_produced;                // [num_slots] tokens published (the response's `produced`)
@@ -73,7 +73,7 @@ struct blink_loop_args {
   uint8_t* cancel;                        // [num_slots] scratch (idem)
   int32_t* par;                           // [5 * num_slots] scratch of blink_sched_par.cuh (idem)
   blink_loop_ctl* ctl;                    // device address of the mapped control block
-  cudaGraphConditionalHandle loop_handle, branch_handle;
+  cudaGraphConditionalHandle loop_handle, branch_handle, full_handle;  // WHILE, SWITCH, IF (the full step)
   uint32_t num_branches;
   uint32_t check_tail;                    // 1: new requests queued after the speculation looked drop it
   int64_t clock_offset_ns;                // CLOCK_MONOTONIC = %globaltimer + offset (response timestamps)
@@ -99,6 +99,8 @@ struct blink_loop_args {
   uint32_t num_err;                       // deferred admission errors, published with the accepted step
   uint32_t exiting;                       // the loop is ending: nothing more to speculate
   uint32_t num_eos;
+  uint32_t spec_done;                     // 1: the spec kernel of this iteration is done (blink_loop_take waits)
+  uint32_t _pad1;
   int32_t eos_ids[BLINK_SCHED_MAX_EOS];
 };
 

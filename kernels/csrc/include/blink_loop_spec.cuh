@@ -1,5 +1,5 @@
 // The speculation of the GPU-resident loop (kernels/csrc/persistent_loop.cu): step n+1 scheduled on a copy
-// of the scheduler state while step n runs, and the step kernel's fast path that takes it. Device code.
+// of the scheduler state while step n runs, and the kernel that takes it (blink_loop_take). Device code.
 #ifndef BLINK_LOOP_SPEC_CUH
 #define BLINK_LOOP_SPEC_CUH
 
@@ -42,31 +42,91 @@ __device__ uint32_t branch_of(const blink_sched_header* h, int32_t bucket, uint3
   return 2 * (b * (uint32_t)h->cfg.num_buckets + index) + (h->all_greedy ? 1 : 0);
 }
 
-// ---- the fast path: take the speculation -------------------------------------------------------------------
-// All threads. The spec kernel scheduled step n+1 while step n ran, as if none of step n's sampled tokens
-// stopped its sequence, and left placeholders where those tokens go. If none did and nothing was queued
-// after the speculation looked, its decisions are the full step's: write the tokens in, swap the states.
-// Returns 1 when taken (the step is chosen and its graph picked).
-__device__ int take_speculation(blink_loop_args* a, uint64_t t0) {
+// ---- the fast path: take the speculation, beside the bucket graph --------------------------------------------
+// Rows of the bucket graph that runs now: every one of them gets its token written exactly once (the
+// sampler writes a greedy row in its softmax kernel, any other in its select kernel), over the -1 that the
+// last reader of those tokens left there.
+__device__ __forceinline__ uint32_t graph_rows(const blink_sched_header* h) {
+  return (uint32_t)(h->bucket < h->cfg.step_max_seqs ? h->bucket : h->cfg.step_max_seqs);
+}
+
+#define BLINK_LOOP_TAKE_THREADS 64  // warp 0: the tokens, the check and the commit; one thread of warp 1: the tail
+
+// In each bucket graph's branch, started when the graph's logits are done (beside its sampler): waits for
+// the spec kernel (which runs beside the graph) and for the sampled tokens and, if none of them stops its
+// sequence and no request was queued after the speculation looked, takes the speculation: writes the
+// tokens where it left placeholders, swaps the two states and picks the next graph. Then the next
+// iteration skips the full step (IF node), so between two bucket graphs there is only this kernel's tail
+// end and the conditional nodes. Otherwise it asks for the full step.
+// It starts after the logits, not with the graph, because a resident block, however small, keeps
+// cuBLAS's largest-shared-memory GEMM blocks off its SM (measured: +210 us per step at batch 64).
+// The submission tail is read over PCIe again and again while the tokens are awaited, so its round
+// trip is not on the critical path: the check uses the last value read (a request queued in that last
+// microsecond waits for the next speculation, as one queued just after the check would).
+__global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink_loop_args* a) {
+  __shared__ uint64_t sh_tail;
+  __shared__ uint32_t sh_ready;
+  if (threadIdx.x == 0) {
+    while (!ld_v(&a->spec_done)) __nanosleep(100);
+    a->spec_done = 0;  // for the next iteration's spec kernel (which starts after this kernel ends)
+    __threadfence();
+  }
+  __syncthreads();
+  if (!a->spec_ok) {  // nothing speculated (or it would have preempted): the full step, after the graph
+    if (threadIdx.x == 0) cudaGraphSetConditional(a->full_handle, 1);
+    return;
+  }
+  const uint32_t rows = graph_rows((const blink_sched_header*)hot_of(a, a->cur));
+  if (threadIdx.x == 0) {
+    sh_tail = a->spec_tail;
+    sh_ready = 0;
+  }
+  __syncthreads();
+  if (threadIdx.x >= 32) {  // the tail, until the tokens are in (its last read may end after them: not awaited)
+    if (threadIdx.x == 32 && a->check_tail) {
+      const uint64_t* tail = &ring_header(a)->sq_tail;
+      while (!ld_v(&sh_ready)) st_v(&sh_tail, ld_v(tail));
+    }
+    return;
+  }
+  volatile int64_t* sampled = a->sampled;
+  for (;;) {
+    int in = 1;
+    for (uint32_t j = threadIdx.x; j < rows; j += 32) in &= sampled[j] >= 0;
+    if (__all_sync(0xffffffffu, in)) break;
+  }
+  const uint64_t t0 = now_ns();
+  if (threadIdx.x == 0) st_v(&sh_ready, 1u);
   const uint32_t n = a->spec_rows;
-  int bad = threadIdx.x == 0 && a->check_tail && ld_v(&ring_header(a)->sq_tail) != a->spec_tail;
-  for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+  int bad = threadIdx.x == 0 && ld_v(&sh_tail) != a->spec_tail;
+  for (uint32_t j = threadIdx.x; j < n; j += 32) {
     const spec_row r = a->rows[j];
     bad |= blink_is_stop_token(a->eos_ids, (int32_t)a->num_eos, a->stop_ids + (int64_t)r.slot * a->max_stop_ids,
-                               r.num_stop, r.ignore_eos, (int32_t)a->sampled[j]);
+                               r.num_stop, r.ignore_eos, (int32_t)sampled[j]);
   }
-  if (__syncthreads_or(bad)) return 0;
+  if (__any_sync(0xffffffffu, bad)) {  // the full step commits these tokens (and sets them back to -1)
+    if (threadIdx.x == 0) {
+      a->spec_ok = 0;
+      a->num_err = 0;  // the full step admits those requests again
+      a->c.spec_misses += 1;
+      cudaGraphSetConditional(a->full_handle, 1);
+    }
+    return;
+  }
   int32_t* input = (int32_t*)step_buf_of(a, 1 - a->buf);  // input_ids: the step buffer's first field
   int32_t* new_token = (int32_t*)(hot_of(a, 1 - a->cur) + a->new_token_offset);  // the speculated state's
-  for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+  for (uint32_t j = threadIdx.x; j < n; j += 32) {
     const spec_row r = a->rows[j];
-    const int32_t token = (int32_t)a->sampled[j];
+    const int32_t token = (int32_t)sampled[j];
     a->tokens[r.hist] = token;
     new_token[j] = token;
     if (r.input_row >= 0) input[r.input_row] = token;
   }
+  __syncwarp();
+  for (uint32_t j = threadIdx.x; j < rows; j += 32) sampled[j] = -1;
   if (threadIdx.x == 0) {
     cudaGraphSetConditional(a->branch_handle, a->spec_branch);
+    cudaGraphSetConditional(a->full_handle, 0);
     a->cur ^= 1u;
     a->buf ^= 1u;
     a->spec_ok = 0;
@@ -75,18 +135,20 @@ __device__ int take_speculation(blink_loop_args* a, uint64_t t0) {
     a->c.iterations += 1;
     a->c.sched_ns += now_ns() - t0;
   }
-  return 1;
 }
 
 // After publish, beside the bucket graph: step n+1 scheduled on a copy of the state (see the file's head).
-// Nothing it does is visible unless the step kernel takes it: its ring writes are the response resets of
+// Nothing it does is visible unless blink_loop_take takes it: its ring writes are the response resets of
 // the requests it admits (the full step writes the same words), the rest waits in the copy and the lists.
 __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop_args* a) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ blink_sched s;
   const uint64_t t0 = now_ns();
   const uint32_t cur = a->cur, next_buf = 1u - a->buf;
-  if (a->exiting || ((const blink_sched_header*)hot_of(a, cur))->num_entries == 0) return;  // no step runs
+  if (a->exiting || ((const blink_sched_header*)hot_of(a, cur))->num_entries == 0) {  // no step runs
+    if (threadIdx.x == 0) st_v(&a->spec_done, 1u);  // it wrote nothing
+    return;
+  }
   loop_scratch x;
   uint8_t* dst = hot_of(a, 1u - cur);
   open_state(a, &s, &x, smem, hot_of(a, cur), dst);
@@ -142,6 +204,9 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
     a->c.spec_ns += now_ns() - t0;
   }
   if (bucket >= 0) close_state(a, smem, dst);
+  __threadfence();  // every thread's writes, then the flag
+  __syncthreads();
+  if (threadIdx.x == 0) st_v(&a->spec_done, 1u);
 }
 
 #endif  // BLINK_LOOP_SPEC_CUH
