@@ -22,7 +22,7 @@ _u32, _u64, _i64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.
 
 
 COUNTERS = ("iterations", "steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "idle_polls",  # blink_loop_counters
-            "commit_ns", "schedule_ns", "fill_ns", "spec_hits", "spec_misses", "spec_ns")
+            "commit_ns", "schedule_ns", "fill_ns", "spec_hits", "spec_misses", "spec_ns", "gap_ns", "gap_steps")
 MAX_EOS = 8  # BLINK_SCHED_MAX_EOS
 
 
@@ -41,7 +41,7 @@ class LoopArgs(ctypes.Structure):  # blink_loop_args
                 + [("loop_handle", _u64), ("branch_handle", _u64), ("full_handle", _u64), ("num_branches", _u32),
                    ("check_tail", _u32),
                    ("clock_offset_ns", _i64)]
-                + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns")]
+                + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns", "ready_ns")]
                 + [(f"c_{n}", _u64) for n in COUNTERS]
                 # the speculation (blink_loop_create fills all but step_buf_alt)
                 + [(n, _p) for n in ("step_buf_alt", "hot_alt", "tokens", "stop_ids", "rows", "err_slot", "err_code")]

@@ -147,6 +147,11 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
 __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_publish(blink_loop_args* a) {
   __shared__ blink_sched s;
   if (threadIdx.x == 0) {
+    if (a->ready_ns) {  // launched with the bucket graph of the step after a taken speculation: the gap
+      a->c.gap_ns += now_ns() - a->ready_ns;
+      a->c.gap_steps += 1;
+      a->ready_ns = 0;
+    }
     uint8_t* hot = hot_of(a, a->cur);
     blink_sched_bind_split(&s, hot, a->sched_mem + a->hot_bytes, &((blink_sched_header*)hot)->cfg, 0);
   }

@@ -32,6 +32,8 @@ struct blink_loop_counters {
   uint64_t spec_hits;        // steps whose speculation was taken
   uint64_t spec_misses;      // speculations dropped (a stop token, new requests, a preemption, nothing to run)
   uint64_t spec_ns;          // the spec kernel's time (beside the bucket graph)
+  uint64_t gap_ns;           // sum over taken speculations: the graph's tokens seen -> the next step's kernels
+  uint64_t gap_steps;        //   start (the publish kernel's start, launched with the next bucket graph)
 };
 
 // Shared with the host (pinned, mapped): the host writes `stop`; the loop only stores the rest (a read of
@@ -78,7 +80,7 @@ struct blink_loop_args {
   uint32_t check_tail;                    // 1: new requests queued after the speculation looked drop it
   int64_t clock_offset_ns;                // CLOCK_MONOTONIC = %globaltimer + offset (response timestamps)
   // the loop's own words (device memory, read and written only by the kernels)
-  uint64_t sq_head, beats, generated, last_commit_ns;
+  uint64_t sq_head, beats, generated, last_commit_ns, ready_ns;  // ready_ns: a taken speculation's tokens seen
   blink_loop_counters c;
   // speculation and the second step buffer; the pointers are set by blink_loop_create
   uint8_t* step_buf_alt;                  // the step buffer of the branches b = 1 (step_buf: b = 0)

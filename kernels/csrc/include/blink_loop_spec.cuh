@@ -131,6 +131,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
     a->buf ^= 1u;
     a->spec_ok = 0;
     count_step(a, t0, (int32_t)n);
+    a->ready_ns = t0;
     a->c.spec_hits += 1;
     a->c.iterations += 1;
     a->c.sched_ns += now_ns() - t0;
