@@ -51,6 +51,7 @@ __device__ __forceinline__ uint32_t graph_rows(const blink_sched_header* h) {
 }
 
 #define BLINK_LOOP_TAKE_THREADS 64  // warp 0: the tokens, the check and the commit; one thread of warp 1: the tail
+#define BLINK_LOOP_TAKE_ROWS 8      // rows per lane of warp 0 held in registers (graphs of up to 256 rows)
 
 // In each bucket graph's branch, started when the graph's logits are done (beside its sampler): waits for
 // the spec kernel (which runs beside the graph) and for the sampled tokens and, if none of them stops its
@@ -89,52 +90,99 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
     }
     return;
   }
+  // warp 0. While the tokens are awaited, everything the commit needs goes into registers (the rows'
+  // spec_row and, in thread 0, the counters and the state words), so that after the last token only the
+  // stop check's compares and the stores remain.
   volatile int64_t* sampled = a->sampled;
+  const uint32_t n = a->spec_rows, lane = threadIdx.x;
+  spec_row r[BLINK_LOOP_TAKE_ROWS];
+  int64_t token[BLINK_LOOP_TAKE_ROWS];
+#pragma unroll
+  for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
+    if (lane + 32 * k < n) r[k] = a->rows[lane + 32 * k];
+  blink_loop_counters c;
+  uint64_t last_commit = 0;
+  uint32_t cur = 0, buf = 0, branch = 0;
+  if (lane == 0) {
+    c = a->c;
+    last_commit = a->last_commit_ns;
+    cur = a->cur;
+    buf = a->buf;
+    branch = a->spec_branch;
+  }
+  const int32_t* eos = a->eos_ids;
+  const int32_t num_eos = (int32_t)a->num_eos;
   for (;;) {
     int in = 1;
-    for (uint32_t j = threadIdx.x; j < rows; j += 32) in &= sampled[j] >= 0;
+#pragma unroll
+    for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
+      if (lane + 32 * k < rows) {
+        token[k] = sampled[lane + 32 * k];
+        in &= token[k] >= 0;
+      }
+    for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < rows; j += 32) in &= sampled[j] >= 0;
     if (__all_sync(0xffffffffu, in)) break;
   }
   const uint64_t t0 = now_ns();
-  if (threadIdx.x == 0) st_v(&sh_ready, 1u);
-  const uint32_t n = a->spec_rows;
-  int bad = threadIdx.x == 0 && ld_v(&sh_tail) != a->spec_tail;
-  for (uint32_t j = threadIdx.x; j < n; j += 32) {
-    const spec_row r = a->rows[j];
-    bad |= blink_is_stop_token(a->eos_ids, (int32_t)a->num_eos, a->stop_ids + (int64_t)r.slot * a->max_stop_ids,
-                               r.num_stop, r.ignore_eos, (int32_t)sampled[j]);
+  if (lane == 0) st_v(&sh_ready, 1u);
+  int bad = lane == 0 && ld_v(&sh_tail) != a->spec_tail;
+#pragma unroll
+  for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
+    if (lane + 32 * k < n)
+      bad |= blink_is_stop_token(eos, num_eos, a->stop_ids + (int64_t)r[k].slot * a->max_stop_ids, r[k].num_stop,
+                                 r[k].ignore_eos, (int32_t)token[k]);
+  for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < n; j += 32) {
+    const spec_row q = a->rows[j];
+    bad |= blink_is_stop_token(eos, num_eos, a->stop_ids + (int64_t)q.slot * a->max_stop_ids, q.num_stop,
+                               q.ignore_eos, (int32_t)sampled[j]);
   }
   if (__any_sync(0xffffffffu, bad)) {  // the full step commits these tokens (and sets them back to -1)
-    if (threadIdx.x == 0) {
+    if (lane == 0) {
       a->spec_ok = 0;
       a->num_err = 0;  // the full step admits those requests again
-      a->c.spec_misses += 1;
+      a->c.spec_misses = c.spec_misses + 1;
       cudaGraphSetConditional(a->full_handle, 1);
     }
     return;
   }
+  if (lane == 0) {  // the next graph first: the rest is stores
+    cudaGraphSetConditional(a->branch_handle, branch);
+    cudaGraphSetConditional(a->full_handle, 0);
+  }
   int32_t* input = (int32_t*)step_buf_of(a, 1 - a->buf);  // input_ids: the step buffer's first field
   int32_t* new_token = (int32_t*)(hot_of(a, 1 - a->cur) + a->new_token_offset);  // the speculated state's
-  for (uint32_t j = threadIdx.x; j < n; j += 32) {
-    const spec_row r = a->rows[j];
-    const int32_t token = (int32_t)sampled[j];
-    a->tokens[r.hist] = token;
-    new_token[j] = token;
-    if (r.input_row >= 0) input[r.input_row] = token;
+#pragma unroll
+  for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
+    if (lane + 32 * k < n) {
+      a->tokens[r[k].hist] = (int32_t)token[k];
+      new_token[lane + 32 * k] = (int32_t)token[k];
+      if (r[k].input_row >= 0) input[r[k].input_row] = (int32_t)token[k];
+    }
+  for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < n; j += 32) {
+    const spec_row q = a->rows[j];
+    const int32_t t = (int32_t)sampled[j];
+    a->tokens[q.hist] = t;
+    new_token[j] = t;
+    if (q.input_row >= 0) input[q.input_row] = t;
   }
   __syncwarp();
-  for (uint32_t j = threadIdx.x; j < rows; j += 32) sampled[j] = -1;
-  if (threadIdx.x == 0) {
-    cudaGraphSetConditional(a->branch_handle, a->spec_branch);
-    cudaGraphSetConditional(a->full_handle, 0);
-    a->cur ^= 1u;
-    a->buf ^= 1u;
+  for (uint32_t j = lane; j < rows; j += 32) sampled[j] = -1;
+  if (lane == 0) {  // count_step's bookkeeping, from the registers
+    a->cur = cur ^ 1u;
+    a->buf = buf ^ 1u;
     a->spec_ok = 0;
-    count_step(a, t0, (int32_t)n);
     a->ready_ns = t0;
-    a->c.spec_hits += 1;
-    a->c.iterations += 1;
-    a->c.sched_ns += now_ns() - t0;
+    a->last_commit_ns = t0;
+    c.steps += 1;
+    c.tokens += n;
+    if (last_commit) {
+      c.busy_ns += t0 - last_commit;
+      c.busy_steps += 1;
+    }
+    c.spec_hits += 1;
+    c.iterations += 1;
+    c.sched_ns += now_ns() - t0;
+    a->c = c;
   }
 }
 
