@@ -41,7 +41,8 @@ class LoopArgs(ctypes.Structure):  # blink_loop_args
                 + [("loop_handle", _u64), ("branch_handle", _u64), ("full_handle", _u64), ("num_branches", _u32),
                    ("check_tail", _u32),
                    ("clock_offset_ns", _i64)]
-                + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns", "ready_ns")]
+                + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns", "ready_ns",
+                                       "take_wait_ns")]
                 + [(f"c_{n}", _u64) for n in COUNTERS]
                 # the speculation (blink_loop_create fills all but step_buf_alt)
                 + [(n, _p) for n in ("step_buf_alt", "hot_alt", "tokens", "stop_ids", "rows", "err_slot", "err_code")]

@@ -80,7 +80,9 @@ struct blink_loop_args {
   uint32_t check_tail;                    // 1: new requests queued after the speculation looked drop it
   int64_t clock_offset_ns;                // CLOCK_MONOTONIC = %globaltimer + offset (response timestamps)
   // the loop's own words (device memory, read and written only by the kernels)
-  uint64_t sq_head, beats, generated, last_commit_ns, ready_ns;  // ready_ns: a taken speculation's tokens seen
+  uint64_t sq_head, beats, generated, last_commit_ns;
+  uint64_t ready_ns;                      // a taken speculation's tokens seen (for the gap counter)
+  uint64_t take_wait_ns;                  // the take kernel's last wait for tokens (its tail reads stop before)
   blink_loop_counters c;
   // speculation and the second step buffer; the pointers are set by blink_loop_create
   uint8_t* step_buf_alt;                  // the step buffer of the branches b = 1 (step_buf: b = 0)

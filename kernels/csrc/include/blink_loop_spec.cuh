@@ -78,21 +78,24 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
     return;
   }
   const uint32_t rows = graph_rows((const blink_sched_header*)hot_of(a, a->cur));
+  const uint64_t t_start = now_ns();
   if (threadIdx.x == 0) {
     sh_tail = a->spec_tail;
     sh_ready = 0;
   }
   __syncthreads();
-  if (threadIdx.x >= 32) {  // the tail, until the tokens are in (its last read may end after them: not awaited)
+  if (threadIdx.x >= 32) {  // the submission tail, read again and again until shortly before the tokens are
+    // expected (the last wait, less 3 us): a read in flight when they come would hold the kernel's end
     if (threadIdx.x == 32 && a->check_tail) {
       const uint64_t* tail = &ring_header(a)->sq_tail;
-      while (!ld_v(&sh_ready)) st_v(&sh_tail, ld_v(tail));
+      const uint64_t wait = a->take_wait_ns, stop_at = t_start + (wait > 3000 ? wait - 3000 : 0);
+      while (!ld_v(&sh_ready) && now_ns() < stop_at) st_v(&sh_tail, ld_v(tail));
     }
     return;
   }
   // warp 0. While the tokens are awaited, everything the commit needs goes into registers (the rows'
-  // spec_row and, in thread 0, the counters and the state words), so that after the last token only the
-  // stop check's compares and the stores remain.
+  // spec_row, the EOS ids, the addresses and, in thread 0, the counters and the state words), so that
+  // after the last token only the stop check's compares and the stores remain.
   volatile int64_t* sampled = a->sampled;
   const uint32_t n = a->spec_rows, lane = threadIdx.x;
   spec_row r[BLINK_LOOP_TAKE_ROWS];
@@ -100,6 +103,16 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
 #pragma unroll
   for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
     if (lane + 32 * k < n) r[k] = a->rows[lane + 32 * k];
+  int32_t eos[BLINK_SCHED_MAX_EOS];
+  const uint32_t num_eos = a->num_eos;
+#pragma unroll
+  for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) eos[i] = i < (int)num_eos ? a->eos_ids[i] : -1;  // -1: no token
+  const int32_t* stop_ids = a->stop_ids;
+  const int64_t max_stop = a->max_stop_ids;
+  int32_t* hist = a->tokens;
+  int32_t* input = (int32_t*)step_buf_of(a, 1 - a->buf);  // input_ids: the step buffer's first field
+  int32_t* new_token = (int32_t*)(hot_of(a, 1 - a->cur) + a->new_token_offset);  // the speculated state's
+  const uint64_t spec_tail = a->spec_tail;
   blink_loop_counters c;
   uint64_t last_commit = 0;
   uint32_t cur = 0, buf = 0, branch = 0;
@@ -110,8 +123,6 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
     buf = a->buf;
     branch = a->spec_branch;
   }
-  const int32_t* eos = a->eos_ids;
-  const int32_t num_eos = (int32_t)a->num_eos;
   for (;;) {
     int in = 1;
 #pragma unroll
@@ -125,15 +136,19 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
   }
   const uint64_t t0 = now_ns();
   if (lane == 0) st_v(&sh_ready, 1u);
-  int bad = lane == 0 && ld_v(&sh_tail) != a->spec_tail;
+  int bad = lane == 0 && ld_v(&sh_tail) != spec_tail;
 #pragma unroll
   for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
-    if (lane + 32 * k < n)
-      bad |= blink_is_stop_token(eos, num_eos, a->stop_ids + (int64_t)r[k].slot * a->max_stop_ids, r[k].num_stop,
-                                 r[k].ignore_eos, (int32_t)token[k]);
+    if (lane + 32 * k < n) {
+      const int32_t t = (int32_t)token[k];
+      if (!r[k].ignore_eos)
+#pragma unroll
+        for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) bad |= t == eos[i];
+      if (r[k].num_stop) bad |= blink_is_stop_token(eos, 0, stop_ids + r[k].slot * max_stop, r[k].num_stop, 1, t);
+    }
   for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < n; j += 32) {
     const spec_row q = a->rows[j];
-    bad |= blink_is_stop_token(eos, num_eos, a->stop_ids + (int64_t)q.slot * a->max_stop_ids, q.num_stop,
+    bad |= blink_is_stop_token(a->eos_ids, (int32_t)num_eos, stop_ids + q.slot * max_stop, q.num_stop,
                                q.ignore_eos, (int32_t)sampled[j]);
   }
   if (__any_sync(0xffffffffu, bad)) {  // the full step commits these tokens (and sets them back to -1)
@@ -141,6 +156,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
       a->spec_ok = 0;
       a->num_err = 0;  // the full step admits those requests again
       a->c.spec_misses = c.spec_misses + 1;
+      a->take_wait_ns = t0 - t_start;
       cudaGraphSetConditional(a->full_handle, 1);
     }
     return;
@@ -149,19 +165,17 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
     cudaGraphSetConditional(a->branch_handle, branch);
     cudaGraphSetConditional(a->full_handle, 0);
   }
-  int32_t* input = (int32_t*)step_buf_of(a, 1 - a->buf);  // input_ids: the step buffer's first field
-  int32_t* new_token = (int32_t*)(hot_of(a, 1 - a->cur) + a->new_token_offset);  // the speculated state's
 #pragma unroll
   for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
     if (lane + 32 * k < n) {
-      a->tokens[r[k].hist] = (int32_t)token[k];
+      hist[r[k].hist] = (int32_t)token[k];
       new_token[lane + 32 * k] = (int32_t)token[k];
       if (r[k].input_row >= 0) input[r[k].input_row] = (int32_t)token[k];
     }
   for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < n; j += 32) {
     const spec_row q = a->rows[j];
     const int32_t t = (int32_t)sampled[j];
-    a->tokens[q.hist] = t;
+    hist[q.hist] = t;
     new_token[j] = t;
     if (q.input_row >= 0) input[q.input_row] = t;
   }
@@ -173,6 +187,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
     a->spec_ok = 0;
     a->ready_ns = t0;
     a->last_commit_ns = t0;
+    a->take_wait_ns = t0 - t_start;
     c.steps += 1;
     c.tokens += n;
     if (last_commit) {
