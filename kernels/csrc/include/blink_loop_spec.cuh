@@ -66,6 +66,7 @@ __device__ int take_speculation(blink_loop_args* a, uint64_t t0) {
     if (r.input_row >= 0) input[r.input_row] = token;
   }
   if (threadIdx.x == 0) {
+    ext_commit(a);
     cudaGraphSetConditional(a->branch_handle, a->spec_branch);
     a->cur ^= 1u;
     a->buf ^= 1u;
@@ -122,6 +123,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
   if (bucket >= 0) {
     blink_fill_token_rows(&s, buf, threadIdx.x, blockDim.x);
     blink_fill_block_tables_par(&s, buf, x.par);  // ends with a barrier: the token rows are written
+    ext_fill(a, &s, buf, next_buf);
     const int32_t* input = (const int32_t*)buf;
     for (int32_t i = threadIdx.x; i < h->num_tokens; i += blockDim.x) {
       const int32_t id = input[i];
@@ -132,7 +134,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
   if (threadIdx.x == 0) {
     h->spec_mode = h->spec_tainted = 0;
     if (bucket >= 0) {
-      a->spec_branch = branch_of(h, bucket, next_buf);
+      a->spec_branch = ext_branch(a, branch_of(h, bucket, next_buf), next_buf);
       a->spec_tail = tail;
       a->spec_rows = (uint32_t)n;
       a->spec_ok = 1;
