@@ -189,7 +189,8 @@ __global__ void __launch_bounds__(BLINK_EXT_THREADS) blink_ext_adjust(blink_loop
   // the history the penalties read: prompt + output for repetition, the output only otherwise
   const int64_t from = (f & BLINK_EXT_PROMPT) ? 0 : e->prompt_len[slot];
   const int64_t prompt_len = e->prompt_len[slot];
-  for (int64_t i = from + threadIdx.x; i < len; i += blockDim.x) {
+  const int64_t end = (f & BLINK_EXT_OUTPUT) ? len : from;  // bias only: no marks
+  for (int64_t i = from + threadIdx.x; i < end; i += blockDim.x) {
     const int32_t t = ext_token(hist, i, len - 1, last_id);
     if (t < 0 || (uint32_t)t >= vocab) continue;
     if (i < prompt_len) atomicOr(&marks[t], BLINK_EXT_SEEN);
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(BLINK_EXT_THREADS) blink_ext_adjust(blink_loop
     if (t >= 0 && (uint32_t)t < vocab) atomicAdd(&logits[t], e->bias_vals[(uint64_t)slot * e->max_bias + j]);
   }
   __syncthreads();
-  if (!(f & BLINK_EXT_OUTPUT)) return;  // bias only: no marks were set
+  if (!(f & BLINK_EXT_OUTPUT)) return;
   const float presence = e->penalties[3 * slot], frequency = e->penalties[3 * slot + 1];
   const float repetition = e->penalties[3 * slot + 2];
   for (int64_t i = from + threadIdx.x; i < len; i += blockDim.x) {
