@@ -180,6 +180,7 @@ def test_a_finished_slot_leaves_nothing_behind(served, runner_cfg):
     s.wait(lambda: first in s.finishes)
     assert len(s.logprobs[first]) == 16
     del s.tokens[first], s.finishes[first], s.logprobs[first]
+    s.prod.release(first)
     second, = s.submit([plain])
     assert second == first
     s.wait(lambda: second in s.finishes)
