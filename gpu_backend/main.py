@@ -35,7 +35,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="host and persistent modes: no presence/frequency/repetition penalties, logit_bias or "
                         "logprobs (refused with a 400). Saves what they cost on the GPU: a logits buffer of "
                         "max-num-seqs x vocab x 4 bytes (persistent: twice that), one more CUDA graph per bucket "
-                        "(persistent: four more per bucket, doubling the capture time) and memory for their "
+                        "(persistent: six more per bucket, two of them large) and memory for their "
                         "temporaries, taken from the KV cache")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (overrides --kv-cache-mb)")
     p.add_argument("--max-num-batched-tokens", type=int, default=0,

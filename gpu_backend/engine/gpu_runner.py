@@ -32,11 +32,11 @@ them and the step time. With `use_graphs=False` the LOGITS step runs eagerly lik
 for the eager part (the engines then refuse such requests).
 
 For the persistent loop (`keep_graphs`) the extensions run inside the loop's graph, with no host work: each
-step buffer gets its LOGITS graphs and a fourth variant per bucket, `POST`: the plain path's sampler over
-the adjusted logits, then each row's logprobs (log-softmax and the best LOOP_LOGPROBS alternatives) into that
-buffer's `loop_logprobs`. The loop runs LOGITS -> its own adjust kernel (kernels/csrc/include/
-blink_loop_ext.cuh, which reads `ext_scratch`) -> POST. That costs twice the capture of the plain graphs
-(four graphs per bucket and buffer instead of two), `ext_scratch` (another max_num_seqs x V x 4 bytes) and
+step buffer gets its LOGITS graphs and two more variants per bucket, `POST` and `POST_GREEDY`: the plain
+path's sampler (or argmax) over the adjusted logits, then each row's logprobs (log-softmax and the best
+LOOP_LOGPROBS alternatives) into that buffer's `loop_logprobs`. The loop runs LOGITS -> its own adjust
+kernel (kernels/csrc/include/blink_loop_ext.cuh, which reads `ext_scratch`) -> POST. That costs more capture
+(five graphs per bucket and buffer instead of two; the POST ones are small), `ext_scratch` (another max_num_seqs x V x 4 bytes) and
 the POST step's temporaries, measured at start-up like the eager part's.
 """
 from __future__ import annotations
@@ -61,6 +61,7 @@ log = logging.getLogger("blink.gpu_runner")
 _GiB = 1 << 30
 LOGITS = "logits"  # the graph variant that stops at the logits: graphs[(bucket, LOGITS)]
 POST = "post"  # the persistent loop's: sampling and logprobs over logits_dev, after its adjust kernel
+POST_GREEDY = "post_greedy"  # the same for steps whose rows are all greedy (argmax, as the plain graphs)
 LOOP_LOGPROBS = 20  # alternatives per row that POST computes (OpenAI's top_logprobs limit)
 
 
@@ -246,8 +247,8 @@ class GpuRunner:
         for `greedy` = LOGITS stops at the sampled rows' logits and writes logits_dev; `greedy` = POST is the
         part after them (the persistent loop's extended branch)."""
         s = self.config.seqs_in(num_tokens)
-        if greedy == POST:
-            self._post(s)
+        if greedy in (POST, POST_GREEDY):
+            self._post(s, greedy == POST_GREEDY)
             return
         logits = self._sampled_logits(num_tokens)                             # [s, V] float32
         if greedy == LOGITS:
@@ -271,12 +272,12 @@ class GpuRunner:
             self._k["sample"](logits, d["temperature"][:s], d["top_k"][:s], d["top_p"][:s], d["min_p"][:s],
                               d["seeds"][:s], d["sample_pos"][:s], out=self.tokens_dev[:s])
 
-    def _post(self, s: int) -> None:
-        """The persistent loop's POST: the sampler over the adjusted logits_dev[:s] (the plain path's, which
-        picks argmax's token for greedy rows), then every row's logprobs as `token_logprobs` computes them,
-        into loop_logprobs[this step buffer] (the loop publishes the rows that asked)."""
+    def _post(self, s: int, greedy: bool) -> None:
+        """The persistent loop's POST: sampling over the adjusted logits_dev[:s] as `_step_extended` does,
+        then every row's logprobs as `token_logprobs` computes them, into loop_logprobs[this step buffer]
+        (the loop publishes the rows that asked)."""
         logits, temperature = self.logits_dev[:s], self.bufs.d["temperature"][:s]
-        self._sample(logits, False)
+        self._sample(logits, greedy)
         temps = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
         lps = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)          # [s, V]
         out = {name: t[self._set] for name, t in self.loop_logprobs.items()}
@@ -353,7 +354,7 @@ class GpuRunner:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         variants = (False, True) + ((LOGITS,) if self.sampling_extensions else ()) \
-            + ((POST,) if self.loop_logprobs is not None else ())
+            + ((POST, POST_GREEDY) if self.loop_logprobs is not None else ())
         keys = [(i, b, g) for i in range(len(self.buffer_sets)) for b in reversed(self.buckets) for g in variants]
         stream = torch.cuda.Stream(self.device)
         for index, bucket, greedy in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, unit="graph"):

@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from gpu_backend.engine.gpu_runner import LOGITS, LOOP_LOGPROBS, POST, GpuRunner
+from gpu_backend.engine.gpu_runner import LOGITS, LOOP_LOGPROBS, POST, POST_GREEDY, GpuRunner
 from gpu_backend.engine.loop import EngineConfig
 from gpu_backend.engine.sched_native import NativeScheduler, StepGeometry, _Header
 from gpu_backend.engine.scheduler import SchedulerConfig
@@ -101,7 +101,8 @@ class PersistentEngine:
     def _ext_args(self) -> int:
         """blink_loop_ext in device memory (kept in self._ext); returns its address."""
         g, runner, t = self.geometry, self.runner, self._ext
-        posts = [runner.set_graphs[b][(bucket, POST)].raw_cuda_graph() for b in range(2) for bucket in runner.buckets]
+        posts = [runner.set_graphs[b][(bucket, POST_GREEDY if greedy else POST)].raw_cuda_graph()
+                 for b in range(2) for bucket in runner.buckets for greedy in (False, True)]
         self._post_array = (ctypes.c_void_p * len(posts))(*posts)  # read by blink_loop_create, on the host
         lp, offs = runner.loop_logprobs, runner.buffer_sets[0].offsets
         ext = native.LoopExt(
@@ -159,10 +160,10 @@ class PersistentEngine:
             **{name: t.data_ptr() for name, t in sc.items()})
         children = [graphs[(bucket, greedy)].raw_cuda_graph()  # branch 2 * (buffer * buckets + i) + greedy
                     for graphs in runner.set_graphs for bucket in runner.buckets for greedy in (False, True)]
-        if self._ext is not None:  # then branch 4 * buckets + buffer * buckets + i: its LOGITS graph first
+        if self._ext is not None:  # then the extended branches, 4 * buckets + a plain one's: LOGITS graph first
             args.ext = self._ext_args()
             children += [graphs[(bucket, LOGITS)].raw_cuda_graph() for graphs in runner.set_graphs
-                         for bucket in runner.buckets]
+                         for bucket in runner.buckets for _ in (False, True)]
         child_array = (ctypes.c_void_p * len(children))(*children)
         torch.cuda.synchronize(runner.device)  # every set-up copy done before the loop reads its state
         t0 = time.perf_counter()

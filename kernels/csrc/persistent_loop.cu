@@ -226,8 +226,8 @@ int blink_loop_read_globaltimer(uint64_t* out) {
 
 // Build the loop graph around `children` (num_branches cudaGraph_t: branch 2 * (b * num_buckets + i) + g =
 // bucket i over step buffer b (step_buf, step_buf_alt), sampled (g = 0) or greedy (g = 1); with the sampling
-// extensions (args->ext) then branch 4 * num_buckets + b * num_buckets + i: that bucket's LOGITS graph, to
-// which blink_loop_ext.cuh adds the adjust kernel and the POST graph), with `args`
+// extensions (args->ext) then branch 4 * num_buckets + 2 * (b * num_buckets + i) + g: that bucket's LOGITS
+// graph, to which blink_loop_ext.cuh adds the adjust kernel and the POST graph), with `args`
 // (host copy; its handles and the speculation's buffers are filled here) copied to device memory.
 int blink_loop_create(const blink_loop_args* args_in, void* const* children, uint32_t num_branches,
                       blink_loop** out) {

@@ -200,3 +200,28 @@ def test_logprobs_requests_run_within_the_logprob_window(runner_cfg):
     got = _run(runner, cfg, [spec], RingGeometry(4, 256, 256, logprob_window=8))
     assert got.tokens == host_tokens
     assert _lp(got.logprobs[0]) == _lp(loop.final_logprobs[0])
+
+
+def test_stop_tokens_beside_logprob_rows_keep_each_tokens_logprobs(runner_cfg):
+    """Steps where some rows sample a stop token (not published: the full step, whose token list skips them)
+    while others publish tokens with logprobs: each published token gets its own row's logprobs."""
+    runner, cfg = runner_cfg
+    specs = _specs(3)
+    plain, _, _ = _host(runner, cfg, specs)
+    # the even requests stop on a token they make mid-way; the odd ones run on beside them
+    specs = [dataclasses.replace(x, stop_ids=(tokens[5 + 3 * i],)) if i % 2 == 0 else x
+             for i, (x, tokens) in enumerate(zip(specs, plain))]
+    host_tokens, host_fin, loop = _host(runner, cfg, specs)
+    got = _run(runner, cfg, specs)
+    assert got.finishes == host_fin and FinishReason.STOP in host_fin
+    assert got.tokens == host_tokens
+    assert [_lp(x) for x in got.logprobs] == [_lp(x) for x in loop.final_logprobs]
+    assert got.ctl["spec_misses"] >= 1
+
+
+def test_the_loop_runner_has_extended_graphs_over_both_step_buffers(runner_cfg):
+    from gpu_backend.engine.gpu_runner import LOGITS, POST, POST_GREEDY
+
+    runner, _ = runner_cfg
+    for graphs in runner.set_graphs:
+        assert set(graphs) == {(b, g) for b in runner.buckets for g in (False, True, LOGITS, POST, POST_GREEDY)}

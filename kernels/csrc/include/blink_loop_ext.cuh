@@ -8,11 +8,12 @@
 // prompt length, the output room (a logprobs request runs at most logprob_window tokens ahead of the reads).
 // Per step buffer, written by the fill: the sampled row -> slot map of the rows that use an extension, the
 // slot -> row map for the publish, and whether the step needs the extended graph. A step where some sampled
-// row uses an extension runs branch 4 * num_buckets + b * num_buckets + i instead of the plain one:
+// row uses an extension runs branch 4 * num_buckets + p instead of its plain branch p = 2 * (b * num_buckets
+// + i) + greedy:
 //   the bucket's LOGITS graph (float32 logits [S, V] into gpu_runner.logits_dev)
 //   -> blink_ext_adjust: per extended row, bias, then repetition, then frequency/presence, in place
-//   -> the bucket's POST graph (the sampler of the plain graphs, then log-softmax and top-k per row into
-//      this buffer's logprob outputs).
+//   -> the bucket's POST graph, greedy or not (argmax or the sampler, as the plain graphs and the host
+//      engine's extended step pick; then log-softmax and top-k per row into this buffer's logprob outputs).
 // The penalties need each row's token counts: the adjust kernel builds them per row from the scheduler's
 // token history (prompt + output, device memory) in a zeroed scratch row, and every entry it sets it also
 // claims and clears (atomicExch), so the scratch is zero again when the kernel ends: no per-slot [V] table,
@@ -38,7 +39,7 @@ struct blink_loop_ext {
   const float* lp_chosen;       // [2, S] per step buffer: the POST graphs' logprob of each row's token
   const int32_t* lp_ids;        // [2, S, lp_k] its best lp_k alternatives, descending
   const float* lp_vals;         // [2, S, lp_k]
-  void* const* post_graphs;     // host memory: [2 * num_buckets] cudaGraph_t, branch order (blink_loop_create)
+  void* const* post_graphs;     // host memory: [4 * num_buckets] cudaGraph_t, the plain branches' order
   uint32_t* flags;              // [N] per slot, at admission: BLINK_EXT_* bits
   int32_t* num_logprobs;        // [N]
   int32_t* prompt_len;          // [N]
@@ -134,7 +135,7 @@ __device__ void ext_fill(blink_loop_args* a, const blink_sched* s, const uint8_t
 // Thread 0: the SWITCH branch of the step in buffer `b` whose plain branch is `plain` (branch_of).
 __device__ __forceinline__ uint32_t ext_branch(const blink_loop_args* a, uint32_t plain, uint32_t b) {
   const blink_loop_ext* e = a->ext;
-  return e && e->extended[b] ? 4u * e->num_buckets + (plain >> 1) : plain;
+  return e && e->extended[b] ? 4u * e->num_buckets + plain : plain;
 }
 
 // Thread 0, when the step in buffer a->buf is committed: the publish that follows writes its logprobs.
@@ -219,9 +220,9 @@ __global__ void __launch_bounds__(BLINK_EXT_THREADS) blink_ext_adjust(blink_loop
 }
 
 // ---- host: the loop graph's extended branches ---------------------------------------------------------------
-// Branches 4 * num_buckets + j (j = b * num_buckets + i) exist when a->ext is set.
+// Branches 4 * num_buckets + p (p: a plain branch) exist when a->ext is set.
 static uint32_t ext_num_branches(const blink_loop_ext* host_ext, uint32_t num_buckets) {
-  return host_ext ? 6u * num_buckets : 4u * num_buckets;
+  return host_ext ? 8u * num_buckets : 4u * num_buckets;
 }
 
 // The host's copy of the extension block (0 when there is none): host_ext receives it.
@@ -234,8 +235,8 @@ static int ext_read(const blink_loop_args* args, blink_loop_ext* host_ext) {
 // adjust kernel (one block per row of the bucket's graph), then the POST graph.
 static cudaError_t ext_finish_branch(const blink_loop_ext* host_ext, blink_loop_args* dev_args, cudaGraph_t body,
                                      cudaGraphNode_t logits_node, uint32_t branch, const blink_sched_config* cfg) {
-  const uint32_t j = branch - 4u * host_ext->num_buckets, b = j / host_ext->num_buckets;
-  const uint32_t bucket = (uint32_t)cfg->buckets[j % host_ext->num_buckets];
+  const uint32_t j = branch - 4u * host_ext->num_buckets, b = j / (2u * host_ext->num_buckets);
+  const uint32_t bucket = (uint32_t)cfg->buckets[(j / 2u) % host_ext->num_buckets];
   const uint32_t rows = bucket < host_ext->max_rows ? bucket : host_ext->max_rows;
   void* params[] = {&dev_args, (void*)&b};
   cudaKernelNodeParams k = {};
