@@ -120,8 +120,9 @@ def engine_config(runner: GpuRunner) -> EngineConfig:
                         max_num_seqs=c.max_num_seqs)
 
 
-def submit_streams(prod: RingProducer, batch_size: int, prompt_len: int, new_tokens: int) -> list[int]:
-    return [prod.submit(RequestSpec(i, [7 + i] * prompt_len, new_tokens, temperature=0.0, ignore_eos=True))
+def submit_streams(prod: RingProducer, batch_size: int, prompt_len: int, new_tokens: int, **changes) -> list[int]:
+    """Greedy streams; `changes` go into each RequestSpec (bench/persistent_extensions.py: the extensions)."""
+    return [prod.submit(RequestSpec(i, [7 + i] * prompt_len, new_tokens, temperature=0.0, ignore_eos=True, **changes))
             for i in range(batch_size)]
 
 
@@ -165,7 +166,8 @@ def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode
         ring.close()
 
 
-def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode_steps_wanted: int) -> dict:
+def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode_steps_wanted: int,
+                      **changes) -> dict:
     """`batch_size` streams through the GPU-resident loop; times `decode_steps_wanted` all-decode steps."""
     new_tokens = prefill_steps(runner, batch_size, prompt_len) + 4 * decode_steps_wanted  # none ends in the window
     ring = create_ring(f"blink-bench-pers-{os.getpid()}", RingGeometry(max(batch_size, 16), 4096, 4096), "bench")
@@ -173,19 +175,27 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
     try:
         prod = RingProducer(attach_ring(ring.name))
         engine = PersistentEngine(runner, cfg, ring, engine_config(runner), context_len=runner.config.context_len)
-        slots = submit_streams(prod, batch_size, prompt_len, new_tokens)
+        slots = submit_streams(prod, batch_size, prompt_len, new_tokens, **changes)
         engine.start()
         ctl = engine.ctl
         deadline, started = time.monotonic() + 300, set()
         while len(started) < batch_size:  # every stream has its first token: all of them decode from here
             assert time.monotonic() < deadline, "the loop made no progress"
             started |= {s for s in slots if prod.poll(s).tokens}
+            if changes.get("num_logprobs") is not None:  # such streams run at most logprob_window ahead of reads
+                for s in slots:
+                    prod.poll(s)
             time.sleep(0.001)
         s0 = {k: getattr(ctl, k) for k in ("steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "commit_ns",
                                            "schedule_ns", "fill_ns", "spec_hits", "spec_misses", "spec_ns", "gap_ns", "gap_steps")}
         c0, w0 = time.process_time(), time.perf_counter()
         while ctl.steps < s0["steps"] + decode_steps_wanted:
-            time.sleep(0.25)  # the backend's own watcher wakes this often
+            if changes.get("num_logprobs") is None:
+                time.sleep(0.25)  # the backend's own watcher wakes this often
+                continue
+            for s in slots:  # the reads that let logprob streams go on (busy time counts back-to-back steps only)
+                prod.poll(s)
+            time.sleep(0.0005)
         s1 = {k: getattr(ctl, k) for k in s0}
         c1, w1 = time.process_time(), time.perf_counter()
         d = {k: s1[k] - s0[k] for k in s0}

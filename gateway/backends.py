@@ -33,6 +33,8 @@ from .errors import unavailable
 from .tcp_producer import TcpProducer
 from .transports import BackendConnectError, connect_transport
 
+_ALWAYS_EXTENDED = ("cpu", "host")  # engine modes that always apply penalties, logit_bias and logprobs
+
 log = logging.getLogger("blink.gateway.backends")
 
 
@@ -52,6 +54,7 @@ class BackendInfo:
     geometry: RingGeometry
     transport: str = "shm"  # shm | tcp
     tcp_endpoint: str = ""  # HOST:PORT of the backend's tcp agent
+    sampling_extensions: bool = True  # penalties, logit_bias and logprobs are applied
 
     @classmethod
     def from_reply(cls, addr: str, reply: control_pb2.DescribeReply) -> BackendInfo:
@@ -62,7 +65,8 @@ class BackendInfo:
                    vocab_size=reply.vocab_size, eos_token_ids=tuple(reply.eos_token_ids),
                    engine_mode=reply.engine_mode, ring_name=reply.ring_name,
                    geometry=geometry,
-                   transport=reply.transport or "shm", tcp_endpoint=reply.tcp_endpoint)
+                   transport=reply.transport or "shm", tcp_endpoint=reply.tcp_endpoint,
+                   sampling_extensions=reply.sampling_extensions or reply.engine_mode in _ALWAYS_EXTENDED)
 
 
 def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:

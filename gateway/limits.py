@@ -11,19 +11,18 @@ from .backends import BackendInfo
 from .errors import bad_request
 
 CONTEXT_CODE = "context_length_exceeded"
-# Engine modes whose sampler applies penalties and logit bias and computes logprobs. The persistent
-# mode's GPU-resident loop does not do these yet (and refuses them itself, INVALID_PARAMS).
-ENGINE_SAMPLING_MODES = frozenset({"cpu", "host"})
 
 
 def check_engine_modes(req: SamplingFields, infos: Sequence[BackendInfo]) -> None:
-    """A 400 naming the first engine-side parameter that some backend of the model cannot honour."""
+    """A 400 naming the first engine-side parameter (penalties, logit_bias, logprobs) when some backend of the
+    model runs without the sampling extensions (a persistent backend started with --no-sampling-extensions;
+    its loop would refuse the request with INVALID_PARAMS)."""
     params = req.engine_sampling_params()
-    modes = sorted({info.engine_mode for info in infos} - ENGINE_SAMPLING_MODES)
+    modes = sorted({info.engine_mode for info in infos if not info.sampling_extensions})
     if params and modes:
-        raise bad_request(f"'{params[0]}' is not supported yet by the '{modes[0]}' engine mode of this model's "
-                          f"backends: only the cpu and host engines apply penalties and logit_bias and compute "
-                          f"logprobs so far", params[0])
+        raise bad_request(f"'{params[0]}' is not available: this model's '{modes[0]}' backends run without the "
+                          f"sampling extensions (penalties, logit_bias, logprobs; they were started with "
+                          f"--no-sampling-extensions)", params[0])
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> list[int]:

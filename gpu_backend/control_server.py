@@ -30,6 +30,7 @@ class Description:
     engine_mode: str
     transport: str = "shm"  # shm | tcp
     tcp_endpoint: str = ""  # HOST:PORT gateways reach the tcp agent at
+    sampling_extensions: bool = True  # penalties, logit_bias, logprobs (the persistent mode may run without)
 
 
 class HeartbeatWatch:
@@ -69,7 +70,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             engine_mode=self.desc.engine_mode, transport=self.desc.transport,
             tcp_endpoint=self.desc.tcp_endpoint, ring_name=self.ring.name,
             geometry=control_pb2.RingGeometry(**dataclasses.asdict(g)),
-            ring_version=RING_VERSION,
+            ring_version=RING_VERSION, sampling_extensions=self.desc.sampling_extensions,
         )
 
     def ConnectRdma(self, request, context):

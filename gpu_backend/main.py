@@ -31,6 +31,12 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9,
                    help="share of the GPU's memory for weights, activations and KV cache (host mode)")
     p.add_argument("--no-graphs", action="store_true", help="host mode: run steps eagerly (debugging)")
+    p.add_argument("--no-sampling-extensions", action="store_true",
+                   help="host and persistent modes: no presence/frequency/repetition penalties, logit_bias or "
+                        "logprobs (refused with a 400). Saves what they cost on the GPU: a logits buffer of "
+                        "max-num-seqs x vocab x 4 bytes (persistent: twice that), one more CUDA graph per bucket "
+                        "(persistent: six more per bucket, two of them large) and memory for their "
+                        "temporaries, taken from the KV cache")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (overrides --kv-cache-mb)")
     p.add_argument("--max-num-batched-tokens", type=int, default=0,
                    help="per-step token budget = the largest graph bucket (default: 256 cpu, 512 host)")
@@ -90,7 +96,8 @@ def run_backend(args: argparse.Namespace) -> int:
     tokenizer_dir = model_dir or ensure_random_tokenizer(cfg, default_cache_dir())
     endpoint = (args.advertise or args.listen) if args.transport == "tcp" else ""
     desc = Description(name, str(tokenizer_dir), fingerprint, context_len, cfg.vocab_size,
-                       tuple(cfg.eos_token_ids), args.mode, args.transport, endpoint)
+                       tuple(cfg.eos_token_ids), args.mode, args.transport, endpoint,
+                       sampling_extensions=getattr(runner, "sampling_extensions", True))
     rdma = _export_rdma(ring, args) if args.transport == "rdma" else None
     agent = _start_agent(ring.name, args.listen, engine.stop_event) if args.transport == "tcp" else None
     control = ControlServer(args.control, desc, ring, rdma=rdma)
@@ -123,7 +130,7 @@ def _make_runner(args, model, cfg, config, context_len: int):
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         block_size=config.block_size, context_len=context_len, gpu_memory_fraction=args.gpu_memory_fraction,
         num_kv_blocks=args.num_kv_blocks, use_graphs=not args.no_graphs or args.mode == "persistent",
-        sampling_extensions=args.mode != "persistent"),  # the persistent loop refuses them
+        sampling_extensions=not args.no_sampling_extensions),
         keep_graphs=args.mode == "persistent")
     print(f"GPU runner: {runner.num_blocks} KV blocks of {config.block_size} tokens "
           f"({runner.num_blocks * runner.kv_block_bytes / 2**30:.1f} GiB), {len(runner.graphs)} graphs "

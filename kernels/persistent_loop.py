@@ -1,9 +1,9 @@
 """Loader of the GPU-resident loop (`csrc/persistent_loop.cu` over `blink_loop.cuh`, `blink_loop_spec.cuh`,
-`blink_sched.h` and `blink_ring.h`):
+`blink_loop_ext.cuh`, `blink_sched.h` and `blink_ring.h`):
 compiled with nvcc for sm_90 on first use, cached by a hash of the sources, loaded with ctypes.
 
-`LoopArgs` and `LoopCtl` mirror the C structs field for field; `load()` checks their sizes against the
-library's. The engine that drives it is `gpu_backend/engine/persistent.py`.
+`LoopArgs`, `LoopCtl` and `LoopExt` mirror the C structs field for field; `load()` checks their sizes against
+the library's. The engine that drives it is `gpu_backend/engine/persistent.py`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from kernels.sched_host import CSRC, cached_build
 
 SOURCES = (CSRC / "persistent_loop.cu", CSRC / "include" / "blink_loop.cuh", CSRC / "include" / "blink_loop_spec.cuh",
-           CSRC / "include" / "blink_sched.h", CSRC / "include" / "blink_sched_par.cuh", CSRC / "include" / "blink_ring.h")
+           CSRC / "include" / "blink_loop_ext.cuh", CSRC / "include" / "blink_sched.h", CSRC / "include" / "blink_sched_par.cuh", CSRC / "include" / "blink_ring.h")
 ARCH = os.environ.get("BLINK_CUDA_ARCH", "sm_90")
 _u32, _u64, _i64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
 
@@ -49,7 +49,19 @@ class LoopArgs(ctypes.Structure):  # blink_loop_args
                 + [(n, _u64) for n in ("new_token_offset", "sq_head_alt", "spec_tail")]
                 + [(n, _u32) for n in ("cur", "buf", "spec_ok", "spec_branch", "spec_rows", "num_err", "exiting",
                                        "num_eos", "spec_done", "_pad1")]
-                + [("eos_ids", ctypes.c_int32 * MAX_EOS)])
+                + [("eos_ids", ctypes.c_int32 * MAX_EOS)]
+                + [("ext", _p)])  # a LoopExt in device memory, or None: no sampling extensions
+
+
+class LoopExt(ctypes.Structure):  # blink_loop_ext (blink_loop_ext.cuh): device memory, set by the engine
+    _fields_ = ([(n, _p) for n in ("logits", "scratch", "lp_chosen", "lp_ids", "lp_vals", "post_graphs", "flags",
+                                   "num_logprobs", "prompt_len", "num_bias", "capacity", "penalties", "bias_ids",
+                                   "bias_vals", "row_slot", "slot_row")]
+                + [(n, _u64) for n in ("bias_offset", "bias_bytes", "lp_offset", "lp_bytes", "lp_ids_offset",
+                                       "lp_top_offset", "off_sample_rows", "off_seq_ids", "off_sample_pos")]
+                + [(n, _u32) for n in ("vocab", "max_rows", "lp_k", "max_bias", "window", "max_logprobs",
+                                       "num_buckets", "context_len")]
+                + [("num_rows", _u32 * 2), ("extended", _u32 * 2), ("pub_buf", _u32), ("_pad", _u32)])
 
 
 def nvcc() -> str | None:
@@ -82,6 +94,7 @@ def load() -> ctypes.CDLL:
     sigs = {
         "blink_loop_args_bytes": (_u64, []),
         "blink_loop_ctl_bytes": (_u64, []),
+        "blink_loop_ext_bytes": (_u64, []),
         "blink_loop_register": (i32, [_p, _u64, pp]),
         "blink_loop_unregister": (i32, [_p]),
         "blink_loop_alloc_ctl": (i32, [pp, pp]),
@@ -97,7 +110,8 @@ def load() -> ctypes.CDLL:
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
-    for name, struct in (("blink_loop_args_bytes", LoopArgs), ("blink_loop_ctl_bytes", LoopCtl)):
+    for name, struct in (("blink_loop_args_bytes", LoopArgs), ("blink_loop_ctl_bytes", LoopCtl),
+                         ("blink_loop_ext_bytes", LoopExt)):
         if getattr(lib, name)() != ctypes.sizeof(struct):
             raise RuntimeError(f"{name}: the library's struct is {getattr(lib, name)()} bytes, "
                                f"kernels/persistent_loop.py's {ctypes.sizeof(struct)}")

@@ -28,8 +28,16 @@ sequences and Llama 3's 128,256 tokens), almost no pool memory (the graphs share
 a time), and KV blocks for the eager part's temporaries, measured at start-up with every row using every
 extension (`_extension_peak`); these are estimates from the shapes, `bench/gpu_extensions.py` measures
 them and the step time. With `use_graphs=False` the LOGITS step runs eagerly like the others.
-`GpuRunnerConfig.sampling_extensions=False` (the persistent mode, whose loop refuses them) has none of this:
-no third graph, no buffer, no memory set aside for the eager part.
+`GpuRunnerConfig.sampling_extensions=False` has none of this: no third graph, no buffer, no memory set aside
+for the eager part (the engines then refuse such requests).
+
+For the persistent loop (`keep_graphs`) the extensions run inside the loop's graph, with no host work: each
+step buffer gets its LOGITS graphs and two more variants per bucket, `POST` and `POST_GREEDY`: the plain
+path's sampler (or argmax) over the adjusted logits, then each row's logprobs (log-softmax and the best
+LOOP_LOGPROBS alternatives) into that buffer's `loop_logprobs`. The loop runs LOGITS -> its own adjust
+kernel (kernels/csrc/include/blink_loop_ext.cuh, which reads `ext_scratch`) -> POST. That costs more capture
+(five graphs per bucket and buffer instead of two; the POST ones are small), `ext_scratch` (another max_num_seqs x V x 4 bytes) and
+the POST step's temporaries, measured at start-up like the eager part's.
 """
 from __future__ import annotations
 
@@ -41,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu_backend.engine.sampler import LogitAdjustments, PromptCache, SamplingRow, token_logprobs
+from gpu_backend.engine.sampler import LogitAdjustments, PromptCache, SamplingRow, token_logprobs, top_logprobs
 from gpu_backend.engine.scheduler import Batch
 from gpu_backend.engine.step_buffers import StepBuffers, fill_step, token_buckets
 from gpu_backend.models import ModelConfig, allocate_kv_cache
@@ -52,6 +60,9 @@ log = logging.getLogger("blink.gpu_runner")
 
 _GiB = 1 << 30
 LOGITS = "logits"  # the graph variant that stops at the logits: graphs[(bucket, LOGITS)]
+POST = "post"  # the persistent loop's: sampling and logprobs over logits_dev, after its adjust kernel
+POST_GREEDY = "post_greedy"  # the same for steps whose rows are all greedy (argmax, as the plain graphs)
+LOOP_LOGPROBS = 20  # alternatives per row that POST computes (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -157,6 +168,16 @@ class GpuRunner:
         self.logits_dev = torch.zeros(config.max_num_seqs, cfg.vocab_size, dtype=torch.float32, device=self.device) \
             if self.sampling_extensions else None
         self.last_logprobs: list[TokenLogprob | None] = []  # of the last `run`; empty when no row asked
+        loop_ext = self.sampling_extensions and keep_graphs
+        # the persistent loop's: [S, V] int32 zeroed scratch of its adjust kernel; per step buffer, POST's
+        # logprobs of each row's token [2, S] f32 and its best LOOP_LOGPROBS alternatives [2, S, K] (i32, f32)
+        s, n = config.max_num_seqs, len(self.buffer_sets)
+        self.ext_scratch = torch.zeros(s, cfg.vocab_size, dtype=torch.int32, device=self.device) if loop_ext else None
+        self.loop_logprobs = dict(
+            chosen=torch.zeros(n, s, dtype=torch.float32, device=self.device),
+            ids=torch.zeros(n, s, LOOP_LOGPROBS, dtype=torch.int32, device=self.device),
+            vals=torch.zeros(n, s, LOOP_LOGPROBS, dtype=torch.float32, device=self.device)) if loop_ext else None
+        self._set = 0  # the step buffer (index into buffer_sets) that self.bufs is
         self._prompts = PromptCache()
         self._done = torch.cuda.Event()
         self.num_blocks = self._size_kv_cache()
@@ -212,13 +233,23 @@ class GpuRunner:
         base = torch.cuda.memory_allocated(self.device)
         self._sample_extended(self.logits_dev[:num_seqs], False, _probe_rows(num_seqs))
         torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - base
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        if self.loop_logprobs is not None:  # the loop's POST step instead
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._step(bucket, POST)
+            torch.cuda.synchronize(self.device)
+            peak = max(peak, torch.cuda.max_memory_allocated(self.device) - base)
+        return peak
 
     # ---- the step ------------------------------------------------------------------------------------
     def _step(self, num_tokens: int, greedy: bool | str) -> None:
         """The whole model step for a bucket of `num_tokens` (captured as a graph); writes tokens_dev, or
-        for `greedy` = LOGITS stops at the sampled rows' logits and writes logits_dev."""
+        for `greedy` = LOGITS stops at the sampled rows' logits and writes logits_dev; `greedy` = POST is the
+        part after them (the persistent loop's extended branch)."""
         s = self.config.seqs_in(num_tokens)
+        if greedy in (POST, POST_GREEDY):
+            self._post(s, greedy == POST_GREEDY)
+            return
         logits = self._sampled_logits(num_tokens)                             # [s, V] float32
         if greedy == LOGITS:
             self.logits_dev[:s].copy_(logits)
@@ -240,6 +271,20 @@ class GpuRunner:
         else:
             self._k["sample"](logits, d["temperature"][:s], d["top_k"][:s], d["top_p"][:s], d["min_p"][:s],
                               d["seeds"][:s], d["sample_pos"][:s], out=self.tokens_dev[:s])
+
+    def _post(self, s: int, greedy: bool) -> None:
+        """The persistent loop's POST: sampling over the adjusted logits_dev[:s] as `_step_extended` does,
+        then every row's logprobs as `token_logprobs` computes them, into loop_logprobs[this step buffer]
+        (the loop publishes the rows that asked)."""
+        logits, temperature = self.logits_dev[:s], self.bufs.d["temperature"][:s]
+        self._sample(logits, greedy)
+        temps = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        lps = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)          # [s, V]
+        out = {name: t[self._set] for name, t in self.loop_logprobs.items()}
+        out["chosen"][:s].copy_(lps.gather(1, self.tokens_dev[:s].unsqueeze(1)).squeeze(1))
+        vals, ids = top_logprobs(lps, LOOP_LOGPROBS)
+        out["vals"][:s].copy_(vals)
+        out["ids"][:s].copy_(ids)
 
     def _step_extended(self, num_tokens: int, greedy: bool, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
         """A step whose sampled rows (`rows`, in order) include some with extensions: the LOGITS graph (or
@@ -302,18 +347,18 @@ class GpuRunner:
 
     @torch.inference_mode()
     def _capture(self, progress: bool) -> float:
-        """Capture (bucket, greedy) graphs over each step buffer, and (bucket, LOGITS) ones with the extensions
-        (over the first), largest first, sharing one memory pool."""
+        """Capture (bucket, greedy) graphs over each step buffer, and with the extensions (bucket, LOGITS) ones
+        (and for the persistent loop (bucket, POST) ones), largest first, sharing one memory pool."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        variants = (False, True, LOGITS) if self.sampling_extensions else (False, True)
-        keys = [(i, b, g) for i in range(len(self.buffer_sets)) for b in reversed(self.buckets)
-                for g in (variants if i == 0 else (False, True))]
+        variants = (False, True) + ((LOGITS,) if self.sampling_extensions else ()) \
+            + ((POST, POST_GREEDY) if self.loop_logprobs is not None else ())
+        keys = [(i, b, g) for i in range(len(self.buffer_sets)) for b in reversed(self.buckets) for g in variants]
         stream = torch.cuda.Stream(self.device)
         for index, bucket, greedy in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, unit="graph"):
-            self.bufs = self.buffer_sets[index]
+            self.bufs, self._set = self.buffer_sets[index], index
             self._fill_dummy(bucket, self.config.seqs_in(bucket))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -323,7 +368,7 @@ class GpuRunner:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._step(bucket, greedy)
             self.set_graphs[index][(bucket, greedy)] = graph
-        self.bufs = self.buffer_sets[0]
+        self.bufs, self._set = self.buffer_sets[0], 0
         torch.cuda.synchronize(self.device)
         log.info("captured %d graphs (buckets %s, %d step buffers) in %.1f s", len(keys), self.buckets,
                  len(self.buffer_sets), time.perf_counter() - t0)

@@ -13,9 +13,11 @@ loop's stop flag: the loop reports every request in flight as failed (ENGINE_STO
 host sweeps the ring so that nothing is left unanswered: requests queued after the loop's last look are
 failed, and if the loop died, so is every slot it had not finished.
 
-The loop does not apply penalties or logit bias, nor compute logprobs (the host mode does): its admission
-refuses such requests with INVALID_PARAMS, after the gateway has already refused them for this mode.
-Build its runner with `sampling_extensions=False`: the graphs and memory for those steps would never be used.
+Penalties, logit bias and logprobs (`runner.sampling_extensions`): the loop keeps per-slot tables (copied
+from the request at admission) and runs a step where some sampled row uses one through an extended branch
+(the runner's LOGITS graph, the loop's adjust kernel, the runner's POST graph); it publishes the logprobs
+into the ring itself (kernels/csrc/include/blink_loop_ext.cuh). A runner built without them gives a loop
+that refuses such requests with INVALID_PARAMS (the gateway refuses them first: Describe says so).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from gpu_backend.engine.gpu_runner import GpuRunner
+from gpu_backend.engine.gpu_runner import LOGITS, LOOP_LOGPROBS, POST, POST_GREEDY, GpuRunner
 from gpu_backend.engine.loop import EngineConfig
 from gpu_backend.engine.sched_native import NativeScheduler, StepGeometry, _Header
 from gpu_backend.engine.scheduler import SchedulerConfig
@@ -49,7 +51,7 @@ class PersistentEngine:
                  context_len: int, watch_interval_s: float = 1.0, stale_after_s: float = 2.0):
         if not runner.config.use_graphs or not runner.keep_graphs:
             raise ValueError("the persistent loop runs the runner's bucket graphs: build it with graphs kept")
-        self.runner, self.ring, self.geometry = runner, ring, ring.geometry
+        self.runner, self.ring, self.geometry, self.context_len = runner, ring, ring.geometry, context_len
         self.watch_interval_s, self.stale_after_s = watch_interval_s, stale_after_s
         self.lib = native.load()
         self.num_blocks = runner.num_blocks
@@ -69,6 +71,7 @@ class PersistentEngine:
             order=torch.zeros(n, dtype=torch.int32, device=dev),
             cancel=torch.zeros(n, dtype=torch.uint8, device=dev),
             par=torch.zeros(5 * n, dtype=torch.int32, device=dev))
+        self._ext = self._ext_tables(g) if runner.sampling_extensions else None
         self.stop_event = threading.Event()
         self.ctl: native.LoopCtl | None = None
         self.failed: str | None = None
@@ -79,6 +82,44 @@ class PersistentEngine:
         self.take_linked = 0  # bucket graphs whose take kernel starts after the logits (all, normally)
 
     # ---- set-up ------------------------------------------------------------------------------------
+    def _ext_tables(self, g: R.RingGeometry) -> dict[str, torch.Tensor]:
+        """The sampling extensions' device tables (blink_loop_ext): per slot, per step buffer."""
+        if self.runner.loop_logprobs is None:
+            raise ValueError("sampling extensions in the persistent loop need the runner's POST graphs "
+                             "(GpuRunner(..., keep_graphs=True) with sampling_extensions)")
+        if g.max_logprobs > LOOP_LOGPROBS:
+            raise ValueError(f"ring max_logprobs {g.max_logprobs} is over the {LOOP_LOGPROBS} the loop computes")
+        n, s, dev = g.num_slots, self.runner.config.max_num_seqs, self.runner.device
+        i32, f32 = torch.int32, torch.float32
+        return dict(flags=torch.zeros(n, dtype=i32, device=dev), num_logprobs=torch.zeros(n, dtype=i32, device=dev),
+                    prompt_len=torch.zeros(n, dtype=i32, device=dev), num_bias=torch.zeros(n, dtype=i32, device=dev),
+                    capacity=torch.zeros(n, dtype=i32, device=dev), penalties=torch.zeros(n, 3, dtype=f32, device=dev),
+                    bias_ids=torch.zeros(n, g.max_logit_bias, dtype=i32, device=dev),
+                    bias_vals=torch.zeros(n, g.max_logit_bias, dtype=f32, device=dev),
+                    row_slot=torch.full((2, s), -1, dtype=i32, device=dev),
+                    slot_row=torch.zeros(2, n, dtype=i32, device=dev))
+
+    def _ext_args(self) -> int:
+        """blink_loop_ext in device memory (kept in self._ext); returns its address."""
+        g, runner, t = self.geometry, self.runner, self._ext
+        posts = [runner.set_graphs[b][(bucket, POST_GREEDY if greedy else POST)].raw_cuda_graph()
+                 for b in range(2) for bucket in runner.buckets for greedy in (False, True)]
+        self._post_array = (ctypes.c_void_p * len(posts))(*posts)  # read by blink_loop_create, on the host
+        lp, offs = runner.loop_logprobs, runner.buffer_sets[0].offsets
+        ext = native.LoopExt(
+            logits=runner.logits_dev.data_ptr(), scratch=runner.ext_scratch.data_ptr(),
+            lp_chosen=lp["chosen"].data_ptr(), lp_ids=lp["ids"].data_ptr(), lp_vals=lp["vals"].data_ptr(),
+            post_graphs=ctypes.addressof(self._post_array), **{name: v.data_ptr() for name, v in t.items()},
+            bias_offset=g.logit_bias_offset, bias_bytes=g.logit_bias_bytes, lp_offset=g.logprobs_offset,
+            lp_bytes=g.logprob_bytes, lp_ids_offset=g.logprob_top_ids_offset, lp_top_offset=g.logprob_top_offset,
+            off_sample_rows=offs["sample_rows"][0], off_seq_ids=offs["seq_ids"][0],
+            off_sample_pos=offs["sample_pos"][0], vocab=runner.logits_dev.shape[1], max_rows=runner.config.max_num_seqs,
+            lp_k=LOOP_LOGPROBS, max_bias=g.max_logit_bias, window=g.logprob_window, max_logprobs=g.max_logprobs,
+            num_buckets=len(runner.buckets), context_len=self.context_len)
+        raw = bytes(ext)
+        t["struct"] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(runner.device)
+        return t["struct"].data_ptr()
+
     def _register_ring(self) -> int:
         host = self.ring.buf.ctypes.data
         nbytes = -(-self.geometry.total_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # the mapping's whole pages
@@ -120,6 +161,10 @@ class PersistentEngine:
             **{name: t.data_ptr() for name, t in sc.items()})
         children = [graphs[(bucket, greedy)].raw_cuda_graph()  # branch 2 * (buffer * buckets + i) + greedy
                     for graphs in runner.set_graphs for bucket in runner.buckets for greedy in (False, True)]
+        if self._ext is not None:  # then the extended branches, 4 * buckets + a plain one's: LOGITS graph first
+            args.ext = self._ext_args()
+            children += [graphs[(bucket, LOGITS)].raw_cuda_graph() for graphs in runner.set_graphs
+                         for bucket in runner.buckets for _ in (False, True)]
         child_array = (ctypes.c_void_p * len(children))(*children)
         samplers = runner.sampler_graphs()  # same order: where each graph's logits are done
         sampler_array = (ctypes.c_void_p * len(samplers))(*[g.raw_cuda_graph() for g in samplers])

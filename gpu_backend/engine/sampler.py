@@ -5,8 +5,8 @@ The uniform for (seed, position) is SplitMix64 of a mix of the two; the GPU kern
 function, so the same seed gives the same tokens in every engine mode (up to logit rounding).
 The draw is an inverse-CDF over the filtered distribution in descending-probability order.
 
-The sampling extensions, one definition for the `cpu` and `host` engines (the persistent loop does not
-have them): logit bias, then repetition, frequency and presence penalties (vLLM's order and formulas;
+The sampling extensions, one definition for the `cpu` and `host` engines (the persistent loop applies the
+same float32 operations in its own kernel, kernels/csrc/include/blink_loop_ext.cuh): logit bias, then repetition, frequency and presence penalties (vLLM's order and formulas;
 `LogitAdjustments`, vectorized over rows, on the logits' device), and logprobs (`token_logprobs`, on the
 logits' device too). Logprobs are the log-softmax of the logits after bias, penalties and temperature
 (temperature 1 for greedy rows), before top-k/top-p/min-p filtering: vLLM's "processed_logprobs" mode.
@@ -215,7 +215,7 @@ def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
     lps = torch.log_softmax(logits[sel].float() / temps.unsqueeze(1), dim=-1)  # [n, V]
     chosen = lps.gather(1, torch.as_tensor(tokens, device=dev)[sel].unsqueeze(1))  # [n, 1]
     k = max(rows[i].num_logprobs for i in idx)
-    top_lps, top_ids = torch.topk(lps, k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())  # [n, k]
+    top_lps, top_ids = top_logprobs(lps, k) if k else (lps[:, :0], lps[:, :0].long())  # [n, k]
     # float64 carries the ids exactly, so one copy brings everything back
     host = torch.cat([chosen.double(), top_lps.double(), top_ids.double()], dim=1).cpu().tolist()
     for j, i in enumerate(idx):
@@ -223,6 +223,16 @@ def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
         row = host[j]
         out[i] = TokenLogprob(row[0], tuple(zip(map(int, row[1 + k: 1 + k + num]), row[1: 1 + num])))
     return out
+
+
+def top_logprobs(lps: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of `lps` [n, V] and their ids ([n, k] each, descending), equal values in
+    ascending id order: so the first j of a top-k are the top-j whatever k is (the persistent loop computes
+    20 for every row and publishes each row's own count; topk alone orders ties as its sort happens to)."""
+    vals, ids = torch.topk(lps, k, dim=-1)
+    ids, by_id = torch.sort(ids, dim=-1)
+    vals, by_val = torch.sort(vals.gather(1, by_id), dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, by_val)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:

@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "blink_loop.cuh"
+#include "blink_loop.cuh"  // and blink_loop_ext.cuh
 #include "blink_loop_spec.cuh"
 #include "blink_sched_par.cuh"
 
@@ -64,6 +64,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
     blink_sched_update_par(&s, a->sampled32, x.par);
     if (threadIdx.x == 0) {
       h->num_entries = 0;
+      ext_commit(a);
       count_step(a, t0, h->num_new);
     }
     __syncthreads();
@@ -119,8 +120,9 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
     } else {
       blink_fill_token_rows(&s, buf, threadIdx.x, blockDim.x);
       blink_fill_block_tables_par(&s, buf, x.par);
+      ext_fill(a, &s, buf, next_buf);
       if (threadIdx.x == 0) {
-        cudaGraphSetConditional(a->branch_handle, branch_of(h, bucket, next_buf));
+        cudaGraphSetConditional(a->branch_handle, ext_branch(a, branch_of(h, bucket, next_buf), next_buf));
         a->buf = next_buf;
         const uint64_t t_end = now_ns();
         a->c.sched_ns += t_end - t0;
@@ -214,6 +216,7 @@ extern "C" {
 
 uint64_t blink_loop_args_bytes() { return sizeof(blink_loop_args); }
 uint64_t blink_loop_ctl_bytes() { return sizeof(blink_loop_ctl); }
+uint64_t blink_loop_ext_bytes() { return sizeof(blink_loop_ext); }
 
 // Pin and map host memory (the ring's mmap) for the GPU; *dev_out is its device address.
 int blink_loop_register(void* host, uint64_t bytes, void** dev_out) {
@@ -246,10 +249,12 @@ int blink_loop_read_globaltimer(uint64_t* out) {
 }
 
 // Build the loop graph around `children` (num_branches cudaGraph_t: branch 2 * (b * num_buckets + i) + g =
-// bucket i over step buffer b (step_buf, step_buf_alt), sampled (g = 0) or greedy (g = 1)), with `args`
+// bucket i over step buffer b (step_buf, step_buf_alt), sampled (g = 0) or greedy (g = 1); with the sampling
+// extensions (args->ext) then branch 4 * num_buckets + 2 * (b * num_buckets + i) + g: that bucket's LOGITS
+// graph, to which blink_loop_ext.cuh adds the adjust kernel and the POST graph), with `args`
 // (host copy; its handles and the speculation's buffers are filled here) copied to device memory.
-// `samplers[i]`: the sampling part of children[i] captured alone (its node count says where the logits
-// are done: blink_loop_take starts there).
+// `samplers[i]` (i < 4 * num_buckets): the sampling part of children[i] captured alone (its node count says
+// where the logits are done: blink_loop_take starts there; in an extended branch it starts after LOGITS).
 int blink_loop_create(const blink_loop_args* args_in, void* const* children, void* const* samplers,
                       uint32_t num_branches, blink_loop** out) {
   blink_loop* L = new blink_loop();
@@ -311,7 +316,12 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
   args.check_tail = !(tail_check && strcmp(tail_check, "0") == 0);
   args.num_eos = (uint32_t)hdr.cfg.num_eos;
   for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) args.eos_ids[i] = hdr.cfg.eos_ids[i];
-  if (num_branches != 4u * (uint32_t)hdr.cfg.num_buckets || !args.step_buf_alt) return 25 * 1000;
+  blink_loop_ext ext_host;
+  const int has_ext = ext_read(&args, &ext_host);
+  if (has_ext < 0) return 30 * 1000;
+  if (num_branches != ext_num_branches(has_ext ? &ext_host : nullptr, (uint32_t)hdr.cfg.num_buckets) ||
+      !args.step_buf_alt)
+    return 25 * 1000;
   // every row's token is awaited by blink_loop_take: -1 until the graph writes it (int64: 0xff bytes)
   BLINK_TRY(cudaMemset(args.sampled, 0xff, sizeof(int64_t) * (uint64_t)hdr.cfg.step_max_seqs), 31);
   BLINK_TRY(cudaMalloc(&L->dev_args, sizeof(blink_loop_args)), 6);
@@ -355,9 +365,16 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     cudaGraph_t inner;
     size_t sampler_nodes = 0;
     BLINK_TRY(cudaGraphAddChildGraphNode(&child, sw.conditional.phGraph_out[i], nullptr, 0, (cudaGraph_t)children[i]), 10);
-    BLINK_TRY(cudaGraphChildGraphNodeGetGraph(child, &inner), 35);
-    BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)samplers[i], nullptr, &sampler_nodes), 36);
-    cudaGraphNode_t logits_done = node_before_tail(inner, sampler_nodes);
+    cudaGraphNode_t logits_done = nullptr;
+    if (i >= 4u * (uint32_t)hdr.cfg.num_buckets) {  // an extended branch: children[i] is its LOGITS graph
+      BLINK_TRY(ext_finish_branch(&ext_host, L->dev_args, sw.conditional.phGraph_out[i], child, i, &hdr.cfg), 37);
+      inner = sw.conditional.phGraph_out[i];  // the take kernel beside the adjust kernel and the POST graph
+      logits_done = child;
+    } else {
+      BLINK_TRY(cudaGraphChildGraphNodeGetGraph(child, &inner), 35);
+      BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)samplers[i], nullptr, &sampler_nodes), 36);
+      logits_done = node_before_tail(inner, sampler_nodes);
+    }
     L->take_linked += logits_done != nullptr;
     cudaKernelNodeParams t = k;
     t.func = (void*)blink_loop_take;

@@ -180,13 +180,14 @@ GEOMETRY = RingGeometry(num_slots=4, max_prompt_len=256, max_output_len=16, max_
 
 
 async def _start(model_dir: Path, tokenizer: Tokenizer, ring_name: str, config: GatewayConfig,
-                 engine_mode: str = "echo"):
+                 engine_mode: str = "echo", sampling_extensions: bool = True):
     ring = create_ring(ring_name, GEOMETRY, "fp-test")
     engine = EchoEngine(ring, tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id(ERROR_TOKEN))
     engine_task = asyncio.create_task(engine.run())
     info = BackendInfo(addr="in-process", model_name=MODEL, model_dir=str(model_dir), model_fingerprint="fp-test",
                        context_len=CONTEXT_LEN, vocab_size=tokenizer.get_vocab_size(),
-                       eos_token_ids=(engine.eos_id,), engine_mode=engine_mode, ring_name=ring_name, geometry=GEOMETRY)
+                       eos_token_ids=(engine.eos_id,), engine_mode=engine_mode, ring_name=ring_name, geometry=GEOMETRY,
+                       sampling_extensions=sampling_extensions)
     backend = Backend(info, RingProducer(attach_ring(ring_name)), config)
     backend.start()
     server = await start_gateway(config, backends=[backend])
@@ -210,9 +211,11 @@ def start_harness(model_dir, byte_tokenizer):
     thread.start()
     started = []
 
-    def start(config: GatewayConfig, api_key: str = "", engine_mode: str = "echo") -> Harness:
+    def start(config: GatewayConfig, api_key: str = "", engine_mode: str = "echo",
+              sampling_extensions: bool = True) -> Harness:
         ring_name = f"blink-gw-test-{os.getpid()}-{len(started)}"
-        parts = asyncio.run_coroutine_threadsafe(_start(model_dir, byte_tokenizer, ring_name, config, engine_mode),
+        parts = asyncio.run_coroutine_threadsafe(_start(model_dir, byte_tokenizer, ring_name, config, engine_mode,
+                                                         sampling_extensions),
                                                  loop)
         ring, engine, engine_task, backend, server = parts.result(timeout=30)
         started.append((ring, engine, engine_task, server))

@@ -135,7 +135,25 @@ ENGINE_PARAMS = [
 def persistent_mode(start_harness, pick_free_port):
     config = GatewayConfig(host="127.0.0.1", port=0, grpc_port=pick_free_port(), api_keys=frozenset({"k"}),
                            slot_wait_s=2.0)
+    return start_harness(config, "k", engine_mode="persistent", sampling_extensions=False)  # --no-sampling-extensions
+
+
+@pytest.fixture(scope="module")
+def persistent_extended(start_harness, pick_free_port):
+    config = GatewayConfig(host="127.0.0.1", port=0, grpc_port=pick_free_port(), api_keys=frozenset({"k"}),
+                           slot_wait_s=2.0)
     return start_harness(config, "k", engine_mode="persistent")
+
+
+def test_a_persistent_backend_with_the_extensions_gets_engine_side_parameters(persistent_extended):
+    mode = persistent_extended
+    body = {"model": mode.model, "prompt": "hi", "max_tokens": 2, "presence_penalty": 0.5,
+            "repetition_penalty": 1.2, "logit_bias": {"5": 3}}
+    status, reply = mode.post("/v1/completions", body)
+    assert status == 200, reply
+    spec = mode.engine.specs[-1]
+    assert (spec.presence_penalty, spec.repetition_penalty, spec.logit_bias) == (0.5, pytest.approx(1.2), ((5, 3.0),))
+    mode.wait_idle()
 
 
 @pytest.mark.parametrize("param, fields", ENGINE_PARAMS, ids=[p for p, _ in ENGINE_PARAMS])
@@ -147,7 +165,7 @@ def test_the_persistent_mode_refuses_engine_side_parameters(persistent_mode, par
         assert status == 400, reply
         assert reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
         message = reply["error"]["message"]
-        assert "'persistent' engine mode" in message and "not supported yet" in message
+        assert "'persistent' backends run without the sampling extensions" in message
     status, reply = mode.post("/v1/completions", {"model": mode.model, "prompt": "hi", "logprobs": 0})
     assert status == 400 and reply["error"]["param"] == "logprobs"
     assert mode.call(lambda: mode.backend.num_in_flight) == 0

@@ -29,16 +29,17 @@ def echo(harness):
         yield stub, auth
 
 
-def start_mode(start_harness, pick_free_port, engine_mode: str):
+def start_mode(start_harness, pick_free_port, engine_mode: str, sampling_extensions: bool = True):
     config = GatewayConfig(host="127.0.0.1", port=0, grpc_port=pick_free_port(), api_keys=frozenset({"k"}),
                            slot_wait_s=2.0)
-    return start_harness(config, "k", engine_mode=engine_mode)
+    return start_harness(config, "k", engine_mode=engine_mode, sampling_extensions=sampling_extensions)
 
 
 @pytest.fixture(scope="module")
 def persistent_mode(start_harness, pick_free_port):
-    """A backend that announces the 'persistent' (GPU loop) engine mode: no penalties, logit_bias or logprobs."""
-    return start_mode(start_harness, pick_free_port, "persistent")
+    """A backend that announces the 'persistent' (GPU loop) engine mode started without the sampling extensions:
+    no penalties, logit_bias or logprobs."""
+    return start_mode(start_harness, pick_free_port, "persistent", sampling_extensions=False)
 
 
 @pytest.fixture(scope="module", params=["cpu", "host"])
@@ -190,7 +191,7 @@ def test_the_persistent_mode_refuses_engine_fields_as_http_does(persistent_mode,
             err = rpc_error(lambda: generate(stub, auth, model=persistent_mode.model, **prompt, **fields))
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert trailing(err)["error-param"] == param
-            assert "'persistent' engine mode" in err.details()
+            assert "'persistent' backends run without the sampling extensions" in err.details()
     status, body = persistent_mode.post("/v1/chat/completions", {"model": persistent_mode.model, **http_fields,
                                                           "messages": [{"role": "user", "content": "hi"}]})
     assert status == 400 and err.details() == body["error"]["message"]

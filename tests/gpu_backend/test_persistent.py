@@ -6,7 +6,8 @@
   that sampled a stop token or must preempt drop it for the full step, with the same tokens;
 - cancelling mid-generation returns every KV block (device scheduler state and the ring's stats);
 - a prompt the context cannot hold is refused with PROMPT_TOO_LONG while other requests run;
-- penalties, logit bias and logprobs (which this loop does not apply) are refused with INVALID_PARAMS;
+- built without the sampling extensions (--no-sampling-extensions), the loop refuses penalties, logit bias and
+  logprobs with INVALID_PARAMS (test_persistent_extensions.py has them served);
 - shutdown with requests in flight reports each of them failed (ENGINE_STOPPING), none is left open;
 - idle, the loop keeps its heartbeat fresh;
 - live: `blink serve --mode persistent` with a ring of 4 slots answers a burst of 12 concurrent requests.

@@ -28,10 +28,28 @@ def test_ctypes_structs_match_the_library(nvcc):
     lib = persistent_loop.load()  # raises when a size differs
     assert lib.blink_loop_args_bytes() == ctypes.sizeof(persistent_loop.LoopArgs)
     assert lib.blink_loop_ctl_bytes() == ctypes.sizeof(persistent_loop.LoopCtl)
-    # the loop's own counters, then the speculation's words, as in C; eos_ids close the struct
+    assert lib.blink_loop_ext_bytes() == ctypes.sizeof(persistent_loop.LoopExt)
+    # the loop's own counters, then the speculation's words, as in C; eos_ids, then the extensions' pointer
     args = persistent_loop.LoopArgs
     assert args.step_buf_alt.offset == args.c_iterations.offset + 8 * len(persistent_loop.COUNTERS)
-    assert args.eos_ids.offset + 4 * persistent_loop.MAX_EOS == ctypes.sizeof(args)
+    assert args.ext.offset == args.eos_ids.offset + 4 * persistent_loop.MAX_EOS
+    assert args.ext.offset + 8 == ctypes.sizeof(args)
+
+
+def test_loop_ext_offsets_match_the_header(nvcc, tmp_path):
+    """Every field of blink_loop_ext at the offset LoopExt gives it (a host program prints offsetof)."""
+    names = [name for name, _ in persistent_loop.LoopExt._fields_]
+    src = tmp_path / "offsets.cu"
+    src.write_text('#include <cstdio>\n#include <cstddef>\n#include "blink_loop.cuh"\nint main() {\n'
+                   + "".join(f'  printf("%zu\\n", offsetof(blink_loop_ext, {n}));\n' for n in names)
+                   + '  printf("%zu\\n", sizeof(blink_loop_ext));\n  return 0;\n}\n')
+    exe = tmp_path / "offsets"
+    res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-I", str(persistent_loop.CSRC / "include"), str(src),
+                          "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    printed = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    expected = [getattr(persistent_loop.LoopExt, n).offset for n in names] + [ctypes.sizeof(persistent_loop.LoopExt)]
+    assert printed == expected
 
 
 def test_library_errors_name_the_step():

@@ -56,6 +56,8 @@ struct spec_row {
   int32_t ignore_eos;
 };
 
+struct blink_loop_ext;  // blink_loop_ext.cuh
+
 // Everything the kernels need, in device memory (written once by the host before the launch).
 struct blink_loop_args {
   uint8_t* ring;                          // device address of the ring
@@ -106,6 +108,7 @@ struct blink_loop_args {
   uint32_t spec_done;                     // 1: the spec kernel of this iteration is done (blink_loop_take waits)
   uint32_t _pad1;
   int32_t eos_ids[BLINK_SCHED_MAX_EOS];
+  blink_loop_ext* ext;                    // the sampling extensions (blink_loop_ext.cuh), 0: off
 };
 
 
@@ -147,6 +150,8 @@ __device__ __forceinline__ uint64_t* sq_head_of(blink_loop_args* a, uint32_t sta
 __device__ __forceinline__ uint8_t* step_buf_of(const blink_loop_args* a, uint32_t b) {
   return b ? a->step_buf_alt : a->step_buf;
 }
+
+#include "blink_loop_ext.cuh"
 
 // Response words as RingConsumer writes them: counters first, `seq` last (they now belong to `seq`).
 __device__ void reset_response(const blink_loop_args* a, uint32_t slot, uint64_t seq, uint32_t prompt_len) {
@@ -199,6 +204,7 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
     blink_response_slot* r = response(a, slot);
     const uint32_t p = a->slot_produced[slot];
     st_v(&r->tokens[p % cap], s->new_token[i]);
+    ext_publish_logprob(a, slot, p);
     if (p == 0) st_v(&r->first_token_ns, now);
     st_v(&r->last_token_ns, now);
     st_release_u32(&r->produced, p + 1);
@@ -226,14 +232,6 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
 
 // ---- admission (RingConsumer.take_new + EngineLoop._admit) ------------------------------------------------
 // Thread 0: read the request's fixed part, reset its response, check it, queue it or fail it.
-// Penalties, logit bias or logprobs: the host and cpu engines apply them, this loop not yet. The gateway
-// refuses them for this mode; this answers a ring client that does not (INVALID_PARAMS, never ignored).
-__device__ bool wants_sampling_extensions(const blink_request_slot* req, uint32_t flags) {
-  return (flags & BLINK_RING_FLAG_LOGPROBS) || ld_v(&req->presence_penalty) != 0.0f ||
-         ld_v(&req->frequency_penalty) != 0.0f || ld_v(&req->repetition_penalty) != 1.0f ||
-         ld_v(&req->num_logit_bias) != 0u;
-}
-
 // With `spec` (the spec kernel) an error is deferred to the publish that follows the speculation's
 // acceptance: a dropped speculation must leave no trace the gateway could act on. (The response reset is
 // written at once: the slot is free in the real state too, and the full step writes the same words.)
@@ -252,7 +250,7 @@ __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scra
   for (uint32_t i = 0; i < num_stop; ++i) stops[i] = ld_v(&req->stop_ids[i]);
   reset_response(a, slot, seq, (uint32_t)prompt_len);
   int32_t err = blink_sched_check(s, prompt_len, max_tokens, temperature, top_p, top_k, min_p);
-  if (err == BLINK_ERR_NONE && wants_sampling_extensions(req, flags)) err = BLINK_ERR_INVALID_PARAMS;
+  if (err == BLINK_ERR_NONE && !ext_admit(a, slot, req, flags, prompt_len)) err = BLINK_ERR_INVALID_PARAMS;
   if (err != BLINK_ERR_NONE) {
     if (spec) {
       a->err_slot[a->num_err] = (int32_t)slot;
@@ -270,7 +268,7 @@ __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scra
                   (flags & BLINK_RING_FLAG_IGNORE_EOS) ? 1 : 0, temperature, top_k, top_p, min_p, seed);
   a->slot_seq[slot] = seq;
   a->slot_produced[slot] = 0;
-  x.room[slot] = (int32_t)a->max_output_len;  // a new request's output area is empty
+  x.room[slot] = ext_capacity(a, slot);  // a new request's output area is empty
 }
 
 // All threads: take every request queued from `head` up to `tail`, in submission order; *head_out = tail.
@@ -296,6 +294,7 @@ __device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x,
     const int32_t* src = (const int32_t*)((const uint8_t*)request(a, sh_slot) + a->prompt_offset);
     int32_t* dst = s->tokens + (int64_t)sh_slot * ctx;
     for (int32_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = ld_v(&src[i]);
+    ext_copy_bias(a, sh_slot);
     __syncthreads();
     if (threadIdx.x == 0) take_request(a, s, x, sh_slot, sh_len, spec);
     __syncthreads();
@@ -338,7 +337,7 @@ __device__ __forceinline__ int look_slot(blink_loop_args* a, const blink_sched* 
   uint8_t cancelled = 0;
   if (s->status[slot] != BLINK_SEQ_FINISHED) {
     cancelled = cancel_seq == a->slot_seq[slot];
-    x.room[slot] = (int32_t)a->max_output_len - (int32_t)(a->slot_produced[slot] - consumed);
+    x.room[slot] = ext_capacity(a, slot) - (int32_t)(a->slot_produced[slot] - consumed);
   }
   x.cancel[slot] = cancelled;
   return cancelled;

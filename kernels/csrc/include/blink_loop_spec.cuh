@@ -113,6 +113,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
   int32_t* input = (int32_t*)step_buf_of(a, 1 - a->buf);  // input_ids: the step buffer's first field
   int32_t* new_token = (int32_t*)(hot_of(a, 1 - a->cur) + a->new_token_offset);  // the speculated state's
   const uint64_t spec_tail = a->spec_tail;
+  blink_loop_ext* ext = a->ext;
   blink_loop_counters c;
   uint64_t last_commit = 0;
   uint32_t cur = 0, buf = 0, branch = 0;
@@ -182,6 +183,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
   __syncwarp();
   for (uint32_t j = lane; j < rows; j += 32) sampled[j] = -1;
   if (lane == 0) {  // count_step's bookkeeping, from the registers
+    if (ext) ext->pub_buf = buf;  // ext_commit: the publish that follows writes this step's logprobs
     a->cur = cur ^ 1u;
     a->buf = buf ^ 1u;
     a->spec_ok = 0;
@@ -248,6 +250,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
   if (bucket >= 0) {
     blink_fill_token_rows(&s, buf, threadIdx.x, blockDim.x);
     blink_fill_block_tables_par(&s, buf, x.par);  // ends with a barrier: the token rows are written
+    ext_fill(a, &s, buf, next_buf);
     const int32_t* input = (const int32_t*)buf;
     for (int32_t i = threadIdx.x; i < h->num_tokens; i += blockDim.x) {
       const int32_t id = input[i];
@@ -258,7 +261,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
   if (threadIdx.x == 0) {
     h->spec_mode = h->spec_tainted = 0;
     if (bucket >= 0) {
-      a->spec_branch = branch_of(h, bucket, next_buf);
+      a->spec_branch = ext_branch(a, branch_of(h, bucket, next_buf), next_buf);
       a->spec_tail = tail;
       a->spec_rows = (uint32_t)n;
       a->spec_ok = 1;

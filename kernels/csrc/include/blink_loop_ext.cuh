@@ -1,0 +1,253 @@
+// The sampling extensions of the GPU-resident loop (kernels/csrc/persistent_loop.cu): presence, frequency and
+// repetition penalties, logit bias and logprobs, as the host and cpu engines apply them
+// (gpu_backend/engine/sampler.py: LogitAdjustments, token_logprobs). Device code, and the host code that
+// adds the extended branches to the loop graph. Present only when the engine enables them
+// (blink_loop_args.ext != 0; gpu_backend/engine/persistent.py allocates everything below).
+//
+// Per slot, copied from the request at admission: the penalties, the logit bias, the logprob count, the
+// prompt length, the output room (a logprobs request runs at most logprob_window tokens ahead of the reads).
+// Per step buffer, written by the fill: the sampled row -> slot map of the rows that use an extension, the
+// slot -> row map for the publish, and whether the step needs the extended graph. A step where some sampled
+// row uses an extension runs branch 4 * num_buckets + p instead of its plain branch p = 2 * (b * num_buckets
+// + i) + greedy:
+//   the bucket's LOGITS graph (float32 logits [S, V] into gpu_runner.logits_dev)
+//   -> blink_ext_adjust: per extended row, bias, then repetition, then frequency/presence, in place
+//   -> the bucket's POST graph, greedy or not (argmax or the sampler, as the plain graphs and the host
+//      engine's extended step pick; then log-softmax and top-k per row into this buffer's logprob outputs).
+// The penalties need each row's token counts: the adjust kernel builds them per row from the scheduler's
+// token history (prompt + output, device memory) in a zeroed scratch row, and every entry it sets it also
+// claims and clears (atomicExch), so the scratch is zero again when the kernel ends: no per-slot [V] table,
+// nothing to maintain at commit or to clear when a sequence finishes. The cost is O(history) per extended
+// row per step (what the host engines pay on the CPU too). The last history token is read from the step's
+// own input ids (the row it samples from): the commit of step n may write the history beside step n + 1.
+#ifndef BLINK_LOOP_EXT_CUH
+#define BLINK_LOOP_EXT_CUH
+
+// Included by blink_loop.cuh after blink_loop_args and the ring accessors, before their users.
+
+#define BLINK_EXT_THREADS 1024
+#define BLINK_EXT_ADJUST 1u      // bias or a penalty
+#define BLINK_EXT_PROMPT 2u      // repetition penalty: the prompt counts too
+#define BLINK_EXT_OUTPUT 4u      // any penalty: the output's counts
+#define BLINK_EXT_LOGPROBS 8u
+#define BLINK_EXT_SEEN 0x80000000u  // scratch: the token occurs in the prompt (repetition penalty)
+
+struct blink_loop_ext {
+  // set by the host
+  float* logits;                // [S, V] float32: the LOGITS graphs' output, adjusted in place
+  uint32_t* scratch;            // [S, V] zero between steps
+  const float* lp_chosen;       // [2, S] per step buffer: the POST graphs' logprob of each row's token
+  const int32_t* lp_ids;        // [2, S, lp_k] its best lp_k alternatives, descending
+  const float* lp_vals;         // [2, S, lp_k]
+  void* const* post_graphs;     // host memory: [4 * num_buckets] cudaGraph_t, the plain branches' order
+  uint32_t* flags;              // [N] per slot, at admission: BLINK_EXT_* bits
+  int32_t* num_logprobs;        // [N]
+  int32_t* prompt_len;          // [N]
+  int32_t* num_bias;            // [N]
+  int32_t* capacity;            // [N] tokens the slot may run ahead of the gateway's reads
+  float* penalties;             // [N, 3] presence, frequency, repetition
+  int32_t* bias_ids;            // [N, max_bias]
+  float* bias_vals;             // [N, max_bias]
+  int32_t* row_slot;            // [2, S] per step buffer: sampled row -> slot when it uses an extension, else -1
+  int32_t* slot_row;            // [2, N] per step buffer: slot -> its sampled row
+  uint64_t bias_offset, bias_bytes;                       // the ring's logit-bias areas
+  uint64_t lp_offset, lp_bytes, lp_ids_offset, lp_top_offset;  // its logprob areas
+  uint64_t off_sample_rows, off_seq_ids, off_sample_pos;  // step buffer fields (input_ids at 0)
+  uint32_t vocab, max_rows, lp_k, max_bias, window, max_logprobs, num_buckets, context_len;
+  // the loop's words
+  uint32_t num_rows[2];         // sampled rows of the step in buffer b
+  uint32_t extended[2];         // 1: that step runs its extended branch
+  uint32_t pub_buf;             // the buffer of the step whose tokens the next publish writes
+  uint32_t _pad;
+};
+
+// ---- admission -------------------------------------------------------------------------------------------
+// All threads, after the prompt copy: the request's logit bias, ring -> device.
+__device__ void ext_copy_bias(blink_loop_args* a, uint32_t slot) {
+  blink_loop_ext* e = a->ext;
+  if (!e) return;
+  uint32_t n = ld_v(&request(a, slot)->num_logit_bias);
+  if (n > e->max_bias) n = e->max_bias;
+  const uint8_t* area = a->ring + e->bias_offset + (uint64_t)slot * e->bias_bytes;
+  const int32_t* ids = (const int32_t*)area;
+  const float* vals = (const float*)(area + e->bias_bytes / 2);
+  for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+    e->bias_ids[(uint64_t)slot * e->max_bias + j] = ld_v(&ids[j]);
+    e->bias_vals[(uint64_t)slot * e->max_bias + j] = ld_v(&vals[j]);
+  }
+}
+
+// Thread 0: the slot's extension parameters. False: the request wants an extension and the engine runs
+// without them (INVALID_PARAMS; the gateway refuses such requests for such a backend first).
+__device__ bool ext_admit(blink_loop_args* a, uint32_t slot, const blink_request_slot* req, uint32_t flags,
+                          int32_t prompt_len) {
+  const float presence = ld_v(&req->presence_penalty), frequency = ld_v(&req->frequency_penalty);
+  const float repetition = ld_v(&req->repetition_penalty);
+  const uint32_t num_bias = ld_v(&req->num_logit_bias), num_logprobs = ld_v(&req->num_logprobs);
+  const bool logprobs = flags & BLINK_RING_FLAG_LOGPROBS;
+  blink_loop_ext* e = a->ext;
+  if (!e) return !(logprobs || presence != 0.0f || frequency != 0.0f || repetition != 1.0f || num_bias != 0u);
+  uint32_t f = 0;
+  if (repetition != 1.0f) f |= BLINK_EXT_ADJUST | BLINK_EXT_PROMPT | BLINK_EXT_OUTPUT;
+  if (presence != 0.0f || frequency != 0.0f) f |= BLINK_EXT_ADJUST | BLINK_EXT_OUTPUT;
+  if (num_bias != 0u) f |= BLINK_EXT_ADJUST;
+  if (logprobs) f |= BLINK_EXT_LOGPROBS;
+  e->flags[slot] = f;
+  e->num_logprobs[slot] = (int32_t)(num_logprobs < e->max_logprobs ? num_logprobs : e->max_logprobs);
+  e->prompt_len[slot] = prompt_len;
+  e->num_bias[slot] = (int32_t)(num_bias < e->max_bias ? num_bias : e->max_bias);
+  e->capacity[slot] = (int32_t)(logprobs ? e->window : a->max_output_len);
+  e->penalties[3 * slot] = presence;
+  e->penalties[3 * slot + 1] = frequency;
+  e->penalties[3 * slot + 2] = repetition;
+  return true;
+}
+
+// Tokens a slot may run ahead of the gateway's reads (RingConsumer's capacity).
+__device__ __forceinline__ int32_t ext_capacity(const blink_loop_args* a, uint32_t slot) {
+  return a->ext ? a->ext->capacity[slot] : (int32_t)a->max_output_len;
+}
+
+// ---- the fill, the branch, the commit -----------------------------------------------------------------------
+// All threads, after the step in buffer `b` was filled (token rows written): its row <-> slot maps and
+// whether it needs the extended branch.
+__device__ void ext_fill(blink_loop_args* a, const blink_sched* s, const uint8_t* buf, uint32_t b) {
+  blink_loop_ext* e = a->ext;
+  if (!e) return;
+  const int32_t n = s->h->num_sampled;
+  const int64_t* rows = (const int64_t*)(buf + e->off_sample_rows);
+  const int32_t* seq_ids = (const int32_t*)(buf + e->off_seq_ids);
+  int any = 0;
+  for (int32_t k = threadIdx.x; k < n; k += blockDim.x) {
+    const int32_t slot = s->entry_slot[seq_ids[rows[k]]];
+    const int on = e->flags[slot] != 0u;
+    e->row_slot[b * e->max_rows + k] = on ? slot : -1;
+    e->slot_row[(uint64_t)b * a->num_slots + slot] = k;
+    any |= on;
+  }
+  any = __syncthreads_or(any);
+  if (threadIdx.x == 0) {
+    e->num_rows[b] = (uint32_t)n;
+    e->extended[b] = (uint32_t)any;
+  }
+}
+
+// Thread 0: the SWITCH branch of the step in buffer `b` whose plain branch is `plain` (branch_of).
+__device__ __forceinline__ uint32_t ext_branch(const blink_loop_args* a, uint32_t plain, uint32_t b) {
+  const blink_loop_ext* e = a->ext;
+  return e && e->extended[b] ? 4u * e->num_buckets + plain : plain;
+}
+
+// Thread 0, when the step in buffer a->buf is committed: the publish that follows writes its logprobs.
+__device__ __forceinline__ void ext_commit(blink_loop_args* a) {
+  if (a->ext) a->ext->pub_buf = a->buf;
+}
+
+// ---- publishing ------------------------------------------------------------------------------------------
+// The thread publishing token `p` of `slot`: its logprob and alternatives into the slot's logprob area
+// (before `produced`), as RingConsumer.publish writes them.
+__device__ void ext_publish_logprob(const blink_loop_args* a, uint32_t slot, uint32_t p) {
+  const blink_loop_ext* e = a->ext;
+  if (!e || !(e->flags[slot] & BLINK_EXT_LOGPROBS)) return;
+  const uint32_t b = e->pub_buf;
+  const uint64_t row = (uint64_t)b * e->max_rows + (uint32_t)e->slot_row[(uint64_t)b * a->num_slots + slot];
+  const uint32_t w = p % e->window, k = (uint32_t)e->num_logprobs[slot];
+  uint8_t* area = a->ring + e->lp_offset + (uint64_t)slot * e->lp_bytes;
+  st_v((float*)area + w, e->lp_chosen[row]);
+  int32_t* ids = (int32_t*)(area + e->lp_ids_offset) + (uint64_t)w * e->max_logprobs;
+  float* vals = (float*)(area + e->lp_top_offset) + (uint64_t)w * e->max_logprobs;
+  for (uint32_t j = 0; j < k; ++j) {
+    st_v(&ids[j], e->lp_ids[row * e->lp_k + j]);
+    st_v(&vals[j], e->lp_vals[row * e->lp_k + j]);
+  }
+}
+
+// ---- the extended branch's kernel ------------------------------------------------------------------------
+// History token i of a row: the scheduler's token array, but the last one (the token the row samples
+// after) from the step's input ids.
+__device__ __forceinline__ int32_t ext_token(const int32_t* hist, int64_t i, int64_t last, int32_t last_id) {
+  return i == last ? last_id : hist[i];
+}
+
+// One block per sampled row of the step in buffer `b` (grid: the bucket's rows): LogitAdjustments.apply_ on
+// the rows that use bias or penalties, in its float32 order (bias added; seen tokens' positive logits divided
+// by the repetition penalty, others multiplied; then frequency * count + presence subtracted), rounding
+// each operation as torch's separate kernels do (no contraction into fma).
+__global__ void __launch_bounds__(BLINK_EXT_THREADS) blink_ext_adjust(blink_loop_args* a, uint32_t b) {
+  const blink_loop_ext* e = a->ext;
+  const uint32_t row = blockIdx.x;
+  if (row >= e->num_rows[b]) return;
+  const int32_t slot = e->row_slot[b * e->max_rows + row];
+  if (slot < 0 || !(e->flags[slot] & BLINK_EXT_ADJUST)) return;
+  const uint32_t f = e->flags[slot], vocab = e->vocab;
+  float* logits = e->logits + (uint64_t)row * vocab;
+  uint32_t* marks = e->scratch + (uint64_t)row * vocab;
+  const uint8_t* buf = step_buf_of(a, b);
+  const int64_t sample_row = ((const int64_t*)(buf + e->off_sample_rows))[row];
+  const int64_t len = ((const int64_t*)(buf + e->off_sample_pos))[row];  // prompt + output so far
+  const int32_t last_id = ((const int32_t*)buf)[sample_row];
+  const int32_t* hist = a->tokens + (int64_t)slot * e->context_len;
+  // the history the penalties read: prompt + output for repetition, the output only otherwise
+  const int64_t from = (f & BLINK_EXT_PROMPT) ? 0 : e->prompt_len[slot];
+  const int64_t prompt_len = e->prompt_len[slot];
+  const int64_t end = (f & BLINK_EXT_OUTPUT) ? len : from;  // bias only: no marks
+  for (int64_t i = from + threadIdx.x; i < end; i += blockDim.x) {
+    const int32_t t = ext_token(hist, i, len - 1, last_id);
+    if (t < 0 || (uint32_t)t >= vocab) continue;
+    if (i < prompt_len) atomicOr(&marks[t], BLINK_EXT_SEEN);
+    else atomicAdd(&marks[t], 1u);
+  }
+  const int32_t num_bias = e->num_bias[slot];
+  for (int32_t j = threadIdx.x; j < num_bias; j += blockDim.x) {
+    const int32_t t = e->bias_ids[(uint64_t)slot * e->max_bias + j];
+    if (t >= 0 && (uint32_t)t < vocab) atomicAdd(&logits[t], e->bias_vals[(uint64_t)slot * e->max_bias + j]);
+  }
+  __syncthreads();
+  if (!(f & BLINK_EXT_OUTPUT)) return;
+  const float presence = e->penalties[3 * slot], frequency = e->penalties[3 * slot + 1];
+  const float repetition = e->penalties[3 * slot + 2];
+  for (int64_t i = from + threadIdx.x; i < len; i += blockDim.x) {
+    const int32_t t = ext_token(hist, i, len - 1, last_id);
+    if (t < 0 || (uint32_t)t >= vocab) continue;
+    const uint32_t m = atomicExch(&marks[t], 0u);  // the one thread that finds it set owns token t
+    if (m == 0u) continue;
+    float x = logits[t];
+    if (repetition != 1.0f) x = x > 0.0f ? __fdiv_rn(x, repetition) : __fmul_rn(x, repetition);
+    const uint32_t count = m & ~BLINK_EXT_SEEN;
+    if (count) x = __fsub_rn(x, __fadd_rn(__fmul_rn(frequency, (float)count), presence));
+    logits[t] = x;
+  }
+}
+
+// ---- host: the loop graph's extended branches ---------------------------------------------------------------
+// Branches 4 * num_buckets + p (p: a plain branch) exist when a->ext is set.
+static uint32_t ext_num_branches(const blink_loop_ext* host_ext, uint32_t num_buckets) {
+  return host_ext ? 8u * num_buckets : 4u * num_buckets;
+}
+
+// The host's copy of the extension block (0 when there is none): host_ext receives it.
+static int ext_read(const blink_loop_args* args, blink_loop_ext* host_ext) {
+  if (!args->ext) return 0;
+  return cudaMemcpy(host_ext, args->ext, sizeof(blink_loop_ext), cudaMemcpyDeviceToHost) == cudaSuccess ? 1 : -1;
+}
+
+// Branch `branch` (>= 4 * num_buckets) already holds its LOGITS graph as node `logits_node`: after it, the
+// adjust kernel (one block per row of the bucket's graph), then the POST graph.
+static cudaError_t ext_finish_branch(const blink_loop_ext* host_ext, blink_loop_args* dev_args, cudaGraph_t body,
+                                     cudaGraphNode_t logits_node, uint32_t branch, const blink_sched_config* cfg) {
+  const uint32_t j = branch - 4u * host_ext->num_buckets, b = j / (2u * host_ext->num_buckets);
+  const uint32_t bucket = (uint32_t)cfg->buckets[(j / 2u) % host_ext->num_buckets];
+  const uint32_t rows = bucket < host_ext->max_rows ? bucket : host_ext->max_rows;
+  void* params[] = {&dev_args, (void*)&b};
+  cudaKernelNodeParams k = {};
+  k.gridDim = dim3(rows);
+  k.blockDim = dim3(BLINK_EXT_THREADS);
+  k.kernelParams = params;
+  k.func = (void*)blink_ext_adjust;
+  cudaGraphNode_t adjust, post;
+  cudaError_t err = cudaGraphAddKernelNode(&adjust, body, &logits_node, 1, &k);
+  if (err != cudaSuccess) return err;
+  return cudaGraphAddChildGraphNode(&post, body, &adjust, 1, (cudaGraph_t)host_ext->post_graphs[j]);
+}
+
+#endif  // BLINK_LOOP_EXT_CUH
