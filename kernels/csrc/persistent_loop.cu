@@ -254,7 +254,7 @@ int blink_loop_read_globaltimer(uint64_t* out) {
 // graph, to which blink_loop_ext.cuh adds the adjust kernel and the POST graph), with `args`
 // (host copy; its handles and the speculation's buffers are filled here) copied to device memory.
 // `samplers[i]` (i < 4 * num_buckets): the sampling part of children[i] captured alone (its node count says
-// where the logits are done: blink_loop_take starts there; in an extended branch it starts after LOGITS).
+// where the logits are done: blink_loop_take starts there; in an extended branch, after the POST graph).
 int blink_loop_create(const blink_loop_args* args_in, void* const* children, void* const* samplers,
                       uint32_t num_branches, blink_loop** out) {
   blink_loop* L = new blink_loop();
@@ -365,22 +365,24 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     cudaGraph_t inner;
     size_t sampler_nodes = 0;
     BLINK_TRY(cudaGraphAddChildGraphNode(&child, sw.conditional.phGraph_out[i], nullptr, 0, (cudaGraph_t)children[i]), 10);
-    cudaGraphNode_t logits_done = nullptr;
+    cudaGraphNode_t start_after = nullptr;
     if (i >= 4u * (uint32_t)hdr.cfg.num_buckets) {  // an extended branch: children[i] is its LOGITS graph
-      BLINK_TRY(ext_finish_branch(&ext_host, L->dev_args, sw.conditional.phGraph_out[i], child, i, &hdr.cfg), 37);
-      inner = sw.conditional.phGraph_out[i];  // the take kernel beside the adjust kernel and the POST graph
-      logits_done = child;
+      // the take kernel after the POST graph: its logprobs read the sampled tokens, which the take kernel
+      // sets back to -1 (so an extended step pays its launch; plain steps do not)
+      BLINK_TRY(ext_finish_branch(&ext_host, L->dev_args, sw.conditional.phGraph_out[i], child, i, &hdr.cfg,
+                                  &start_after), 37);
+      inner = sw.conditional.phGraph_out[i];
     } else {
       BLINK_TRY(cudaGraphChildGraphNodeGetGraph(child, &inner), 35);
       BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)samplers[i], nullptr, &sampler_nodes), 36);
-      logits_done = node_before_tail(inner, sampler_nodes);
+      start_after = node_before_tail(inner, sampler_nodes);
     }
-    L->take_linked += logits_done != nullptr;
+    L->take_linked += start_after != nullptr;
     cudaKernelNodeParams t = k;
     t.func = (void*)blink_loop_take;
     t.blockDim = dim3(BLINK_LOOP_TAKE_THREADS);
     t.sharedMemBytes = 0;
-    BLINK_TRY(cudaGraphAddKernelNode(&take, inner, logits_done ? &logits_done : nullptr, logits_done ? 1 : 0, &t), 33);
+    BLINK_TRY(cudaGraphAddKernelNode(&take, inner, start_after ? &start_after : nullptr, start_after ? 1 : 0, &t), 33);
     if (prioritize) BLINK_TRY(cudaGraphKernelNodeSetAttribute(take, cudaKernelNodeAttributePriority, &priority), 34);
   }
   k.func = (void*)blink_loop_publish;

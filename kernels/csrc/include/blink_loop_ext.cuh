@@ -232,9 +232,10 @@ static int ext_read(const blink_loop_args* args, blink_loop_ext* host_ext) {
 }
 
 // Branch `branch` (>= 4 * num_buckets) already holds its LOGITS graph as node `logits_node`: after it, the
-// adjust kernel (one block per row of the bucket's graph), then the POST graph.
+// adjust kernel (one block per row of the bucket's graph), then the POST graph (*post_out).
 static cudaError_t ext_finish_branch(const blink_loop_ext* host_ext, blink_loop_args* dev_args, cudaGraph_t body,
-                                     cudaGraphNode_t logits_node, uint32_t branch, const blink_sched_config* cfg) {
+                                     cudaGraphNode_t logits_node, uint32_t branch, const blink_sched_config* cfg,
+                                     cudaGraphNode_t* post_out) {
   const uint32_t j = branch - 4u * host_ext->num_buckets, b = j / (2u * host_ext->num_buckets);
   const uint32_t bucket = (uint32_t)cfg->buckets[(j / 2u) % host_ext->num_buckets];
   const uint32_t rows = bucket < host_ext->max_rows ? bucket : host_ext->max_rows;
@@ -244,10 +245,10 @@ static cudaError_t ext_finish_branch(const blink_loop_ext* host_ext, blink_loop_
   k.blockDim = dim3(BLINK_EXT_THREADS);
   k.kernelParams = params;
   k.func = (void*)blink_ext_adjust;
-  cudaGraphNode_t adjust, post;
+  cudaGraphNode_t adjust;
   cudaError_t err = cudaGraphAddKernelNode(&adjust, body, &logits_node, 1, &k);
   if (err != cudaSuccess) return err;
-  return cudaGraphAddChildGraphNode(&post, body, &adjust, 1, (cudaGraph_t)host_ext->post_graphs[j]);
+  return cudaGraphAddChildGraphNode(post_out, body, &adjust, 1, (cudaGraph_t)host_ext->post_graphs[j]);
 }
 
 #endif  // BLINK_LOOP_EXT_CUH
