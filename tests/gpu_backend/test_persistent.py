@@ -56,12 +56,14 @@ class Served:
         self.prod = RingProducer(attach_ring(self.ring.name))
         self.engine = PersistentEngine(runner, cfg, self.ring, CONFIG, context_len=512)
         self.tokens: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list] = {}  # per token, when a request asked (test_persistent_extensions.py)
         self.finishes: dict[int, tuple[FinishReason, ErrorCode]] = {}
 
     def submit(self, specs) -> list[int]:
         slots = [self.prod.submit(s) for s in specs]
         for s in slots:
             self.tokens[s] = []
+            self.logprobs[s] = []
         return slots
 
     def poll(self) -> None:
@@ -69,6 +71,7 @@ class Served:
             if s not in self.finishes:
                 upd = self.prod.poll(s)
                 self.tokens[s] += upd.tokens
+                self.logprobs[s] += upd.logprobs
                 if upd.finish is not FinishReason.NONE:
                     self.finishes[s] = (upd.finish, upd.error_code)
 

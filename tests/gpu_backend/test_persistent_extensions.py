@@ -20,7 +20,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")]
 
 from test_gpu_runner import _drive, _peaky_model  # noqa: E402
-from test_persistent import CONFIG, Served  # noqa: E402
+from test_persistent import CONFIG, Served, served  # noqa: E402,F401 (served: the fixture)
 from protocols.ring import FinishReason, RequestSpec, RingGeometry  # noqa: E402
 
 VOCAB = 512
@@ -40,41 +40,6 @@ def runner_cfg():
     return _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg), cfg
 
 
-class Collecting(Served):
-    """A Served that also keeps each request's logprobs (one at a time: the ring's name is fixed)."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.logprobs: dict[int, list] = {}
-
-    def submit(self, specs) -> list[int]:
-        slots = super().submit(specs)
-        for s in slots:
-            self.logprobs[s] = []
-        return slots
-
-    def poll(self) -> None:
-        for s in self.tokens:
-            if s not in self.finishes:
-                upd = self.prod.poll(s)
-                self.tokens[s] += upd.tokens
-                self.logprobs[s] += upd.logprobs
-                if upd.finish is not FinishReason.NONE:
-                    self.finishes[s] = (upd.finish, upd.error_code)
-
-
-@pytest.fixture
-def served():
-    opened = []
-
-    def make(*args, **kw) -> Collecting:
-        opened.append(Collecting(*args, **kw))
-        return opened[-1]
-    yield make
-    for s in opened:
-        s.close()
-
-
 @dataclasses.dataclass
 class Result:
     tokens: list[list[int]]
@@ -85,7 +50,7 @@ class Result:
 
 def _run(runner, cfg, specs, geometry=RingGeometry(16, 256, 256)) -> Result:
     """The specs queued before the launch (admitted together, as the host engine takes them), run to the end."""
-    s = Collecting(runner, cfg, geometry)
+    s = Served(runner, cfg, geometry)
     try:
         slots = s.submit(specs)
         s.engine.start()
