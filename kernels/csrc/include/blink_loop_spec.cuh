@@ -123,6 +123,10 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
     cur = a->cur;
     buf = a->buf;
     branch = a->spec_branch;
+    // the handles as if the speculation will be taken (what counts is their value when this kernel ends;
+    // a miss sets full_handle again, and the full step picks its own branch): no call after the tokens
+    cudaGraphSetConditional(a->branch_handle, branch);
+    cudaGraphSetConditional(a->full_handle, 0);
   }
   for (;;) {
     int in = 1;
@@ -161,10 +165,6 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
       cudaGraphSetConditional(a->full_handle, 1);
     }
     return;
-  }
-  if (lane == 0) {  // the next graph first: the rest is stores
-    cudaGraphSetConditional(a->branch_handle, branch);
-    cudaGraphSetConditional(a->full_handle, 0);
   }
 #pragma unroll
   for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
