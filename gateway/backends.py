@@ -35,6 +35,10 @@ from .transports import BackendConnectError, connect_transport
 
 log = logging.getLogger("blink.gateway.backends")
 
+# The longest spin (`GatewayConfig.poll_spin_s`) of a poller whose engine is `cpu`: that engine computes on
+# this host's cores, and a spinning poller would take them from it.
+CPU_ENGINE_SPIN_S = 0.002
+
 
 @dataclass(frozen=True)
 class BackendInfo:
@@ -181,6 +185,7 @@ class Backend:
         self._beat = (producer.heartbeat, time.monotonic())  # last heartbeat value, when it changed
         self._next_check_s = 0.0
         self._news_s = 0.0  # when a poll last found tokens or a finish (time.monotonic)
+        self.spin_s = min(config.poll_spin_s, CPU_ENGINE_SPIN_S) if info.engine_mode == "cpu" else config.poll_spin_s
         self._queued_tokens = 0  # outstanding tokens of requests waiting here for a ring slot
         # Sum of `outstanding_tokens` over `_requests`, kept as they change: routing reads it per request,
         # and summing over hundreds of streams each time made routing quadratic in the streams in flight.
@@ -344,7 +349,7 @@ class Backend:
                     # Within poll_spin_s of the last news, poll again as soon as the readers woken have
                     # run (one loop iteration): flowing tokens wait for no timer tick. After that, sleep
                     # poll_active_s per round, so requests that produce nothing cost no spinning core.
-                    spinning = now_s - self._news_s < self.config.poll_spin_s
+                    spinning = now_s - self._news_s < self.spin_s
                     await asyncio.sleep(0 if spinning else self.config.poll_active_s)
                 else:
                     await self._idle()
