@@ -67,6 +67,7 @@ class RingProducer:
         self._resp_w0, self._resp_words = self.geometry.responses_offset // 4, self.geometry.response_bytes // 4
         self._ready_of: Sequence[int] | None = None  # the last `ready_slots` list, and its slots as an array
         self._ready_idx = np.zeros(0, dtype=np.int64)
+        self._ready_w = (self._ready_idx,) * 3  # and their produced, consumed and finish words
         self._u32, self._u64, self._i32 = memoryview(ring.u32), memoryview(ring.u64), memoryview(ring.i32)
         for slot in (range(self.geometry.num_slots) if slots is None else slots):
             self._adopt(slot)
@@ -245,10 +246,12 @@ class RingProducer:
         taken yet, or `defer_consumed`) cost one empty `poll`; nothing new is ever missed. A list passed
         again (the same object) is taken to hold the same slots: pass a new one when they change."""
         if slots is not self._ready_of:  # a poller passes the same list while its requests stay the same
-            self._ready_of, self._ready_idx = slots, np.fromiter(slots, dtype=np.int64, count=len(slots))
-        idx, u32 = self._ready_idx, self.ring.u32
-        news = (u32[self._produced_w[idx]] != u32[self._consumed_w[idx]]) | (u32[self._finish_w[idx]] != FinishReason.NONE)
-        return idx[news].tolist()
+            idx = np.fromiter(slots, dtype=np.int64, count=len(slots))
+            self._ready_of, self._ready_idx = slots, idx
+            self._ready_w = (self._produced_w[idx], self._consumed_w[idx], self._finish_w[idx])
+        (produced_w, consumed_w, finish_w), u32 = self._ready_w, self.ring.u32
+        news = (u32[produced_w] != u32[consumed_w]) | (u32[finish_w] != 0)  # FinishReason.NONE is 0
+        return self._ready_idx[news].tolist()
 
     def set_consumed(self, slot: int, consumed: int) -> None:
         """Advance the slot's consumed counter (with `defer_consumed`) up to what `poll` has read."""
