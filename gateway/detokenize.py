@@ -212,11 +212,12 @@ class TextStream:
         self._detok = PieceDetokenizer(pieces, context_ids) if pieces is not None else \
             IncrementalDetokenizer(tokenizer, context_ids, single_texts=single_texts)
         self._matcher = StopMatcher(stops)
+        self._plain = not self._matcher.stops  # no stop string: nothing is ever held back
         self.num_tokens = 0
         self.stopped = False  # a stop string matched
 
     def add(self, token_ids: Iterable[int]) -> str:
-        if not self._matcher.stops:  # no stop string: one cached piece per token, nothing held back
+        if self._plain:  # no stop string: one cached piece per token, nothing held back
             if self.stopped:
                 return ""
             add, text, num_tokens = self._detok.add, "", self.num_tokens
