@@ -80,19 +80,20 @@ def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:
                                       f"{exc.code().name} {exc.details()}") from None
 
 
-class UpdateQueue:
+class UpdateQueue(collections.deque):
     """One request's updates: the poller puts, the request's one reader awaits. What asyncio.Queue does
-    for this case with less work per token (no getter list, no size limit, no loop check per call)."""
+    for this case with less work per token (no getter list, no size limit, no loop check per call). A
+    deque itself, so that "updates are waiting" (its truth, read per token by the poller's sink) is C's."""
 
-    __slots__ = ("_updates", "_waiter", "_loop")
+    __slots__ = ("_waiter", "_loop")
 
     def __init__(self):
-        self._updates: collections.deque[TokenUpdate] = collections.deque()
+        super().__init__()
         self._waiter: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the reader's, found once (a getpid() per call)
 
     def put_nowait(self, update: TokenUpdate) -> None:
-        self._updates.append(update)
+        self.append(update)
         self.wake()
 
     def wake(self) -> None:
@@ -102,7 +103,7 @@ class UpdateQueue:
 
     async def get(self) -> TokenUpdate | None:
         """The next update; None when `wake` woke the reader with none queued (it checks what else it waits for)."""
-        if not self._updates:
+        if not self:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
             self._waiter = self._loop.create_future()
@@ -110,16 +111,12 @@ class UpdateQueue:
                 await self._waiter
             finally:
                 self._waiter = None
-            if not self._updates:
+            if not self:
                 return None
-        return self._updates.popleft()
+        return self.popleft()
 
     def qsize(self) -> int:
-        return len(self._updates)
-
-    def __bool__(self) -> bool:
-        """Updates are waiting."""
-        return bool(self._updates)
+        return len(self)
 
 
 # Takes an update from the poller, in the poller (no task switch): True when it dealt with it, False when

@@ -16,7 +16,8 @@ from protocols.shm import RingFull, ShmRing, SqLock
 
 @dataclass(slots=True)  # one per poll with news: slots make it cheaper to build and to read
 class TokenUpdate:
-    """What `RingProducer.poll` found since the last poll of a slot."""
+    """What `RingProducer.poll` found since the last poll of a slot (which builds it positionally: keep
+    the field order)."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the request asked
@@ -28,6 +29,7 @@ class TokenUpdate:
 
 
 _FINISH_REASONS = {int(f): f for f in FinishReason}
+_NO_ERROR = ErrorCode.NONE
 # u32 word offsets within a slot's response, for `RingProducer.poll`
 _W_FINISH, _W_PRODUCED, _W_CONSUMED = R.RESP_FINISH_REASON // 4, R.RESP_PRODUCED // 4, R.RESP_CONSUMED // 4
 _W_PROMPT_LEN, _W_ERROR_CODE, _W_TOKENS = R.RESP_PROMPT_LEN // 4, R.RESP_ERROR_CODE // 4, R.RESP_TOKENS // 4
@@ -208,7 +210,8 @@ class RingProducer:
                 tokens = self._i32[w + _W_TOKENS + first : w + _W_TOKENS + first + produced - consumed].tolist()
             else:
                 tokens = self._tokens(w + _W_TOKENS, consumed, produced)
-            update = TokenUpdate(tokens, finish=finish, started=True, prompt_len=u32[w + _W_PROMPT_LEN])
+            # positional: half the cost of keywords, once per update
+            update = TokenUpdate(tokens, [], finish, "", _NO_ERROR, u32[w + _W_PROMPT_LEN], True)
             if out.num_logprobs is not None:
                 update.logprobs = [self._logprob(slot, i, out.num_logprobs) for i in range(consumed, produced)]
             out.consumed = produced
