@@ -7,7 +7,9 @@ the poller's sink or the stream's task; the probe wraps that transport's `write`
 `_write_end` (`gateway.http._write` before those); the probe records when each write is handed to the
 transport and, at exit, the token ids (`w123` words of the ring-traffic vocabulary) in the chunk texts of
 that write: [[monotonic ns, token id], ...] in PROBE_JSON (empty: no probe). PROFILE_FILE
-(empty: none) gets a cProfile dump. Kept apart from ring_traffic.py so that the gateway process imports
+(empty: none) gets a cProfile dump. For looking at a run's course, with BLINK_ROUNDS=FILE each poll round
+(`Backend._poll_once`) is written there as [start monotonic ns, wall ns, thread CPU ns, updates, ...], and
+with BLINK_GC_EVENTS=FILE each collection as [end monotonic ns, duration ns, generation]. Kept apart from ring_traffic.py so that the gateway process imports
 what a gateway imports and nothing more (torch's objects would make every full GC pass slower).
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import array
 import gc
 import json
+import os
 import re
 import sys
 import time
@@ -62,15 +65,27 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
         writes.append(data)
         await http_write(resp, data, eof)
 
-    gc_ns, gc_start = [0, 0, 0], [0]  # time in collections of each generation
+    gc_ns, gc_start, gc_events = [0, 0, 0], [0], []  # time in collections of each generation; each collection
 
     def gc_timer(phase: str, info: dict) -> None:
         if phase == "start":
             gc_start[0] = time.perf_counter_ns()
         else:
             gc_ns[info["generation"]] += time.perf_counter_ns() - gc_start[0]
+            gc_events.append((time.monotonic_ns(), time.perf_counter_ns() - gc_start[0], info["generation"]))
     gc.callbacks.append(gc_timer)
 
+    rounds = array.array("q")  # per poll round: start (monotonic ns), wall ns, CPU ns, updates
+    if os.environ.get("BLINK_ROUNDS"):
+        from gateway.backends import Backend
+        poll_once = Backend._poll_once
+
+        def timed_poll_once(backend) -> int:
+            t0, c0 = time.monotonic_ns(), time.thread_time_ns()
+            n = poll_once(backend)
+            rounds.extend((t0, time.monotonic_ns() - t0, time.thread_time_ns() - c0, n))
+            return n
+        Backend._poll_once = timed_poll_once
     if probe:
         try:
             import gateway.sse as sse
@@ -91,6 +106,10 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
         print(f"gateway GC: {gc_ns[0] / 1e6:.0f} / {gc_ns[1] / 1e6:.0f} / {gc_ns[2] / 1e6:.0f} ms in collections of "
               f"generation 0 / 1 / 2 ({', '.join(str(s['collections']) for s in gc.get_stats())} collections)",
               file=sys.stderr)
+        if os.environ.get("BLINK_ROUNDS"):
+            Path(os.environ["BLINK_ROUNDS"]).write_text(json.dumps(rounds.tolist()))
+        if os.environ.get("BLINK_GC_EVENTS"):
+            Path(os.environ["BLINK_GC_EVENTS"]).write_text(json.dumps(gc_events))
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(profile)

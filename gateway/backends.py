@@ -37,6 +37,10 @@ _ALWAYS_EXTENDED = ("cpu", "host")  # engine modes that always apply penalties, 
 
 log = logging.getLogger("blink.gateway.backends")
 
+# The longest spin (`GatewayConfig.poll_spin_s`) of a poller whose engine is `cpu`: that engine computes on
+# this host's cores, and a spinning poller would take them from it.
+CPU_ENGINE_SPIN_S = 0.002
+
 
 @dataclass(frozen=True)
 class BackendInfo:
@@ -80,19 +84,20 @@ def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:
                                       f"{exc.code().name} {exc.details()}") from None
 
 
-class UpdateQueue:
+class UpdateQueue(collections.deque):
     """One request's updates: the poller puts, the request's one reader awaits. What asyncio.Queue does
-    for this case with less work per token (no getter list, no size limit, no loop check per call)."""
+    for this case with less work per token (no getter list, no size limit, no loop check per call). A
+    deque itself, so that "updates are waiting" (its truth, read per token by the poller's sink) is C's."""
 
-    __slots__ = ("_updates", "_waiter", "_loop")
+    __slots__ = ("_waiter", "_loop")
 
     def __init__(self):
-        self._updates: collections.deque[TokenUpdate] = collections.deque()
+        super().__init__()
         self._waiter: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the reader's, found once (a getpid() per call)
 
     def put_nowait(self, update: TokenUpdate) -> None:
-        self._updates.append(update)
+        self.append(update)
         self.wake()
 
     def wake(self) -> None:
@@ -102,7 +107,7 @@ class UpdateQueue:
 
     async def get(self) -> TokenUpdate | None:
         """The next update; None when `wake` woke the reader with none queued (it checks what else it waits for)."""
-        if not self._updates:
+        if not self:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
             self._waiter = self._loop.create_future()
@@ -110,16 +115,12 @@ class UpdateQueue:
                 await self._waiter
             finally:
                 self._waiter = None
-            if not self._updates:
+            if not self:
                 return None
-        return self._updates.popleft()
+        return self.popleft()
 
     def qsize(self) -> int:
-        return len(self._updates)
-
-    def __bool__(self) -> bool:
-        """Updates are waiting."""
-        return bool(self._updates)
+        return len(self)
 
 
 # Takes an update from the poller, in the poller (no task switch): True when it dealt with it, False when
@@ -185,6 +186,7 @@ class Backend:
         self._beat = (producer.heartbeat, time.monotonic())  # last heartbeat value, when it changed
         self._next_check_s = 0.0
         self._news_s = 0.0  # when a poll last found tokens or a finish (time.monotonic)
+        self.spin_s = min(config.poll_spin_s, CPU_ENGINE_SPIN_S) if info.engine_mode == "cpu" else config.poll_spin_s
         self._queued_tokens = 0  # outstanding tokens of requests waiting here for a ring slot
         # Sum of `outstanding_tokens` over `_requests`, kept as they change: routing reads it per request,
         # and summing over hundreds of streams each time made routing quadratic in the streams in flight.
@@ -348,7 +350,7 @@ class Backend:
                     # Within poll_spin_s of the last news, poll again as soon as the readers woken have
                     # run (one loop iteration): flowing tokens wait for no timer tick. After that, sleep
                     # poll_active_s per round, so requests that produce nothing cost no spinning core.
-                    spinning = now_s - self._news_s < self.config.poll_spin_s
+                    spinning = now_s - self._news_s < self.spin_s
                     await asyncio.sleep(0 if spinning else self.config.poll_active_s)
                 else:
                     await self._idle()

@@ -38,8 +38,11 @@ class GatewayConfig:
     # core, wrong beside a CPU engine).
     poll_active_s: float = 0.001
     # ... except within poll_spin_s of the last news: then the poller polls again as soon as the readers
-    # it woke have run (no timer), so tokens that keep flowing wait for no millisecond tick. 0: always sleep.
-    poll_spin_s: float = 0.002
+    # it woke have run (no timer), so tokens that keep flowing wait for no millisecond tick. Long enough to
+    # ride out an engine's pause of a few ms: a sleep begun in one costs the tokens that end it ~1.2 ms
+    # (uvloop's tick; bench/RESULTS.md, stream3). A `cpu` engine computes on this host's cores, so a
+    # poller of one spins at most CPU_ENGINE_SPIN_S (gateway/backends.py). 0: always sleep.
+    poll_spin_s: float = 0.02
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
     stall_timeout_s: float = 60.0  # heartbeat unchanged this long with requests in flight: fail them
     tcp_idle_timeout_s: float = 3.0  # tcp transport: no frame from the agent this long = connection lost

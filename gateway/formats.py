@@ -41,6 +41,11 @@ class TextTemplate:
         self._head, self._tail = head.encode(), tail.encode()
         self._render = render
 
+    @property
+    def parts(self) -> tuple[bytes, bytes] | None:
+        """The bytes before and after the text's JSON string; None when chunks cannot come from the template."""
+        return (self._head, self._tail) if self._usable else None
+
     def json(self, text: str) -> bytes:
         if self._usable:
             return b"%s%s%s" % (self._head, encode_basestring(text).encode(), self._tail)
@@ -61,6 +66,7 @@ class OutputFormat(Protocol):
               logprobs: Sequence[LogprobItem] = ()) -> BaseModel: ...
     def chunk_json(self, index: int, text: str = "", finish_reason: str | None = None,
                    logprobs: Sequence[LogprobItem] = ()) -> bytes: ...
+    def text_parts(self, index: int) -> tuple[bytes, bytes] | bool | None: ...
     def usage_chunk(self, prompt_len: int, completion_len: int) -> BaseModel: ...
     def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int) -> BaseModel: ...
 
@@ -83,11 +89,24 @@ class ChatFormat:
                    logprobs: Sequence[LogprobItem] = ()) -> bytes:
         """`chunk(...)` as JSON bytes; a plain text chunk from its template."""
         if text and finish_reason is None and self.texts is None and index in self._role_sent:
-            template = self._templates.get(index)
-            if template is None:
-                template = self._templates[index] = TextTemplate(lambda t: self.chunk(index, t))
-            return template.json(text)
+            return self._template(index).json(text)
         return self.chunk(index, text, finish_reason, logprobs).model_dump_json().encode()
+
+    def text_parts(self, index: int) -> tuple[bytes, bytes] | bool | None:
+        """What surrounds the JSON string of a non-empty text in this choice's plain chunks (no logprobs,
+        no finish), as `chunk_json` would write them: (before, after); None while its first chunk (the
+        role's) has not been made, False when they never come from a template (logprobs were asked)."""
+        if self.texts is not None:
+            return False
+        if index not in self._role_sent:
+            return None
+        return self._template(index).parts or False
+
+    def _template(self, index: int) -> TextTemplate:
+        template = self._templates.get(index)
+        if template is None:
+            template = self._templates[index] = TextTemplate(lambda t: self.chunk(index, t))
+        return template
 
     def chunk(self, index: int, text: str = "", finish_reason: str | None = None,
               logprobs: Sequence[LogprobItem] = ()) -> ChatCompletionChunk:
@@ -138,13 +157,25 @@ class CompletionFormat:
                    logprobs: Sequence[LogprobItem] = ()) -> bytes:
         """`chunk(...)` as JSON bytes; a plain text chunk from its template."""
         if finish_reason is None and self.texts is None and index in self._echoed:
-            template = self._templates.get(index)
-            if template is None:
-                template = self._templates[index] = TextTemplate(
-                    lambda t: self._make([CompletionChoice(index=index, text=t)]))
             self._offsets[index] = self._offsets.get(index, 0) + len(text)
-            return template.json(text)
+            return self._template(index).json(text)
         return self.chunk(index, text, finish_reason, logprobs).model_dump_json().encode()
+
+    def text_parts(self, index: int) -> tuple[bytes, bytes] | bool | None:
+        """What surrounds the JSON string of a text in this choice's plain chunks (no logprobs, no finish),
+        as `chunk_json` would write them: (before, after); None while its first chunk (the echo's) has not
+        been made, False when they never come from a template (logprobs were asked: text offsets count)."""
+        if self.texts is not None:
+            return False
+        if index not in self._echoed:
+            return None
+        return self._template(index).parts or False
+
+    def _template(self, index: int) -> TextTemplate:
+        template = self._templates.get(index)
+        if template is None:
+            template = self._templates[index] = TextTemplate(lambda t: self._make([CompletionChoice(index=index, text=t)]))
+        return template
 
     def chunk(self, index: int, text: str = "", finish_reason: str | None = None,
               logprobs: Sequence[LogprobItem] = ()) -> Completion:

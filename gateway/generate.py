@@ -122,7 +122,8 @@ class Generation:
                 self._lps += update.logprobs[:num_used]
         if stream.stopped:
             return self._finish(text, "stop")
-        if len(tokens) < len(update.tokens) or (not update.finish and self._budget_spent):
+        budget = self.budget_tokens  # `_budget_spent`, inlined: once per update
+        if len(tokens) < len(update.tokens) or (not update.finish and budget is not None and stream.num_tokens >= budget):
             return self._finish(text + stream.finish(), "length")
         if not update.finish:  # FinishReason.NONE is 0
             if not text:

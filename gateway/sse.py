@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from json.encoder import encode_basestring
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -115,9 +116,11 @@ class SseBody:
         is_closing, buffered, take, chunk_json = (transport.is_closing, transport.get_write_buffer_size,
                                                   gen.take, fmt.chunk_json)
         write, several = transport.write, len(choices.gens) > 1
+        frame_parts = None  # see `_frame_parts`: None until the format has this choice's text template
 
         def sink(update: TokenUpdate) -> bool:
             """Runs in the poller: True once the update's events (if any) are written, False to queue it."""
+            nonlocal frame_parts
             # Not writable now: a finish (FinishReason.NONE is 0) is the task's; so is
             # anything after a piece still waiting for the task (this choice's, or with n > 1 another's),
             # a closing connection and a slow client's.
@@ -132,11 +135,16 @@ class SseBody:
                     elif piece.logprobs:
                         _write(self, piece_events(fmt, index, piece))
                     elif piece.text:  # `piece_events` of a plain text piece, framed as `_write` frames it
-                        chunk = chunk_json(index, piece.text)
-                        if chunked:
-                            frame = b"%x\r\ndata: %s\n\n\r\n" % (len(chunk) + 8, chunk)
+                        if frame_parts is None:
+                            frame_parts = _frame_parts(fmt.text_parts(index))
+                        if frame_parts:  # the chunk from its template, event and chunked framing in one step
+                            head, tail, fixed_len = frame_parts
+                            text = encode_basestring(piece.text).encode()
+                            frame = (b"%x\r\n%s%s%s\r\n" % (len(text) + fixed_len, head, text, tail) if chunked
+                                     else head + text + tail)
                         else:
-                            frame = b"data: %s\n\n" % chunk
+                            chunk = chunk_json(index, piece.text)
+                            frame = b"%x\r\ndata: %s\n\n\r\n" % (len(chunk) + 8, chunk) if chunked else b"data: %s\n\n" % chunk
                         writer.output_size += len(frame)
                         write(frame)
             except Exception as exc:  # never into the poller (it would fail every request): to the reader
@@ -144,6 +152,15 @@ class SseBody:
                 gen.hold(exc)
             return True
         return sink
+
+
+def _frame_parts(parts: tuple[bytes, bytes] | bool | None) -> tuple[bytes, bytes, int] | bool | None:
+    """`OutputFormat.text_parts` as a plain text event's: (before the JSON string, after it, the event's
+    length without it). None and False as there (not yet; never)."""
+    if not parts:
+        return parts
+    before, after = parts
+    return b"data: " + before, after + b"\n\n", len(before) + len(after) + 8
 
 
 def piece_events(fmt: OutputFormat, index: int, piece: Piece) -> bytes:

@@ -89,6 +89,8 @@ class TokenizerService:
         self.token_texts = TokenTexts(self.tokenizer)
         self.single_texts: dict[int, str] = {}  # id -> decode([id]) without special tokens (detokenize.py)
         self.token_pieces = TokenPieces.for_tokenizer(self.tokenizer, self.token_texts)  # None: streams decode a window
+        if self.token_pieces is not None:
+            self.token_pieces.warm()
         self._executor = executor
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -16,7 +16,8 @@ from protocols.shm import RingFull, ShmRing, SqLock
 
 @dataclass(slots=True)  # one per poll with news: slots make it cheaper to build and to read
 class TokenUpdate:
-    """What `RingProducer.poll` found since the last poll of a slot."""
+    """What `RingProducer.poll` found since the last poll of a slot (which builds it positionally: keep
+    the field order)."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the request asked
@@ -28,6 +29,7 @@ class TokenUpdate:
 
 
 _FINISH_REASONS = {int(f): f for f in FinishReason}
+_NO_ERROR = ErrorCode.NONE
 # u32 word offsets within a slot's response, for `RingProducer.poll`
 _W_FINISH, _W_PRODUCED, _W_CONSUMED = R.RESP_FINISH_REASON // 4, R.RESP_PRODUCED // 4, R.RESP_CONSUMED // 4
 _W_PROMPT_LEN, _W_ERROR_CODE, _W_TOKENS = R.RESP_PROMPT_LEN // 4, R.RESP_ERROR_CODE // 4, R.RESP_TOKENS // 4
@@ -67,6 +69,7 @@ class RingProducer:
         self._resp_w0, self._resp_words = self.geometry.responses_offset // 4, self.geometry.response_bytes // 4
         self._ready_of: Sequence[int] | None = None  # the last `ready_slots` list, and its slots as an array
         self._ready_idx = np.zeros(0, dtype=np.int64)
+        self._ready_w = (self._ready_idx,) * 3  # and their produced, consumed and finish words
         self._u32, self._u64, self._i32 = memoryview(ring.u32), memoryview(ring.u64), memoryview(ring.i32)
         for slot in (range(self.geometry.num_slots) if slots is None else slots):
             self._adopt(slot)
@@ -207,7 +210,8 @@ class RingProducer:
                 tokens = self._i32[w + _W_TOKENS + first : w + _W_TOKENS + first + produced - consumed].tolist()
             else:
                 tokens = self._tokens(w + _W_TOKENS, consumed, produced)
-            update = TokenUpdate(tokens, finish=finish, started=True, prompt_len=u32[w + _W_PROMPT_LEN])
+            # positional: half the cost of keywords, once per update
+            update = TokenUpdate(tokens, [], finish, "", _NO_ERROR, u32[w + _W_PROMPT_LEN], True)
             if out.num_logprobs is not None:
                 update.logprobs = [self._logprob(slot, i, out.num_logprobs) for i in range(consumed, produced)]
             out.consumed = produced
@@ -245,10 +249,12 @@ class RingProducer:
         taken yet, or `defer_consumed`) cost one empty `poll`; nothing new is ever missed. A list passed
         again (the same object) is taken to hold the same slots: pass a new one when they change."""
         if slots is not self._ready_of:  # a poller passes the same list while its requests stay the same
-            self._ready_of, self._ready_idx = slots, np.fromiter(slots, dtype=np.int64, count=len(slots))
-        idx, u32 = self._ready_idx, self.ring.u32
-        news = (u32[self._produced_w[idx]] != u32[self._consumed_w[idx]]) | (u32[self._finish_w[idx]] != FinishReason.NONE)
-        return idx[news].tolist()
+            idx = np.fromiter(slots, dtype=np.int64, count=len(slots))
+            self._ready_of, self._ready_idx = slots, idx
+            self._ready_w = (self._produced_w[idx], self._consumed_w[idx], self._finish_w[idx])
+        (produced_w, consumed_w, finish_w), u32 = self._ready_w, self.ring.u32
+        news = (u32[produced_w] != u32[consumed_w]) | (u32[finish_w] != 0)  # FinishReason.NONE is 0
+        return self._ready_idx[news].tolist()
 
     def set_consumed(self, slot: int, consumed: int) -> None:
         """Advance the slot's consumed counter (with `defer_consumed`) up to what `poll` has read."""

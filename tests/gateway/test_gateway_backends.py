@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from gateway.backends import Backend, BackendInfo
+from gateway.backends import CPU_ENGINE_SPIN_S, Backend, BackendInfo
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.route import Router
@@ -26,9 +26,9 @@ def ring():
     ring.close()
 
 
-def make_backend(ring, **config) -> Backend:
+def make_backend(ring, engine_mode: str = "test", **config) -> Backend:
     info = BackendInfo(addr="test", model_name="m", model_dir="", model_fingerprint="fp", context_len=64,
-                       vocab_size=100, eos_token_ids=(0,), engine_mode="test", ring_name=ring.name,
+                       vocab_size=100, eos_token_ids=(0,), engine_mode=engine_mode, ring_name=ring.name,
                        geometry=GEOMETRY)
     cfg = GatewayConfig(**{"slot_wait_s": 5.0, "heartbeat_check_s": 0.02, **config})
     return Backend(info, RingProducer(attach_ring(ring.name)), cfg)
@@ -83,6 +83,41 @@ def test_outstanding_tokens_follow_submissions_tokens_and_releases(ring):
         check(0)
         await backend.close()
     asyncio.run(main())
+
+
+def test_the_poller_spins_for_poll_spin_s_after_news_then_sleeps(ring):
+    """Within poll_spin_s of the last token the poller polls back to back (no millisecond timer between
+    rounds); a `cpu` engine's poller spins at most CPU_ENGINE_SPIN_S; with 0 it sleeps poll_active_s."""
+    def rounds_after_news(backend: Backend, quiet_s: float) -> int:
+        async def main() -> int:
+            rounds = 0
+            poll_once = backend._poll_once
+
+            def counted() -> int:
+                nonlocal rounds
+                rounds += 1
+                return poll_once()
+            backend._poll_once = counted
+            backend.start()
+            engine = RingConsumer(ring)
+            handle = await backend.submit(spec(1))
+            (taken,) = engine.take_new()
+            engine.publish(taken.slot, [7])
+            await asyncio.wait_for(handle.next(), 1)
+            rounds = 0
+            await asyncio.sleep(quiet_s)  # no news meanwhile
+            counted_rounds = rounds
+            engine.finish(taken.slot, FinishReason.LENGTH)
+            await asyncio.wait_for(handle.next(), 1)
+            await backend.close()
+            return counted_rounds
+        return asyncio.run(main())
+
+    assert make_backend(ring, poll_spin_s=0.5).spin_s == 0.5
+    spinning = rounds_after_news(make_backend(ring, poll_spin_s=0.5), 0.05)
+    sleeping = rounds_after_news(make_backend(ring, poll_spin_s=0.0, poll_active_s=0.005), 0.05)
+    assert spinning > 50 and sleeping <= 11, (spinning, sleeping)  # back to back vs one per 5 ms
+    assert make_backend(ring, "cpu", poll_spin_s=0.5).spin_s == CPU_ENGINE_SPIN_S < 0.5
 
 
 def test_stalled_heartbeat_fails_requests_and_routes_around(ring):

@@ -178,6 +178,16 @@ def test_pieces_match_on_wordpiece_with_specials_and_cleanup():
         assert "".join(fast[0]) == tok.decode(context + ids)[len(tok.decode(context)):]
 
 
+@pytest.mark.parametrize("kind", ["byte_level", "wordpiece"])
+def test_warm_pieces_are_the_pieces_made_on_first_use(byte_tokenizer, kind):
+    tok = byte_tokenizer if kind == "byte_level" else _wordpiece_tokenizer()
+    lazy, warm = TokenPieces.for_tokenizer(tok), TokenPieces.for_tokenizer(tok)
+    warm.warm()
+    size = tok.get_vocab_size(with_added_tokens=True)
+    assert len(warm._pieces) == size  # every id, before any stream asked
+    assert [warm.piece(t) for t in range(size)] == [lazy.piece(t) for t in range(size)]
+
+
 def test_invalid_bytes_give_the_same_text(byte_tokenizer):
     """Byte tokens in any order (invalid UTF-8 too): the same text in the end, U+FFFD where bytes are bad."""
     byte_ids = [byte_tokenizer.token_to_id(c) for c in ("\u0100", "Ã", "ł", "Ĥ", "¤", "ð", "Ł")]

@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from json.encoder import encode_basestring
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,7 @@ from gateway.detokenize import TextStream
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generate import Generation
 from gateway.backends import RequestHandle
-from gateway.sse import HIGH_WATER_BYTES, SseBody
+from gateway.sse import HIGH_WATER_BYTES, SseBody, _frame_parts
 from protocols.ring import FinishReason, RequestSpec, TokenLogprob
 from protocols.shm_producer import TokenUpdate
 
@@ -47,6 +48,24 @@ def test_chunk_json_is_the_schema_json_byte_for_byte(cls, model):
             assert got == schema.chunk(index, finish_reason=reason).model_dump_json().encode()
     if cls is CompletionFormat:
         assert fast._offsets == schema._offsets  # text_offset bookkeeping goes on under the template
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("cls", [ChatFormat, CompletionFormat])
+def test_the_sinks_text_event_is_the_schema_event_byte_for_byte(cls, model, byte_tokenizer):
+    """The poller's sink frames a plain text event from `text_parts` (`sse._frame_parts`): not before the
+    choice's first chunk, never with logprobs, else exactly the schema's event."""
+    from gateway.token_text import TokenTexts
+
+    fmt, schema = _pair(cls, model)
+    assert fmt.text_parts(0) is None  # the first chunk (role or echo) is not made yet
+    fmt.chunk_json(0, "first"), schema.chunk(0, "first")
+    head, tail, fixed_len = _frame_parts(fmt.text_parts(0))
+    for text in TEXTS[:2] + TEXTS[3:]:  # a text piece is never empty
+        data = head + encode_basestring(text).encode() + tail
+        assert data == b"data: %s\n\n" % schema.chunk(0, text).model_dump_json().encode()
+        assert len(data) == fixed_len + len(encode_basestring(text).encode())
+    assert cls("id-1", model, texts=TokenTexts(byte_tokenizer)).text_parts(0) is False
 
 
 def test_chunk_json_with_logprobs_takes_the_schema_path(byte_tokenizer):

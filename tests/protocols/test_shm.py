@@ -10,7 +10,7 @@ from protocols import ring as R
 from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry, TokenLogprob
 from protocols.shm import RingAttachError, RingFull, attach_ring, create_ring
 from protocols.shm_consumer import RingConsumer
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import RingProducer, TokenUpdate
 
 GEOM = RingGeometry(num_slots=4, max_prompt_len=32, max_output_len=8, max_stop_ids=4)
 
@@ -106,7 +106,9 @@ def test_tokens_flow_and_output_buffer_wraps(ring):
     for i in range(5):  # 30 tokens through an 8-token buffer
         batch = list(range(i * 6, i * 6 + 6))
         cons.publish(slot, batch)
-        received += prod.poll(slot).tokens
+        update = prod.poll(slot)
+        received += update.tokens
+        assert update == TokenUpdate(tokens=batch, prompt_len=len(spec().prompt_ids), started=True)  # and nothing else
     assert received == list(range(30))
     cons.finish(slot, FinishReason.LENGTH)
     upd = prod.poll(slot)
