@@ -52,6 +52,29 @@ class TextTemplate:
         return self._render(text).model_dump_json().encode()
 
 
+class TextTemplates:
+    """A format's TextTemplate per choice index, made on first use from `render(index, text)`."""
+
+    def __init__(self, render: Callable[[int, str], BaseModel]):
+        self._render = render
+        self._by_index: dict[int, TextTemplate] = {}
+
+    def get(self, index: int) -> TextTemplate:
+        template = self._by_index.get(index)
+        if template is None:
+            template = self._by_index[index] = TextTemplate(lambda t: self._render(index, t))
+        return template
+
+    def parts(self, index: int, plain: bool, started: bool) -> tuple[bytes, bytes] | bool | None:
+        """OutputFormat.text_parts: False unless the request's chunks can be `plain` (no logprobs), None
+        until the choice has `started` (its first chunk made), then the template's parts (False if none)."""
+        if not plain:
+            return False
+        if not started:
+            return None
+        return self.get(index).parts or False
+
+
 @dataclass
 class ChoiceOutput:
     """One finished choice, for the non-streamed object."""
@@ -83,30 +106,20 @@ class ChatFormat:
         self.id, self.model, self.created = response_id, model, int(time.time())
         self.texts = texts  # set when the request asked for logprobs
         self._role_sent: set[int] = set()
-        self._templates: dict[int, TextTemplate] = {}  # per choice index
+        self._templates = TextTemplates(self.chunk)
 
     def chunk_json(self, index: int, text: str = "", finish_reason: str | None = None,
                    logprobs: Sequence[LogprobItem] = ()) -> bytes:
         """`chunk(...)` as JSON bytes; a plain text chunk from its template."""
         if text and finish_reason is None and self.texts is None and index in self._role_sent:
-            return self._template(index).json(text)
+            return self._templates.get(index).json(text)
         return self.chunk(index, text, finish_reason, logprobs).model_dump_json().encode()
 
     def text_parts(self, index: int) -> tuple[bytes, bytes] | bool | None:
         """What surrounds the JSON string of a non-empty text in this choice's plain chunks (no logprobs,
         no finish), as `chunk_json` would write them: (before, after); None while its first chunk (the
         role's) has not been made, False when they never come from a template (logprobs were asked)."""
-        if self.texts is not None:
-            return False
-        if index not in self._role_sent:
-            return None
-        return self._template(index).parts or False
-
-    def _template(self, index: int) -> TextTemplate:
-        template = self._templates.get(index)
-        if template is None:
-            template = self._templates[index] = TextTemplate(lambda t: self.chunk(index, t))
-        return template
+        return self._templates.parts(index, self.texts is None, index in self._role_sent)
 
     def chunk(self, index: int, text: str = "", finish_reason: str | None = None,
               logprobs: Sequence[LogprobItem] = ()) -> ChatCompletionChunk:
@@ -151,31 +164,21 @@ class CompletionFormat:
         self.texts, self.echo = texts, echo
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}  # per choice: characters streamed so far (text_offset)
-        self._templates: dict[int, TextTemplate] = {}  # per choice index
+        self._templates = TextTemplates(lambda index, t: self._make([CompletionChoice(index=index, text=t)]))
 
     def chunk_json(self, index: int, text: str = "", finish_reason: str | None = None,
                    logprobs: Sequence[LogprobItem] = ()) -> bytes:
         """`chunk(...)` as JSON bytes; a plain text chunk from its template."""
         if finish_reason is None and self.texts is None and index in self._echoed:
             self._offsets[index] = self._offsets.get(index, 0) + len(text)
-            return self._template(index).json(text)
+            return self._templates.get(index).json(text)
         return self.chunk(index, text, finish_reason, logprobs).model_dump_json().encode()
 
     def text_parts(self, index: int) -> tuple[bytes, bytes] | bool | None:
         """What surrounds the JSON string of a text in this choice's plain chunks (no logprobs, no finish),
         as `chunk_json` would write them: (before, after); None while its first chunk (the echo's) has not
         been made, False when they never come from a template (logprobs were asked: text offsets count)."""
-        if self.texts is not None:
-            return False
-        if index not in self._echoed:
-            return None
-        return self._template(index).parts or False
-
-    def _template(self, index: int) -> TextTemplate:
-        template = self._templates.get(index)
-        if template is None:
-            template = self._templates[index] = TextTemplate(lambda t: self._make([CompletionChoice(index=index, text=t)]))
-        return template
+        return self._templates.parts(index, self.texts is None, index in self._echoed)
 
     def chunk(self, index: int, text: str = "", finish_reason: str | None = None,
               logprobs: Sequence[LogprobItem] = ()) -> Completion:
