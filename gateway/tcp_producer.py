@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from protocols import tcp_wire as W
 from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry
 from protocols.shm import RingFull
-from protocols.shm_producer import TokenUpdate
+from protocols.shm_producer import TokenUpdate, pop_finished
 
 log = logging.getLogger("blink.gateway.tcp")
 
@@ -272,12 +272,7 @@ class TcpProducer:
 
     def release(self, slot: int) -> None:
         """Forget a finished slot; it is free again if the agent has released it in this session."""
-        state = self._active.get(slot)
-        if state is None:
-            raise KeyError(f"slot {slot} is not outstanding")
-        if not state.finished:
-            raise RuntimeError(f"slot {slot} is still running: cancel it and poll until it finishes")
-        del self._active[slot]
+        state = pop_finished(self._active, slot)
         if state.session == self.session and self.connected:
             self._free[slot] = None
 

@@ -43,6 +43,18 @@ class _Outstanding:
     num_logprobs: int | None = None
 
 
+def pop_finished(active: dict, slot: int):
+    """A producer's release: the outstanding slot's state, removed from `active`; a slot that is not
+    outstanding or still running is the caller's bug (KeyError, RuntimeError)."""
+    state = active.get(slot)
+    if state is None:
+        raise KeyError(f"slot {slot} is not outstanding")
+    if not state.finished:
+        raise RuntimeError(f"slot {slot} is still running: cancel it and poll until it finishes")
+    del active[slot]
+    return state
+
+
 class RingProducer:
     """The gateway's end of a ring. Not thread-safe: use it from one thread (the event loop).
 
@@ -269,12 +281,7 @@ class RingProducer:
 
     def release(self, slot: int) -> None:
         """Return a finished slot to the free list. Releasing an unfinished slot is a bug."""
-        out = self._active.get(slot)
-        if out is None:
-            raise KeyError(f"slot {slot} is not outstanding")
-        if not out.finished:
-            raise RuntimeError(f"slot {slot} is still running: cancel it and poll until it finishes")
-        del self._active[slot]
+        pop_finished(self._active, slot)
         self._free.append(slot)
 
     def reclaim(self) -> list[int]:

@@ -379,21 +379,19 @@ class GpuRunner:
         """The sampling part of each kept (bucket, greedy) graph captured alone, in the order the persistent
         loop lists its branches (step buffer, bucket, greedy). The loop counts their nodes to find where a
         step graph's logits are done (it waits for the tokens from there, not from the graph's start).
-        Dropped once counted."""
+        Captured over the first step buffer only: the other buffer's graphs have the same nodes. Dropped
+        once counted."""
         logits = torch.zeros(self.config.max_num_seqs, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
-        out = []
+        once = []
         stream = torch.cuda.Stream(self.device)
-        for index in range(len(self.buffer_sets)):
-            self.bufs = self.buffer_sets[index]
-            for bucket in self.buckets:
-                for greedy in (False, True):
-                    graph = torch.cuda.CUDAGraph(keep_graph=True)
-                    with torch.cuda.graph(graph, stream=stream):
-                        self._sample(logits[:self.config.seqs_in(bucket)], greedy)
-                    out.append(graph)
-        self.bufs = self.buffer_sets[0]
+        for bucket in self.buckets:
+            for greedy in (False, True):
+                graph = torch.cuda.CUDAGraph(keep_graph=True)
+                with torch.cuda.graph(graph, stream=stream):
+                    self._sample(logits[:self.config.seqs_in(bucket)], greedy)
+                once.append(graph)
         torch.cuda.synchronize(self.device)
-        return out
+        return once * len(self.buffer_sets)
 
     def _fill_dummy(self, num_tokens: int, num_seqs: int) -> None:
         """A valid batch for warm-up and capture: `num_seqs` sequences sharing the tokens, blocks 0.."""
