@@ -38,7 +38,7 @@ class LoopArgs(ctypes.Structure):  # blink_loop_args
                 + [("sched_mem", _p), ("hot_bytes", _u64), ("smem_bytes", _u32), ("_pad0", _u32)]
                 + [(n, _p) for n in ("step_buf", "sampled", "sampled32", "slot_seq", "slot_produced", "room",
                                      "order", "cancel", "par", "ctl")]
-                + [("loop_handle", _u64), ("branch_handle", _u64), ("full_handle", _u64), ("num_branches", _u32),
+                + [("full_exec", _p), ("branch_execs", _p), ("num_branches", _u32),
                    ("check_tail", _u32),
                    ("clock_offset_ns", _i64)]
                 + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns", "ready_ns",
@@ -83,7 +83,7 @@ def build() -> Path:
     if compiler is None:
         raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin): --mode persistent compiles its loop with it")
     argv = [compiler, f"-arch={ARCH}", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
-            "-I", str(CSRC / "include"), str(SOURCES[0])]
+            "-rdc=true", "-I", str(CSRC / "include"), str(SOURCES[0]), "-lcudadevrt"]  # device graph launch
     return cached_build("persistent_loop", SOURCES, argv)
 
 

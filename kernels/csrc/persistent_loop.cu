@@ -1,27 +1,28 @@
-// The GPU-resident loop: one CUDA graph, launched once, that serves the ring with no host CPU per token.
+// The GPU-resident loop: a chain of CUDA graphs that launch each other on the GPU (device graph launch), started
+// once by the host, that serves the ring with no host CPU per token. Each graph ends by tail-launching the
+// next one (it starts when the running graph has ended):
 //
-//   WHILE (loop_handle) {
-//     IF (full_handle)  the full step (blink_loop_step): apply the sampled tokens, admit new requests from
-//                       the ring, honour cancels, choose the next step and fill its step buffer (blink_sched.h,
-//                       with the block-parallel parts of blink_sched_par.cuh) -- or, with nothing to run,
-//                       spin (one block) until work comes. Then pick the bucket graph.
-//     then, side by side:
-//       SWITCH (branch) step buffer b, bucket i: branch 2 * (b * num_buckets + i) + greedy (child graphs
-//                       captured by PyTorch over one of two step buffers)
+//   full step graph   blink_loop_step: apply the sampled tokens, admit new requests from the ring, honour
+//                     cancels, choose the next step and fill its step buffer (blink_sched.h, with the
+//                     block-parallel parts of blink_sched_par.cuh) -- or, with nothing to run, spin (one
+//                     block) until work comes. Then it launches that step's bucket graph.
+//   bucket graph      branch 2 * (b * num_buckets + i) + greedy: bucket i over step buffer b, captured by
+//                     PyTorch (a child graph), and beside it:
 //       publish kernel  the committed tokens and finishes to the response areas, with the ring's fences,
 //       -> spec kernel  step n+1 scheduled while step n runs: the state copied (the per-slot arrays; the large
 //                       ones are shared, written only where the real state does not look), step n's tokens
 //                       applied as placeholders, the ring polled and admitted (errors and cancels deferred),
 //                       the step chosen and filled into the other step buffer
-//     and in each SWITCH branch, after the graph's logits (beside its sampler):
+//     and after the graph's logits (beside its sampler):
 //       take kernel     waits for the spec kernel and the sampled tokens; when no token stops its sequence and
 //                       nothing new is queued, takes the speculation (writes the tokens where it left
-//                       placeholders: a few stores), picks the next graph and clears full_handle; else sets it
-//   }
-// So between two bucket graphs there is only the take kernel's last microsecond and the conditional nodes,
+//                       placeholders: a few stores) and launches the next bucket graph; else the full step.
+// So between two bucket graphs there is only the take kernel's last microsecond and a device graph launch,
 // not the scheduler. A step that samples a stop token (or would preempt, or finds new requests queued after
 // the speculation looked) takes the full path: the decisions are always those of the serial scheduler on
-// the real state.
+// the real state. The loop ends when a graph launches nothing (shutdown) and the host sees its stream end.
+// Why device graph launch and not a WHILE node over SWITCH/IF nodes (the earlier loop): the gap it leaves
+// between two graphs, measured by bench/loop_mechanism.cu (DESIGN.md "The GPU-resident loop").
 // The kernels keep the scheduler's hot state (header, per-slot scalars, lists) in shared memory for
 // their serial parts: one thread walking global memory pays a cache miss per load.
 //
@@ -31,7 +32,7 @@
 // with the ring's order: payload first, the validating word last with a release store at system scope.
 // Scheduling state, the step buffers and the sampled tokens stay in device memory. The host thread only sets
 // `ctl->stop` (pinned, mapped) and watches the stream; gpu_backend/engine/persistent.py drives this file.
-// DESIGN.md "The GPU-resident loop" explains the choice of WHILE + SWITCH over device graph launch.
+// Built with -rdc=true and the device runtime (cudadevrt) for the device-side cudaGraphLaunch.
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -41,7 +42,7 @@
 #include "blink_loop_spec.cuh"
 #include "blink_sched_par.cuh"
 
-// ---- the full step (the IF node), then SWITCH (the bucket graph) beside publish -> spec -> take ------------
+// ---- the full step's graph, and the kernels beside each bucket graph -------------------------------------------
 // Runs when blink_loop_take did not take the speculation: commits the last step's tokens to the scheduler,
 // takes new requests and cancels, chooses and fills the next step and picks its graph. With nothing to run
 // it publishes what is pending itself, then polls (one block, short sleeps, a heartbeat every millisecond).
@@ -122,7 +123,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
       blink_fill_block_tables_par(&s, buf, x.par);
       ext_fill(a, &s, buf, next_buf);
       if (threadIdx.x == 0) {
-        cudaGraphSetConditional(a->branch_handle, ext_branch(a, branch_of(h, bucket, next_buf), next_buf));
+        run_next(a, ext_branch(a, branch_of(h, bucket, next_buf), next_buf));
         a->buf = next_buf;
         const uint64_t t_end = now_ns();
         a->c.sched_ns += t_end - t0;
@@ -167,16 +168,20 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_publish(blink_l
 
 __global__ void read_globaltimer(uint64_t* out) { *out = now_ns(); }
 
-// For measuring (bench/gpu_host.py): the loop's mechanism with no scheduling in it.
-__global__ void bench_countdown(uint32_t* left, cudaGraphConditionalHandle loop, cudaGraphConditionalHandle branch) {
-  cudaGraphSetConditional(branch, 0);
-  if (--*left == 0) cudaGraphSetConditional(loop, 0);
+// For measuring (bench/gpu_host.py): the loop's mechanism with no scheduling in it (the graph relaunches
+// itself until `left` runs out).
+__global__ void bench_countdown(uint32_t* left) {
+  if (--*left != 0) cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
 }
 
 // ---- host side: build, launch, watch ----------------------------------------------------------------------
 struct blink_loop {
-  cudaGraph_t graph;
+  cudaGraph_t graph;                 // the full step's graph
   cudaGraphExec_t exec;
+  uint32_t num_branches;
+  cudaGraph_t* graphs;               // [num_branches] the bucket graphs with their publish, spec and take kernels
+  cudaGraphExec_t* execs;
+  cudaGraphExec_t* dev_execs;        // the same handles in device memory (blink_loop_args.branch_execs)
   cudaStream_t stream;
   blink_loop_args* dev_args;
   uint32_t smem_bytes;  // the step kernel's dynamic shared memory (0: its state stays in global memory)
@@ -248,7 +253,7 @@ int blink_loop_read_globaltimer(uint64_t* out) {
   return 0;
 }
 
-// Build the loop graph around `children` (num_branches cudaGraph_t: branch 2 * (b * num_buckets + i) + g =
+// Build the loop's graphs around `children` (num_branches cudaGraph_t: branch 2 * (b * num_buckets + i) + g =
 // bucket i over step buffer b (step_buf, step_buf_alt), sampled (g = 0) or greedy (g = 1); with the sampling
 // extensions (args->ext) then branch 4 * num_buckets + 2 * (b * num_buckets + i) + g: that bucket's LOGITS
 // graph, to which blink_loop_ext.cuh adds the adjust kernel and the POST graph), with `args`
@@ -262,21 +267,10 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
   args.num_branches = num_branches;
   BLINK_TRY(cudaStreamCreateWithFlags(&L->stream, cudaStreamNonBlocking), 1);
   BLINK_TRY(cudaGraphCreate(&L->graph, 0), 2);
-  BLINK_TRY(cudaGraphConditionalHandleCreate(&args.loop_handle, L->graph, 1, cudaGraphCondAssignDefault), 3);
-
-  cudaGraphNodeParams loop_params = {};
-  loop_params.type = cudaGraphNodeTypeConditional;
-  loop_params.conditional.handle = args.loop_handle;
-  loop_params.conditional.type = cudaGraphCondTypeWhile;
-  loop_params.conditional.size = 1;
-  cudaGraphNode_t loop_node;
-  BLINK_TRY(cudaGraphAddNode(&loop_node, L->graph, nullptr, nullptr, 0, &loop_params), 4);
-  cudaGraph_t body = loop_params.conditional.phGraph_out[0];
-
-  // both set in one iteration for the next: created on the outer graph, so their defaults (the full step
-  // first, no branch) apply once, at the launch, not at each iteration
-  BLINK_TRY(cudaGraphConditionalHandleCreate(&args.branch_handle, L->graph, num_branches, cudaGraphCondAssignDefault), 5);
-  BLINK_TRY(cudaGraphConditionalHandleCreate(&args.full_handle, L->graph, 1, cudaGraphCondAssignDefault), 30);
+  L->num_branches = num_branches;
+  L->graphs = (cudaGraph_t*)calloc(num_branches, sizeof(cudaGraph_t));
+  L->execs = (cudaGraphExec_t*)calloc(num_branches, sizeof(cudaGraphExec_t));
+  if (!L->graphs || !L->execs) return 3 * 1000;
   // the scheduler's hot prefix goes to shared memory when it fits, with the per-slot scratch after it
   blink_sched_header hdr;
   BLINK_TRY(cudaMemcpy(&hdr, args.sched_mem, sizeof(hdr), cudaMemcpyDeviceToHost), 15);
@@ -334,21 +328,8 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
   k.kernelParams = kernel_args;
   k.func = (void*)blink_loop_step;
   k.sharedMemBytes = args.smem_bytes;
-  cudaGraphNode_t full_node, step_node, switch_node, publish_node;
-  cudaGraphNodeParams full = {};
-  full.type = cudaGraphNodeTypeConditional;
-  full.conditional.handle = args.full_handle;
-  full.conditional.type = cudaGraphCondTypeIf;
-  full.conditional.size = 1;
-  BLINK_TRY(cudaGraphAddNode(&full_node, body, nullptr, nullptr, 0, &full), 8);
-  BLINK_TRY(cudaGraphAddKernelNode(&step_node, full.conditional.phGraph_out[0], nullptr, 0, &k), 32);
-
-  cudaGraphNodeParams sw = {};
-  sw.type = cudaGraphNodeTypeConditional;
-  sw.conditional.handle = args.branch_handle;
-  sw.conditional.type = cudaGraphCondTypeSwitch;
-  sw.conditional.size = num_branches;
-  BLINK_TRY(cudaGraphAddNode(&switch_node, body, &full_node, nullptr, 1, &sw), 9);
+  cudaGraphNode_t step_node;
+  BLINK_TRY(cudaGraphAddKernelNode(&step_node, L->graph, nullptr, 0, &k), 8);
   // beside the bucket graph, publish, spec and take go first whenever an SM frees up
   // (BLINK_LOOP_SPEC_PRIORITY=0 leaves them at the default priority, for measuring)
   const char* want = getenv("BLINK_LOOP_SPEC_PRIORITY");
@@ -359,19 +340,22 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest), 27);
     priority.priority = greatest;
   }
+  const unsigned long long flags =
+      cudaGraphInstantiateFlagDeviceLaunch | (prioritize ? cudaGraphInstantiateFlagUseNodePriority : 0);
   L->take_linked = 0;
   for (uint32_t i = 0; i < num_branches; ++i) {  // each branch: the bucket graph, its take kernel after the logits
-    cudaGraphNode_t child, take;
-    cudaGraph_t inner;
+    cudaGraph_t g, inner;
+    cudaGraphNode_t child, take, publish_node, spec_node;
     size_t sampler_nodes = 0;
-    BLINK_TRY(cudaGraphAddChildGraphNode(&child, sw.conditional.phGraph_out[i], nullptr, 0, (cudaGraph_t)children[i]), 10);
+    BLINK_TRY(cudaGraphCreate(&g, 0), 9);
+    L->graphs[i] = g;
+    BLINK_TRY(cudaGraphAddChildGraphNode(&child, g, nullptr, 0, (cudaGraph_t)children[i]), 10);
     cudaGraphNode_t start_after = nullptr;
     if (i >= 4u * (uint32_t)hdr.cfg.num_buckets) {  // an extended branch: children[i] is its LOGITS graph
       // the take kernel after the POST graph: its logprobs read the sampled tokens, which the take kernel
       // sets back to -1 (so an extended step pays its launch; plain steps do not)
-      BLINK_TRY(ext_finish_branch(&ext_host, L->dev_args, sw.conditional.phGraph_out[i], child, i, &hdr.cfg,
-                                  &start_after), 37);
-      inner = sw.conditional.phGraph_out[i];
+      BLINK_TRY(ext_finish_branch(&ext_host, L->dev_args, g, child, i, &hdr.cfg, &start_after), 37);
+      inner = g;
     } else {
       BLINK_TRY(cudaGraphChildGraphNodeGetGraph(child, &inner), 35);
       BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)samplers[i], nullptr, &sampler_nodes), 36);
@@ -383,22 +367,27 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     t.blockDim = dim3(BLINK_LOOP_TAKE_THREADS);
     t.sharedMemBytes = 0;
     BLINK_TRY(cudaGraphAddKernelNode(&take, inner, start_after ? &start_after : nullptr, start_after ? 1 : 0, &t), 33);
-    if (prioritize) BLINK_TRY(cudaGraphKernelNodeSetAttribute(take, cudaKernelNodeAttributePriority, &priority), 34);
+    cudaKernelNodeParams side = k;
+    side.func = (void*)blink_loop_publish;
+    side.sharedMemBytes = 0;
+    BLINK_TRY(cudaGraphAddKernelNode(&publish_node, g, nullptr, 0, &side), 11);
+    side.func = (void*)blink_loop_spec;
+    side.sharedMemBytes = args.smem_bytes;
+    BLINK_TRY(cudaGraphAddKernelNode(&spec_node, g, &publish_node, 1, &side), 26);
+    if (prioritize)
+      for (cudaGraphNode_t n : {take, publish_node, spec_node})
+        BLINK_TRY(cudaGraphKernelNodeSetAttribute(n, cudaKernelNodeAttributePriority, &priority), 34);
+    BLINK_TRY(cudaGraphInstantiateWithFlags(&L->execs[i], g, flags), 12);
+    BLINK_TRY(cudaGraphUpload(L->execs[i], L->stream), 13);
   }
-  k.func = (void*)blink_loop_publish;
-  k.sharedMemBytes = 0;
-  BLINK_TRY(cudaGraphAddKernelNode(&publish_node, body, &full_node, 1, &k), 11);
-  k.func = (void*)blink_loop_spec;
-  k.sharedMemBytes = args.smem_bytes;
-  cudaGraphNode_t spec_node;
-  BLINK_TRY(cudaGraphAddKernelNode(&spec_node, body, &publish_node, 1, &k), 26);
-  if (prioritize) {
-    BLINK_TRY(cudaGraphKernelNodeSetAttribute(publish_node, cudaKernelNodeAttributePriority, &priority), 28);
-    BLINK_TRY(cudaGraphKernelNodeSetAttribute(spec_node, cudaKernelNodeAttributePriority, &priority), 29);
-  }
-
-  BLINK_TRY(cudaGraphInstantiateWithFlags(&L->exec, L->graph, 0), 12);
-  BLINK_TRY(cudaGraphUpload(L->exec, L->stream), 13);
+  BLINK_TRY(cudaGraphInstantiateWithFlags(&L->exec, L->graph, cudaGraphInstantiateFlagDeviceLaunch), 38);
+  BLINK_TRY(cudaGraphUpload(L->exec, L->stream), 39);
+  // the handles where the kernels find them
+  BLINK_TRY(cudaMalloc(&L->dev_execs, sizeof(cudaGraphExec_t) * num_branches), 40);
+  BLINK_TRY(cudaMemcpy(L->dev_execs, L->execs, sizeof(cudaGraphExec_t) * num_branches, cudaMemcpyHostToDevice), 41);
+  args.full_exec = L->exec;
+  args.branch_execs = L->dev_execs;
+  BLINK_TRY(cudaMemcpy(L->dev_args, &args, sizeof(blink_loop_args), cudaMemcpyHostToDevice), 42);
   BLINK_TRY(cudaStreamSynchronize(L->stream), 14);
   *out = L;
   return 0;
@@ -412,43 +401,27 @@ int blink_loop_launch(blink_loop* L) {
   return 0;
 }
 
-// The graph `child` replayed `iterations` times as the loop runs a step: WHILE { a one-thread kernel ->
-// SWITCH (one branch: child) }, launched once. *ns_out: GPU time per iteration (CUDA events), so the
-// loop's step can be compared with the same replay inside the same conditional nodes.
+// The graph `child` replayed `iterations` times as the loop runs a step: a graph of the child and a
+// one-thread kernel after it that tail-launches the graph again, launched once. *ns_out: GPU time per
+// iteration (CUDA events), so the loop's step can be compared with the same replay by the same mechanism.
 int blink_loop_bench_mechanism(void* child, uint32_t iterations, double* ns_out) {
   cudaStream_t stream;
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  cudaGraphConditionalHandle loop, branch;
   uint32_t* left = nullptr;
   BLINK_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), 1);
   BLINK_TRY(cudaMalloc(&left, sizeof(uint32_t)), 2);
   BLINK_TRY(cudaGraphCreate(&graph, 0), 3);
-  BLINK_TRY(cudaGraphConditionalHandleCreate(&loop, graph, 1, cudaGraphCondAssignDefault), 4);
-  cudaGraphNodeParams w = {};
-  w.type = cudaGraphNodeTypeConditional;
-  w.conditional.handle = loop;
-  w.conditional.type = cudaGraphCondTypeWhile;
-  w.conditional.size = 1;
-  cudaGraphNode_t while_node, count_node, switch_node, child_node;
-  BLINK_TRY(cudaGraphAddNode(&while_node, graph, nullptr, nullptr, 0, &w), 5);
-  cudaGraph_t body = w.conditional.phGraph_out[0];
-  BLINK_TRY(cudaGraphConditionalHandleCreate(&branch, body, 1, cudaGraphCondAssignDefault), 6);
-  void* kernel_args[] = {&left, &loop, &branch};
+  cudaGraphNode_t count_node, child_node;
+  BLINK_TRY(cudaGraphAddChildGraphNode(&child_node, graph, nullptr, 0, (cudaGraph_t)child), 4);
+  void* kernel_args[] = {&left};
   cudaKernelNodeParams k = {};
   k.gridDim = dim3(1);
   k.blockDim = dim3(1);
   k.kernelParams = kernel_args;
   k.func = (void*)bench_countdown;
-  BLINK_TRY(cudaGraphAddKernelNode(&count_node, body, nullptr, 0, &k), 7);
-  cudaGraphNodeParams sw = {};
-  sw.type = cudaGraphNodeTypeConditional;
-  sw.conditional.handle = branch;
-  sw.conditional.type = cudaGraphCondTypeSwitch;
-  sw.conditional.size = 1;
-  BLINK_TRY(cudaGraphAddNode(&switch_node, body, &count_node, nullptr, 1, &sw), 8);
-  BLINK_TRY(cudaGraphAddChildGraphNode(&child_node, sw.conditional.phGraph_out[0], nullptr, 0, (cudaGraph_t)child), 9);
-  BLINK_TRY(cudaGraphInstantiateWithFlags(&exec, graph, 0), 10);
+  BLINK_TRY(cudaGraphAddKernelNode(&count_node, graph, &child_node, 1, &k), 5);
+  BLINK_TRY(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagDeviceLaunch), 10);
   BLINK_TRY(cudaGraphUpload(exec, stream), 11);
   cudaEvent_t a, b;
   BLINK_TRY(cudaEventCreate(&a), 12);
@@ -484,6 +457,13 @@ int blink_loop_poll(blink_loop* L) {
 int blink_loop_destroy(blink_loop* L) {
   BLINK_TRY(cudaGraphExecDestroy(L->exec), 1);
   BLINK_TRY(cudaGraphDestroy(L->graph), 2);
+  for (uint32_t i = 0; i < L->num_branches; ++i) {
+    if (L->execs[i]) BLINK_TRY(cudaGraphExecDestroy(L->execs[i]), 6);
+    if (L->graphs[i]) BLINK_TRY(cudaGraphDestroy(L->graphs[i]), 7);
+  }
+  free(L->execs);
+  free(L->graphs);
+  BLINK_TRY(cudaFree(L->dev_execs), 8);
   BLINK_TRY(cudaFree(L->dev_args), 3);
   BLINK_TRY(cudaStreamDestroy(L->stream), 4);
   for (void* p : L->owned) BLINK_TRY(cudaFree(p), 5);

@@ -77,7 +77,8 @@ struct blink_loop_args {
   uint8_t* cancel;                        // [num_slots] scratch (idem)
   int32_t* par;                           // [5 * num_slots] scratch of blink_sched_par.cuh (idem)
   blink_loop_ctl* ctl;                    // device address of the mapped control block
-  cudaGraphConditionalHandle loop_handle, branch_handle, full_handle;  // WHILE, SWITCH, IF (the full step)
+  cudaGraphExec_t full_exec;              // the full step's graph (blink_loop_step), launchable from the device
+  cudaGraphExec_t* branch_execs;          // [num_branches] the bucket graphs' (device memory)
   uint32_t num_branches;
   uint32_t check_tail;                    // 1: new requests queued after the speculation looked drop it
   int64_t clock_offset_ns;                // CLOCK_MONOTONIC = %globaltimer + offset (response timestamps)
@@ -400,9 +401,21 @@ __device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
     st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
     st_v(&hdr->running, 0u);
     st_v(&hdr->waiting, 0u);
-    cudaGraphSetConditional(a->branch_handle, a->num_branches);  // no branch
-    cudaGraphSetConditional(a->loop_handle, 0);
+    a->exiting = 1;  // and no graph launched after this one: the loop ends with it
+    __threadfence_system();
+    st_v(&a->ctl->exited, 1u);
+  }
+}
+
+// Thread 0: the graph that runs after this one: bucket graph `branch`, or the full step when `branch` is
+// num_branches. A tail launch: it starts once every node of the running graph has ended, so what this
+// graph's kernels wrote is visible to it. A failed launch ends the loop (the host sees the stream end and
+// ctl->error, and fails what is in flight).
+__device__ __forceinline__ void run_next(blink_loop_args* a, uint32_t branch) {
+  const cudaGraphExec_t next = branch < a->num_branches ? a->branch_execs[branch] : a->full_exec;
+  if (cudaGraphLaunch(next, cudaStreamGraphTailLaunch) != cudaSuccess) {
     a->exiting = 1;
+    st_v(&a->ctl->error, 2u);
     __threadfence_system();
     st_v(&a->ctl->exited, 1u);
   }

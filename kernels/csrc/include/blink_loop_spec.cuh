@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
   }
   __syncthreads();
   if (!a->spec_ok) {  // nothing speculated (or it would have preempted): the full step, after the graph
-    if (threadIdx.x == 0) cudaGraphSetConditional(a->full_handle, 1);
+    if (threadIdx.x == 0) run_next(a, a->num_branches);
     return;
   }
   const uint32_t rows = graph_rows((const blink_sched_header*)hot_of(a, a->cur));
@@ -123,10 +123,6 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
     cur = a->cur;
     buf = a->buf;
     branch = a->spec_branch;
-    // the handles as if the speculation will be taken (what counts is their value when this kernel ends;
-    // a miss sets full_handle again, and the full step picks its own branch): no call after the tokens
-    cudaGraphSetConditional(a->branch_handle, branch);
-    cudaGraphSetConditional(a->full_handle, 0);
   }
   for (;;) {
     int in = 1;
@@ -162,10 +158,11 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
       a->num_err = 0;  // the full step admits those requests again
       a->c.spec_misses = c.spec_misses + 1;
       a->take_wait_ns = t0 - t_start;
-      cudaGraphSetConditional(a->full_handle, 1);
+      run_next(a, a->num_branches);
     }
     return;
   }
+  if (lane == 0) run_next(a, branch);  // first: the launch call overlaps the stores (the graph starts after them)
 #pragma unroll
   for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
     if (lane + 32 * k < n) {
