@@ -14,6 +14,10 @@
 //   wis_take_par  WHILE { IF(0) -> SWITCH { G, take } ; IF -> publish -> spec }  (the loop as it is)
 //   ws_take_in    WHILE { SWITCH { G, take, publish -> spec } }  (publish and spec inside the branch)
 //   dev_tail      G instantiated for device launch; its last kernel tail-launches G again
+//   dev_take      the same launch from a take kernel (as above)
+//   dev_take_par  + publish -> spec kernels beside G (as in the loop); _prio: + node priorities for take,
+//                 publish and spec (cudaGraphInstantiateFlagUseNodePriority)
+//   launch_call_us: the device-side cudaGraphLaunch call's own time
 //
 // Build and run (needs a GPU; nvcc 13, sm_90); dev_tail is a build of its own (host is measured in both):
 //   nvcc -O2 -gencode arch=compute_90,code=sm_90 bench/loop_mechanism.cu -o /tmp/loop_mechanism
@@ -46,7 +50,9 @@ struct Probe {
   uint32_t left;              // WHILE / tail launch: steps still to run
   uint32_t last_done;         // the last kernel's flag for the take kernel (step number + 1)
   uint32_t taken;             // steps seen by the take kernel
-  uint32_t mode;              // 0: nothing, 1: the last kernel sets the handles, 2: the take kernel does
+  uint64_t launch_ns;         // dev_*: time in the device-side cudaGraphLaunch calls
+  uint32_t mode;              // 0: nothing, 1: the last kernel sets the handles, 2: the take kernel does,
+                              // 3: the last kernel tail-launches `self`, 4: the take kernel does
   uint32_t has_full;          // the IF node's handle exists (a handle no node uses fails the instantiation)
   cudaGraphConditionalHandle loop, branch, full;
   cudaGraphExec_t self;       // dev_tail
@@ -100,12 +106,31 @@ __global__ void last_kernel(Probe* p, uint32_t ns) { last_common(p, ns); }
 // dev_tail's. A module built with -rdc for device launch cannot instantiate the conditional variants
 // (invalid argument), and a kernel that may launch graphs slows host replays too (1.8 -> 5.1 us of gap),
 // so dev_tail is a build of its own.
+__device__ void launch_self(Probe* p) {
+  const cudaGraphExec_t self = p->self;
+  if (*(volatile uint32_t*)&p->left == 0) return;
+  const uint64_t t = now_ns();
+  cudaGraphLaunch(self, cudaStreamGraphTailLaunch);
+  p->launch_ns += now_ns() - t;
+}
+
 __global__ void last_tail_kernel(Probe* p, uint32_t ns) {
   last_common(p, ns);
-  if (threadIdx.x == 0 && *(volatile uint32_t*)&p->left > 0) cudaGraphLaunch(p->self, cudaStreamGraphTailLaunch);
+  if (threadIdx.x == 0 && p->mode == 3) launch_self(p);
+}
+
+// dev_take*: like take_kernel, then the tail launch
+__global__ void take_tail_kernel(Probe* p) {
+  if (threadIdx.x == 0) {
+    const uint32_t want = ++p->taken;
+    while (*(volatile uint32_t*)&p->last_done != want) {
+    }
+    launch_self(p);
+  }
 }
 #else
 __global__ void last_tail_kernel(Probe*, uint32_t) {}
+__global__ void take_tail_kernel(Probe*) {}
 #endif
 
 // started two kernels before the end: waits for the last kernel, then sets the handles (blink_loop_take)
@@ -182,6 +207,7 @@ struct Opts {
 };
 
 static void report(const char* name, const Probe* h, int iters, bool first) {
+  const double launch_us = h->launch_ns / 1e3 / (iters - 1);
   std::vector<double> gap, step;
   for (int i = 1; i < iters; ++i) {
     gap.push_back((double)(h->start[i] - h->end[i - 1]) / 1e3);
@@ -190,8 +216,9 @@ static void report(const char* name, const Probe* h, int iters, bool first) {
   std::sort(gap.begin(), gap.end());
   std::sort(step.begin(), step.end());
   auto q = [](const std::vector<double>& v, double f) { return v[(size_t)(f * (v.size() - 1))]; };
-  printf("%s\"%s\": {\"gap_us_p10\": %.2f, \"gap_us_p50\": %.2f, \"gap_us_p90\": %.2f, \"step_us_p50\": %.2f}",
-         first ? "" : ", ", name, q(gap, 0.1), q(gap, 0.5), q(gap, 0.9), q(step, 0.5));
+  printf("%s\"%s\": {\"gap_us_p10\": %.2f, \"gap_us_p50\": %.2f, \"gap_us_p90\": %.2f, \"step_us_p50\": %.2f, "
+         "\"launch_call_us\": %.2f}",
+         first ? "" : ", ", name, q(gap, 0.1), q(gap, 0.5), q(gap, 0.9), q(step, 0.5), launch_us);
   fflush(stdout);
 }
 
@@ -209,10 +236,11 @@ int main(int argc, char** argv) {
   CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int least = 0, greatest = 0;
   CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  const char* names[] = {"host", "ws", "ws_take", "wis_take", "wis_take_par", "ws_take_in", "dev_tail"};
+  const char* names[] = {"host",     "ws",       "ws_take",      "wis_take",          "wis_take_par",
+                         "ws_take_in", "dev_tail", "dev_take", "dev_take_par", "dev_take_par_prio"};
   printf("{\"kernels\": %d, \"iters\": %d, \"spin_ns\": %u, ", o.kernels, o.iters, o.spin_ns);
 #ifdef DEV_TAIL
-  const int variants[] = {0, 6};
+  const int variants[] = {0, 6, 7, 8, 9};
 #else
   const int variants[] = {0, 1, 2, 3, 4, 5};
 #endif
@@ -221,13 +249,32 @@ int main(int argc, char** argv) {
     for (int round = 0; round < 2; ++round) {  // the first round warms up
       memset(h, 0, sizeof(Probe));
       h->left = (uint32_t)o.iters;
-      h->mode = v == 0 || v == 6 ? 0 : v == 1 ? 1 : 2;
+      h->mode = v == 0 ? 0 : v == 1 ? 1 : v == 6 ? 3 : v >= 7 ? 4 : 2;
       cudaGraph_t top;
       CHECK(cudaGraphCreate(&top, 0));
       cudaGraphExec_t exec;
-      if (v == 0 || v == 6) {
-        add_step(top, p, o.kernels, o.spin_ns, v == 6);
-        CHECK(cudaGraphInstantiateWithFlags(&exec, top, v == 6 ? cudaGraphInstantiateFlagDeviceLaunch : 0));
+      if (v == 0 || v >= 6) {
+        Built b = add_step(top, p, o.kernels, o.spin_ns, v >= 6);
+        unsigned long long flags = v >= 6 ? cudaGraphInstantiateFlagDeviceLaunch : 0;
+        if (v >= 7) {  // the take kernel launches; publish -> spec beside the graph; node priorities
+          Probe* pp = p;
+          void* ta[] = {&pp};
+          void* sa[] = {&o.side_ns};
+          cudaGraphNode_t take, pub, spec;
+          add_kernel(top, &b.before_tail, 1, (void*)take_tail_kernel, ta, 64, &take);
+          if (v >= 8) {
+            add_kernel(top, nullptr, 0, (void*)side_kernel, sa, 256, &pub);
+            add_kernel(top, &pub, 1, (void*)side_kernel, sa, 256, &spec);
+          }
+          if (v == 9) {
+            cudaKernelNodeAttrValue pr = {};
+            pr.priority = greatest;
+            for (cudaGraphNode_t n : {take, pub, spec})
+              CHECK(cudaGraphKernelNodeSetAttribute(n, cudaKernelNodeAttributePriority, &pr));
+            flags |= cudaGraphInstantiateFlagUseNodePriority;
+          }
+        }
+        CHECK(cudaGraphInstantiateWithFlags(&exec, top, flags));
         h->self = exec;
       } else {
         CHECK(cudaGraphConditionalHandleCreate(&h->loop, top, 1, cudaGraphCondAssignDefault));
