@@ -411,8 +411,7 @@ __device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
 // num_branches. A tail launch: it starts once every node of the running graph has ended, so what this
 // graph's kernels wrote is visible to it. A failed launch ends the loop (the host sees the stream end and
 // ctl->error, and fails what is in flight).
-__device__ __forceinline__ void run_next(blink_loop_args* a, uint32_t branch) {
-  const cudaGraphExec_t next = branch < a->num_branches ? a->branch_execs[branch] : a->full_exec;
+__device__ __forceinline__ void launch_next(blink_loop_args* a, cudaGraphExec_t next) {
   if (cudaGraphLaunch(next, cudaStreamGraphTailLaunch) != cudaSuccess) {
     a->exiting = 1;
     st_v(&a->ctl->error, 2u);
@@ -420,6 +419,12 @@ __device__ __forceinline__ void run_next(blink_loop_args* a, uint32_t branch) {
     st_v(&a->ctl->exited, 1u);
   }
 }
+
+__device__ __forceinline__ cudaGraphExec_t exec_of(const blink_loop_args* a, uint32_t branch) {
+  return branch < a->num_branches ? a->branch_execs[branch] : a->full_exec;
+}
+
+__device__ __forceinline__ void run_next(blink_loop_args* a, uint32_t branch) { launch_next(a, exec_of(a, branch)); }
 
 // Thread 0: a model step was committed at t0 with `tokens` new tokens (busy time: back-to-back steps only).
 __device__ void count_step(blink_loop_args* a, uint64_t t0, int32_t tokens) {
