@@ -2,9 +2,10 @@
 
 Set-up (host, once): the GpuRunner captures its bucket graphs; the scheduler state (`blink_sched.h`,
 initialised by the host build, `sched_native.py`) is copied to device memory; the ring's shared memory is
-registered with CUDA (pinned, mapped); `kernels/csrc/persistent_loop.cu` wraps the bucket graphs in one
-graph (WHILE: step kernel -> SWITCH over the bucket graphs, beside publish -> spec kernels; the spec
-kernel schedules step n+1 while step n runs, into the runner's second step buffer), launched once.
+registered with CUDA (pinned, mapped); `kernels/csrc/persistent_loop.cu` makes a graph of each bucket graph
+with publish -> spec kernels beside it (the spec kernel schedules step n+1 while step n runs, into the
+runner's second step buffer) and a take kernel after its logits, plus a full step's graph; each launches
+the next from the GPU (device graph launch). The host launches the first one, once.
 
 After the launch the host does nothing per request or per token. `run()` wakes once a second to
 see whether the loop's stream ended (a CUDA error: the loop died) and whether its heartbeat is stale (the
@@ -175,7 +176,7 @@ class PersistentEngine:
         del samplers
         self.smem_bytes = self.lib.blink_loop_smem_bytes(self._loop)
         self.take_linked = self.lib.blink_loop_take_linked(self._loop)
-        log.info("loop graph: %d bucket graphs under one WHILE/SWITCH graph, instantiated in %.2f s; scheduler "
+        log.info("loop graphs: %d bucket graphs and the full step's, instantiated for device launch in %.2f s; scheduler "
                  "state in %s; the take kernel starts after the logits in %d of them", len(children),
                  time.perf_counter() - t0,
                  f"{self.smem_bytes} B of shared memory" if self.smem_bytes else "global memory (too many slots)",
