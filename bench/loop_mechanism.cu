@@ -17,6 +17,9 @@
 //   dev_take      the same launch from a take kernel (as above)
 //   dev_take_par  + publish -> spec kernels beside G (as in the loop); _prio: + node priorities for take,
 //                 publish and spec (cudaGraphInstantiateFlagUseNodePriority)
+//   dev_side_after_first  publish -> spec after G's first kernel instead of beside it
+//   dev_stamp_root        dev_take + one tiny root kernel (does a second root cost what publish -> spec does?)
+//   dev_child             dev_take_par with G (and its take kernel) as a child graph node, as in the loop
 //   launch_call_us: the device-side cudaGraphLaunch call's own time
 //
 // Build and run (needs a GPU; nvcc 13, sm_90); dev_tail is a build of its own (host is measured in both):
@@ -149,12 +152,13 @@ __global__ void side_kernel(uint32_t ns) {
 
 struct Built {
   cudaGraph_t g;
+  cudaGraphNode_t first;        // the first kernel
   cudaGraphNode_t before_tail;  // the node two before the last kernel
 };
 
 // G: first -> work x n -> last, in `g`
 static Built add_step(cudaGraph_t g, Probe* p, int n, uint32_t ns, bool tail = false) {
-  Built b = {g, nullptr};
+  Built b = {g, nullptr, nullptr};
   cudaKernelNodeParams k = {};
   void* args_p[] = {&p, &ns};
   void* args_w[] = {&ns};
@@ -164,7 +168,7 @@ static Built add_step(cudaGraph_t g, Probe* p, int n, uint32_t ns, bool tail = f
   k.blockDim = dim3(256);
   k.kernelParams = args_p;
   CHECK(cudaGraphAddKernelNode(&node, g, nullptr, 0, &k));
-  prev = node;
+  prev = b.first = node;
   for (int i = 0; i < n; ++i) {
     k.func = (void*)work_kernel;
     k.kernelParams = args_w;
@@ -237,10 +241,11 @@ int main(int argc, char** argv) {
   int least = 0, greatest = 0;
   CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   const char* names[] = {"host",     "ws",       "ws_take",      "wis_take",          "wis_take_par",
-                         "ws_take_in", "dev_tail", "dev_take", "dev_take_par", "dev_take_par_prio"};
+                         "ws_take_in", "dev_tail", "dev_take", "dev_take_par", "dev_take_par_prio",
+                         "dev_side_after_first", "dev_stamp_root", "dev_child"};
   printf("{\"kernels\": %d, \"iters\": %d, \"spin_ns\": %u, ", o.kernels, o.iters, o.spin_ns);
 #ifdef DEV_TAIL
-  const int variants[] = {0, 6, 7, 8, 9};
+  const int variants[] = {0, 6, 7, 8, 9, 10, 11, 12};
 #else
   const int variants[] = {0, 1, 2, 3, 4, 5};
 #endif
@@ -254,18 +259,28 @@ int main(int argc, char** argv) {
       CHECK(cudaGraphCreate(&top, 0));
       cudaGraphExec_t exec;
       if (v == 0 || v >= 6) {
-        Built b = add_step(top, p, o.kernels, o.spin_ns, v >= 6);
+        cudaGraph_t g = top;
+        if (v == 12) CHECK(cudaGraphCreate(&g, 0));
+        Built b = add_step(g, p, o.kernels, o.spin_ns, v >= 6);
         unsigned long long flags = v >= 6 ? cudaGraphInstantiateFlagDeviceLaunch : 0;
         if (v >= 7) {  // the take kernel launches; publish -> spec beside the graph; node priorities
           Probe* pp = p;
           void* ta[] = {&pp};
           void* sa[] = {&o.side_ns};
-          cudaGraphNode_t take, pub, spec;
-          add_kernel(top, &b.before_tail, 1, (void*)take_tail_kernel, ta, 64, &take);
-          if (v >= 8) {
+          uint32_t zero = 0;
+          void* za[] = {&zero};
+          cudaGraphNode_t take, pub, spec, child;
+          add_kernel(g, &b.before_tail, 1, (void*)take_tail_kernel, ta, 64, &take);
+          if (v == 12) CHECK(cudaGraphAddChildGraphNode(&child, top, nullptr, 0, g));
+          if (v == 8 || v == 9 || v == 12) {
             add_kernel(top, nullptr, 0, (void*)side_kernel, sa, 256, &pub);
             add_kernel(top, &pub, 1, (void*)side_kernel, sa, 256, &spec);
           }
+          if (v == 10) {
+            add_kernel(top, &b.first, 1, (void*)side_kernel, sa, 256, &pub);
+            add_kernel(top, &pub, 1, (void*)side_kernel, sa, 256, &spec);
+          }
+          if (v == 11) add_kernel(top, nullptr, 0, (void*)side_kernel, za, 32, &pub);
           if (v == 9) {
             cudaKernelNodeAttrValue pr = {};
             pr.priority = greatest;
@@ -275,6 +290,7 @@ int main(int argc, char** argv) {
           }
         }
         CHECK(cudaGraphInstantiateWithFlags(&exec, top, flags));
+        if (v == 12) CHECK(cudaGraphDestroy(g));
         h->self = exec;
       } else {
         CHECK(cudaGraphConditionalHandleCreate(&h->loop, top, 1, cudaGraphCondAssignDefault));

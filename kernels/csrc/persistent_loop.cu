@@ -340,6 +340,8 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest), 27);
     priority.priority = greatest;
   }
+  const char* side_env = getenv("BLINK_LOOP_SIDE_ROOT");
+  const bool side_root = side_env && strcmp(side_env, "1") == 0;
   const unsigned long long flags =
       cudaGraphInstantiateFlagDeviceLaunch | (prioritize ? cudaGraphInstantiateFlagUseNodePriority : 0);
   L->take_linked = 0;
@@ -367,13 +369,20 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     t.blockDim = dim3(BLINK_LOOP_TAKE_THREADS);
     t.sharedMemBytes = 0;
     BLINK_TRY(cudaGraphAddKernelNode(&take, inner, start_after ? &start_after : nullptr, start_after ? 1 : 0, &t), 33);
+    // publish -> spec start after the model graph's first node, inside it: a second root node costs about
+    // 1.1 us between two graphs (bench/loop_mechanism.cu; BLINK_LOOP_SIDE_ROOT=1 keeps them a root, for measuring)
+    cudaGraph_t model;
+    BLINK_TRY(cudaGraphChildGraphNodeGetGraph(child, &model), 43);
+    cudaGraphNode_t root = nullptr;
+    size_t num_roots = 1;  // the first root (a PyTorch capture on one stream has one)
+    if (side_root || cudaGraphGetRootNodes(model, &root, &num_roots) != cudaSuccess || num_roots == 0) root = nullptr;
     cudaKernelNodeParams side = k;
     side.func = (void*)blink_loop_publish;
     side.sharedMemBytes = 0;
-    BLINK_TRY(cudaGraphAddKernelNode(&publish_node, g, nullptr, 0, &side), 11);
+    BLINK_TRY(cudaGraphAddKernelNode(&publish_node, root ? model : g, root ? &root : nullptr, root ? 1 : 0, &side), 11);
     side.func = (void*)blink_loop_spec;
     side.sharedMemBytes = args.smem_bytes;
-    BLINK_TRY(cudaGraphAddKernelNode(&spec_node, g, &publish_node, 1, &side), 26);
+    BLINK_TRY(cudaGraphAddKernelNode(&spec_node, root ? model : g, &publish_node, 1, &side), 26);
     if (prioritize)
       for (cudaGraphNode_t n : {take, publish_node, spec_node})
         BLINK_TRY(cudaGraphKernelNodeSetAttribute(n, cudaKernelNodeAttributePriority, &priority), 34);

@@ -1,0 +1,83 @@
+"""A/B of two builds of the GPU-resident loop's graphs on one runner, alternated, with the bare replay between.
+
+    python bench/loop_ab.py --env BLINK_LOOP_SIDE_ROOT=1 [--batches 1,64] [--rounds 4] [--out bench/results]
+
+The whole-step comparison of `bench/gpu_host.py` moves by +-10-25 us between runs (clocks, context), more than
+the changes it has to judge. Here the two variants ("a": the environment as it is, "b": with `--env` set, read
+by `blink_loop_create`) run in turn on the same runner and shapes, `--rounds` times each, and each round
+also replays the bare graph at the loop's context; the figure is each variant's median of (loop step - bare
+replay of its round). Prints a table, writes a JSON file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from blink.bench.results import commit  # noqa: E402
+from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig  # noqa: E402
+from gpu_backend.models import load_model  # noqa: E402
+from gpu_host import bare_replay_ms, decode_batch, persistent_engine  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--env", required=True, help="NAME=VALUE set for variant b only")
+    ap.add_argument("--model", default="random:llama-3-8b")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=400)
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    name, _, value = args.env.partition("=")
+    cfg, model, _ = load_model(args.model, device="cuda")
+    runner = GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096),
+                       keep_graphs=True)
+    rows = []
+    for bsz in map(int, args.batches.split(",")):
+        runs: dict[str, list[dict]] = {"a": [], "b": []}
+        for _ in range(args.rounds):
+            for variant in ("a", "b"):
+                if variant == "b":
+                    os.environ[name] = value
+                else:
+                    os.environ.pop(name, None)
+                pers = persistent_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
+                bare = bare_replay_ms(runner, decode_batch(runner, bsz, pers["ctx_len_mid"]), 100)
+                runs[variant].append({"step_ms": pers["step_ms_mean"], "bare_ms": bare,
+                                      "over_bare_us": 1e3 * (pers["step_ms_mean"] - bare), "gap_us": pers["gap_us"],
+                                      "take_us": pers["sched_us_per_step"], "spec_hits": pers["spec_hits"],
+                                      "spec_misses": pers["spec_misses"]})
+        os.environ.pop(name, None)
+        row = {"batch": bsz, "runs": runs}
+        for variant in ("a", "b"):
+            row[f"{variant}_over_bare_us_median"] = statistics.median(r["over_bare_us"] for r in runs[variant])
+            row[f"{variant}_gap_us_median"] = statistics.median(r["gap_us"] for r in runs[variant])
+        rows.append(row)
+        each = {v: ", ".join("%+.1f" % r["over_bare_us"] for r in runs[v]) for v in runs}
+        print(f"B={bsz:4d} a: over bare {row['a_over_bare_us_median']:+.1f} us ({each['a']}), gap "
+              f"{row['a_gap_us_median']:.1f} us | b ({args.env}): over bare {row['b_over_bare_us_median']:+.1f} us "
+              f"({each['b']}), gap {row['b_gap_us_median']:.1f} us", flush=True)
+    result = {"bench": "loop_ab", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "model": args.model, "env_b": args.env, "rounds": args.rounds,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
+    out = Path(os.environ.get("OUT") or args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"loop_ab-{name}-{result['commit']}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
