@@ -345,6 +345,7 @@ def summary(r: dict) -> str:
     def lags(name: str) -> str:
         return ", ".join(f"{part or 'all'} P50 {r[f'{name}{part}_p50'] / 1e3:.2f} / P99 {r[f'{name}{part}_p99'] / 1e3:.2f}"
                          for part in ("", "_steady", "_all_open") if f"{name}{part}_p50" in r)
+    awake = "".join(f", keep-awake core {core} {r[f'keep_awake_{core}_cpu_util']:.0%}" for core in r.get("keep_awake_cores", ()))
     lines = [f"{r['streams']} streams x {r['max_tokens']} tokens at {r['engine_tok_s_per_stream']:g} tok/s each: "
              f"{r['tok_s']:.0f} tok/s delivered, {r['complete_streams']} complete; all started after {r['ramp_s']:.2f} s, "
              f"all open for {r['all_open_s']:.2f} s",
@@ -355,7 +356,7 @@ def summary(r: dict) -> str:
               f"{r.get('gateway_cpu_us_per_token_steady', float('nan')):.1f}, all open "
               f"{r.get('gateway_cpu_us_per_token_all_open', float('nan')):.1f}), engine {r['engine_cpu_util']:.0%} "
               f"({r['engine_sched']}), client {r['client_cpu_util']:.0%}"
-              f"{''.join(f', {k} {v:.0%}' for k, v in r.items() if k.startswith('keep_awake_') and k.endswith('_cpu_util'))}; "
+              f"{awake}; "
               f"others {r['foreign_cpu_util']:.0%}, "
               f"stolen {r['steal_cpu_util']:.0%}; listen overflows {r['listen_overflows']}",
               f"  engine publish lateness P50 {r['engine_late_us_p50'] / 1e3:.2f} ms, P99 {r['engine_late_us_p99'] / 1e3:.2f} ms, "
