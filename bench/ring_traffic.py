@@ -22,11 +22,13 @@ stream started) and the all-open part of it (before the first stream ended: no s
 per process, and the gateway's CPU per token in those windows. The gateway spin-polls while tokens flow,
 so its CPU use is its whole core whatever its work: `--poll-spin-s 0` measures the work.
 The client (`bench/stream_client.py`) shares a core with the engine and must not hold it up: raw sockets
-and one epoll loop that reads every byte and counts tokens per stream; by default it reads every 1 ms, so
-that the gateway's writes do not pay for waking it on loopback. The engine publishes each step's due
-tokens at once, vectorized, at SCHED_FIFO where allowed (it stands in for a GPU, which a client does not
-delay) and reports its lateness. It first waits for the cores to be idle (other developers' runs share
-this machine) and reports what others (and the hypervisor: steal) took of the cores during the run.
+and one epoll loop that reads every byte into each stream's buffer and parses them after the run; by default
+it reads every 1 ms, so that the gateway's writes do not pay for waking it on loopback. The engine publishes
+each step's due tokens at once, vectorized, at SCHED_FIFO where allowed (it stands in for a GPU, which a
+client does not delay) and reports its lateness and the gaps between its steps. A SCHED_IDLE busy loop keeps
+the engine's core from halting (`bench/keep_awake.py`; `--let-cores-halt` leaves it out). It first waits for
+the cores to be idle (other developers' runs share this machine) and reports what others (and the
+hypervisor: steal, per core too) took of the cores during the run.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ from protocols.ring import FinishReason, RequestSpec  # noqa: E402
 from protocols.shm import attach_ring  # noqa: E402
 from protocols.shm_producer import RingProducer  # noqa: E402
 from tests.conftest import _wait_health, free_port  # noqa: E402
+from keep_awake import keep_awake  # noqa: E402
 from traffic_engine import MODEL_NAME, lag_us, traffic_engine  # noqa: E402
 
 
@@ -157,32 +160,38 @@ def ttft(args: argparse.Namespace) -> None:
 
 
 def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | None = None,
-                   tick_s: float = 0.0, connect_batch: int = 0) -> dict:
+                   tick_s: float = 0.0, connect_batch: int = 0, at_end: Callable[[], None] | None = None) -> dict:
     """`streams` concurrent streaming completions (`bench/stream_client.py`); per-token publish-to-receipt
     latency from the ids. With `gateway_pid`: the gateway's CPU per token received after every stream
-    started (steady state)."""
+    started (steady state). `at_end` is called when every stream is done, before the bodies are parsed."""
     from stream_client import run_streams
 
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True}
-    marks = {}  # the gateway's CPU seconds and the tokens received when the last stream started, the first ended
+    marks = {}  # the gateway's CPU seconds and the time when the last stream started, the first ended
 
     def mark(name: str):
-        return (lambda stats: marks.update({name: (cpu_s(gateway_pid), len(stats.tokens))})) if gateway_pid else None
+        return (lambda stats: marks.update({name: (cpu_s(gateway_pid), time.monotonic_ns())})) if gateway_pid else None
+
+    def done() -> None:
+        marks["done"] = cpu_s(gateway_pid), time.monotonic_ns()
+        if at_end is not None:
+            at_end()
     warm_up = run_streams(url, key, {**body, "max_tokens": 2}, 8, tick_s)[0]  # what the gateway does once only
     assert all(c.ok for c in warm_up), "warm-up requests failed"
     gc.collect()
     gc.freeze()  # the client's collections must not walk torch's objects (imported with the engine's code)
     counters, stats, wall = run_streams(url, key, body, streams, tick_s, mark("started"), mark("first_end"),
-                                        connect_batch)
+                                        connect_batch, on_done=done if gateway_pid else at_end)
     samples = list(zip(stats.times_ns, (lag_us(t, r) for t, r in zip(stats.tokens, stats.times_ns))))
     windows = {"steady_ns": max(stats.first_ns),  # every stream has started: the ramp of request set-ups is over
                "first_end_ns": min(stats.end_ns)}  # until here, every stream was open (no stream ends yet)
-    cpu = {}
-    if gateway_pid and "started" in marks:
-        end = marks.get("first_end", (cpu_s(gateway_pid), len(samples)))
-        for name, (cpu1, tokens1) in (("steady", (cpu_s(gateway_pid), len(samples))), ("all_open", end)):
-            cpu0, tokens0 = marks["started"]
+    cpu, received = {}, np.sort(np.frombuffer(stats.times_ns, dtype=np.int64))
+    if gateway_pid and "started" in marks:  # tokens received by a mark: the client parses them after the run
+        cpu_end = marks["done"]
+        for name, (cpu1, t1) in (("steady", cpu_end), ("all_open", marks.get("first_end", cpu_end))):
+            (cpu0, t0), tokens1 = marks["started"], int(np.searchsorted(received, t1, side="right"))
+            tokens0 = int(np.searchsorted(received, t0, side="right"))
             if tokens1 > tokens0:
                 cpu[f"gateway_cpu_us_per_token_{name}"] = 1e6 * (cpu1 - cpu0) / (tokens1 - tokens0)
     counts = [c.num_tokens for c in counters]
@@ -214,6 +223,22 @@ def lag_stats(name: str, samples: list[tuple[int, float]], windows: dict) -> dic
         out.update({f"{name}{part}_p50": q(0.5), f"{name}{part}_p90": q(0.9), f"{name}{part}_p99": q(0.99),
                     f"{name}{part}_max": lags[-1], f"{name}{part}_samples": len(lags)})
     return out
+
+
+def engine_steps(steps: list[int], windows: dict) -> dict:
+    """The fake engine's steps that published while every stream was open: the time from one to the next
+    (a step is due every ~0.55 ms; a longer gap means its core did not run it, and its next step publishes
+    the overdue tokens in one burst), how many of those gaps were over 1 and 2 ms, and the gaps' CPU time."""
+    s = np.array(steps, dtype=np.int64).reshape(-1, 4)  # [start ns, publish ns, tokens, thread CPU ns]
+    s = s[(s[:, 0] >= windows["steady_ns"]) & (s[:, 0] < windows["first_end_ns"])]
+    if len(s) < 2:
+        return {}
+    gaps, cpu = np.diff(s[:, 0]) / 1e3, np.diff(s[:, 3]) / 1e3
+    return {"engine_steps_all_open": len(s), "engine_tokens_per_step_all_open": float(s[:, 2].mean()),
+            "engine_gap_us_all_open_p50": float(np.median(gaps)), "engine_gap_us_all_open_p99": float(np.percentile(gaps, 99)),
+            "engine_gap_us_all_open_max": float(gaps.max()), "engine_gaps_over_1_ms_all_open": int((gaps > 1e3).sum()),
+            "engine_gaps_over_2_ms_all_open": int((gaps > 2e3).sum()),
+            "engine_cpu_us_per_step_all_open": float(cpu.mean())}
 
 
 def _cpu_s() -> tuple[float, float]:
@@ -255,10 +280,16 @@ def stream(args: argparse.Namespace) -> None:
         with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile,
                               poll_spin_s=args.poll_spin_s) as (url, gateway):
             os.sched_setaffinity(0, other)
-            result = with_cpu_use({"gateway": gateway, "engine": engine, "client": os.getpid()}, lambda: stream_clients(
-                url, "traffic-key", args.streams, args.tokens, gateway, args.client_tick_ms / 1e3, args.connect_batch))
+            awake = set() if args.let_cores_halt else other - gw_cores
+            with keep_awake(awake) as spinners:
+                pids = {"gateway": gateway, "engine": engine, "client": os.getpid(),
+                        **{f"keep_awake_{core}": pid for core, pid in zip(sorted(awake), spinners)}}
+                result = with_cpu_use(pids, lambda at_end: stream_clients(
+                    url, "traffic-key", args.streams, args.tokens, gateway, args.client_tick_ms / 1e3,
+                    args.connect_batch, at_end))
     result.update(json.loads(engine_stats.read_text()))
     engine_stats.unlink()
+    result.update(engine_steps(result.pop("engine_steps"), result))
     emit = []
     if probe:
         emit = [(t, lag_us(token, t)) for t, token in json.loads(Path(probe).read_text())]
@@ -267,29 +298,46 @@ def stream(args: argparse.Namespace) -> None:
     if args.samples_out:  # every token's (time ns, lag us), for looking at a run's course
         np.savez_compressed(args.samples_out, emit=np.array(emit).reshape(-1, 2), client=np.array(samples).reshape(-1, 2))
     result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
+              "keep_awake_cores": sorted(awake),
               "gateway_poll_spin_s": args.poll_spin_s, "engine_tok_s_per_stream": args.tok_s, **result,
               **(lag_stats("emit_lag_us", emit, result) if emit else {})}
     record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else "")
            + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}")
-           + ("" if args.client_tick_ms else "_woken") + (f"_{args.tag}" if args.tag else ""))
+           + ("" if args.client_tick_ms else "_woken") + ("_halt" if args.let_cores_halt else "")
+           + (f"_{args.tag}" if args.tag else ""))
     print(summary(result))
 
 
-def with_cpu_use(pids: dict[str, int], run: Callable[[], dict]) -> dict:
-    """`run()`'s result with each process's CPU use over its `wall_s` (cores), the gateway's CPU per token,
-    the machine's other CPU use and steal, and the connections listen backlogs dropped meanwhile."""
+def with_cpu_use(pids: dict[str, int], run: Callable[[Callable[[], None]], dict]) -> dict:
+    """`run(at_end)`'s result with each process's CPU use over its `wall_s` (cores), the gateway's CPU per
+    token, the machine's other CPU use and steal (per core too), and the connections listen backlogs dropped
+    meanwhile. `run` calls `at_end()` when its streams are done (before it parses what it read)."""
     cpu0, (busy0, steal0), overflows0 = {name: cpu_s(pid) for name, pid in pids.items()}, _cpu_s(), listen_overflows()
-    result = run()
+    core_steal0, end = _steal_per_core(), {}
+
+    def at_end() -> None:
+        end.update(cpu={name: cpu_s(pid) for name, pid in pids.items()}, machine=_cpu_s(), core_steal=_steal_per_core())
+    result = run(at_end)
+    if not end:
+        at_end()
     wall_s = result["wall_s"]
-    result.update({f"{name}_cpu_util": (cpu_s(pid) - cpu0[name]) / wall_s for name, pid in pids.items()})
+    result.update({f"{name}_cpu_util": (end["cpu"][name] - cpu0[name]) / wall_s for name in pids})
     # Cores' worth of CPU that others used meanwhile: other processes (other developers' runs share this
     # machine) and interrupts, and what the hypervisor did not give this VM (steal).
-    busy1, steal1 = _cpu_s()
+    busy1, steal1 = end["machine"]
     result["foreign_cpu_util"] = (busy1 - busy0) / wall_s - sum(result[f"{name}_cpu_util"] for name in pids)
     result["steal_cpu_util"] = (steal1 - steal0) / wall_s
+    result["steal_cpu_util_per_core"] = [(s1 - s0) / wall_s for s0, s1 in zip(core_steal0, end["core_steal"])]
     result["listen_overflows"] = listen_overflows() - overflows0
     result["gateway_cpu_us_per_token"] = 1e6 * result["gateway_cpu_util"] * wall_s / max(result["tokens"], 1)
     return result
+
+
+def _steal_per_core() -> list[float]:
+    """CPU seconds stolen from each core so far (/proc/stat's cpuN lines)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return [int(line.split()[8]) / tick for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("cpu") and line[3].isdigit()]
 
 
 def summary(r: dict) -> str:
@@ -297,6 +345,7 @@ def summary(r: dict) -> str:
     def lags(name: str) -> str:
         return ", ".join(f"{part or 'all'} P50 {r[f'{name}{part}_p50'] / 1e3:.2f} / P99 {r[f'{name}{part}_p99'] / 1e3:.2f}"
                          for part in ("", "_steady", "_all_open") if f"{name}{part}_p50" in r)
+    awake = "".join(f", keep-awake core {core} {r[f'keep_awake_{core}_cpu_util']:.0%}" for core in r.get("keep_awake_cores", ()))
     lines = [f"{r['streams']} streams x {r['max_tokens']} tokens at {r['engine_tok_s_per_stream']:g} tok/s each: "
              f"{r['tok_s']:.0f} tok/s delivered, {r['complete_streams']} complete; all started after {r['ramp_s']:.2f} s, "
              f"all open for {r['all_open_s']:.2f} s",
@@ -306,10 +355,15 @@ def summary(r: dict) -> str:
     lines += [f"  CPU: gateway {r['gateway_cpu_util']:.0%} ({r['gateway_cpu_us_per_token']:.1f} us/token; steady "
               f"{r.get('gateway_cpu_us_per_token_steady', float('nan')):.1f}, all open "
               f"{r.get('gateway_cpu_us_per_token_all_open', float('nan')):.1f}), engine {r['engine_cpu_util']:.0%} "
-              f"({r['engine_sched']}), client {r['client_cpu_util']:.0%}; others {r['foreign_cpu_util']:.0%}, "
+              f"({r['engine_sched']}), client {r['client_cpu_util']:.0%}"
+              f"{awake}; "
+              f"others {r['foreign_cpu_util']:.0%}, "
               f"stolen {r['steal_cpu_util']:.0%}; listen overflows {r['listen_overflows']}",
               f"  engine publish lateness P50 {r['engine_late_us_p50'] / 1e3:.2f} ms, P99 {r['engine_late_us_p99'] / 1e3:.2f} ms, "
-              f"max {r['engine_late_us_max'] / 1e3:.2f} ms"]
+              f"max {r['engine_late_us_max'] / 1e3:.2f} ms; all open: steps every {r.get('engine_gap_us_all_open_p50', 0) / 1e3:.2f} ms "
+              f"(P99 {r.get('engine_gap_us_all_open_p99', 0) / 1e3:.2f}), {r.get('engine_gaps_over_1_ms_all_open')} gaps over 1 ms, "
+              f"{r.get('engine_gaps_over_2_ms_all_open')} over 2 ms, max {r.get('engine_gap_us_all_open_max', 0) / 1e3:.2f} ms; "
+              f"{r.get('engine_cpu_us_per_step_all_open', 0):.0f} us CPU a step"]
     return "\n".join(lines)
 
 
@@ -342,6 +396,9 @@ def main() -> None:
                          "on loopback the gateway's send pays for; a client on another host costs it nothing)")
     st.add_argument("--connect-batch", type=int, default=0,
                     help="open this many connections every 5 ms (0: all at once)")
+    st.add_argument("--let-cores-halt", action="store_true",
+                    help="no SCHED_IDLE busy loop on the engine's and client's cores (`bench/keep_awake.py`): "
+                         "they halt when idle, and a halted vCPU wakes when the host runs it again")
     st.add_argument("--tag", help="appended to the result file's name (repeated runs)")
     st.add_argument("--samples-out", help="also write every token's emit and client (time, lag) here (.npz)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))

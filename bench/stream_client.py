@@ -1,11 +1,13 @@
 """BENCHMARK-ONLY streaming client for `bench/ring_traffic.py stream`: N concurrent streamed completions,
-one TCP connection each, read with one epoll loop, as cheap as a client can be while it reads every byte.
+one TCP connection each, read with one epoll loop, as cheap as a client can be while it keeps every byte.
 
-It shares a core with the traffic generator, so it must not starve it: no HTTP library, no event loop,
-no JSON. Each read is split at its last event boundary (`\\n\\n`); the complete events are searched once
-for the token words (`w123`, the ring-traffic vocabulary) and counted; their receipt time is the read's.
-A stream ends at the chunked-encoding terminator after `data: [DONE]`, where the client closes it.
-Checked per stream: the status line, [DONE] and the terminator, and the token count (by the caller).
+It shares a core with the traffic generator, so it must not hold it up: no HTTP library, no event loop,
+no JSON and no parsing while streams run. Each read goes straight into its stream's own buffer
+(`recv_into`), and the client notes where the read ended and when; until a stream's first token it also
+looks for the response head and the first token word (`w123`, the ring-traffic vocabulary), after that
+only whether the body now ends with [DONE] and the chunked terminator. Everything else waits for the end
+of the run (`StreamBody.parse`): the chunked framing, every event as JSON, the tokens in the event texts
+and each one's receipt time (the read that completed its event).
 
 `tick_s` > 0: the client sleeps `tick_s` between rounds and then reads whatever arrived (never blocked in
 epoll): a gateway's write then finds no reader to wake on another core, as with a client on another host;
@@ -14,6 +16,7 @@ epoll): a gateway's write then finds no reader to wake on another core, as with 
 from __future__ import annotations
 
 import array
+import bisect
 import json
 import re
 import select
@@ -23,13 +26,17 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 WORD = re.compile(rb"w(\d+)")
+TEXT = re.compile(r'w(\d+)')
 HEAD_END = b"\r\n\r\n"
 DONE = b"data: [DONE]\n\n"
 LAST_CHUNK = b"\r\n0\r\n\r\n"  # after [DONE]: the end of its chunk, then the terminating chunk
+END = DONE + LAST_CHUNK
+BODY_BYTES_PER_TOKEN = 320  # a buffer's first size per token asked for (a chunk is about 200 bytes); it grows if short
 
 
 class StreamStats:
-    """What every stream's reads add up to: (receipt ns, token id) per token, first-token times."""
+    """What every stream's reads add up to: (receipt ns, token id) per token (filled by `parse`), first-token
+    and end times (as the reads happen)."""
 
     def __init__(self, num_streams: int, on_all_started: Callable[[StreamStats], None] | None = None,
                  on_first_end: Callable[[StreamStats], None] | None = None):
@@ -52,49 +59,114 @@ class StreamStats:
             self.on_all_started(self)
 
 
-class SseCounter:
-    """One streamed completion's response: `feed` every byte read; True once the body is complete."""
+class StreamBody:
+    """One streamed completion's response, every byte kept: `add` after each read (True once the body is
+    complete, the reply is an error or the peer closed), `parse` once the run is over."""
 
-    def __init__(self, stats: StreamStats):
+    __slots__ = ("stats", "buf", "view", "size", "reads", "head_end", "started", "num_tokens", "num_events", "ok")
+
+    def __init__(self, stats: StreamStats, capacity: int = 65536):
         self.stats = stats
-        self.head: bytes | None = None  # the response head, once complete
-        self.pending = b""  # bytes after the last complete event
-        self.num_tokens = self.num_events = 0
-        self.saw_done = False  # the last complete event was [DONE]
+        self.buf = bytearray(capacity)
+        self.view = memoryview(self.buf)
+        self.size = 0  # bytes read so far
+        self.reads = array.array("q")  # per read: the buffer's size after it, monotonic ns
+        self.head_end = -1  # where the body starts, once the head is complete
+        self.started = False  # its first token was read
+        self.num_tokens = self.num_events = 0  # by `parse`
+        self.ok = False  # by `parse`: a 200, framing and every event sound, [DONE] and the terminator last
+
+    def recv(self, sock: socket.socket, clock: Callable[[], int]) -> bool:
+        """Reads what the socket holds into the buffer (the hot path: one syscall, no bytes object)."""
+        if self.size == len(self.buf):
+            self._grow()
+        n = sock.recv_into(self.view[self.size:])
+        return self.add(n, clock()) if n else True
 
     def feed(self, data: bytes, now_ns: int) -> bool:
-        buf = self.pending + data
-        if self.head is None:
-            head, sep, buf = buf.partition(HEAD_END)
-            if not sep:
-                self.pending = head
+        """`recv` from bytes in hand (tests)."""
+        while self.size + len(data) > len(self.buf):
+            self._grow()
+        self.buf[self.size:self.size + len(data)] = data
+        return self.add(len(data), now_ns)
+
+    def add(self, n: int, now_ns: int) -> bool:
+        self.size += n
+        self.reads.append(self.size)
+        self.reads.append(now_ns)
+        if self.started:
+            return self.buf.endswith(END, 0, self.size)
+        return self._start(now_ns)
+
+    def _start(self, now_ns: int) -> bool:
+        """Until the first token: the head (an error reply ends the stream) and the first token word."""
+        if self.head_end < 0:
+            head_end = self.buf.find(HEAD_END, 0, self.size)
+            if head_end < 0:
                 return False
-            self.head = head
-            if not head.startswith(b"HTTP/1.1 200"):
-                return True  # an error reply: `ok` says so
-        cut = buf.rfind(b"\n\n") + 2  # 1: no complete event yet
-        if cut > 1:
-            events, self.pending = buf[:cut], buf[cut:]
-            self._events(events, now_ns)
-            self.saw_done = events.endswith(DONE)
-        else:
-            self.pending = buf
-        return self.saw_done and self.pending == LAST_CHUNK
+            self.head_end = head_end + len(HEAD_END)
+            if not self.buf.startswith(b"HTTP/1.1 200"):
+                return True
+        if WORD.search(self.buf, self.head_end, self.size) is None:
+            return False
+        self.started = True
+        self.stats.first_token(now_ns)
+        return self.buf.endswith(END, 0, self.size)
 
-    def _events(self, events: bytes, now_ns: int) -> None:
-        self.num_events += events.count(b"data: ")
-        ids = WORD.findall(events)
-        if ids:
-            if not self.num_tokens:
-                self.stats.first_token(now_ns)
-            self.num_tokens += len(ids)
-            self.stats.tokens.extend(map(int, ids))
-            self.stats.times_ns.extend([now_ns] * len(ids))
+    def _grow(self) -> None:
+        self.view.release()  # a bytearray with a view cannot be resized
+        self.buf.extend(bytes(len(self.buf)))
+        self.view = memoryview(self.buf)
 
-    @property
-    def ok(self) -> bool:
-        """A 200, and the body ended with [DONE] and the terminating chunk."""
-        return bool(self.head and self.head.startswith(b"HTTP/1.1 200")) and self.saw_done and self.pending == LAST_CHUNK
+    def parse(self) -> list[tuple[int, int]]:
+        """After the run: checks the body and returns (receipt ns, token id) for each token. The receipt
+        of a token is the read that completed its event; its id is its word in the event's text."""
+        self.view.release()
+        if self.head_end < 0 or not self.buf.startswith(b"HTTP/1.1 200"):
+            return []
+        try:
+            events, ends = _dechunk(bytes(self.buf[self.head_end:self.size]), self.head_end)
+            texts = [json.loads(event[6:])["choices"][0]["text"] for event in events if event != DONE]
+        except (ValueError, LookupError, TypeError):  # bad framing or an event that is not a completion chunk
+            return []
+        reads, out = self.reads[0::2], []
+        for text, end in zip(texts, ends):  # [DONE] is last
+            read_ns = self.reads[2 * bisect.bisect_left(reads, end) + 1]
+            out += [(read_ns, int(word)) for word in TEXT.findall(text)]
+        self.num_events, self.num_tokens = len(events), len(out)
+        self.ok = bool(events) and events[-1] == DONE and self.buf.endswith(END, 0, self.size)
+        return out
+
+
+def _dechunk(body: bytes, offset: int) -> tuple[list[bytes], list[int]]:
+    """A chunked body's SSE events and where each ends in the stream's bytes (`offset`: the body's start);
+    raises ValueError on bad framing or an event that is not `data: ...`."""
+    data, ends, pos = bytearray(), [], 0  # ends[i]: the raw offset at which data's byte i ends
+    while True:
+        line_end = body.index(b"\r\n", pos)
+        size = int(body[pos:line_end], 16)
+        start = line_end + 2
+        if size == 0:
+            if body[start:] != b"\r\n":
+                raise ValueError("bytes after the chunked terminator")
+            break
+        if body[start + size:start + size + 2] != b"\r\n":
+            raise ValueError(f"bad chunk framing at byte {pos}")
+        data += body[start:start + size]
+        ends.append((len(data), offset + start + size))
+        pos = start + size + 2
+    events, event_ends, pos = [], [], 0
+    chunk_ends = [e for e, _ in ends]
+    while pos < len(data):
+        end = data.index(b"\n\n", pos) + 2
+        event = bytes(data[pos:end])
+        if not event.startswith(b"data: "):
+            raise ValueError(f"not an SSE data event: {event[:40]!r}")
+        events.append(event)
+        data_end, raw_end = ends[bisect.bisect_left(chunk_ends, end)]  # the chunk holding the event's last byte
+        event_ends.append(raw_end - (data_end - end))
+        pos = end
+    return events, event_ends
 
 
 def completion_request(url: str, key: str, body: dict) -> bytes:
@@ -108,22 +180,25 @@ def completion_request(url: str, key: str, body: dict) -> bytes:
 def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float = 0.0,
                 on_all_started: Callable[[StreamStats], None] | None = None,
                 on_first_end: Callable[[StreamStats], None] | None = None, connect_batch: int = 0,
-                connect_gap_s: float = 0.005) -> tuple[list[SseCounter], StreamStats, float]:
+                connect_gap_s: float = 0.005, on_done: Callable[[], None] | None = None,
+                ) -> tuple[list[StreamBody], StreamStats, float]:
     """All streams, `connect_batch` connections every `connect_gap_s` (0: all at once), read as they go;
-    returns each stream's counter, the token samples and the wall time (s). Connections are opened without
-    blocking: one whose SYN a full listen backlog dropped (`listen_overflows` in the results counts them;
-    it waits a second or more for the retransmit) holds up no other stream."""
+    returns each stream's body (parsed), the token samples and the wall time (s) of the streaming, which
+    ends with `on_done()` (before the parse, whose CPU time is not the run's). Connections are opened
+    without blocking: one whose SYN a full listen backlog dropped (`listen_overflows` in the results counts
+    them; it waits a second or more for the retransmit) holds up no other stream."""
     connect_batch = connect_batch or num_streams
     addr = (urlsplit(url).hostname, urlsplit(url).port)
     request, stats = completion_request(url, key, body), StreamStats(num_streams, on_all_started, on_first_end)
-    poller, open_socks, counters = select.epoll(), {}, []
-    t0, t0_ns = time.perf_counter(), time.monotonic_ns()
+    capacity = 4096 + BODY_BYTES_PER_TOKEN * body.get("max_tokens", 16)
+    poller, open_socks, bodies = select.epoll(), {}, []
+    t0, t0_ns, monotonic_ns = time.perf_counter(), time.monotonic_ns(), time.monotonic_ns
     next_connect_s = t0
-    while open_socks or len(counters) < num_streams:
-        connecting = len(counters) < num_streams
+    while open_socks or len(bodies) < num_streams:
+        connecting = len(bodies) < num_streams
         if connecting and time.perf_counter() >= next_connect_s:
-            for _ in range(min(connect_batch, num_streams - len(counters))):
-                counters.append(_connect(addr, SseCounter(stats), poller, open_socks))
+            for _ in range(min(connect_batch, num_streams - len(bodies))):
+                bodies.append(_connect(addr, StreamBody(stats, capacity), poller, open_socks))
             next_connect_s += connect_gap_s
         if tick_s:
             time.sleep(tick_s)
@@ -131,27 +206,30 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
         else:
             timeout = max(0.0, next_connect_s - time.perf_counter()) if connecting else -1
         for fd, events in poller.poll(timeout):
-            sock, counter = open_socks[fd]
+            sock, stream = open_socks[fd]
             if events & select.EPOLLOUT:  # connected: the request fits the empty send buffer
                 sock.send(request)
                 poller.modify(fd, select.EPOLLIN)
-                continue
-            data = sock.recv(65536)  # under malloc's mmap threshold
-            now_ns = time.monotonic_ns()
-            if not data or counter.feed(data, now_ns):
-                stats.ended(now_ns)
+            elif stream.recv(sock, monotonic_ns):
+                stats.ended(monotonic_ns())
                 poller.unregister(fd)
                 sock.close()
                 del open_socks[fd]
+    wall_s = time.perf_counter() - t0
+    if on_done is not None:
+        on_done()
     poller.close()
     stats.t0_ns = t0_ns
-    return counters, stats, time.perf_counter() - t0
+    samples = sorted(sample for stream in bodies for sample in stream.parse())
+    stats.times_ns.extend(t for t, _ in samples)
+    stats.tokens.extend(token for _, token in samples)
+    return bodies, stats, wall_s
 
 
-def _connect(addr: tuple[str, int], counter: SseCounter, poller: select.epoll, open_socks: dict) -> SseCounter:
+def _connect(addr: tuple[str, int], stream: StreamBody, poller: select.epoll, open_socks: dict) -> StreamBody:
     sock = socket.socket()
     sock.setblocking(False)
     sock.connect_ex(addr)  # EINPROGRESS: writable once connected
-    open_socks[sock.fileno()] = (sock, counter)
+    open_socks[sock.fileno()] = (sock, stream)
     poller.register(sock.fileno(), select.EPOLLOUT)
-    return counter
+    return stream

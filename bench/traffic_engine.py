@@ -76,6 +76,7 @@ class TrafficEngine:
         self.capacity = np.zeros(num_slots, np.int64)
         self.due_s = np.full(num_slots, np.inf)  # next token's due time; inf: no request
         self.late_us = array.array("d")  # each token's publish time - its due time
+        self.steps = array.array("q")  # per step that published: start monotonic ns, ns to publish, tokens, thread CPU ns
         self.sched = "normal"  # the loop thread's scheduling (`_raise_priority`)
 
     def run(self, stop: mp.Event, stats_path: str | None = None) -> None:
@@ -99,7 +100,8 @@ class TrafficEngine:
         """How evenly tokens went out: their lateness against their due times (us), and the loop's scheduling."""
         v = np.sort(np.frombuffer(self.late_us, dtype=np.float64)) if len(self.late_us) else np.zeros(1)
         return {"engine_sched": self.sched, "engine_late_us_p50": v[len(v) // 2],
-                "engine_late_us_p99": v[int(0.99 * (len(v) - 1))], "engine_late_us_max": v[-1]}
+                "engine_late_us_p99": v[int(0.99 * (len(v) - 1))], "engine_late_us_max": v[-1],
+                "engine_steps": self.steps.tolist()}
 
     def step(self, now: float) -> None:
         """Publish every token that is due; a cancel is seen at the stream's next due time."""
@@ -126,6 +128,7 @@ class TrafficEngine:
         self.produced[ok] = produced + 1
         u32[self.produced_w[ok]] = produced + 1  # after the tokens: a reader reads `produced` first
         u64[R.HDR_GENERATED_TOKENS // 8] += len(ok)
+        self.steps.extend((int(now * 1e9), time.monotonic_ns() - now_ns, len(ok), time.thread_time_ns()))
         self.late_us.extend(((now - self.due_s[ok]) * 1e6).tolist())
         self.due_s[due] = np.maximum(self.due_s[due] + self.interval_s, now)
         for slot in ok[produced + 1 >= self.max_tokens[ok]]:

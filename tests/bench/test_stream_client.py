@@ -1,5 +1,6 @@
-"""bench/stream_client.py: every token of a streamed body is counted once, however the reads split it,
-and a body is complete only at the chunked terminator after [DONE]."""
+"""bench/stream_client.py: every token of a streamed body is counted once, at the read that completed its
+event, however the reads split it; a body is complete only at the chunked terminator after [DONE], and
+sound only if its framing and every event are."""
 from __future__ import annotations
 
 import random
@@ -8,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from stream_client import SseCounter, StreamStats  # noqa: E402
+from stream_client import StreamBody, StreamStats  # noqa: E402
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
@@ -17,29 +18,64 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+def _event(text: bytes, finish: bytes = b"null") -> bytes:
+    return b'data: {"id":"cmpl-0af","choices":[{"index":0,"text":"%s","finish_reason":%s}]}\n\n' % (text, finish)
+
+
 def _body(token_ids: list[int]) -> bytes:
-    events = [b'data: {"id":"cmpl-0af","choices":[{"index":0,"text":" w%d","finish_reason":null}]}\n\n' % t
-              for t in token_ids]
-    end = b'data: {"id":"cmpl-0af","choices":[{"index":0,"text":"","finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
+    events = [_event(b" w%d" % t) for t in token_ids]
+    end = _event(b"", b'"length"') + b"data: [DONE]\n\n"
     return HEAD + b"".join(_chunk(e) for e in events[:-1]) + b"%x\r\n%s\r\n0\r\n\r\n" % (
         len(events[-1] + end), events[-1] + end)
 
 
-def test_every_split_of_the_body_counts_each_token_once():
+def _read_in_pieces(body: bytes, rng: random.Random, capacity: int) -> tuple[StreamBody, StreamStats, list[int]]:
+    """Feeds `body` in random pieces (each read's time is the offset it ends at); returns where it ended."""
+    stats = StreamStats(1)
+    stream, pos, done = StreamBody(stats, capacity), 0, False
+    while pos < len(body):
+        step = rng.randint(1, 40)
+        assert not done
+        done = stream.feed(body[pos:pos + step], min(pos + step, len(body)))
+        pos += step
+    assert done
+    return stream, stats, stream.parse()
+
+
+def test_every_split_of_the_body_counts_each_token_once_at_the_read_that_completed_its_event():
     body, rng = _body(list(range(100, 160))), random.Random(0)
-    for _ in range(50):
-        stats = StreamStats(1)
-        counter, pos, done = SseCounter(stats), 0, False
-        while pos < len(body):
-            step = rng.randint(1, 40)
-            assert not done
-            done = counter.feed(body[pos:pos + step], pos)
-            pos += step
-        assert done and counter.ok and counter.num_tokens == 60 and list(stats.tokens) == list(range(100, 160))
-        assert counter.num_events == 62 and len(stats.first_ns) == 1
+    for capacity in (64, 65536):  # a buffer that grows as it goes, one that never has to
+        for _ in range(25):
+            stream, stats, samples = _read_in_pieces(body, rng, capacity)
+            assert stream.ok and stream.num_tokens == 60 and [t for _, t in samples] == list(range(100, 160))
+            assert stream.num_events == 62 and len(stats.first_ns) == 1
+            for read_end, token in samples:  # the read that completed the token's event, not an earlier one
+                event_end = body.index(b"\n\n", body.index(b" w%d" % token)) + 2
+                assert read_end >= event_end and (read_end - event_end) < 40
+
+
+def test_the_first_token_is_seen_at_the_read_that_brings_it():
+    stats = StreamStats(1)
+    stream = StreamBody(stats)
+    body = _body([7, 8])
+    first_word = body.index(b" w7") + 3
+    assert not stream.feed(body[:first_word - 1], 1) and not stats.first_ns
+    assert not stream.feed(body[first_word - 1:first_word], 2) and stats.first_ns == [2]
+    assert stream.feed(body[first_word:], 3) and stream.parse() and stream.ok
 
 
 def test_an_error_reply_ends_the_stream_not_ok():
-    counter = SseCounter(StreamStats(1))
-    assert counter.feed(b'HTTP/1.1 429 Too Many Requests\r\nContent-Length: 2\r\n\r\n{}', 0)
-    assert not counter.ok and counter.num_tokens == 0
+    stream = StreamBody(StreamStats(1))
+    assert stream.feed(b'HTTP/1.1 429 Too Many Requests\r\nContent-Length: 2\r\n\r\n{}', 0)
+    assert stream.parse() == [] and not stream.ok and stream.num_tokens == 0
+
+
+def test_bad_framing_or_a_bad_event_is_not_ok():
+    good = _body([1, 2, 3])
+    bad_size = good.replace(b"\r\n%x\r\n" % len(_event(b" w2")), b"\r\n%x\r\n" % (len(_event(b" w2")) + 1), 1)
+    bad_json = good.replace(b'"text":" w2"', b'"text": w2"')
+    for body in (bad_size, bad_json):
+        assert body != good
+        stream = StreamBody(StreamStats(1))
+        stream.feed(body, 0)
+        assert stream.parse() == [] and not stream.ok
