@@ -281,6 +281,8 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
   BLINK_TRY(cudaGetDevice(&device), 16);
   BLINK_TRY(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), 17);
   args.smem_bytes = smem + 1024 <= (uint64_t)smem_max ? (uint32_t)smem : 0;  // leave room for the static part
+  const char* smem_env = getenv("BLINK_LOOP_SMEM");  // =0 (for measuring): the state stays in global memory
+  if (smem_env && strcmp(smem_env, "0") == 0) args.smem_bytes = 0;
   if (args.smem_bytes)
     BLINK_TRY(cudaFuncSetAttribute(blink_loop_step, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)args.smem_bytes), 18);
   L->smem_bytes = args.smem_bytes;
