@@ -211,6 +211,13 @@ static cudaGraphNode_t node_before_tail(cudaGraph_t g, size_t tail) {
   return found;
 }
 
+// The switches read at build time, all for measuring (bench/loop_ab.py): BLINK_LOOP_SPEC_TAIL_CHECK=0,
+// BLINK_LOOP_SPEC_PRIORITY=0, BLINK_LOOP_SIDE_ROOT=1, BLINK_LOOP_SMEM=0 (each explained where it is read).
+static bool env_is(const char* name, const char* value) {
+  const char* v = getenv(name);
+  return v && strcmp(v, value) == 0;
+}
+
 #define BLINK_TRY(call, code)               \
   do {                                      \
     cudaError_t e_ = (call);                \
@@ -281,8 +288,7 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
   BLINK_TRY(cudaGetDevice(&device), 16);
   BLINK_TRY(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), 17);
   args.smem_bytes = smem + 1024 <= (uint64_t)smem_max ? (uint32_t)smem : 0;  // leave room for the static part
-  const char* smem_env = getenv("BLINK_LOOP_SMEM");  // =0 (for measuring): the state stays in global memory
-  if (smem_env && strcmp(smem_env, "0") == 0) args.smem_bytes = 0;
+  if (env_is("BLINK_LOOP_SMEM", "0")) args.smem_bytes = 0;  // (measuring) the state stays in global memory
   if (args.smem_bytes)
     BLINK_TRY(cudaFuncSetAttribute(blink_loop_step, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)args.smem_bytes), 18);
   L->smem_bytes = args.smem_bytes;
@@ -308,8 +314,7 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
   args.spec_tail = 0;
   args.cur = args.buf = args.spec_ok = args.spec_branch = args.spec_rows = args.num_err = args.exiting = 0;
   // BLINK_LOOP_SPEC_TAIL_CHECK=0 (for measuring only): new requests wait for the next speculation
-  const char* tail_check = getenv("BLINK_LOOP_SPEC_TAIL_CHECK");
-  args.check_tail = !(tail_check && strcmp(tail_check, "0") == 0);
+  args.check_tail = !env_is("BLINK_LOOP_SPEC_TAIL_CHECK", "0");
   args.num_eos = (uint32_t)hdr.cfg.num_eos;
   for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) args.eos_ids[i] = hdr.cfg.eos_ids[i];
   blink_loop_ext ext_host;
@@ -334,16 +339,14 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
   BLINK_TRY(cudaGraphAddKernelNode(&step_node, L->graph, nullptr, 0, &k), 8);
   // beside the bucket graph, publish, spec and take go first whenever an SM frees up
   // (BLINK_LOOP_SPEC_PRIORITY=0 leaves them at the default priority, for measuring)
-  const char* want = getenv("BLINK_LOOP_SPEC_PRIORITY");
-  const bool prioritize = !want || strcmp(want, "0") != 0;
+  const bool prioritize = !env_is("BLINK_LOOP_SPEC_PRIORITY", "0");
   cudaKernelNodeAttrValue priority = {};
   if (prioritize) {
     int least = 0, greatest = 0;
     BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest), 27);
     priority.priority = greatest;
   }
-  const char* side_env = getenv("BLINK_LOOP_SIDE_ROOT");
-  const bool side_root = side_env && strcmp(side_env, "1") == 0;
+  const bool side_root = env_is("BLINK_LOOP_SIDE_ROOT", "1");
   const unsigned long long flags =
       cudaGraphInstantiateFlagDeviceLaunch | (prioritize ? cudaGraphInstantiateFlagUseNodePriority : 0);
   L->take_linked = 0;

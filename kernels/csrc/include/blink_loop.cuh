@@ -42,7 +42,8 @@ struct blink_loop_ctl {
   uint32_t stop;             // host: 1 = fail what is in flight, leave the loop
   uint32_t exited;           // loop: 1 once the last iteration ran
   blink_loop_counters c;
-  uint32_t error;            // nonzero: the loop stopped on an internal error (a bucket it has no graph for)
+  uint32_t error;            // nonzero: the loop stopped on an internal error (1: a bucket it has no graph
+                             // for, 2: a device graph launch failed)
   uint32_t _pad;
 };
 
@@ -101,7 +102,7 @@ struct blink_loop_args {
   uint32_t cur;                           // which hot copy is the real state (0: sched_mem, 1: hot_alt)
   uint32_t buf;                           // the step buffer of the step that runs now
   uint32_t spec_ok;                       // 1: the other copy holds step n+1, filled into the other buffer
-  uint32_t spec_branch;                   // its SWITCH branch
+  uint32_t spec_branch;                   // its bucket graph (branch_of)
   uint32_t spec_rows;                     // sampled rows of the running step
   uint32_t num_err;                       // deferred admission errors, published with the accepted step
   uint32_t exiting;                       // the loop is ending: nothing more to speculate
@@ -383,6 +384,13 @@ __device__ __forceinline__ int poll_ring(blink_loop_args* a, blink_sched* s, con
   return sh_stop != 0;
 }
 
+// Thread 0: the loop ends with the running graph; the host sees `exited` (and the stream end).
+__device__ __forceinline__ void end_loop(blink_loop_args* a) {
+  a->exiting = 1;
+  __threadfence_system();
+  st_v(&a->ctl->exited, 1u);
+}
+
 // All threads, on `stop`: the last tokens published, every live sequence reported failed (never dropped
 // silently), the loop told to end.
 __device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
@@ -401,9 +409,7 @@ __device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
     st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
     st_v(&hdr->running, 0u);
     st_v(&hdr->waiting, 0u);
-    a->exiting = 1;  // and no graph launched after this one: the loop ends with it
-    __threadfence_system();
-    st_v(&a->ctl->exited, 1u);
+    end_loop(a);  // no graph is launched after this one
   }
 }
 
@@ -413,10 +419,8 @@ __device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
 // ctl->error, and fails what is in flight).
 __device__ __forceinline__ void launch_next(blink_loop_args* a, cudaGraphExec_t next) {
   if (cudaGraphLaunch(next, cudaStreamGraphTailLaunch) != cudaSuccess) {
-    a->exiting = 1;
     st_v(&a->ctl->error, 2u);
-    __threadfence_system();
-    st_v(&a->ctl->exited, 1u);
+    end_loop(a);
   }
 }
 

@@ -132,7 +132,7 @@ __device__ void ext_fill(blink_loop_args* a, const blink_sched* s, const uint8_t
   }
 }
 
-// Thread 0: the SWITCH branch of the step in buffer `b` whose plain branch is `plain` (branch_of).
+// Thread 0: the branch (bucket graph) of the step in buffer `b` whose plain branch is `plain` (branch_of).
 __device__ __forceinline__ uint32_t ext_branch(const blink_loop_args* a, uint32_t plain, uint32_t b) {
   const blink_loop_ext* e = a->ext;
   return e && e->extended[b] ? 4u * e->num_buckets + plain : plain;

@@ -35,7 +35,7 @@ __device__ void close_state(const blink_loop_args* a, const uint8_t* smem, uint8
   if (a->smem_bytes) block_copy(dst, smem, a->hot_bytes);
 }
 
-// The SWITCH branch of a filled step: bucket graph `bucket` over step buffer `b`.
+// The branch of a filled step: bucket graph `bucket` over step buffer `b`.
 __device__ uint32_t branch_of(const blink_sched_header* h, int32_t bucket, uint32_t b) {
   uint32_t index = 0;
   while (h->cfg.buckets[index] != bucket) ++index;
@@ -53,12 +53,11 @@ __device__ __forceinline__ uint32_t graph_rows(const blink_sched_header* h) {
 #define BLINK_LOOP_TAKE_THREADS 64  // warp 0: the tokens, the check and the commit; one thread of warp 1: the tail
 #define BLINK_LOOP_TAKE_ROWS 8      // rows per lane of warp 0 held in registers (graphs of up to 256 rows)
 
-// In each bucket graph's branch, started when the graph's logits are done (beside its sampler): waits for
-// the spec kernel (which runs beside the graph) and for the sampled tokens and, if none of them stops its
-// sequence and no request was queued after the speculation looked, takes the speculation: writes the
-// tokens where it left placeholders, swaps the two states and picks the next graph. Then the next
-// iteration skips the full step (IF node), so between two bucket graphs there is only this kernel's tail
-// end and the conditional nodes. Otherwise it asks for the full step.
+// In each bucket graph, started when the graph's logits are done (beside its sampler): waits for the spec
+// kernel (which runs beside the graph) and for the sampled tokens and, if none of them stops its sequence
+// and no request was queued after the speculation looked, takes the speculation: writes the tokens where it
+// left placeholders, swaps the two states and launches the next bucket graph, so between two bucket graphs
+// there is only this kernel's tail end and a device graph launch. Otherwise it launches the full step.
 // It starts after the logits, not with the graph, because a resident block, however small, keeps
 // cuBLAS's largest-shared-memory GEMM blocks off its SM (measured: +210 us per step at batch 64).
 // The submission tail is read over PCIe again and again while the tokens are awaited, so its round
