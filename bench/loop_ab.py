@@ -57,9 +57,11 @@ def main() -> None:
         runners = {"a": runner, "b": runner}
     else:
         name, value = "carveout_layers", str(args.carveout_layers)
-        runners = {v: GpuRunner(model, cfg, GpuRunnerConfig(**shape, num_kv_blocks=args.kv_blocks,
-                                                             loop_gemm_carveout_layers=k), keep_graphs=True)
-                   for v, k in (("a", 0), ("b", args.carveout_layers))}
+        runners = {}
+        for v, k in (("a", 0), ("b", args.carveout_layers)):  # a runner takes the model's weights: one each
+            model = model if v == "a" else load_model(args.model, device="cuda")[1]
+            runners[v] = GpuRunner(model, cfg, GpuRunnerConfig(**shape, num_kv_blocks=args.kv_blocks,
+                                                               loop_gemm_carveout_layers=k), keep_graphs=True)
         runner = runners["a"]
     rows = []
     for bsz in map(int, args.batches.split(",")):
