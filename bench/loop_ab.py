@@ -78,7 +78,8 @@ def main() -> None:
                     bare_replay_ms(runners[variant], decode_batch(runners[variant], bsz, pers["ctx_len_mid"]), 100)
                 runs[variant].append({"step_ms": pers["step_ms_mean"], "bare_ms": bare, "own_bare_ms": own,
                                       "over_bare_us": 1e3 * (pers["step_ms_mean"] - bare), "gap_us": pers["gap_us"],
-                                      "take_us": pers["sched_us_per_step"], "spec_hits": pers["spec_hits"],
+                                      "take_us": pers["sched_us_per_step"], "spec_us": pers["spec_us_per_step"],
+                                      "spec_hits": pers["spec_hits"],
                                       "spec_misses": pers["spec_misses"]})
         if args.env:
             os.environ.pop(name, None)
@@ -86,12 +87,14 @@ def main() -> None:
         for variant in ("a", "b"):
             row[f"{variant}_over_bare_us_median"] = statistics.median(r["over_bare_us"] for r in runs[variant])
             row[f"{variant}_gap_us_median"] = statistics.median(r["gap_us"] for r in runs[variant])
+            row[f"{variant}_spec_us_median"] = statistics.median(r["spec_us"] for r in runs[variant])
         rows.append(row)
         each = {v: ", ".join("%+.1f" % r["over_bare_us"] for r in runs[v]) for v in runs}
         print(f"B={bsz:4d} a: over bare {row['a_over_bare_us_median']:+.1f} us ({each['a']}), gap "
               f"{row['a_gap_us_median']:.1f} us | b ({name}={value}): over bare {row['b_over_bare_us_median']:+.1f} us "
               f"({each['b']}), gap {row['b_gap_us_median']:.1f} us | b's own bare - a's bare "
-              f"{1e3 * statistics.median(r['own_bare_ms'] - r['bare_ms'] for r in runs['b']):+.1f} us", flush=True)
+              f"{1e3 * statistics.median(r['own_bare_ms'] - r['bare_ms'] for r in runs['b']):+.1f} us | spec kernel "
+              f"{row['a_spec_us_median']:.1f} / {row['b_spec_us_median']:.1f} us", flush=True)
     result = {"bench": "loop_ab", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "model": args.model, "env_b": args.env or f"{name}={value}", "rounds": args.rounds,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}

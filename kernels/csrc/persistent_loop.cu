@@ -168,6 +168,12 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_publish(blink_l
 
 __global__ void read_globaltimer(uint64_t* out) { *out = now_ns(); }
 
+// For measuring (BLINK_LOOP_SPINNER_NS, bench/loop_ab.py): one block that holds an SM for `ns` beside the graph.
+__global__ void bench_spinner(uint64_t ns) {
+  const uint64_t t0 = now_ns();
+  while (now_ns() - t0 < ns) __nanosleep(200);
+}
+
 // For measuring (bench/gpu_host.py): the loop's mechanism with no scheduling in it (the graph relaunches
 // itself until `left` runs out).
 __global__ void bench_countdown(uint32_t* left) {
@@ -212,7 +218,8 @@ static cudaGraphNode_t node_before_tail(cudaGraph_t g, size_t tail) {
 }
 
 // The switches read at build time, all for measuring (bench/loop_ab.py): BLINK_LOOP_SPEC_TAIL_CHECK=0,
-// BLINK_LOOP_SPEC_PRIORITY=0, BLINK_LOOP_SIDE_ROOT=1, BLINK_LOOP_SMEM=0 (each explained where it is read).
+// BLINK_LOOP_SPEC_PRIORITY=0, BLINK_LOOP_SIDE_ROOT=1, BLINK_LOOP_SMEM=0, BLINK_LOOP_SPEC_AT=<fraction>,
+// BLINK_LOOP_SPINNER_NS=<ns> (each explained where it is read).
 static bool env_is(const char* name, const char* value) {
   const char* v = getenv(name);
   return v && strcmp(v, value) == 0;
@@ -381,6 +388,30 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     cudaGraphNode_t root = nullptr;
     size_t num_roots = 1;  // the first root (a PyTorch capture on one stream has one)
     if (side_root || cudaGraphGetRootNodes(model, &root, &num_roots) != cudaSuccess || num_roots == 0) root = nullptr;
+    // BLINK_LOOP_SPEC_AT=f (measuring): publish -> spec after the model graph's node at fraction f of its
+    // nodes in capture order, not after its first node
+    if (root && getenv("BLINK_LOOP_SPEC_AT")) {
+      size_t n = 0;
+      BLINK_TRY(cudaGraphGetNodes(model, nullptr, &n), 44);
+      cudaGraphNode_t* nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * n);
+      BLINK_TRY(cudaGraphGetNodes(model, nodes, &n), 45);
+      const double f = atof(getenv("BLINK_LOOP_SPEC_AT"));
+      root = nodes[(size_t)(f * (double)(n - 1))];
+      free(nodes);
+    }
+    // BLINK_LOOP_SPINNER_NS=ns (measuring): one more block beside the graph, after the same node, holding an
+    // SM for that long (what a resident block costs the graph, apart from the spec kernel's work)
+    if (root && getenv("BLINK_LOOP_SPINNER_NS")) {
+      uint64_t spin_ns = strtoull(getenv("BLINK_LOOP_SPINNER_NS"), nullptr, 10);
+      void* spin_args[] = {&spin_ns};
+      cudaKernelNodeParams sp = {};
+      sp.gridDim = dim3(1);
+      sp.blockDim = dim3(64);
+      sp.kernelParams = spin_args;
+      sp.func = (void*)bench_spinner;
+      cudaGraphNode_t spin_node;
+      BLINK_TRY(cudaGraphAddKernelNode(&spin_node, model, &root, 1, &sp), 46);
+    }
     cudaKernelNodeParams side = k;
     side.func = (void*)blink_loop_publish;
     side.sharedMemBytes = 0;
