@@ -1,17 +1,12 @@
 """A/B of two builds of the GPU-resident loop's graphs on one runner, alternated, with the bare replay between.
 
     python bench/loop_ab.py --env BLINK_LOOP_SIDE_ROOT=1 [--batches 1,64] [--rounds 4] [--out bench/results]
-    python bench/loop_ab.py --carveout-layers 2 ...
 
 The whole-step comparison of `bench/gpu_host.py` moves by +-10-25 us between runs (clocks, context), more than
 the changes it has to judge. Here the two variants ("a": the environment as it is, "b": with `--env` set, read
 by `blink_loop_create`) run in turn on the same runner and shapes, `--rounds` times each, and each round
 also replays the bare graph at the loop's context; the figure is each variant's median of (loop step - bare
 replay of its round). Prints a table, writes a JSON file.
-
-With `--carveout-layers K`, variant b runs graphs captured by a second runner with
-GpuRunnerConfig.loop_gemm_carveout_layers = K (variant a: 0), and both are compared with the bare replay of
-a's graph (b's own bare replay is recorded beside it). Both runners get a fixed KV cache (`--kv-blocks`).
 """
 from __future__ import annotations
 
@@ -37,11 +32,7 @@ from gpu_host import bare_replay_ms, decode_batch, persistent_engine  # noqa: E4
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    which = ap.add_mutually_exclusive_group(required=True)
-    which.add_argument("--env", help="NAME=VALUE set for variant b only")
-    which.add_argument("--carveout-layers", type=int, help="variant b: graphs captured with this many layers' "
-                       "GEMMs chosen for one SM fewer")
-    ap.add_argument("--kv-blocks", type=int, default=4096, help="each runner's KV blocks with --carveout-layers")
+    ap.add_argument("--env", required=True, help="NAME=VALUE set for variant b only")
     ap.add_argument("--model", default="random:llama-3-8b")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--rounds", type=int, default=4)
@@ -49,40 +40,27 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
-    name, _, value = (args.env or "").partition("=")
+    name, _, value = args.env.partition("=")
     cfg, model, _ = load_model(args.model, device="cuda")
-    shape = dict(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096)
-    if args.carveout_layers is None:
-        runner = GpuRunner(model, cfg, GpuRunnerConfig(**shape), keep_graphs=True)
-        runners = {"a": runner, "b": runner}
-    else:
-        name, value = "carveout_layers", str(args.carveout_layers)
-        runners = {}
-        for v, k in (("a", 0), ("b", args.carveout_layers)):  # a runner takes the model's weights: one each
-            model = model if v == "a" else load_model(args.model, device="cuda")[1]
-            runners[v] = GpuRunner(model, cfg, GpuRunnerConfig(**shape, num_kv_blocks=args.kv_blocks,
-                                                               loop_gemm_carveout_layers=k), keep_graphs=True)
-        runner = runners["a"]
+    runner = GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096),
+                       keep_graphs=True)
     rows = []
     for bsz in map(int, args.batches.split(",")):
         runs: dict[str, list[dict]] = {"a": [], "b": []}
         for _ in range(args.rounds):
             for variant in ("a", "b"):
-                if variant == "b" and args.env:
+                if variant == "b":
                     os.environ[name] = value
                 else:
                     os.environ.pop(name, None)
-                pers = persistent_engine(runners[variant], cfg, bsz, args.prompt_len, args.decode_steps)
+                pers = persistent_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
                 bare = bare_replay_ms(runner, decode_batch(runner, bsz, pers["ctx_len_mid"]), 100)
-                own = bare if runners[variant] is runner else \
-                    bare_replay_ms(runners[variant], decode_batch(runners[variant], bsz, pers["ctx_len_mid"]), 100)
-                runs[variant].append({"step_ms": pers["step_ms_mean"], "bare_ms": bare, "own_bare_ms": own,
+                runs[variant].append({"step_ms": pers["step_ms_mean"], "bare_ms": bare,
                                       "over_bare_us": 1e3 * (pers["step_ms_mean"] - bare), "gap_us": pers["gap_us"],
                                       "take_us": pers["sched_us_per_step"], "spec_us": pers["spec_us_per_step"],
                                       "spec_hits": pers["spec_hits"],
                                       "spec_misses": pers["spec_misses"]})
-        if args.env:
-            os.environ.pop(name, None)
+        os.environ.pop(name, None)
         row = {"batch": bsz, "runs": runs}
         for variant in ("a", "b"):
             row[f"{variant}_over_bare_us_median"] = statistics.median(r["over_bare_us"] for r in runs[variant])
@@ -91,12 +69,11 @@ def main() -> None:
         rows.append(row)
         each = {v: ", ".join("%+.1f" % r["over_bare_us"] for r in runs[v]) for v in runs}
         print(f"B={bsz:4d} a: over bare {row['a_over_bare_us_median']:+.1f} us ({each['a']}), gap "
-              f"{row['a_gap_us_median']:.1f} us | b ({name}={value}): over bare {row['b_over_bare_us_median']:+.1f} us "
-              f"({each['b']}), gap {row['b_gap_us_median']:.1f} us | b's own bare - a's bare "
-              f"{1e3 * statistics.median(r['own_bare_ms'] - r['bare_ms'] for r in runs['b']):+.1f} us | spec kernel "
+              f"{row['a_gap_us_median']:.1f} us | b ({args.env}): over bare {row['b_over_bare_us_median']:+.1f} us "
+              f"({each['b']}), gap {row['b_gap_us_median']:.1f} us | spec kernel "
               f"{row['a_spec_us_median']:.1f} / {row['b_spec_us_median']:.1f} us", flush=True)
     result = {"bench": "loop_ab", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "model": args.model, "env_b": args.env or f"{name}={value}", "rounds": args.rounds,
+              "torch": torch.__version__, "model": args.model, "env_b": args.env, "rounds": args.rounds,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
     out = Path(os.environ.get("OUT") or args.out)
     out.mkdir(parents=True, exist_ok=True)

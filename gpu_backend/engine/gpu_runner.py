@@ -41,7 +41,6 @@ the POST step's temporaries, measured at start-up like the eager part's.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -82,10 +81,6 @@ class GpuRunnerConfig:
     gemv_projections: tuple[tuple[str, tuple[int, int, int]], ...] = (
         ("qkv", (8, 512, 4)), ("o", (8, 512, 4)), ("gate_up", (16, 256, 4)), ("down", (8, 512, 8)),
         ("lm_head", (16, 256, 4)))
-    # the persistent loop's graphs (keep_graphs): the cuBLAS GEMMs of this many leading layers are chosen for
-    # one SM fewer (cublasSetSmCountTarget through torch's SM carveout), so the loop's spec kernel, which runs
-    # beside the first layers for 30-70 us, does not hold back a GEMM block that wants every SM
-    loop_gemm_carveout_layers: int = 0
 
     def __post_init__(self) -> None:
         if not 0.05 <= self.gpu_memory_fraction <= 0.99:
@@ -321,14 +316,12 @@ class GpuRunner:
         # few query tiles: split the keys finer so more programs share the KV reads (a batch-1 step
         # has one tile per KV head); many tiles fill the GPU on their own
         split_keys = 64 if t <= 32 else 256
-        carve_below = self.config.loop_gemm_carveout_layers if self.keep_graphs else 0
         for i, layer in enumerate(w.layers):
-            lin = functools.partial(self._linear, carveout=i < carve_below)
             if x is None:
                 x = k["rmsnorm"](h, layer["in_norm"], c.rms_norm_eps)
             else:
                 x, residual = k["add_rmsnorm"](x, residual, layer["in_norm"], c.rms_norm_eps)
-            qkv = lin("qkv", x, layer["qkv"], layer["qkv_bias"])    # [t, q + 2 kv]
+            qkv = self._linear("qkv", x, layer["qkv"], layer["qkv_bias"])    # [t, q + 2 kv]
             q = qkv[:, :q_size].unflatten(1, (c.num_heads, c.head_dim))
             kk = qkv[:, q_size:q_size + kv_size].unflatten(1, (c.num_kv_heads, c.head_dim))
             v = qkv[:, q_size + kv_size:].unflatten(1, (c.num_kv_heads, c.head_dim))
@@ -336,25 +329,16 @@ class GpuRunner:
             k["rope_kv"](q, kk, v, d["positions"][:t], self.cos, self.sin, d["slot_mapping"][:t], cache)
             k["attn"](q, cache, d["seq_ids"][:t], d["q_start"][:s + 1], d["ctx_lens"][:s], d["block_tables"][:s],
                       d["num_seqs"], self.scale, out=attn_out, split_keys=split_keys)
-            x = lin("o", attn_out.flatten(1), layer["o"])
+            x = self._linear("o", attn_out.flatten(1), layer["o"])
             x, residual = k["add_rmsnorm"](x, residual, layer["post_norm"], c.rms_norm_eps)
-            x = lin("down", k["swiglu"](lin("gate_up", x, layer["gate_up"])), layer["down"])
+            x = self._linear("down", k["swiglu"](self._linear("gate_up", x, layer["gate_up"])), layer["down"])
         return x, residual
 
-    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                carveout: bool = False):
-        """x @ weight.T (+ bias): kernels/gemv.py for a configured one-token projection, else cuBLAS, chosen
-        for one SM fewer with `carveout` (GpuRunnerConfig.loop_gemm_carveout_layers)."""
+    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         config = self._gemv.get(name) if x.shape[0] == 1 else None
         if config is not None:
             return self._k["gemv"](x, weight, bias, config=config)
-        if not carveout:
-            return F.linear(x, weight, bias)
-        torch._C._set_sm_carveout_experimental(1)
-        try:
-            return F.linear(x, weight, bias)
-        finally:
-            torch._C._set_sm_carveout_experimental(None)
+        return F.linear(x, weight, bias)
 
     def _head(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Final add + norm and the LM head: [n, hidden] rows -> [n, V] float32 logits."""
