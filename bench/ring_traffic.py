@@ -44,7 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -108,12 +108,12 @@ def openai_ttft_ms(url: str, key: str, samples: int) -> list[float]:
 
 @contextlib.contextmanager
 def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | None = None,
-                     profile: str | None = None, poll_spin_s: float | None = None):
+                     profile: str | None = None, poll_spin_s: float | None = None, extra: Sequence[str] = ()):
     """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL. With `probe`, the
     gateway runs under `bench/gateway_probe.py` and writes its emit times and token ids there; with `profile`, a cProfile dump."""
     port = free_port()
     env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
-    args = ["--port", str(port), "--grpc-port", "0", "--backend", control, "--log-level", "WARNING"]
+    args = ["--port", str(port), "--grpc-port", "0", "--backend", control, "--log-level", "WARNING", *extra]
     if poll_spin_s is not None:  # 0: no back-to-back polls, so its CPU time is its work, not its spinning
         config = Path(f"/tmp/blink-traffic-gateway-{os.getpid()}.yaml")
         config.write_text(f"poll_spin_s: {poll_spin_s}\n")
@@ -278,7 +278,7 @@ def stream(args: argparse.Namespace) -> None:
     engine_stats = Path(f"/tmp/blink-engine-stats-{os.getpid()}.json")
     with traffic_engine(args.tok_s, idle_s=0.0005, cores=other, stats_path=str(engine_stats)) as (_, control, engine):
         with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile,
-                              poll_spin_s=args.poll_spin_s) as (url, gateway):
+                              poll_spin_s=args.poll_spin_s, extra=args.gateway_arg) as (url, gateway):
             os.sched_setaffinity(0, other)
             awake = set() if args.let_cores_halt else other - gw_cores
             with keep_awake(awake) as spinners:
@@ -299,7 +299,7 @@ def stream(args: argparse.Namespace) -> None:
         np.savez_compressed(args.samples_out, emit=np.array(emit).reshape(-1, 2), client=np.array(samples).reshape(-1, 2))
     result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
               "keep_awake_cores": sorted(awake),
-              "gateway_poll_spin_s": args.poll_spin_s, "engine_tok_s_per_stream": args.tok_s, **result,
+              "gateway_poll_spin_s": args.poll_spin_s, "gateway_args": args.gateway_arg, "engine_tok_s_per_stream": args.tok_s, **result,
               **(lag_stats("emit_lag_us", emit, result) if emit else {})}
     record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else "")
            + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}")
@@ -399,6 +399,8 @@ def main() -> None:
     st.add_argument("--let-cores-halt", action="store_true",
                     help="no SCHED_IDLE busy loop on the engine's and client's cores (`bench/keep_awake.py`): "
                          "they halt when idle, and a halted vCPU wakes when the host runs it again")
+    st.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
+                    help="passed to `blink gateway` (repeatable), e.g. --gateway-arg=--no-setup-pacing")
     st.add_argument("--tag", help="appended to the result file's name (repeated runs)")
     st.add_argument("--samples-out", help="also write every token's emit and client (time, lag) here (.npz)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))

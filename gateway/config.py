@@ -48,6 +48,9 @@ class GatewayConfig:
     tcp_idle_timeout_s: float = 3.0  # tcp transport: no frame from the agent this long = connection lost
     rdma_device: str | None = None  # rdma transport: local device name (None: the first one)
     tokenizer_threads: int = 2
+    # One request set-up per event-loop pass, so that a burst of arrivals does not hold up the tokens of
+    # open streams (gateway/pacing.py). False: every ready set-up runs at once (for measuring).
+    setup_pacing: bool = True
     shutdown_timeout_s: float = 5.0  # on SIGTERM, how long open streams may finish before they are cut
     access_log: bool = True
     log_format: str = "text"  # or "json": one object per line, with request ids as fields

@@ -41,6 +41,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor for its workers
     p.add_argument("--limits-table", help=argparse.SUPPRESS)  # likewise: the shared per-key usage file
     p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--no-setup-pacing", dest="setup_pacing", action="store_const", const=False,
+                   help="run every ready request set-up at once instead of one per event-loop pass "
+                        "(gateway/pacing.py; for measuring)")
     p.add_argument("--header-timeout", type=float, dest="header_timeout_s", metavar="SECONDS",
                    help="close a connection that has not sent a whole request head this long after it opened "
                    "or after its previous request ended (slowloris; also idle keep-alive; default 10; "
@@ -73,7 +76,7 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
              "api_keys": frozenset(args.api_keys) if args.api_keys else None,
              "admin_keys": frozenset(args.admin_keys) if args.admin_keys else None,
              "keys_file": args.keys_file, "workers": args.workers, "worker_index": args.worker_index,
-             "limits_table": args.limits_table}
+             "limits_table": args.limits_table, "setup_pacing": args.setup_pacing}
     fields.update({k: v for k, v in flags.items() if v is not None})
     return GatewayConfig(**fields)
 

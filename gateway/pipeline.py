@@ -67,6 +67,7 @@ async def start_generation(state: GatewayState, req: GenerateRequest, prompt_par
     backends routing picks (each to another if it fails before the first token). The caller must
     `close()` the result. Raises ApiError (429 over a key's limits)."""
     arrival_s = time.perf_counter() if arrival_s is None else arrival_s
+    await state.pacer.turn()
     admission = state.quotas.admit(principal)
     try:
         gens = await _start(state, req, prompt_param, arrival_s, admission)

@@ -21,6 +21,7 @@ from .grpc_api import GrpcServer
 from .http import STATE, add_routes
 from .keys import KeyStore
 from .metrics import Metrics
+from .pacing import SetupPacer
 from .pool import BackendPool
 from .quotas import Quotas, attach_shared_table
 from .route import Router, make_policy
@@ -152,7 +153,8 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
     state = GatewayState(config=config, router=router, tokenizers=tokenizers,
                          metrics=Metrics(lambda: router.backends),
                          keys=KeyStore(config.keys_file, config.api_keys, config.admin_keys),
-                         quotas=Quotas(table=attach_shared_table(config.limits_table)) if config.limits_table else Quotas())
+                         quotas=Quotas(table=attach_shared_table(config.limits_table)) if config.limits_table else Quotas(),
+                         pacer=SetupPacer(config.setup_pacing))
     grpc_server = None
     if config.grpc_port:  # before HTTP: once /health answers, gRPC does too
         grpc_server = GrpcServer(state)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from .config import GatewayConfig
 from .keys import KeyStore
 from .metrics import Metrics
+from .pacing import SetupPacer
 from .quotas import Quotas
 from .route import Router
 from .tokenize import TokenizerService
@@ -25,3 +26,4 @@ class GatewayState:
     started: int = field(default_factory=lambda: int(time.time()))
     keys: KeyStore = field(default_factory=KeyStore)  # who may call what (start_gateway fills it)
     quotas: Quotas = field(default_factory=Quotas)  # per-key usage (shared by the workers of `--workers N`)
+    pacer: SetupPacer = field(default_factory=SetupPacer)  # request set-ups take turns with streaming
