@@ -115,7 +115,6 @@ async def _generate(request: web.Request, req, make_format: Callable[[Choices], 
 
 async def _stream(request: web.Request, choices: Choices, fmt: OutputFormat, include_usage: bool):
     first = await choices.next_piece()  # a failure before the first token still gets its status code
-    await request.app[STATE].pacer.turn()  # the response head: set-up work too (first tokens come in bursts)
     resp = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: str(choices.request_id)})
     writer = await resp.prepare(request)
     await SseBody(resp, writer, choices, fmt, request.app[STATE].metrics).run(first, include_usage)

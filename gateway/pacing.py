@@ -1,12 +1,16 @@
-"""Request set-ups take turns with streaming: at most one starts per event-loop pass.
+"""New requests take turns with streaming: at most one request's set-up starts per event-loop pass.
 
-A request's set-up (parse, tokenize, route, submit; later its response head) costs the event loop about
-half a millisecond of CPU. When hundreds of requests arrive together, asyncio runs every handler that is
-ready in one pass, back to back, and the backend pollers, which move every open stream's tokens, wait
-behind all of them: 512 arrivals held tokens of streams already open for up to ~100 ms (bench/RESULTS.md,
-stream4). With pacing, a set-up that finds another one already started in this pass waits for a later
-pass, in arrival order, so between any two set-ups the pollers get their round. A burst then takes
-about one loop pass longer per request (microseconds when the loop has nothing else to do).
+A request's set-up (limits, tokenize, route, submit) and its response head cost the event loop about half a
+millisecond of CPU. When hundreds of requests arrive together, asyncio runs every handler that is ready in
+one pass, back to back, and the backend pollers, which move every open stream's tokens, wait behind all of
+them: with 512 arrivals, tokens waited up to ~100 ms (bench/RESULTS.md, stream4). With pacing, a set-up that
+finds another one already started in this pass waits for a later pass, in arrival order, so between any two
+set-ups the pollers get their round. A burst then takes about one loop pass longer per request (microseconds
+when the loop has nothing else to do).
+
+Only the submission is paced, not a streamed response's head (sent when its first token is there): that
+stream's engine is already producing, so every pass its head waits makes tokens late, while a submission
+that waits delays only its own first token.
 """
 
 from __future__ import annotations
