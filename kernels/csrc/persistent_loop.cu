@@ -394,10 +394,11 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
       size_t n = 0;
       BLINK_TRY(cudaGraphGetNodes(model, nullptr, &n), 44);
       cudaGraphNode_t* nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * n);
-      BLINK_TRY(cudaGraphGetNodes(model, nodes, &n), 45);
+      const cudaError_t got = nodes ? cudaGraphGetNodes(model, nodes, &n) : cudaErrorMemoryAllocation;
       const double f = atof(getenv("BLINK_LOOP_SPEC_AT"));
-      root = nodes[(size_t)(f * (double)(n - 1))];
+      if (got == cudaSuccess && n) root = nodes[(size_t)((f < 0 ? 0.0 : f > 1 ? 1.0 : f) * (double)(n - 1))];
       free(nodes);
+      BLINK_TRY(got, 45);
     }
     // BLINK_LOOP_SPINNER_NS=ns (measuring): one more block beside the graph, after the same node, holding an
     // SM for that long (what a resident block costs the graph, apart from the spec kernel's work)
