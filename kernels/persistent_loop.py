@@ -48,7 +48,7 @@ class LoopArgs(ctypes.Structure):  # blink_loop_args
                 + [(n, _p) for n in ("step_buf_alt", "hot_alt", "tokens", "stop_ids", "rows", "err_slot", "err_code")]
                 + [(n, _u64) for n in ("new_token_offset", "sq_head_alt", "spec_tail")]
                 + [(n, _u32) for n in ("cur", "buf", "spec_ok", "spec_branch", "spec_rows", "num_err", "exiting",
-                                       "num_eos", "spec_done", "_pad1")]
+                                       "num_eos", "spec_done", "async_take")]
                 + [("eos_ids", ctypes.c_int32 * MAX_EOS)]
                 + [("ext", _p)])  # a LoopExt in device memory, or None: no sampling extensions
 

@@ -62,11 +62,11 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
     const int32_t rows = (int32_t)graph_rows(h);  // read: back to -1 for blink_loop_take (same thread, same row)
     for (int32_t i = threadIdx.x; i < rows; i += blockDim.x) a->sampled[i] = -1;
     __syncthreads();
-    blink_sched_update_par(&s, a->sampled32, x.par);
+    const int32_t dropped = blink_sched_update_par(&s, a->sampled32, x.par);
     if (threadIdx.x == 0) {
       h->num_entries = 0;
       ext_commit(a);
-      count_step(a, t0, h->num_new);
+      count_step(a, t0, h->num_new - dropped);
     }
     __syncthreads();
   }
@@ -219,7 +219,7 @@ static cudaGraphNode_t node_before_tail(cudaGraph_t g, size_t tail) {
 
 // The switches read at build time, all for measuring (bench/loop_ab.py): BLINK_LOOP_SPEC_TAIL_CHECK=0,
 // BLINK_LOOP_SPEC_PRIORITY=0, BLINK_LOOP_SIDE_ROOT=1, BLINK_LOOP_SMEM=0, BLINK_LOOP_SPEC_AT=<fraction>,
-// BLINK_LOOP_SPINNER_NS=<ns> (each explained where it is read).
+// BLINK_LOOP_SPINNER_NS=<ns>, BLINK_LOOP_ASYNC=1 (each explained where it is read).
 static bool env_is(const char* name, const char* value) {
   const char* v = getenv(name);
   return v && strcmp(v, value) == 0;
@@ -322,6 +322,9 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
   args.cur = args.buf = args.spec_ok = args.spec_branch = args.spec_rows = args.num_err = args.exiting = 0;
   // BLINK_LOOP_SPEC_TAIL_CHECK=0 (for measuring only): new requests wait for the next speculation
   args.check_tail = !env_is("BLINK_LOOP_SPEC_TAIL_CHECK", "0");
+  // BLINK_LOOP_ASYNC=1: blink_loop_take launches the next bucket graph before the step's tokens come
+  // (a stop token then costs the stopped sequence one dropped row in the next step; blink_loop_spec.cuh)
+  args.async_take = env_is("BLINK_LOOP_ASYNC", "1");
   args.num_eos = (uint32_t)hdr.cfg.num_eos;
   for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) args.eos_ids[i] = hdr.cfg.eos_ids[i];
   blink_loop_ext ext_host;

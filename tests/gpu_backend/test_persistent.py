@@ -144,6 +144,32 @@ def test_a_sampled_stop_token_drops_the_speculation_and_stops_where_the_host_doe
     assert ctl["spec_misses"] >= 1 and ctl["spec_hits"] >= 1
 
 
+def test_the_asynchronous_take_stops_where_the_host_does_and_frees_every_block(served, monkeypatch):
+    """BLINK_LOOP_ASYNC=1: each step is launched before the step before it has its tokens, so a stop token does
+    not drop the speculation; the stopped sequence's row of the next step is computed and dropped."""
+    monkeypatch.setenv("BLINK_LOOP_ASYNC", "1")
+    cfg, model = _peaky_model()
+    runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
+    plain, _, _ = _drive(runner, cfg, _specs(), config=CONFIG)
+    specs = [dataclasses.replace(spec, stop_ids=(tokens[6 + 4 * i],)) for i, (spec, tokens) in enumerate(zip(_specs(), plain))]
+    host_tokens, host_fin, _ = _drive(runner, cfg, specs, config=CONFIG)
+    s = served(runner, cfg)
+    slots = s.submit(specs)
+    s.engine.start()
+    s.wait(lambda: len(s.finishes) == len(slots))
+    assert [s.finishes[x][0] for x in slots] == host_fin == [FinishReason.STOP] * 4
+    assert [s.tokens[x] for x in slots] == host_tokens
+    s.engine.shutdown()
+    ctl = s.engine.final_ctl
+    assert ctl["tokens"] == sum(map(len, host_tokens))  # the dropped rows are not counted as tokens
+    # four stops on four different steps: the synchronous take drops four speculations; this one only the
+    # last, when nothing is left to run
+    assert ctl["spec_misses"] <= 1 and ctl["spec_hits"] >= 20
+    header = s.engine.scheduler_header()
+    assert header.num_free == runner.num_blocks and header.num_running == header.num_waiting == 0
+    assert s.ring.stats()["free_kv_blocks"] == runner.num_blocks
+
+
 def test_steps_that_preempt_are_the_full_steps_with_the_hosts_tokens(served):
     """Six 300-token sequences need 114 of the 96 KV blocks: the scheduler preempts (recompute)."""
     gen = __import__("random").Random(5)

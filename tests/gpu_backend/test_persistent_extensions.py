@@ -168,9 +168,12 @@ def test_logprobs_requests_run_within_the_logprob_window(runner_cfg):
     assert _lp(got.logprobs[0]) == _lp(loop.final_logprobs[0])
 
 
-def test_stop_tokens_beside_logprob_rows_keep_each_tokens_logprobs(runner_cfg):
-    """Steps where some rows sample a stop token (not published: the full step, whose token list skips them)
-    while others publish tokens with logprobs: each published token gets its own row's logprobs."""
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_stop_tokens_beside_logprob_rows_keep_each_tokens_logprobs(runner_cfg, asynchronous, monkeypatch):
+    """Steps where some rows sample a stop token (not published: the full step, whose token list skips them;
+    or, with the asynchronous take, the next step's dropped row) while others publish tokens with logprobs:
+    each published token gets its own row's logprobs."""
+    monkeypatch.setenv("BLINK_LOOP_ASYNC", "1" if asynchronous else "0")
     runner, cfg = runner_cfg
     specs = _specs(3)
     plain, _, _ = _host(runner, cfg, specs)
@@ -182,7 +185,44 @@ def test_stop_tokens_beside_logprob_rows_keep_each_tokens_logprobs(runner_cfg):
     assert got.finishes == host_fin and FinishReason.STOP in host_fin
     assert got.tokens == host_tokens
     assert [_lp(x) for x in got.logprobs] == [_lp(x) for x in loop.final_logprobs]
-    assert got.ctl["spec_misses"] >= 1
+    assert got.ctl["tokens"] == sum(map(len, host_tokens))
+    if not asynchronous:
+        assert got.ctl["spec_misses"] >= 1
+    torch.cuda.synchronize()
+    assert int(runner.ext_scratch.count_nonzero()) == 0  # a dropped row's marks too
+
+
+def test_a_slot_freed_by_the_asynchronous_take_serves_its_next_request_cleanly(served, runner_cfg, monkeypatch):
+    """A ring of one slot and BLINK_LOOP_ASYNC=1: a penalized request stops on a stop token, and the next
+    request is queued in its slot as soon as the finish is read, while the step that holds the stopped
+    sequence's dropped row may still run. The next request gets the tokens it gets alone."""
+    monkeypatch.setenv("BLINK_LOOP_ASYNC", "1")
+    runner, cfg = runner_cfg
+    first = RequestSpec(0, [11, 12, 13, 14, 15], 16, temperature=0.0, repetition_penalty=1.5, frequency_penalty=1.0,
+                        logit_bias=((3, 5.0),), num_logprobs=3, ignore_eos=True)
+    made = _run(runner, cfg, [first], RingGeometry(1, 256, 256)).tokens[0]
+    first = dataclasses.replace(first, stop_ids=(made[5],))
+    plain = RequestSpec(1, [11, 12, 13, 14, 15], 16, temperature=0.8, seed=4, repetition_penalty=1.3, ignore_eos=True)
+    want = _run(runner, cfg, [plain], RingGeometry(1, 256, 256)).tokens[0]
+    s = served(runner, cfg, RingGeometry(1, 256, 256))
+    s.engine.start()
+    for _ in range(3):
+        slot, = s.submit([first])
+        while slot not in s.finishes:
+            s.poll()
+        assert s.finishes[slot][0] is FinishReason.STOP and s.tokens[slot] == made[:made.index(made[5])]
+        del s.tokens[slot], s.finishes[slot], s.logprobs[slot]
+        s.prod.release(slot)
+        second, = s.submit([plain])  # at once: no sleep between the finish and the reuse
+        s.wait(lambda: second in s.finishes)
+        assert s.tokens[second] == want
+        del s.tokens[second], s.finishes[second], s.logprobs[second]
+        s.prod.release(second)
+    s.engine.shutdown()
+    torch.cuda.synchronize()
+    assert int(runner.ext_scratch.count_nonzero()) == 0
+    header = s.engine.scheduler_header()
+    assert header.num_free == runner.num_blocks and header.num_running == 0
 
 
 def test_the_loop_runner_has_extended_graphs_over_both_step_buffers(runner_cfg):

@@ -108,7 +108,8 @@ struct blink_loop_args {
   uint32_t exiting;                       // the loop is ending: nothing more to speculate
   uint32_t num_eos;
   uint32_t spec_done;                     // 1: the spec kernel of this iteration is done (blink_loop_take waits)
-  uint32_t _pad1;
+  uint32_t async_take;                    // 1: blink_loop_take launches the next step before its tokens come
+                                          // (BLINK_LOOP_ASYNC=1; blink_loop_spec.cuh)
   int32_t eos_ids[BLINK_SCHED_MAX_EOS];
   blink_loop_ext* ext;                    // the sampling extensions (blink_loop_ext.cuh), 0: off
 };
@@ -197,11 +198,19 @@ struct loop_scratch {  // per-slot scratch of one loop kernel: shared memory whe
 // ---- publishing (RingConsumer.publish / finish / set_stats / beat) -----------------------------------------
 // All threads: the tokens of the last update, one per slot (its `produced` last, with release), then,
 // after a system fence, the finishes. Thread 0: the header's counters and the heartbeat.
+// A new-list entry -1 - slot (a STOPPING sequence's dropped row) has no token.
 __device__ void publish(blink_loop_args* a, const blink_sched* s) {
+  __shared__ int32_t sh_skipped;
   const blink_sched_header* h = s->h;
   const uint64_t now = now_ns() + (uint64_t)a->clock_offset_ns;
   const uint32_t cap = a->max_output_len;
+  if (threadIdx.x == 0) sh_skipped = 0;
+  __syncthreads();
   for (int32_t i = threadIdx.x; i < h->num_new; i += blockDim.x) {
+    if (s->new_slot[i] < 0) {
+      atomicAdd(&sh_skipped, 1);
+      continue;
+    }
     const uint32_t slot = (uint32_t)s->new_slot[i];
     blink_response_slot* r = response(a, slot);
     const uint32_t p = a->slot_produced[slot];
@@ -222,7 +231,7 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
   if (threadIdx.x == 0) {
     blink_ring_header* hdr = ring_header(a);
     a->num_err = 0;
-    a->generated += h->num_new;
+    a->generated += h->num_new - sh_skipped;
     st_v(&hdr->generated_tokens, a->generated);
     st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
     st_v(&hdr->running, (uint32_t)h->num_running);

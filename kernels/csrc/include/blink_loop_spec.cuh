@@ -53,6 +53,31 @@ __device__ __forceinline__ uint32_t graph_rows(const blink_sched_header* h) {
 #define BLINK_LOOP_TAKE_THREADS 64  // warp 0: the tokens, the check and the commit; one thread of warp 1: the tail
 #define BLINK_LOOP_TAKE_ROWS 8      // rows per lane of warp 0 held in registers (graphs of up to 256 rows)
 
+// The asynchronous take (BLINK_LOOP_ASYNC=1), lane of sampled row j: its sequence sampled a stop token
+// after step n+1 was launched. Its finish goes to the speculated state's finish list (published with
+// step n+1, where the full step would publish it), its token is not published, and the speculated state
+// marks it STOPPING: step n+1 computes its row, the next update drops that row and frees the sequence
+// (blink_sched_update_par). A sequence the speculation finished on its length finishes on the stop token
+// instead, as blink_stop_reason ranks them.
+__device__ void stop_async(blink_loop_args* a, uint32_t j, const spec_row& r, uint32_t next_state, uint32_t next_buf) {
+  blink_sched s;
+  uint8_t* hot = hot_of(a, next_state);
+  blink_sched_bind_split(&s, hot, a->sched_mem + a->hot_bytes, &((blink_sched_header*)hot)->cfg, 0);
+  s.new_slot[j] = -1 - r.slot;  // the publish skips it
+  if (s.status[r.slot] == BLINK_SEQ_RUNNING) {
+    s.status[r.slot] = BLINK_SEQ_STOPPING;
+    const int32_t i = atomicAdd(&s.h->num_finished, 1);
+    s.fin_slot[i] = r.slot;
+    s.fin_reason[i] = BLINK_FINISH_STOP;
+    blink_loop_ext* e = a->ext;  // its row of step n+1 is no one's: the penalties leave it alone
+    if (e && r.input_row >= 0)
+      e->row_slot[next_buf * e->max_rows + e->slot_row[(uint64_t)next_buf * a->num_slots + r.slot]] = -1;
+  } else {
+    for (int32_t i = 0; i < s.h->num_finished; ++i)
+      if (s.fin_slot[i] == r.slot) s.fin_reason[i] = BLINK_FINISH_STOP;
+  }
+}
+
 // In each bucket graph, started when the graph's logits are done (beside its sampler): waits for the spec
 // kernel (which runs beside the graph) and for the sampled tokens and, if none of them stops its sequence
 // and no request was queued after the speculation looked, takes the speculation: writes the tokens where it
@@ -63,9 +88,14 @@ __device__ __forceinline__ uint32_t graph_rows(const blink_sched_header* h) {
 // The submission tail is read over PCIe again and again while the tokens are awaited, so its round
 // trip is not on the critical path: the check uses the last value read (a request queued in that last
 // microsecond waits for the next speculation, as one queued just after the check would).
+// Asynchronous (a->async_take): the submission tail is read once as the kernel starts, and the next bucket
+// graph is launched before the tokens come (the launch call is off the critical path); a stop token then
+// does not drop the speculation: stop_async.
 __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink_loop_args* a) {
   __shared__ uint64_t sh_tail;
   __shared__ uint32_t sh_ready;
+  const uint32_t async = a->async_take;
+  const uint64_t tail_now = async && threadIdx.x == 0 && a->check_tail ? ld_v(&ring_header(a)->sq_tail) : 0;
   if (threadIdx.x == 0) {
     while (!ld_v(&a->spec_done)) __nanosleep(100);
     a->spec_done = 0;  // for the next iteration's spec kernel (which starts after this kernel ends)
@@ -85,7 +115,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
   __syncthreads();
   if (threadIdx.x >= 32) {  // the submission tail, read again and again until shortly before the tokens are
     // expected (the last wait, less 3 us): a read in flight when they come would hold the kernel's end
-    if (threadIdx.x == 32 && a->check_tail) {
+    if (threadIdx.x == 32 && a->check_tail && !async) {
       const uint64_t* tail = &ring_header(a)->sq_tail;
       const uint64_t wait = a->take_wait_ns, stop_at = t_start + (wait > 3000 ? wait - 3000 : 0);
       while (!ld_v(&sh_ready) && now_ns() < stop_at) st_v(&sh_tail, ld_v(tail));
@@ -96,7 +126,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
   // spec_row, the EOS ids, the addresses and, in thread 0, the counters and the state words), so that
   // after the last token only the stop check's compares and the stores remain.
   volatile int64_t* sampled = a->sampled;
-  const uint32_t n = a->spec_rows, lane = threadIdx.x;
+  const uint32_t n = a->spec_rows, lane = threadIdx.x, next_state = 1u - a->cur, next_buf = 1u - a->buf;
   spec_row r[BLINK_LOOP_TAKE_ROWS];
   int64_t token[BLINK_LOOP_TAKE_ROWS];
 #pragma unroll
@@ -109,8 +139,8 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
   const int32_t* stop_ids = a->stop_ids;
   const int64_t max_stop = a->max_stop_ids;
   int32_t* hist = a->tokens;
-  int32_t* input = (int32_t*)step_buf_of(a, 1 - a->buf);  // input_ids: the step buffer's first field
-  int32_t* new_token = (int32_t*)(hot_of(a, 1 - a->cur) + a->new_token_offset);  // the speculated state's
+  int32_t* input = (int32_t*)step_buf_of(a, next_buf);  // input_ids: the step buffer's first field
+  int32_t* new_token = (int32_t*)(hot_of(a, next_state) + a->new_token_offset);  // the speculated state's
   const uint64_t spec_tail = a->spec_tail;
   blink_loop_ext* ext = a->ext;
   blink_loop_counters c;
@@ -125,6 +155,18 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
     hit = exec_of(a, a->spec_branch);
     miss = a->full_exec;
   }
+  if (async) {  // decided now: new requests since the speculation looked go to the full step, which admits them
+    if (__shfl_sync(0xffffffffu, lane == 0 && a->check_tail && tail_now != spec_tail, 0)) {
+      if (lane == 0) {
+        a->spec_ok = 0;
+        a->num_err = 0;
+        a->c.spec_misses = c.spec_misses + 1;
+        launch_next(a, miss);
+      }
+      return;
+    }
+    if (lane == 0) launch_next(a, hit);
+  }
   for (;;) {
     int in = 1;
 #pragma unroll
@@ -138,46 +180,69 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
   }
   const uint64_t t0 = now_ns();
   if (lane == 0) st_v(&sh_ready, 1u);
-  int bad = lane == 0 && ld_v(&sh_tail) != spec_tail;
+  // the stop check: a dropped row (hist < 0: a STOPPING sequence's) has no token to check
+  uint32_t stop = 0;  // bit k: row lane + 32 k stops its sequence
 #pragma unroll
   for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
-    if (lane + 32 * k < n) {
+    if (lane + 32 * k < n && r[k].hist >= 0) {
       const int32_t t = (int32_t)token[k];
+      int is = 0;
       if (!r[k].ignore_eos)
 #pragma unroll
-        for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) bad |= t == eos[i];
-      if (r[k].num_stop) bad |= blink_is_stop_token(eos, 0, stop_ids + r[k].slot * max_stop, r[k].num_stop, 1, t);
+        for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) is |= t == eos[i];
+      if (r[k].num_stop) is |= blink_is_stop_token(eos, 0, stop_ids + r[k].slot * max_stop, r[k].num_stop, 1, t);
+      stop |= (uint32_t)is << k;
     }
+  int far_stop = 0;  // rows past the registers' (graphs of more than 256 rows)
   for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < n; j += 32) {
     const spec_row q = a->rows[j];
-    bad |= blink_is_stop_token(a->eos_ids, (int32_t)num_eos, stop_ids + q.slot * max_stop, q.num_stop,
-                               q.ignore_eos, (int32_t)sampled[j]);
+    far_stop |= q.hist >= 0 && blink_is_stop_token(a->eos_ids, (int32_t)num_eos, stop_ids + q.slot * max_stop,
+                                                   q.num_stop, q.ignore_eos, (int32_t)sampled[j]);
   }
-  if (__any_sync(0xffffffffu, bad)) {  // the full step commits these tokens (and sets them back to -1)
-    if (lane == 0) {
-      a->spec_ok = 0;
-      a->num_err = 0;  // the full step admits those requests again
-      a->c.spec_misses = c.spec_misses + 1;
-      a->take_wait_ns = t0 - t_start;
-      launch_next(a, miss);
+  if (!async) {
+    const int bad = (lane == 0 && ld_v(&sh_tail) != spec_tail) || stop || far_stop;
+    if (__any_sync(0xffffffffu, bad)) {  // the full step commits these tokens (and sets them back to -1)
+      if (lane == 0) {
+        a->spec_ok = 0;
+        a->num_err = 0;  // the full step admits those requests again
+        a->c.spec_misses = c.spec_misses + 1;
+        a->take_wait_ns = t0 - t_start;
+        launch_next(a, miss);
+      }
+      return;
     }
-    return;
+    if (lane == 0) launch_next(a, hit);  // first: the call overlaps the stores (the graph starts after them)
   }
-  if (lane == 0) launch_next(a, hit);  // first: the call overlaps the stores (the graph starts after them)
+  // the commit: each token to the history, the speculated state's new list and step n+1's input row (a stop
+  // token to the input row only: step n+1 computes that row, whose token no one takes)
+  int published = 0;
 #pragma unroll
   for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
-    if (lane + 32 * k < n) {
-      hist[r[k].hist] = (int32_t)token[k];
-      new_token[lane + 32 * k] = (int32_t)token[k];
-      if (r[k].input_row >= 0) input[r[k].input_row] = (int32_t)token[k];
+    if (lane + 32 * k < n && r[k].hist >= 0) {
+      const int32_t t = (int32_t)token[k];
+      if (r[k].input_row >= 0) input[r[k].input_row] = t;
+      if (stop >> k & 1u) {
+        stop_async(a, lane + 32 * k, r[k], next_state, next_buf);
+        continue;
+      }
+      hist[r[k].hist] = t;
+      new_token[lane + 32 * k] = t;
+      ++published;
     }
   for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < n; j += 32) {
     const spec_row q = a->rows[j];
+    if (q.hist < 0) continue;
     const int32_t t = (int32_t)sampled[j];
+    if (q.input_row >= 0) input[q.input_row] = t;
+    if (blink_is_stop_token(a->eos_ids, (int32_t)num_eos, stop_ids + q.slot * max_stop, q.num_stop, q.ignore_eos, t)) {
+      stop_async(a, j, q, next_state, next_buf);
+      continue;
+    }
     hist[q.hist] = t;
     new_token[j] = t;
-    if (q.input_row >= 0) input[q.input_row] = t;
+    ++published;
   }
+  published = __reduce_add_sync(0xffffffffu, published);
   __syncwarp();
   for (uint32_t j = lane; j < rows; j += 32) sampled[j] = -1;
   if (lane == 0) {  // count_step's bookkeeping, from the registers
@@ -189,7 +254,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
     a->last_commit_ns = t0;
     a->take_wait_ns = t0 - t_start;
     c.steps += 1;
-    c.tokens += n;
+    c.tokens += published;
     if (last_commit) {
       c.busy_ns += t0 - last_commit;
       c.busy_steps += 1;
@@ -229,8 +294,9 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
   __syncthreads();
   blink_sched_update_par(&s, a->sampled32, x.par);  // every sampled row is published: new_slot[j] is row j's
   for (int32_t j = threadIdx.x; j < n; j += blockDim.x) {
-    const int32_t slot = s.new_slot[j];
-    a->rows[j] = {slot * ctx + s.num_tokens[slot] - 1, -1, slot, s.num_stop[slot], s.ignore_eos[slot]};
+    const int32_t slot = s.new_slot[j];  // -1 - slot: a STOPPING sequence's row, which has no token
+    a->rows[j] = slot < 0 ? spec_row{-1, -1, -1 - slot, 0, 1}
+                          : spec_row{slot * ctx + s.num_tokens[slot] - 1, -1, slot, s.num_stop[slot], s.ignore_eos[slot]};
   }
   __syncthreads();
   uint64_t tail;

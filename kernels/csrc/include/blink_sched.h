@@ -25,7 +25,10 @@
 #define BLINK_SCHED_MAX_BUCKETS 32
 #define BLINK_STEP_NUM_FIELDS 15
 
-enum blink_seq_status { BLINK_SEQ_WAITING = 0, BLINK_SEQ_RUNNING = 1, BLINK_SEQ_FINISHED = 2 };  // FINISHED: slot free
+// FINISHED: slot free. STOPPING (the GPU loop's asynchronous take only, blink_loop_spec.cuh): the sequence
+// sampled a stop token after step n+1, which holds it, was launched; its finish is published, and the next
+// update drops its row of step n+1 and frees it. The host engines never set it.
+enum blink_seq_status { BLINK_SEQ_WAITING = 0, BLINK_SEQ_RUNNING = 1, BLINK_SEQ_FINISHED = 2, BLINK_SEQ_STOPPING = 3 };
 enum blink_sched_error { BLINK_ERR_NONE = 0, BLINK_ERR_PROMPT_TOO_LONG = 1, BLINK_ERR_INVALID_PARAMS = 2,
                          BLINK_ERR_NO_KV_CAPACITY = 3 };
 // StepBuffers fields, in gpu_runner.py's order (the order fixes the byte offsets)

@@ -47,20 +47,30 @@ __device__ inline int32_t blink_block_scan(int32_t* v, int32_t n) {
 
 // blink_sched_update, in parallel over entries; finishing (list edits, freeing blocks) stays on thread 0,
 // in entry order, after the rest: no other entry's work reads what a finish changes.
-__device__ inline void blink_sched_update_par(blink_sched* s, const int32_t* sampled, int32_t* scratch) {
+// A STOPPING sequence (the loop's asynchronous take: its finish is already published) keeps its place in
+// the new list as -1 - slot, so that entry k is still sampled row k's, with no token; it is freed after the
+// finishes, wherever it is. Returns the number of such rows (to every thread).
+__device__ inline int32_t blink_sched_update_par(blink_sched* s, const int32_t* sampled, int32_t* scratch) {
   blink_sched_header* h = s->h;
   const int32_t n = h->num_entries, slots = h->cfg.max_slots;
   const int64_t ctx = h->cfg.context_len;
   int32_t *k_of = scratch, *pub = scratch + slots, *fin = scratch + 2 * slots, *tok = scratch + 3 * slots,
           *why = scratch + 4 * slots;
+  __shared__ int32_t sh_dropped;
+  if (threadIdx.x == 0) sh_dropped = 0;
+  int stopping = 0;
+  for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) stopping |= s->status[i] == BLINK_SEQ_STOPPING;
   for (int32_t e = threadIdx.x; e < n; e += blockDim.x) k_of[e] = s->entry_samples[e];
-  __syncthreads();
+  stopping = __syncthreads_or(stopping);
   blink_block_scan(k_of, n);
   for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
     const int32_t slot = s->entry_slot[e];
     s->num_computed[slot] += s->entry_q_len[e];
-    int32_t p = 0, f = 0;
-    if (s->entry_samples[e]) {
+    int32_t p = 0, f = 0, drop = 0;
+    if (s->entry_samples[e] && s->status[slot] == BLINK_SEQ_STOPPING) {
+      p = drop = 1;
+      atomicAdd(&sh_dropped, 1);
+    } else if (s->entry_samples[e]) {
       const int32_t token = sampled[k_of[e]];
       const int32_t reason = blink_stop_reason(s, slot, token);
       if (reason != 1) s->tokens[slot * ctx + s->num_tokens[slot]++] = token;
@@ -71,16 +81,15 @@ __device__ inline void blink_sched_update_par(blink_sched* s, const int32_t* sam
     }
     pub[e] = p;
     fin[e] = f;
-    k_of[e] = p | (f << 1);  // the flags, kept through the scans below
+    k_of[e] = p | (f << 1) | (drop << 2);  // the flags, kept through the scans below
   }
-  __syncthreads();
   const int32_t num_new = blink_block_scan(pub, n);
   const int32_t num_finished = blink_block_scan(fin, n);
   for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
     const int32_t slot = s->entry_slot[e];
     if (k_of[e] & 1) {
-      s->new_slot[pub[e]] = slot;
-      s->new_token[pub[e]] = tok[e];
+      s->new_slot[pub[e]] = (k_of[e] & 4) ? -1 - slot : slot;
+      s->new_token[pub[e]] = (k_of[e] & 4) ? 0 : tok[e];
     }
     if (k_of[e] & 2) {
       s->fin_slot[fin[e]] = slot;
@@ -92,8 +101,12 @@ __device__ inline void blink_sched_update_par(blink_sched* s, const int32_t* sam
     h->num_new = num_new;
     h->num_finished = num_finished;
     for (int32_t i = 0; i < num_finished; ++i) blink_sched_finish(s, s->fin_slot[i]);
+    if (stopping)
+      for (int32_t slot = 0; slot < slots; ++slot)
+        if (s->status[slot] == BLINK_SEQ_STOPPING) blink_sched_finish(s, slot);
   }
   __syncthreads();
+  return sh_dropped;
 }
 
 // 1 when `list` is already in (priority, arrival) order: insertion sort would leave it as it is.
