@@ -164,7 +164,7 @@ def test_the_asynchronous_take_stops_where_the_host_does_and_frees_every_block(s
     assert ctl["tokens"] == sum(map(len, host_tokens))  # the dropped rows are not counted as tokens
     # four stops on four different steps: the synchronous take drops four speculations; this one only the
     # last, when nothing is left to run
-    assert ctl["spec_misses"] <= 1 and ctl["spec_hits"] >= 20
+    assert ctl["spec_misses"] <= 1 and ctl["spec_hits"] >= 10
     header = s.engine.scheduler_header()
     assert header.num_free == runner.num_blocks and header.num_running == header.num_waiting == 0
     assert s.ring.stats()["free_kv_blocks"] == runner.num_blocks
