@@ -14,13 +14,17 @@
 //                       applied as placeholders, the ring polled and admitted (errors and cancels deferred),
 //                       the step chosen and filled into the other step buffer
 //     and after the graph's logits (beside its sampler):
-//       take kernel     waits for the spec kernel and the sampled tokens; when no token stops its sequence and
-//                       nothing new is queued, takes the speculation (writes the tokens where it left
-//                       placeholders: a few stores) and launches the next bucket graph; else the full step.
-// So between two bucket graphs there is only the take kernel's last microsecond and a device graph launch,
-// not the scheduler. A step that samples a stop token (or would preempt, or finds new requests queued after
-// the speculation looked) takes the full path: the decisions are always those of the serial scheduler on
-// the real state. The loop ends when a graph launches nothing (shutdown) and the host sees its stream end.
+//       take kernel     waits for the spec kernel; when nothing new is queued since it looked, launches the
+//                       next bucket graph at once, before the tokens (else the full step); then waits for the
+//                       sampled tokens and takes the speculation: writes them where it left placeholders
+//                       (a few stores). A token that stops its sequence is not published; its finish is
+//                       added to the speculated step's list, and that step computes the sequence's row,
+//                       which the next update drops (status STOPPING), freeing the sequence.
+// So between two bucket graphs there is only the take kernel's last stores and the start of a graph launched
+// beforehand, not the scheduler nor the launch call. A step that would preempt, or finds new requests queued
+// after the speculation looked, takes the full path: the serial scheduler's decisions on the real state.
+// (BLINK_LOOP_ASYNC=0, for measuring: the take waits for the tokens and a stop token also takes the full path.)
+// The loop ends when a graph launches nothing (shutdown) and the host sees its stream end.
 // Why device graph launch and not a WHILE node over SWITCH/IF nodes (the earlier loop): the gap it leaves
 // between two graphs, measured by bench/loop_mechanism.cu (DESIGN.md "The GPU-resident loop").
 // The kernels keep the scheduler's hot state (header, per-slot scalars, lists) in shared memory for
@@ -219,7 +223,7 @@ static cudaGraphNode_t node_before_tail(cudaGraph_t g, size_t tail) {
 
 // The switches read at build time, all for measuring (bench/loop_ab.py): BLINK_LOOP_SPEC_TAIL_CHECK=0,
 // BLINK_LOOP_SPEC_PRIORITY=0, BLINK_LOOP_SIDE_ROOT=1, BLINK_LOOP_SMEM=0, BLINK_LOOP_SPEC_AT=<fraction>,
-// BLINK_LOOP_SPINNER_NS=<ns>, BLINK_LOOP_ASYNC=1 (each explained where it is read).
+// BLINK_LOOP_SPINNER_NS=<ns>, BLINK_LOOP_ASYNC=0 (each explained where it is read).
 static bool env_is(const char* name, const char* value) {
   const char* v = getenv(name);
   return v && strcmp(v, value) == 0;
@@ -322,9 +326,10 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
   args.cur = args.buf = args.spec_ok = args.spec_branch = args.spec_rows = args.num_err = args.exiting = 0;
   // BLINK_LOOP_SPEC_TAIL_CHECK=0 (for measuring only): new requests wait for the next speculation
   args.check_tail = !env_is("BLINK_LOOP_SPEC_TAIL_CHECK", "0");
-  // BLINK_LOOP_ASYNC=1: blink_loop_take launches the next bucket graph before the step's tokens come
-  // (a stop token then costs the stopped sequence one dropped row in the next step; blink_loop_spec.cuh)
-  args.async_take = env_is("BLINK_LOOP_ASYNC", "1");
+  // blink_loop_take launches the next bucket graph before the step's tokens come (a stop token then costs
+  // the stopped sequence one dropped row in the next step; blink_loop_spec.cuh): 2.2 us less per step at
+  // batch 1 (bench/loop_ab.py). BLINK_LOOP_ASYNC=0 (measuring) waits for the tokens first.
+  args.async_take = !env_is("BLINK_LOOP_ASYNC", "0");
   args.num_eos = (uint32_t)hdr.cfg.num_eos;
   for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) args.eos_ids[i] = hdr.cfg.eos_ids[i];
   blink_loop_ext ext_host;

@@ -3,7 +3,8 @@
 - for the same seeded requests it gives the host engine's tokens, bit for bit (same scheduler decisions,
   same bucket graphs), with the scheduler's state in shared memory and, for a ring too big for it, in
   global memory; steady decoding takes the speculation (step n+1 scheduled while step n runs), and steps
-  that sampled a stop token or must preempt drop it for the full step, with the same tokens;
+  that must preempt drop it for the full step, with the same tokens; a stop token costs its sequence one
+  dropped row of the next step (the asynchronous take), or with BLINK_LOOP_ASYNC=0 drops the speculation;
 - cancelling mid-generation returns every KV block (device scheduler state and the ring's stats);
 - a prompt the context cannot hold is refused with PROMPT_TOO_LONG while other requests run;
 - built without the sampling extensions (--no-sampling-extensions), the loop refuses penalties, logit bias and
@@ -133,7 +134,8 @@ def _same_as_host(served, specs, runner_kw=None):
     return host_tokens, host_fin, s.engine.final_ctl
 
 
-def test_a_sampled_stop_token_drops_the_speculation_and_stops_where_the_host_does(served):
+def test_a_sampled_stop_token_drops_the_speculation_and_stops_where_the_host_does(served, monkeypatch):
+    monkeypatch.setenv("BLINK_LOOP_ASYNC", "0")  # the synchronous take: it sees the tokens before it launches
     cfg, model = _peaky_model()
     runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
     plain, _, _ = _drive(runner, cfg, _specs(), config=CONFIG)
@@ -145,9 +147,10 @@ def test_a_sampled_stop_token_drops_the_speculation_and_stops_where_the_host_doe
 
 
 def test_the_asynchronous_take_stops_where_the_host_does_and_frees_every_block(served, monkeypatch):
-    """BLINK_LOOP_ASYNC=1: each step is launched before the step before it has its tokens, so a stop token does
-    not drop the speculation; the stopped sequence's row of the next step is computed and dropped."""
-    monkeypatch.setenv("BLINK_LOOP_ASYNC", "1")
+    """The asynchronous take (the default): each step is launched before the step before it has its tokens, so
+    a stop token does not drop the speculation; the stopped sequence's row of the next step is computed and
+    dropped."""
+    monkeypatch.delenv("BLINK_LOOP_ASYNC", raising=False)
     cfg, model = _peaky_model()
     runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
     plain, _, _ = _drive(runner, cfg, _specs(), config=CONFIG)

@@ -109,7 +109,7 @@ struct blink_loop_args {
   uint32_t num_eos;
   uint32_t spec_done;                     // 1: the spec kernel of this iteration is done (blink_loop_take waits)
   uint32_t async_take;                    // 1: blink_loop_take launches the next step before its tokens come
-                                          // (BLINK_LOOP_ASYNC=1; blink_loop_spec.cuh)
+                                          // (0: BLINK_LOOP_ASYNC=0; blink_loop_spec.cuh)
   int32_t eos_ids[BLINK_SCHED_MAX_EOS];
   blink_loop_ext* ext;                    // the sampling extensions (blink_loop_ext.cuh), 0: off
 };

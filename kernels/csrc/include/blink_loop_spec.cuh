@@ -53,7 +53,7 @@ __device__ __forceinline__ uint32_t graph_rows(const blink_sched_header* h) {
 #define BLINK_LOOP_TAKE_THREADS 64  // warp 0: the tokens, the check and the commit; one thread of warp 1: the tail
 #define BLINK_LOOP_TAKE_ROWS 8      // rows per lane of warp 0 held in registers (graphs of up to 256 rows)
 
-// The asynchronous take (BLINK_LOOP_ASYNC=1), lane of sampled row j: its sequence sampled a stop token
+// The asynchronous take (the default; BLINK_LOOP_ASYNC=0 turns it off), lane of sampled row j: its sequence sampled a stop token
 // after step n+1 was launched. Its finish goes to the speculated state's finish list (published with
 // step n+1, where the full step would publish it), its token is not published, and the speculated state
 // marks it STOPPING: step n+1 computes its row, the next update drops that row and frees the sequence
@@ -88,9 +88,10 @@ __device__ void stop_async(blink_loop_args* a, uint32_t j, const spec_row& r, ui
 // The submission tail is read over PCIe again and again while the tokens are awaited, so its round
 // trip is not on the critical path: the check uses the last value read (a request queued in that last
 // microsecond waits for the next speculation, as one queued just after the check would).
-// Asynchronous (a->async_take): the submission tail is read once as the kernel starts, and the next bucket
-// graph is launched before the tokens come (the launch call is off the critical path); a stop token then
-// does not drop the speculation: stop_async.
+// Asynchronous (a->async_take, the default): the submission tail is read once as the kernel starts, and the
+// next bucket graph is launched before the tokens come (the launch call is off the critical path); a stop
+// token then does not drop the speculation: stop_async. (A request queued after that read waits for the
+// next speculation: a window of the sampler's few microseconds.)
 __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink_loop_args* a) {
   __shared__ uint64_t sh_tail;
   __shared__ uint32_t sh_ready;
