@@ -20,6 +20,14 @@
 //   dev_side_after_first  publish -> spec after G's first kernel instead of beside it
 //   dev_stamp_root        dev_take + one tiny root kernel (does a second root cost what publish -> spec does?)
 //   dev_child             dev_take_par with G (and its take kernel) as a child graph node, as in the loop
+//   dev_take_early        dev_take, but the take kernel launches as it starts, before the last kernel's flag
+//                         (the loop's asynchronous take)
+//   dev_sibling_gate      two instances of G, each headed by a one-block gate kernel; the take kernel launches
+//                         the other instance at once as a sibling (cudaStreamGraphFireAndForgetAsSibling), whose
+//                         gate spins until this take has seen the last kernel's flag: no graph end, no tail
+//                         launch between the steps. Measured: it stops after 121 steps (the host's launch and
+//                         120 siblings: device launches are limited per launch environment), so the loop
+//                         cannot run on it; reported as steps_done
 //   launch_call_us: the device-side cudaGraphLaunch call's own time
 //
 // Build and run (needs a GPU; nvcc 13, sm_90); dev_tail is a build of its own (host is measured in both):
@@ -59,6 +67,9 @@ struct Probe {
   uint32_t has_full;          // the IF node's handle exists (a handle no node uses fails the instantiation)
   cudaGraphConditionalHandle loop, branch, full;
   cudaGraphExec_t self;       // dev_tail
+  cudaGraphExec_t other[2];   // dev_sibling_gate: the two instances
+  uint32_t go;                // dev_sibling_gate: steps whose last kernel the take kernels have seen
+  uint32_t gated;             // dev_sibling_gate: gates passed
 };
 
 __device__ __forceinline__ uint64_t now_ns() {
@@ -131,9 +142,50 @@ __global__ void take_tail_kernel(Probe* p) {
     launch_self(p);
   }
 }
+// dev_take_early: the launch first, then the wait (the flag still gates the kernel's end)
+__global__ void take_early_kernel(Probe* p) {
+  if (threadIdx.x == 0) {
+    const uint32_t want = ++p->taken;
+    if (*(volatile uint32_t*)&p->left > 1) {  // this step's last kernel takes `left` to left - 1
+      const uint64_t t = now_ns();
+      cudaGraphLaunch(p->self, cudaStreamGraphTailLaunch);
+      p->launch_ns += now_ns() - t;
+    }
+    while (*(volatile uint32_t*)&p->last_done != want) {
+    }
+  }
+}
+
+// dev_sibling_gate: launch the other instance now, as a sibling; open its gate once the last kernel is done
+__global__ void take_sibling_kernel(Probe* p) {
+  if (threadIdx.x == 0) {
+    const uint32_t want = ++p->taken;
+    if (*(volatile uint32_t*)&p->left > 1) {
+      const uint64_t t = now_ns();
+      cudaGraphLaunch(p->other[want % 2], cudaStreamGraphFireAndForgetAsSibling);
+      p->launch_ns += now_ns() - t;
+    }
+    while (*(volatile uint32_t*)&p->last_done != want) {
+    }
+    __threadfence();
+    *(volatile uint32_t*)&p->go = want;
+  }
+}
+
+__global__ void gate_kernel(Probe* p) {
+  if (threadIdx.x == 0) {
+    const uint32_t k = p->gated++;
+    while (*(volatile uint32_t*)&p->go < k) {
+    }
+    __threadfence();
+  }
+}
 #else
 __global__ void last_tail_kernel(Probe*, uint32_t) {}
 __global__ void take_tail_kernel(Probe*) {}
+__global__ void take_early_kernel(Probe*) {}
+__global__ void take_sibling_kernel(Probe*) {}
+__global__ void gate_kernel(Probe*) {}
 #endif
 
 // started two kernels before the end: waits for the last kernel, then sets the handles (blink_loop_take)
@@ -156,18 +208,26 @@ struct Built {
   cudaGraphNode_t before_tail;  // the node two before the last kernel
 };
 
-// G: first -> work x n -> last, in `g`
-static Built add_step(cudaGraph_t g, Probe* p, int n, uint32_t ns, bool tail = false) {
+// G: [gate ->] first -> work x n -> last, in `g`
+static Built add_step(cudaGraph_t g, Probe* p, int n, uint32_t ns, bool tail = false, bool gate = false) {
   Built b = {g, nullptr, nullptr};
   cudaKernelNodeParams k = {};
   void* args_p[] = {&p, &ns};
   void* args_w[] = {&ns};
+  void* args_g[] = {&p};
   cudaGraphNode_t prev = nullptr, node;
+  if (gate) {
+    k.func = (void*)gate_kernel;
+    k.gridDim = dim3(1);
+    k.blockDim = dim3(32);
+    k.kernelParams = args_g;
+    CHECK(cudaGraphAddKernelNode(&prev, g, nullptr, 0, &k));
+  }
   k.func = (void*)first_kernel;
   k.gridDim = dim3(132);
   k.blockDim = dim3(256);
   k.kernelParams = args_p;
-  CHECK(cudaGraphAddKernelNode(&node, g, nullptr, 0, &k));
+  CHECK(cudaGraphAddKernelNode(&node, g, prev ? &prev : nullptr, prev ? 1 : 0, &k));
   prev = b.first = node;
   for (int i = 0; i < n; ++i) {
     k.func = (void*)work_kernel;
@@ -242,10 +302,11 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   const char* names[] = {"host",     "ws",       "ws_take",      "wis_take",          "wis_take_par",
                          "ws_take_in", "dev_tail", "dev_take", "dev_take_par", "dev_take_par_prio",
-                         "dev_side_after_first", "dev_stamp_root", "dev_child"};
+                         "dev_side_after_first", "dev_stamp_root", "dev_child", "dev_take_early",
+                         "dev_sibling_gate"};
   printf("{\"kernels\": %d, \"iters\": %d, \"spin_ns\": %u, ", o.kernels, o.iters, o.spin_ns);
 #ifdef DEV_TAIL
-  const int variants[] = {0, 6, 7, 8, 9, 10, 11, 12};
+  const int variants[] = {0, 6, 7, 8, 9, 10, 11, 12, 13, 14};
 #else
   const int variants[] = {0, 1, 2, 3, 4, 5};
 #endif
@@ -261,7 +322,7 @@ int main(int argc, char** argv) {
       if (v == 0 || v >= 6) {
         cudaGraph_t g = top;
         if (v == 12) CHECK(cudaGraphCreate(&g, 0));
-        Built b = add_step(g, p, o.kernels, o.spin_ns, v >= 6);
+        Built b = add_step(g, p, o.kernels, o.spin_ns, v >= 6, v == 14);
         unsigned long long flags = v >= 6 ? cudaGraphInstantiateFlagDeviceLaunch : 0;
         if (v >= 7) {  // the take kernel launches; publish -> spec beside the graph; node priorities
           Probe* pp = p;
@@ -270,7 +331,9 @@ int main(int argc, char** argv) {
           uint32_t zero = 0;
           void* za[] = {&zero};
           cudaGraphNode_t take, pub, spec, child;
-          add_kernel(g, &b.before_tail, 1, (void*)take_tail_kernel, ta, 64, &take);
+          void* take_func = v == 13 ? (void*)take_early_kernel : v == 14 ? (void*)take_sibling_kernel
+                                                                         : (void*)take_tail_kernel;
+          add_kernel(g, &b.before_tail, 1, take_func, ta, 64, &take);
           if (v == 12) CHECK(cudaGraphAddChildGraphNode(&child, top, nullptr, 0, g));
           if (v == 8 || v == 9 || v == 12) {
             add_kernel(top, nullptr, 0, (void*)side_kernel, sa, 256, &pub);
@@ -291,7 +354,11 @@ int main(int argc, char** argv) {
         }
         CHECK(cudaGraphInstantiateWithFlags(&exec, top, flags));
         if (v == 12) CHECK(cudaGraphDestroy(g));
-        h->self = exec;
+        h->self = h->other[0] = h->other[1] = exec;
+        if (v == 14) {
+          CHECK(cudaGraphInstantiateWithFlags(&h->other[1], top, flags));
+          CHECK(cudaGraphUpload(h->other[1], s));
+        }
       } else {
         CHECK(cudaGraphConditionalHandleCreate(&h->loop, top, 1, cudaGraphCondAssignDefault));
         CHECK(cudaGraphConditionalHandleCreate(&h->branch, top, 0, cudaGraphCondAssignDefault));
@@ -338,15 +405,20 @@ int main(int argc, char** argv) {
       }
       CHECK(cudaStreamSynchronize(s));
       CHECK(cudaMemcpy(h, p, sizeof(Probe), cudaMemcpyDeviceToHost));
-      if (h->step != (uint32_t)o.iters) {
+      const bool short_run = h->step != (uint32_t)o.iters;
+      if (short_run) {
         fprintf(stderr, "%s (round %d): %u steps of %d\n", names[v], round, h->step, o.iters);
-        if (round == 1) exit(1);
+        if (round == 1 && v != 14) exit(1);
       }
-      if (round == 1) {
+      if (round == 1 && short_run) {  // dev_sibling_gate: the launches stop being made (a limit per environment)
+        printf("%s\"%s\": {\"steps_done\": %u}", first ? "" : ", ", names[v], h->step);
+        first = false;
+      } else if (round == 1) {
         report(names[v], h, o.iters, first);
         first = false;
       }
       CHECK(cudaGraphExecDestroy(exec));
+      if (h->other[1] && h->other[1] != exec) CHECK(cudaGraphExecDestroy(h->other[1]));
       CHECK(cudaGraphDestroy(top));
     }
   }
