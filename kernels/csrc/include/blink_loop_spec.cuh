@@ -53,8 +53,8 @@ __device__ __forceinline__ uint32_t graph_rows(const blink_sched_header* h) {
 #define BLINK_LOOP_TAKE_THREADS 64  // warp 0: the tokens, the check and the commit; one thread of warp 1: the tail
 #define BLINK_LOOP_TAKE_ROWS 8      // rows per lane of warp 0 held in registers (graphs of up to 256 rows)
 
-// The asynchronous take (the default; BLINK_LOOP_ASYNC=0 turns it off), lane of sampled row j: its sequence sampled a stop token
-// after step n+1 was launched. Its finish goes to the speculated state's finish list (published with
+// The asynchronous take (the default; BLINK_LOOP_ASYNC=0 turns it off), lane of sampled row j: its sequence
+// sampled a stop token after step n+1 was launched. Its finish goes to the speculated state's finish list (published with
 // step n+1, where the full step would publish it), its token is not published, and the speculated state
 // marks it STOPPING: step n+1 computes its row, the next update drops that row and frees the sequence
 // (blink_sched_update_par). A sequence the speculation finished on its length finishes on the stop token
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
     a->num_err = 0;
   }
   __syncthreads();
-  blink_sched_update_par(&s, a->sampled32, x.par);  // every sampled row is published: new_slot[j] is row j's
+  blink_sched_update_par(&s, a->sampled32, x.par);  // every sampled row has its new-list entry j
   for (int32_t j = threadIdx.x; j < n; j += blockDim.x) {
     const int32_t slot = s.new_slot[j];  // -1 - slot: a STOPPING sequence's row, which has no token
     a->rows[j] = slot < 0 ? spec_row{-1, -1, -1 - slot, 0, 1}

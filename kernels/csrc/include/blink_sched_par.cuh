@@ -83,6 +83,7 @@ __device__ inline int32_t blink_sched_update_par(blink_sched* s, const int32_t* 
     fin[e] = f;
     k_of[e] = p | (f << 1) | (drop << 2);  // the flags, kept through the scans below
   }
+  __syncthreads();
   const int32_t num_new = blink_block_scan(pub, n);
   const int32_t num_finished = blink_block_scan(fin, n);
   for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
