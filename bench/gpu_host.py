@@ -126,16 +126,17 @@ def replay_gap_us(runner: GpuRunner, batch: Batch, reps: int = 30) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
-def mechanism_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
-    """The same replay run the way the loop runs a step (a graph that tail-launches itself from the device,
-    kernels/csrc/persistent_loop.cu), no scheduling."""
+def mechanism_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50, mode: int = 0) -> float:
+    """The same replay run the way the loop runs a step (mode 0: a graph that tail-launches itself from the
+    device, kernels/csrc/persistent_loop.cu, no scheduling), or (mode 1) instantiated as the loop's bucket
+    graphs are and launched from the host back to back."""
     from kernels import persistent_loop
 
     graph = _graph_for(runner, batch)
     torch.cuda.synchronize()
     ns = ctypes.c_double()
     persistent_loop.check(persistent_loop.load().blink_loop_bench_mechanism(
-        graph.raw_cuda_graph(), reps, ctypes.byref(ns)), "the mechanism's replay")
+        graph.raw_cuda_graph(), reps, mode, ctypes.byref(ns)), "the mechanism's replay")
     return ns.value / 1e6
 
 

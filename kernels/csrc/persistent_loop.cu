@@ -455,10 +455,13 @@ int blink_loop_launch(blink_loop* L) {
   return 0;
 }
 
-// The graph `child` replayed `iterations` times as the loop runs a step: a graph of the child and a
-// one-thread kernel after it that tail-launches the graph again, launched once. *ns_out: GPU time per
-// iteration (CUDA events), so the loop's step can be compared with the same replay by the same mechanism.
-int blink_loop_bench_mechanism(void* child, uint32_t iterations, double* ns_out) {
+// For measuring (bench/gpu_host.py, bench/loop_ab.py): the graph `child` replayed `iterations` times; *ns_out: GPU
+// time per iteration (CUDA events). mode 0: as the loop runs a step -- a graph of the child and a one-thread
+// kernel after it that tail-launches the graph again, launched once (the loop's mechanism with no scheduling
+// in it). mode 1: the child inside a graph instantiated as the loop's bucket graphs are (device-launchable,
+// node priorities honoured), launched from the host back to back (the bare replay with the loop's
+// instantiation, so that a comparison separates the loop's work from how its graphs are instantiated).
+int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, double* ns_out) {
   cudaStream_t stream;
   cudaGraph_t graph;
   cudaGraphExec_t exec;
@@ -474,8 +477,10 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, double* ns_out)
   k.blockDim = dim3(1);
   k.kernelParams = kernel_args;
   k.func = (void*)bench_countdown;
-  BLINK_TRY(cudaGraphAddKernelNode(&count_node, graph, &child_node, 1, &k), 5);
-  BLINK_TRY(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagDeviceLaunch), 10);
+  if (mode == 0) BLINK_TRY(cudaGraphAddKernelNode(&count_node, graph, &child_node, 1, &k), 5);
+  const unsigned long long flags =
+      cudaGraphInstantiateFlagDeviceLaunch | (mode == 1 ? cudaGraphInstantiateFlagUseNodePriority : 0);
+  BLINK_TRY(cudaGraphInstantiateWithFlags(&exec, graph, flags), 10);
   BLINK_TRY(cudaGraphUpload(exec, stream), 11);
   cudaEvent_t a, b;
   BLINK_TRY(cudaEventCreate(&a), 12);
@@ -485,7 +490,7 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, double* ns_out)
     const uint32_t n = round ? iterations : 3;
     BLINK_TRY(cudaMemcpyAsync(left, &n, sizeof(n), cudaMemcpyHostToDevice, stream), 14);
     BLINK_TRY(cudaEventRecord(a, stream), 15);
-    BLINK_TRY(cudaGraphLaunch(exec, stream), 16);
+    for (uint32_t i = 0; i < (mode == 0 ? 1u : n); ++i) BLINK_TRY(cudaGraphLaunch(exec, stream), 16);
     BLINK_TRY(cudaEventRecord(b, stream), 17);
     BLINK_TRY(cudaEventSynchronize(b), 18);
     BLINK_TRY(cudaEventElapsedTime(&ms, a, b), 19);
