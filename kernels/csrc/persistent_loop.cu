@@ -223,8 +223,7 @@ static cudaGraphNode_t node_before_tail(cudaGraph_t g, size_t tail) {
 
 // The switches read at build time, all for measuring (bench/loop_ab.py): BLINK_LOOP_SPEC_TAIL_CHECK=0,
 // BLINK_LOOP_SPEC_PRIORITY=0, BLINK_LOOP_SIDE_ROOT=1, BLINK_LOOP_SMEM=0, BLINK_LOOP_SPEC_AT=<fraction>,
-// BLINK_LOOP_SPINNER_NS=<ns>, BLINK_LOOP_ASYNC=0, BLINK_LOOP_SIDE_PRIORITY=0 (each explained where it is
-// read).
+// BLINK_LOOP_SPINNER_NS=<ns>, BLINK_LOOP_ASYNC=0 (each explained where it is read).
 static bool env_is(const char* name, const char* value) {
   const char* v = getenv(name);
   return v && strcmp(v, value) == 0;
@@ -363,7 +362,6 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     priority.priority = greatest;
   }
   const bool side_root = env_is("BLINK_LOOP_SIDE_ROOT", "1");
-  const bool side_default = env_is("BLINK_LOOP_SIDE_PRIORITY", "0");
   const unsigned long long flags =
       cudaGraphInstantiateFlagDeviceLaunch | (prioritize ? cudaGraphInstantiateFlagUseNodePriority : 0);
   L->take_linked = 0;
@@ -430,11 +428,9 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     side.func = (void*)blink_loop_spec;
     side.sharedMemBytes = args.smem_bytes;
     BLINK_TRY(cudaGraphAddKernelNode(&spec_node, root ? model : g, &publish_node, 1, &side), 26);
-    // (BLINK_LOOP_SIDE_PRIORITY=0, measuring: the take kernel alone first, publish and spec at the default)
     if (prioritize)
       for (cudaGraphNode_t n : {take, publish_node, spec_node})
-        if (n == take || !side_default)
-          BLINK_TRY(cudaGraphKernelNodeSetAttribute(n, cudaKernelNodeAttributePriority, &priority), 34);
+        BLINK_TRY(cudaGraphKernelNodeSetAttribute(n, cudaKernelNodeAttributePriority, &priority), 34);
     BLINK_TRY(cudaGraphInstantiateWithFlags(&L->execs[i], g, flags), 12);
     BLINK_TRY(cudaGraphUpload(L->execs[i], L->stream), 13);
   }
