@@ -5,8 +5,7 @@
 // block-parallel schedule, fill and update of blink_sched_par.cuh over 256 threads; the host runs the
 // serial functions of blink_sched.h. Two shapes: a small one that preempts often, and one with 300
 // slots, so that the prefix sums span several warps and batches reach 256 sequences. Now and then a running
-// sequence is marked STOPPING before an update (the loop's asynchronous take); the host side then runs
-// update_stopping below, the rule written out serially.
+// sequence is marked STOPPING before an update (the loop's asynchronous take), in both copies.
 // Built and run by tests/kernels/test_sched_device.py (marked gpu). Prints "OK <steps> ..." on success.
 #include <cstdio>
 #include <cstdlib>
@@ -57,41 +56,6 @@ __global__ void k_update(uint8_t* mem, const int32_t* sampled, int32_t* scratch,
 __global__ void k_stopping(uint8_t* mem, int32_t slot) {
   blink_sched s = bind_dev(mem);
   s.status[slot] = BLINK_SEQ_STOPPING;
-}
-
-// blink_sched_update with STOPPING sequences, serially (what blink_sched_update_par does with them): a
-// STOPPING sequence's sampled row keeps its place in the new list as -1 - slot with token 0, nothing else;
-// after the step's finishes, every STOPPING sequence is finished, in slot order. Returns the dropped rows.
-static int32_t update_stopping(blink_sched* s, const int32_t* sampled) {
-  blink_sched_header* h = s->h;
-  const int64_t ctx = h->cfg.context_len;
-  int32_t k = 0, dropped = 0;
-  h->num_new = h->num_finished = 0;
-  for (int32_t e = 0; e < h->num_entries; ++e) {
-    const int32_t slot = s->entry_slot[e];
-    s->num_computed[slot] += s->entry_q_len[e];
-    if (!s->entry_samples[e]) continue;
-    const int32_t token = sampled[k++];
-    if (s->status[slot] == BLINK_SEQ_STOPPING) {
-      s->new_slot[h->num_new] = -1 - slot;
-      s->new_token[h->num_new++] = 0;
-      ++dropped;
-      continue;
-    }
-    const int32_t reason = blink_stop_reason(s, slot, token);
-    if (reason != 1) {
-      s->tokens[slot * ctx + s->num_tokens[slot]++] = token;
-      s->new_slot[h->num_new] = slot;
-      s->new_token[h->num_new++] = token;
-    }
-    if (reason == 0) continue;
-    blink_sched_finish(s, slot);
-    s->fin_slot[h->num_finished] = slot;
-    s->fin_reason[h->num_finished++] = reason;
-  }
-  for (int32_t slot = 0; slot < h->cfg.max_slots; ++slot)
-    if (s->status[slot] == BLINK_SEQ_STOPPING) blink_sched_finish(s, slot);
-  return dropped;
 }
 
 static uint64_t rng_state = 88172645463325252ull;
@@ -209,8 +173,8 @@ static void run(const blink_sched_config& c, int num_steps, int arrival_odds) {
     for (int i = 0; i < p.host.h->num_sampled; ++i) args[i] = rnd(12) == 0 ? 0 : 2 + rnd(50);
     CHECK(cudaMemcpy(p.dev_args, args, 4 * kSlots, cudaMemcpyHostToDevice));
     int32_t want_dropped = 0, got_dropped = 0;
-    if (marked) want_dropped = update_stopping(&p.host, args);
-    else blink_sched_update(&p.host, args);
+    blink_sched_update(&p.host, args);
+    for (int i = 0; i < p.host.h->num_new; ++i) want_dropped += p.host.new_slot[i] < 0;
     k_update<<<1, 256>>>(p.dev_mem, p.dev_args, p.dev_scratch, dev_dropped);
     CHECK(cudaMemcpy(&got_dropped, dev_dropped, 4, cudaMemcpyDeviceToHost));
     compare(p, step, "update");

@@ -1,8 +1,7 @@
 """blink_sched.h on a GPU makes the very decisions the host build makes: tests/kernels/sched_device_check.cu
 applies one pseudo-random trace to a device copy and a host copy of the state and compares both (state and
 step buffer) byte for byte after every schedule and update, with now and then a sequence marked STOPPING
-before the update (the loop's asynchronous take) against a serial model of that rule. Needs nvcc and a
-CUDA GPU (sm_90)."""
+before the update (the loop's asynchronous take). Needs nvcc and a CUDA GPU (sm_90)."""
 import subprocess
 from pathlib import Path
 

@@ -550,6 +550,9 @@ BLINK_HD int32_t blink_stop_reason(const blink_sched* s, int32_t slot, int32_t t
 // Apply a step's sampled tokens (one per sampling entry, in entry order), as Scheduler.update: tokens to
 // publish go to new_slot/new_token (stop tokens are not published), finishes to fin_slot/fin_reason,
 // with their blocks already free. Serial: one thread.
+// A STOPPING sequence (only the GPU loop's asynchronous take sets it; its finish is already published)
+// keeps its row's place in the new list as -1 - slot with token 0, and is freed after the step's finishes,
+// in slot order, wherever it is.
 BLINK_HD void blink_sched_update(blink_sched* s, const int32_t* sampled) {
   blink_sched_header* h = s->h;
   const int64_t ctx = h->cfg.context_len;
@@ -560,6 +563,11 @@ BLINK_HD void blink_sched_update(blink_sched* s, const int32_t* sampled) {
     s->num_computed[slot] += s->entry_q_len[e];
     if (!s->entry_samples[e]) continue;
     const int32_t token = sampled[k++];
+    if (s->status[slot] == BLINK_SEQ_STOPPING) {
+      s->new_slot[h->num_new] = -1 - slot;
+      s->new_token[h->num_new++] = 0;
+      continue;
+    }
     const int32_t reason = blink_stop_reason(s, slot, token);
     if (reason != 1) {
       s->tokens[slot * ctx + s->num_tokens[slot]++] = token;
@@ -571,6 +579,8 @@ BLINK_HD void blink_sched_update(blink_sched* s, const int32_t* sampled) {
     s->fin_slot[h->num_finished] = slot;
     s->fin_reason[h->num_finished++] = reason;
   }
+  for (int32_t slot = 0; slot < h->cfg.max_slots; ++slot)
+    if (s->status[slot] == BLINK_SEQ_STOPPING) blink_sched_finish(s, slot);
 }
 
 #endif  // BLINK_SCHED_H

@@ -47,9 +47,8 @@ __device__ inline int32_t blink_block_scan(int32_t* v, int32_t n) {
 
 // blink_sched_update, in parallel over entries; finishing (list edits, freeing blocks) stays on thread 0,
 // in entry order, after the rest: no other entry's work reads what a finish changes.
-// A STOPPING sequence (the loop's asynchronous take: its finish is already published) keeps its place in
-// the new list as -1 - slot, so that entry k is still sampled row k's, with no token; it is freed after the
-// finishes, wherever it is. Returns the number of such rows (to every thread).
+// A STOPPING sequence is handled as blink_sched_update handles it (its row keeps its place in the new list,
+// so that entry k is still sampled row k's, with no token). Returns the number of such rows (to every thread).
 __device__ inline int32_t blink_sched_update_par(blink_sched* s, const int32_t* sampled, int32_t* scratch) {
   blink_sched_header* h = s->h;
   const int32_t n = h->num_entries, slots = h->cfg.max_slots;
