@@ -126,17 +126,19 @@ def replay_gap_us(runner: GpuRunner, batch: Batch, reps: int = 30) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
-def mechanism_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50, mode: int = 0) -> float:
+def mechanism_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50, mode: int = 0,
+                        stamp_bucket: int = -1) -> float:
     """The same replay run the way the loop runs a step (mode 0: a graph that tail-launches itself from the
     device, kernels/csrc/persistent_loop.cu, no scheduling), or (mode 1) instantiated as the loop's bucket
-    graphs are and launched from the host back to back."""
+    graphs are and launched from the host back to back; with the stamp kernels of `stamp_bucket` when >= 0
+    (bench/loop_ab.py --stamps)."""
     from kernels import persistent_loop
 
     graph = _graph_for(runner, batch)
     torch.cuda.synchronize()
     ns = ctypes.c_double()
     persistent_loop.check(persistent_loop.load().blink_loop_bench_mechanism(
-        graph.raw_cuda_graph(), reps, mode, ctypes.byref(ns)), "the mechanism's replay")
+        graph.raw_cuda_graph(), reps, mode, stamp_bucket, ctypes.byref(ns)), "the mechanism's replay")
     return ns.value / 1e6
 
 
@@ -199,8 +201,9 @@ def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode
 
 
 def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode_steps_wanted: int,
-                      **changes) -> dict:
-    """`batch_size` streams through the GPU-resident loop; times `decode_steps_wanted` all-decode steps."""
+                      window=None, **changes) -> dict:
+    """`batch_size` streams through the GPU-resident loop; times `decode_steps_wanted` all-decode steps
+    (`window(True)` / `window(False)`, when given, is called as that window opens and closes)."""
     new_tokens = prefill_steps(runner, batch_size, prompt_len) + 4 * decode_steps_wanted  # none ends in the window
     ring = create_ring(f"blink-bench-pers-{os.getpid()}", RingGeometry(max(batch_size, 16), 4096, 4096), "bench")
     engine = None
@@ -221,6 +224,8 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
         s0 = {k: getattr(ctl, k) for k in ("steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "commit_ns",
                                            "schedule_ns", "fill_ns", "spec_hits", "spec_misses", "spec_ns", "gap_ns", "gap_steps")}
         c0, w0 = time.process_time(), time.perf_counter()
+        if window is not None:
+            window(True)
         while ctl.steps < s0["steps"] + decode_steps_wanted:
             if changes.get("num_logprobs") is None:
                 time.sleep(0.25)  # the backend's own watcher wakes this often
@@ -230,6 +235,8 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
             time.sleep(0.0005)
         s1 = {k: getattr(ctl, k) for k in s0}
         c1, w1 = time.process_time(), time.perf_counter()
+        if window is not None:
+            window(False)
         d = {k: s1[k] - s0[k] for k in s0}
         tokens_mid = (s0["tokens"] + s1["tokens"]) / 2 / batch_size
         return {"decode_steps": d["steps"], "step_ms_mean": d["busy_ns"] / max(d["busy_steps"], 1) / 1e6,

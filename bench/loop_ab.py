@@ -14,6 +14,7 @@ JSON file.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -42,13 +43,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=400)
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--stamps", action="store_true",
+                    help="both variants and the instantiated bare replay with stamp kernels (BLINK_LOOP_STAMPS=1): "
+                         "where in the step the loop's graph runs slower than the bare one")
     args = ap.parse_args()
     name, _, value = args.env.partition("=")
     cfg, model, _ = load_model(args.model, device="cuda")
     runner = GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096),
                        keep_graphs=True)
+    if args.stamps:
+        os.environ["BLINK_LOOP_STAMPS"] = "1"
     rows = []
     for bsz in map(int, args.batches.split(",")):
+        bucket = min(b for b in runner.buckets if b >= bsz)  # a decode step of bsz sequences: bsz tokens
         runs: dict[str, list[dict]] = {"a": [], "b": []}
         for _ in range(args.rounds):
             for variant in ("a", "b"):
@@ -56,16 +63,23 @@ def main() -> None:
                     os.environ[name] = value
                 else:
                     os.environ.pop(name, None)
-                pers = persistent_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
+                stamps: dict[str, list[float]] = {}
+                pers = persistent_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps,
+                                         window=(lambda on: _stamps(bucket, on, stamps, "loop")) if args.stamps else None)
                 batch = decode_batch(runner, bsz, pers["ctx_len_mid"])
                 bare = bare_replay_ms(runner, batch, 100)
-                bare_inst = mechanism_replay_ms(runner, batch, 100, mode=1)  # instantiated as the loop's graphs
+                if args.stamps:
+                    _stamps(bucket, True, stamps, "bare_inst")
+                bare_inst = mechanism_replay_ms(runner, batch, 100, mode=1,  # instantiated as the loop's graphs
+                                                stamp_bucket=bucket if args.stamps else -1)
+                if args.stamps:
+                    _stamps(bucket, False, stamps, "bare_inst")
                 runs[variant].append({"step_ms": pers["step_ms_mean"], "bare_ms": bare, "bare_inst_ms": bare_inst,
                                       "over_bare_us": 1e3 * (pers["step_ms_mean"] - bare),
                                       "over_bare_inst_us": 1e3 * (pers["step_ms_mean"] - bare_inst),
                                       "gap_us": pers["gap_us"],
                                       "take_us": pers["sched_us_per_step"], "spec_us": pers["spec_us_per_step"],
-                                      "spec_hits": pers["spec_hits"],
+                                      "spec_hits": pers["spec_hits"], "stamps_us": stamps,
                                       "spec_misses": pers["spec_misses"]})
         os.environ.pop(name, None)
         row = {"batch": bsz, "runs": runs}
@@ -74,6 +88,11 @@ def main() -> None:
             row[f"{variant}_over_bare_inst_us_median"] = statistics.median(r["over_bare_inst_us"] for r in runs[variant])
             row[f"{variant}_gap_us_median"] = statistics.median(r["gap_us"] for r in runs[variant])
             row[f"{variant}_spec_us_median"] = statistics.median(r["spec_us"] for r in runs[variant])
+        if args.stamps:  # per point: loop - instantiated bare, median over rounds, us
+            for variant in ("a", "b"):
+                row[f"{variant}_stamp_excess_us"] = [
+                    statistics.median(r["stamps_us"]["loop"][p] - r["stamps_us"]["bare_inst"][p] for r in runs[variant])
+                    for p in range(1, len(runs[variant][0]["stamps_us"]["loop"]))]
         rows.append(row)
         each = {v: ", ".join("%+.1f" % r["over_bare_us"] for r in runs[v]) for v in runs}
         print(f"B={bsz:4d} a: over bare {row['a_over_bare_us_median']:+.1f} us ({each['a']}), gap "
@@ -82,6 +101,10 @@ def main() -> None:
               f"{row['a_spec_us_median']:.1f} / {row['b_spec_us_median']:.1f} us | over the bare replay instantiated "
               f"as the loop's graphs: a {row['a_over_bare_inst_us_median']:+.1f}, "
               f"b {row['b_over_bare_inst_us_median']:+.1f} us", flush=True)
+        if args.stamps:
+            for variant in ("a", "b"):
+                print(f"      {variant}: loop - instantiated bare at points 1..7 (us from point 0): "
+                      + ", ".join("%+.1f" % x for x in row[f"{variant}_stamp_excess_us"]), flush=True)
     result = {"bench": "loop_ab", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "model": args.model, "env_b": args.env, "rounds": args.rounds,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
@@ -90,6 +113,17 @@ def main() -> None:
     path = out / f"loop_ab-{name}-{result['commit']}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
+
+
+def _stamps(bucket: int, on: bool, into: dict, key: str) -> None:
+    """Start counting the stamps of `bucket`'s graphs, or stop and keep the mean time from point 0 to each
+    later point (us) in into[key] (its first entry: the steps counted)."""
+    from kernels import persistent_loop
+
+    means = (ctypes.c_double * 8)()
+    persistent_loop.check(persistent_loop.load().blink_loop_stamps(bucket, int(on), means), "the stamps")
+    if not on:
+        into[key] = [means[0]] + [x / 1e3 for x in means[1:]]
 
 
 if __name__ == "__main__":

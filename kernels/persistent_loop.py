@@ -105,7 +105,8 @@ def load() -> ctypes.CDLL:
         "blink_loop_smem_bytes": (_u32, [_p]),
         "blink_loop_poll": (i32, [_p]),
         "blink_loop_destroy": (i32, [_p]),
-        "blink_loop_bench_mechanism": (i32, [_p, _u32, _u32, ctypes.POINTER(ctypes.c_double)]),
+        "blink_loop_bench_mechanism": (i32, [_p, _u32, _u32, ctypes.c_int32, ctypes.POINTER(ctypes.c_double)]),
+        "blink_loop_stamps": (i32, [ctypes.c_int32, _u32, ctypes.POINTER(ctypes.c_double)]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)

@@ -172,6 +172,24 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_publish(blink_l
 
 __global__ void read_globaltimer(uint64_t* out) { *out = now_ns(); }
 
+// For measuring (BLINK_LOOP_STAMPS=1, bench/loop_ab.py --stamps): where in a step the loop's graph runs slower
+// than the same graph replayed bare. Leaf kernels after the model graph's nodes at fractions 0, 1/7 .. 1 of
+// its nodes (capture order) sum, over the steps of one bucket, the time from point 0 to each point.
+#define BLINK_STAMP_POINTS 8
+__device__ unsigned long long g_stamp_sum[BLINK_STAMP_POINTS], g_stamp_count[BLINK_STAMP_POINTS], g_stamp_t0;
+__device__ int32_t g_stamp_bucket = -1;  // only the graphs of this bucket count (-1: none)
+
+__global__ void bench_stamp(uint32_t point, int32_t bucket) {
+  if (bucket != *(volatile int32_t*)&g_stamp_bucket) return;
+  const unsigned long long t = now_ns();
+  if (point == 0) {
+    g_stamp_t0 = t;
+    return;
+  }
+  atomicAdd(&g_stamp_sum[point], t - *(volatile unsigned long long*)&g_stamp_t0);
+  atomicAdd(&g_stamp_count[point], 1ull);
+}
+
 // For measuring (BLINK_LOOP_SPINNER_NS, bench/loop_ab.py): one block that holds an SM for `ns` beside the graph.
 __global__ void bench_spinner(uint64_t ns) {
   const uint64_t t0 = now_ns();
@@ -221,9 +239,36 @@ static cudaGraphNode_t node_before_tail(cudaGraph_t g, size_t tail) {
   return found;
 }
 
+// The stamp kernels (bench_stamp) after the first `model_nodes` nodes of `child`'s graph (the captured ones,
+// before anything the loop added), for `bucket`. They are leaves: nothing waits for them but the graph's end.
+static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t model_nodes) {
+  cudaGraph_t g;
+  size_t n = 0;
+  cudaError_t err = cudaGraphChildGraphNodeGetGraph(child, &g);
+  if (err == cudaSuccess) err = cudaGraphGetNodes(g, nullptr, &n);
+  if (err != cudaSuccess || n == 0 || model_nodes == 0 || model_nodes > n) return err;
+  cudaGraphNode_t* nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * n);
+  if (!nodes) return cudaErrorMemoryAllocation;
+  err = cudaGraphGetNodes(g, nodes, &n);
+  n = model_nodes;
+  for (uint32_t point = 0; point < BLINK_STAMP_POINTS && err == cudaSuccess; ++point) {
+    void* args[] = {&point, &bucket};
+    cudaKernelNodeParams k = {};
+    k.gridDim = dim3(1);
+    k.blockDim = dim3(1);
+    k.kernelParams = args;
+    k.func = (void*)bench_stamp;
+    cudaGraphNode_t stamp;
+    const size_t at = (size_t)((double)point / (BLINK_STAMP_POINTS - 1) * (double)(n - 1));
+    err = cudaGraphAddKernelNode(&stamp, g, &nodes[at], 1, &k);
+  }
+  free(nodes);
+  return err;
+}
+
 // The switches read at build time, all for measuring (bench/loop_ab.py): BLINK_LOOP_SPEC_TAIL_CHECK=0,
 // BLINK_LOOP_SPEC_PRIORITY=0, BLINK_LOOP_SIDE_ROOT=1, BLINK_LOOP_SMEM=0, BLINK_LOOP_SPEC_AT=<fraction>,
-// BLINK_LOOP_SPINNER_NS=<ns>, BLINK_LOOP_ASYNC=0 (each explained where it is read).
+// BLINK_LOOP_SPINNER_NS=<ns>, BLINK_LOOP_ASYNC=0, BLINK_LOOP_STAMPS=1 (each explained where it is read).
 static bool env_is(const char* name, const char* value) {
   const char* v = getenv(name);
   return v && strcmp(v, value) == 0;
@@ -362,6 +407,7 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     priority.priority = greatest;
   }
   const bool side_root = env_is("BLINK_LOOP_SIDE_ROOT", "1");
+  const bool stamps = env_is("BLINK_LOOP_STAMPS", "1");
   const unsigned long long flags =
       cudaGraphInstantiateFlagDeviceLaunch | (prioritize ? cudaGraphInstantiateFlagUseNodePriority : 0);
   L->take_linked = 0;
@@ -372,6 +418,8 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     BLINK_TRY(cudaGraphCreate(&g, 0), 9);
     L->graphs[i] = g;
     BLINK_TRY(cudaGraphAddChildGraphNode(&child, g, nullptr, 0, (cudaGraph_t)children[i]), 10);
+    size_t model_nodes = 0;  // the captured graph's own nodes come first in its node list
+    if (stamps) BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)children[i], nullptr, &model_nodes), 47);
     cudaGraphNode_t start_after = nullptr;
     if (i >= 4u * (uint32_t)hdr.cfg.num_buckets) {  // an extended branch: children[i] is its LOGITS graph
       // the take kernel after the POST graph: its logprobs read the sampled tokens, which the take kernel
@@ -431,6 +479,8 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     if (prioritize)
       for (cudaGraphNode_t n : {take, publish_node, spec_node})
         BLINK_TRY(cudaGraphKernelNodeSetAttribute(n, cudaKernelNodeAttributePriority, &priority), 34);
+    if (stamps && i < 4u * (uint32_t)hdr.cfg.num_buckets)  // (measuring) bench_stamp after the model's nodes
+      BLINK_TRY(add_stamps(child, hdr.cfg.buckets[(i / 2) % (uint32_t)hdr.cfg.num_buckets], model_nodes), 48);
     BLINK_TRY(cudaGraphInstantiateWithFlags(&L->execs[i], g, flags), 12);
     BLINK_TRY(cudaGraphUpload(L->execs[i], L->stream), 13);
   }
@@ -461,7 +511,8 @@ int blink_loop_launch(blink_loop* L) {
 // in it). mode 1: the child inside a graph instantiated as the loop's bucket graphs are (device-launchable,
 // node priorities honoured), launched from the host back to back (the bare replay with the loop's
 // instantiation, so that a comparison separates the loop's work from how its graphs are instantiated).
-int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, double* ns_out) {
+// stamp_bucket >= 0: with the stamp kernels of that bucket (BLINK_LOOP_STAMPS).
+int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, int32_t stamp_bucket, double* ns_out) {
   cudaStream_t stream;
   cudaGraph_t graph;
   cudaGraphExec_t exec;
@@ -471,6 +522,9 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, 
   BLINK_TRY(cudaGraphCreate(&graph, 0), 3);
   cudaGraphNode_t count_node, child_node;
   BLINK_TRY(cudaGraphAddChildGraphNode(&child_node, graph, nullptr, 0, (cudaGraph_t)child), 4);
+  size_t model_nodes = 0;
+  BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)child, nullptr, &model_nodes), 20);
+  if (stamp_bucket >= 0) BLINK_TRY(add_stamps(child_node, stamp_bucket, model_nodes), 21);
   void* kernel_args[] = {&left};
   cudaKernelNodeParams k = {};
   k.gridDim = dim3(1);
@@ -502,6 +556,26 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, 
   cudaGraphDestroy(graph);
   cudaFree(left);
   cudaStreamDestroy(stream);
+  return 0;
+}
+
+// For measuring (BLINK_LOOP_STAMPS): on = 1 zeroes the stamp sums and counts the steps of graphs of `bucket`
+// from now; on = 0 stops counting and writes mean_ns_out[BLINK_STAMP_POINTS] (point 0 -> each point, ns;
+// mean_ns_out[0] gets the number of steps counted).
+int blink_loop_stamps(int32_t bucket, uint32_t on, double* mean_ns_out) {
+  unsigned long long sum[BLINK_STAMP_POINTS] = {}, count[BLINK_STAMP_POINTS] = {};
+  const int32_t none = -1;
+  if (on) {
+    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_sum, sum, sizeof(sum)), 1);
+    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_count, count, sizeof(count)), 2);
+    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_bucket, &bucket, sizeof(bucket)), 3);
+    return 0;
+  }
+  BLINK_TRY(cudaMemcpyToSymbol(g_stamp_bucket, &none, sizeof(none)), 4);
+  BLINK_TRY(cudaMemcpyFromSymbol(sum, g_stamp_sum, sizeof(sum)), 5);
+  BLINK_TRY(cudaMemcpyFromSymbol(count, g_stamp_count, sizeof(count)), 6);
+  for (int p = 0; p < BLINK_STAMP_POINTS; ++p) mean_ns_out[p] = count[p] ? (double)sum[p] / (double)count[p] : 0.0;
+  mean_ns_out[0] = (double)count[BLINK_STAMP_POINTS - 1];
   return 0;
 }
 
