@@ -173,8 +173,8 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_publish(blink_l
 __global__ void read_globaltimer(uint64_t* out) { *out = now_ns(); }
 
 // For measuring (BLINK_LOOP_STAMPS=1, bench/loop_ab.py --stamps): where in a step the loop's graph runs slower
-// than the same graph replayed bare. Leaf kernels after the model graph's nodes at fractions 0, 1/7 .. 1 of
-// its nodes (capture order) sum, over the steps of one bucket, the time from point 0 to each point.
+// than the same graph replayed bare. One-thread kernels after the model graph's nodes at fractions 0, 1/7 .. 1
+// of its nodes (capture order) sum, over the steps of one bucket, the time from point 0 to each point.
 #define BLINK_STAMP_POINTS 8
 __device__ unsigned long long g_stamp_sum[BLINK_STAMP_POINTS], g_stamp_count[BLINK_STAMP_POINTS], g_stamp_t0;
 __device__ int32_t g_stamp_bucket = -1;  // only the graphs of this bucket count (-1: none)
@@ -240,17 +240,19 @@ static cudaGraphNode_t node_before_tail(cudaGraph_t g, size_t tail) {
 }
 
 // The stamp kernels (bench_stamp) after the first `model_nodes` nodes of `child`'s graph (the captured ones,
-// before anything the loop added), for `bucket`. They are leaves: nothing waits for them but the graph's end.
+// before anything the loop added), for `bucket`. Each goes into the chain: between its node and that node's
+// dependents (a leaf may be started late; in the chain each adds a kernel boundary to the step, the same in
+// the loop's graphs and in the bare replay it is compared with).
 static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t model_nodes) {
   cudaGraph_t g;
   size_t n = 0;
   cudaError_t err = cudaGraphChildGraphNodeGetGraph(child, &g);
   if (err == cudaSuccess) err = cudaGraphGetNodes(g, nullptr, &n);
   if (err != cudaSuccess || n == 0 || model_nodes == 0 || model_nodes > n) return err;
-  cudaGraphNode_t* nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * n);
+  cudaGraphNode_t* nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * 2 * n);
   if (!nodes) return cudaErrorMemoryAllocation;
+  cudaGraphNode_t* after = nodes + n;  // a node's dependents (at most n)
   err = cudaGraphGetNodes(g, nodes, &n);
-  n = model_nodes;
   for (uint32_t point = 0; point < BLINK_STAMP_POINTS && err == cudaSuccess; ++point) {
     void* args[] = {&point, &bucket};
     cudaKernelNodeParams k = {};
@@ -258,9 +260,14 @@ static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t mode
     k.blockDim = dim3(1);
     k.kernelParams = args;
     k.func = (void*)bench_stamp;
-    cudaGraphNode_t stamp;
-    const size_t at = (size_t)((double)point / (BLINK_STAMP_POINTS - 1) * (double)(n - 1));
-    err = cudaGraphAddKernelNode(&stamp, g, &nodes[at], 1, &k);
+    cudaGraphNode_t stamp, at = nodes[(size_t)((double)point / (BLINK_STAMP_POINTS - 1) * (double)(model_nodes - 1))];
+    size_t count = n;
+    err = cudaGraphNodeGetDependentNodes(at, after, nullptr, &count);
+    for (size_t j = 0; j < count && err == cudaSuccess; ++j)
+      err = cudaGraphRemoveDependencies(g, &at, &after[j], nullptr, 1);
+    if (err == cudaSuccess) err = cudaGraphAddKernelNode(&stamp, g, &at, 1, &k);
+    for (size_t j = 0; j < count && err == cudaSuccess; ++j)
+      err = cudaGraphAddDependencies(g, &stamp, &after[j], nullptr, 1);
   }
   free(nodes);
   return err;
