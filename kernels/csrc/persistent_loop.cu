@@ -250,7 +250,12 @@ static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t mode
   if (err == cudaSuccess) err = cudaGraphGetNodes(g, nullptr, &n);
   if (err != cudaSuccess || n == 0 || model_nodes == 0 || model_nodes > n) return err;
   cudaGraphNode_t* nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * 2 * n);
-  if (!nodes) return cudaErrorMemoryAllocation;
+  cudaGraphEdgeData* edges = (cudaGraphEdgeData*)malloc(sizeof(cudaGraphEdgeData) * n);
+  if (!nodes || !edges) {
+    free(nodes);
+    free(edges);
+    return cudaErrorMemoryAllocation;
+  }
   cudaGraphNode_t* after = nodes + n;  // a node's dependents (at most n)
   err = cudaGraphGetNodes(g, nodes, &n);
   for (uint32_t point = 0; point < BLINK_STAMP_POINTS && err == cudaSuccess; ++point) {
@@ -260,16 +265,26 @@ static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t mode
     k.blockDim = dim3(1);
     k.kernelParams = args;
     k.func = (void*)bench_stamp;
-    cudaGraphNode_t stamp, at = nodes[(size_t)((double)point / (BLINK_STAMP_POINTS - 1) * (double)(model_nodes - 1))];
-    size_t count = n;
-    err = cudaGraphNodeGetDependentNodes(at, after, nullptr, &count);
+    // the node at that fraction, or the first after it whose outgoing edges are all plain ones (a stamp in a
+    // programmatic edge would take away the overlap it gives)
+    size_t i = (size_t)((double)point / (BLINK_STAMP_POINTS - 1) * (double)(model_nodes - 1)), count = 0;
+    for (; i < model_nodes && err == cudaSuccess; ++i) {
+      count = n;
+      err = cudaGraphNodeGetDependentNodes(nodes[i], after, edges, &count);
+      bool plain = true;
+      for (size_t j = 0; j < count; ++j) plain = plain && edges[j].type == cudaGraphDependencyTypeDefault;
+      if (plain) break;
+    }
+    if (err != cudaSuccess || i == model_nodes) break;
+    cudaGraphNode_t stamp, at = nodes[i];
     for (size_t j = 0; j < count && err == cudaSuccess; ++j)
-      err = cudaGraphRemoveDependencies(g, &at, &after[j], nullptr, 1);
+      err = cudaGraphRemoveDependencies(g, &at, &after[j], &edges[j], 1);
     if (err == cudaSuccess) err = cudaGraphAddKernelNode(&stamp, g, &at, 1, &k);
     for (size_t j = 0; j < count && err == cudaSuccess; ++j)
-      err = cudaGraphAddDependencies(g, &stamp, &after[j], nullptr, 1);
+      err = cudaGraphAddDependencies(g, &stamp, &after[j], &edges[j], 1);
   }
   free(nodes);
+  free(edges);
   return err;
 }
 
