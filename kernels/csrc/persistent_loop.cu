@@ -186,7 +186,9 @@ __global__ void bench_stamp(uint32_t point, int32_t bucket) {
     g_stamp_t0 = t;
     return;
   }
-  atomicAdd(&g_stamp_sum[point], t - *(volatile unsigned long long*)&g_stamp_t0);
+  const unsigned long long t0 = *(volatile unsigned long long*)&g_stamp_t0;
+  if (t0 == 0 || t < t0) return;  // counting began in this step after its point 0
+  atomicAdd(&g_stamp_sum[point], t - t0);
   atomicAdd(&g_stamp_count[point], 1ull);
 }
 
@@ -590,6 +592,7 @@ int blink_loop_stamps(int32_t bucket, uint32_t on, double* mean_ns_out) {
   if (on) {
     BLINK_TRY(cudaMemcpyToSymbol(g_stamp_sum, sum, sizeof(sum)), 1);
     BLINK_TRY(cudaMemcpyToSymbol(g_stamp_count, count, sizeof(count)), 2);
+    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_t0, count, sizeof(count[0])), 7);  // 0: no point 0 seen yet
     BLINK_TRY(cudaMemcpyToSymbol(g_stamp_bucket, &bucket, sizeof(bucket)), 3);
     return 0;
   }
