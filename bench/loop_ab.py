@@ -90,6 +90,8 @@ def main() -> None:
             row[f"{variant}_spec_us_median"] = statistics.median(r["spec_us"] for r in runs[variant])
         if args.stamps:  # per point: loop - instantiated bare, median over rounds, us
             for variant in ("a", "b"):
+                for key in ("loop", "bare_inst"):
+                    row[f"{variant}_{key}_sm_mhz"] = statistics.median(r["stamps_us"][f"{key}_sm_mhz"] for r in runs[variant])
                 row[f"{variant}_stamp_excess_us"] = [
                     statistics.median(r["stamps_us"]["loop"][p] - r["stamps_us"]["bare_inst"][p] for r in runs[variant])
                     for p in range(1, len(runs[variant][0]["stamps_us"]["loop"]))]
@@ -104,7 +106,9 @@ def main() -> None:
         if args.stamps:
             for variant in ("a", "b"):
                 print(f"      {variant}: loop - instantiated bare at points 1..7 (us from point 0): "
-                      + ", ".join("%+.1f" % x for x in row[f"{variant}_stamp_excess_us"]), flush=True)
+                      + ", ".join("%+.1f" % x for x in row[f"{variant}_stamp_excess_us"])
+                      + f"; SM clock {row[f'{variant}_loop_sm_mhz']:.0f} MHz in the loop, "
+                        f"{row[f'{variant}_bare_inst_sm_mhz']:.0f} MHz in the bare replay", flush=True)
     result = {"bench": "loop_ab", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "model": args.model, "env_b": args.env, "rounds": args.rounds,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
@@ -117,13 +121,15 @@ def main() -> None:
 
 def _stamps(bucket: int, on: bool, into: dict, key: str) -> None:
     """Start counting the stamps of `bucket`'s graphs, or stop and keep the mean time from point 0 to each
-    later point (us) in into[key] (its first entry: the steps counted)."""
+    later point (us) in into[key] (its first entry: the steps counted) and the mean SM clock sampled at point 0
+    (MHz) in into[key + "_sm_mhz"]."""
     from kernels import persistent_loop
 
-    means = (ctypes.c_double * 8)()
+    means = (ctypes.c_double * 9)()
     persistent_loop.check(persistent_loop.load().blink_loop_stamps(bucket, int(on), means), "the stamps")
     if not on:
-        into[key] = [means[0]] + [x / 1e3 for x in means[1:]]
+        into[key] = [means[0]] + [x / 1e3 for x in means[1:8]]
+        into[f"{key}_sm_mhz"] = means[8]
 
 
 if __name__ == "__main__":

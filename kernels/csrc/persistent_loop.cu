@@ -178,12 +178,18 @@ __global__ void read_globaltimer(uint64_t* out) { *out = now_ns(); }
 #define BLINK_STAMP_POINTS 8
 __device__ unsigned long long g_stamp_sum[BLINK_STAMP_POINTS], g_stamp_count[BLINK_STAMP_POINTS], g_stamp_t0;
 __device__ int32_t g_stamp_bucket = -1;  // only the graphs of this bucket count (-1: none)
+__device__ unsigned long long g_stamp_khz_sum, g_stamp_khz_count;  // the SM clock, sampled at point 0
 
 __global__ void bench_stamp(uint32_t point, int32_t bucket) {
   if (bucket != *(volatile int32_t*)&g_stamp_bucket) return;
   const unsigned long long t = now_ns();
   if (point == 0) {
     g_stamp_t0 = t;
+    const long long c0 = clock64();  // this SM's clock over 2 us of %globaltimer (32 ns ticks)
+    unsigned long long t1;
+    do t1 = now_ns(); while (t1 - t < 2000);
+    atomicAdd(&g_stamp_khz_sum, (unsigned long long)(clock64() - c0) * 1000000ull / (t1 - t));
+    atomicAdd(&g_stamp_khz_count, 1ull);
     return;
   }
   const unsigned long long t0 = *(volatile unsigned long long*)&g_stamp_t0;
@@ -584,14 +590,16 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, 
 }
 
 // For measuring (BLINK_LOOP_STAMPS): on = 1 zeroes the stamp sums and counts the steps of graphs of `bucket`
-// from now; on = 0 stops counting and writes mean_ns_out[BLINK_STAMP_POINTS] (point 0 -> each point, ns;
-// mean_ns_out[0] gets the number of steps counted).
+// from now; on = 0 stops counting and writes mean_ns_out[BLINK_STAMP_POINTS + 1] (point 0 -> each point, ns;
+// mean_ns_out[0] gets the number of steps counted, the last entry the mean SM clock in MHz).
 int blink_loop_stamps(int32_t bucket, uint32_t on, double* mean_ns_out) {
-  unsigned long long sum[BLINK_STAMP_POINTS] = {}, count[BLINK_STAMP_POINTS] = {};
+  unsigned long long sum[BLINK_STAMP_POINTS] = {}, count[BLINK_STAMP_POINTS] = {}, khz = 0, khz_n = 0;
   const int32_t none = -1;
   if (on) {
     BLINK_TRY(cudaMemcpyToSymbol(g_stamp_sum, sum, sizeof(sum)), 1);
     BLINK_TRY(cudaMemcpyToSymbol(g_stamp_count, count, sizeof(count)), 2);
+    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_khz_sum, &khz, sizeof(khz)), 8);
+    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_khz_count, &khz, sizeof(khz)), 9);
     BLINK_TRY(cudaMemcpyToSymbol(g_stamp_t0, count, sizeof(count[0])), 7);  // 0: no point 0 seen yet
     BLINK_TRY(cudaMemcpyToSymbol(g_stamp_bucket, &bucket, sizeof(bucket)), 3);
     return 0;
@@ -599,8 +607,11 @@ int blink_loop_stamps(int32_t bucket, uint32_t on, double* mean_ns_out) {
   BLINK_TRY(cudaMemcpyToSymbol(g_stamp_bucket, &none, sizeof(none)), 4);
   BLINK_TRY(cudaMemcpyFromSymbol(sum, g_stamp_sum, sizeof(sum)), 5);
   BLINK_TRY(cudaMemcpyFromSymbol(count, g_stamp_count, sizeof(count)), 6);
+  BLINK_TRY(cudaMemcpyFromSymbol(&khz, g_stamp_khz_sum, sizeof(khz)), 10);
+  BLINK_TRY(cudaMemcpyFromSymbol(&khz_n, g_stamp_khz_count, sizeof(khz_n)), 11);
   for (int p = 0; p < BLINK_STAMP_POINTS; ++p) mean_ns_out[p] = count[p] ? (double)sum[p] / (double)count[p] : 0.0;
   mean_ns_out[0] = (double)count[BLINK_STAMP_POINTS - 1];
+  mean_ns_out[BLINK_STAMP_POINTS] = khz_n ? (double)khz / (double)khz_n / 1e3 : 0.0;
   return 0;
 }
 
