@@ -296,9 +296,39 @@ static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t mode
   return err;
 }
 
+// (Measuring, BLINK_LOOP_PLAIN_EDGES=1.) Every programmatic edge of `child`'s graph made a plain one (no
+// programmatic dependent launch between those kernels); *count gets how many.
+static cudaError_t plain_edges(cudaGraphNode_t child, size_t* count) {
+  cudaGraph_t g;
+  size_t n = 0;
+  *count = 0;
+  cudaError_t err = cudaGraphChildGraphNodeGetGraph(child, &g);
+  if (err == cudaSuccess) err = cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n);
+  if (err != cudaSuccess || n == 0) return err;
+  cudaGraphNode_t* from = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * 2 * n);
+  cudaGraphEdgeData* data = (cudaGraphEdgeData*)malloc(sizeof(cudaGraphEdgeData) * n);
+  if (!from || !data) {
+    free(from);
+    free(data);
+    return cudaErrorMemoryAllocation;
+  }
+  cudaGraphNode_t* to = from + n;
+  err = cudaGraphGetEdges(g, from, to, data, &n);
+  for (size_t i = 0; i < n && err == cudaSuccess; ++i) {
+    if (data[i].type == cudaGraphDependencyTypeDefault) continue;
+    err = cudaGraphRemoveDependencies(g, &from[i], &to[i], &data[i], 1);
+    if (err == cudaSuccess) err = cudaGraphAddDependencies(g, &from[i], &to[i], nullptr, 1);
+    *count += 1;
+  }
+  free(from);
+  free(data);
+  return err;
+}
+
 // The switches read at build time, all for measuring (bench/loop_ab.py): BLINK_LOOP_SPEC_TAIL_CHECK=0,
 // BLINK_LOOP_SPEC_PRIORITY=0, BLINK_LOOP_SIDE_ROOT=1, BLINK_LOOP_SMEM=0, BLINK_LOOP_SPEC_AT=<fraction>,
-// BLINK_LOOP_SPINNER_NS=<ns>, BLINK_LOOP_ASYNC=0, BLINK_LOOP_STAMPS=1 (each explained where it is read).
+// BLINK_LOOP_SPINNER_NS=<ns>, BLINK_LOOP_ASYNC=0, BLINK_LOOP_STAMPS=1, BLINK_LOOP_PLAIN_EDGES=1 (each explained
+// where it is read).
 static bool env_is(const char* name, const char* value) {
   const char* v = getenv(name);
   return v && strcmp(v, value) == 0;
@@ -450,6 +480,8 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     BLINK_TRY(cudaGraphAddChildGraphNode(&child, g, nullptr, 0, (cudaGraph_t)children[i]), 10);
     size_t model_nodes = 0;  // the captured graph's own nodes come first in its node list
     if (stamps) BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)children[i], nullptr, &model_nodes), 47);
+    size_t plained = 0;
+    if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(plain_edges(child, &plained), 49);
     cudaGraphNode_t start_after = nullptr;
     if (i >= 4u * (uint32_t)hdr.cfg.num_buckets) {  // an extended branch: children[i] is its LOGITS graph
       // the take kernel after the POST graph: its logprobs read the sampled tokens, which the take kernel
@@ -554,6 +586,8 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, 
   BLINK_TRY(cudaGraphAddChildGraphNode(&child_node, graph, nullptr, 0, (cudaGraph_t)child), 4);
   size_t model_nodes = 0;
   BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)child, nullptr, &model_nodes), 20);
+  size_t plained = 0;  // (the same order as blink_loop_create's)
+  if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(plain_edges(child_node, &plained), 22);
   if (stamp_bucket >= 0) BLINK_TRY(add_stamps(child_node, stamp_bucket, model_nodes), 21);
   void* kernel_args[] = {&left};
   cudaKernelNodeParams k = {};
