@@ -247,6 +247,16 @@ static cudaGraphNode_t node_before_tail(cudaGraph_t g, size_t tail) {
   return found;
 }
 
+// 2 n node handles and n edge records (the caller frees both), or neither (false).
+static bool alloc_lists(size_t n, cudaGraphNode_t** nodes, cudaGraphEdgeData** edges) {
+  *nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * 2 * n);
+  *edges = (cudaGraphEdgeData*)malloc(sizeof(cudaGraphEdgeData) * n);
+  if (*nodes && *edges) return true;
+  free(*nodes);
+  free(*edges);
+  return false;
+}
+
 // The stamp kernels (bench_stamp) after the first `model_nodes` nodes of `child`'s graph (the captured ones,
 // before anything the loop added), for `bucket`. Each goes into the chain: between its node and that node's
 // dependents (a leaf may be started late; in the chain each adds a kernel boundary to the step, the same in
@@ -257,13 +267,9 @@ static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t mode
   cudaError_t err = cudaGraphChildGraphNodeGetGraph(child, &g);
   if (err == cudaSuccess) err = cudaGraphGetNodes(g, nullptr, &n);
   if (err != cudaSuccess || n == 0 || model_nodes == 0 || model_nodes > n) return err;
-  cudaGraphNode_t* nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * 2 * n);
-  cudaGraphEdgeData* edges = (cudaGraphEdgeData*)malloc(sizeof(cudaGraphEdgeData) * n);
-  if (!nodes || !edges) {
-    free(nodes);
-    free(edges);
-    return cudaErrorMemoryAllocation;
-  }
+  cudaGraphNode_t* nodes;
+  cudaGraphEdgeData* edges;
+  if (!alloc_lists(n, &nodes, &edges)) return cudaErrorMemoryAllocation;
   cudaGraphNode_t* after = nodes + n;  // a node's dependents (at most n)
   err = cudaGraphGetNodes(g, nodes, &n);
   for (uint32_t point = 0; point < BLINK_STAMP_POINTS && err == cudaSuccess; ++point) {
@@ -305,13 +311,9 @@ static cudaError_t plain_edges(cudaGraphNode_t child, size_t* count) {
   cudaError_t err = cudaGraphChildGraphNodeGetGraph(child, &g);
   if (err == cudaSuccess) err = cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n);
   if (err != cudaSuccess || n == 0) return err;
-  cudaGraphNode_t* from = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * 2 * n);
-  cudaGraphEdgeData* data = (cudaGraphEdgeData*)malloc(sizeof(cudaGraphEdgeData) * n);
-  if (!from || !data) {
-    free(from);
-    free(data);
-    return cudaErrorMemoryAllocation;
-  }
+  cudaGraphNode_t* from;
+  cudaGraphEdgeData* data;
+  if (!alloc_lists(n, &from, &data)) return cudaErrorMemoryAllocation;
   cudaGraphNode_t* to = from + n;
   err = cudaGraphGetEdges(g, from, to, data, &n);
   for (size_t i = 0; i < n && err == cudaSuccess; ++i) {
