@@ -247,6 +247,18 @@ static cudaGraphNode_t node_before_tail(cudaGraph_t g, size_t tail) {
   return found;
 }
 
+// A kernel node of one block of `threads` threads running `func(args)`, after `deps` (the measuring kernels'
+// and the mechanism's replay).
+static cudaError_t add_one_block(cudaGraphNode_t* out, cudaGraph_t g, const cudaGraphNode_t* deps, size_t num_deps,
+                                 void* func, void** args, unsigned threads) {
+  cudaKernelNodeParams k = {};
+  k.gridDim = dim3(1);
+  k.blockDim = dim3(threads);
+  k.kernelParams = args;
+  k.func = func;
+  return cudaGraphAddKernelNode(out, g, deps, num_deps, &k);
+}
+
 // 2 n node handles and n edge records (the caller frees both), or neither (false).
 static bool alloc_lists(size_t n, cudaGraphNode_t** nodes, cudaGraphEdgeData** edges) {
   *nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * 2 * n);
@@ -274,11 +286,6 @@ static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t mode
   err = cudaGraphGetNodes(g, nodes, &n);
   for (uint32_t point = 0; point < BLINK_STAMP_POINTS && err == cudaSuccess; ++point) {
     void* args[] = {&point, &bucket};
-    cudaKernelNodeParams k = {};
-    k.gridDim = dim3(1);
-    k.blockDim = dim3(1);
-    k.kernelParams = args;
-    k.func = (void*)bench_stamp;
     // the node at that fraction, or the first after it whose outgoing edges are all plain ones (a stamp in a
     // programmatic edge would take away the overlap it gives)
     size_t i = (size_t)((double)point / (BLINK_STAMP_POINTS - 1) * (double)(model_nodes - 1)), count = 0;
@@ -293,7 +300,7 @@ static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t mode
     cudaGraphNode_t stamp, at = nodes[i];
     for (size_t j = 0; j < count && err == cudaSuccess; ++j)
       err = cudaGraphRemoveDependencies(g, &at, &after[j], &edges[j], 1);
-    if (err == cudaSuccess) err = cudaGraphAddKernelNode(&stamp, g, &at, 1, &k);
+    if (err == cudaSuccess) err = add_one_block(&stamp, g, &at, 1, (void*)bench_stamp, args, 1);
     for (size_t j = 0; j < count && err == cudaSuccess; ++j)
       err = cudaGraphAddDependencies(g, &stamp, &after[j], &edges[j], 1);
   }
@@ -303,11 +310,10 @@ static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t mode
 }
 
 // (Measuring, BLINK_LOOP_PLAIN_EDGES=1.) Every programmatic edge of `child`'s graph made a plain one (no
-// programmatic dependent launch between those kernels); *count gets how many.
-static cudaError_t plain_edges(cudaGraphNode_t child, size_t* count) {
+// programmatic dependent launch between those kernels).
+static cudaError_t plain_edges(cudaGraphNode_t child) {
   cudaGraph_t g;
   size_t n = 0;
-  *count = 0;
   cudaError_t err = cudaGraphChildGraphNodeGetGraph(child, &g);
   if (err == cudaSuccess) err = cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n);
   if (err != cudaSuccess || n == 0) return err;
@@ -320,7 +326,6 @@ static cudaError_t plain_edges(cudaGraphNode_t child, size_t* count) {
     if (data[i].type == cudaGraphDependencyTypeDefault) continue;
     err = cudaGraphRemoveDependencies(g, &from[i], &to[i], &data[i], 1);
     if (err == cudaSuccess) err = cudaGraphAddDependencies(g, &from[i], &to[i], nullptr, 1);
-    *count += 1;
   }
   free(from);
   free(data);
@@ -482,8 +487,7 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     BLINK_TRY(cudaGraphAddChildGraphNode(&child, g, nullptr, 0, (cudaGraph_t)children[i]), 10);
     size_t model_nodes = 0;  // the captured graph's own nodes come first in its node list
     if (stamps) BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)children[i], nullptr, &model_nodes), 47);
-    size_t plained = 0;
-    if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(plain_edges(child, &plained), 49);
+    if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(plain_edges(child), 49);
     cudaGraphNode_t start_after = nullptr;
     if (i >= 4u * (uint32_t)hdr.cfg.num_buckets) {  // an extended branch: children[i] is its LOGITS graph
       // the take kernel after the POST graph: its logprobs read the sampled tokens, which the take kernel
@@ -525,13 +529,8 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     if (root && getenv("BLINK_LOOP_SPINNER_NS")) {
       uint64_t spin_ns = strtoull(getenv("BLINK_LOOP_SPINNER_NS"), nullptr, 10);
       void* spin_args[] = {&spin_ns};
-      cudaKernelNodeParams sp = {};
-      sp.gridDim = dim3(1);
-      sp.blockDim = dim3(64);
-      sp.kernelParams = spin_args;
-      sp.func = (void*)bench_spinner;
       cudaGraphNode_t spin_node;
-      BLINK_TRY(cudaGraphAddKernelNode(&spin_node, model, &root, 1, &sp), 46);
+      BLINK_TRY(add_one_block(&spin_node, model, &root, 1, (void*)bench_spinner, spin_args, 64), 46);
     }
     cudaKernelNodeParams side = k;
     side.func = (void*)blink_loop_publish;
@@ -588,16 +587,11 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, 
   BLINK_TRY(cudaGraphAddChildGraphNode(&child_node, graph, nullptr, 0, (cudaGraph_t)child), 4);
   size_t model_nodes = 0;
   BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)child, nullptr, &model_nodes), 20);
-  size_t plained = 0;  // (the same order as blink_loop_create's)
-  if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(plain_edges(child_node, &plained), 22);
+  // (the same order as blink_loop_create's)
+  if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(plain_edges(child_node), 22);
   if (stamp_bucket >= 0) BLINK_TRY(add_stamps(child_node, stamp_bucket, model_nodes), 21);
   void* kernel_args[] = {&left};
-  cudaKernelNodeParams k = {};
-  k.gridDim = dim3(1);
-  k.blockDim = dim3(1);
-  k.kernelParams = kernel_args;
-  k.func = (void*)bench_countdown;
-  if (mode == 0) BLINK_TRY(cudaGraphAddKernelNode(&count_node, graph, &child_node, 1, &k), 5);
+  if (mode == 0) BLINK_TRY(add_one_block(&count_node, graph, &child_node, 1, (void*)bench_countdown, kernel_args, 1), 5);
   const unsigned long long flags =
       cudaGraphInstantiateFlagDeviceLaunch | (mode == 1 ? cudaGraphInstantiateFlagUseNodePriority : 0);
   BLINK_TRY(cudaGraphInstantiateWithFlags(&exec, graph, flags), 10);

@@ -194,8 +194,8 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
       if (r[k].num_stop) is |= blink_is_stop_token(eos, 0, stop_ids + r[k].slot * max_stop, r[k].num_stop, 1, t);
       stop |= (uint32_t)is << k;
     }
-  int far_stop = 0;  // rows past the registers' (graphs of more than 256 rows)
-  for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < n; j += 32) {
+  int far_stop = 0;  // rows past the registers' (graphs of more than 256 rows; the asynchronous commit checks them)
+  for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < n && !async; j += 32) {
     const spec_row q = a->rows[j];
     far_stop |= q.hist >= 0 && blink_is_stop_token(a->eos_ids, (int32_t)num_eos, stop_ids + q.slot * max_stop,
                                                    q.num_stop, q.ignore_eos, (int32_t)sampled[j]);
