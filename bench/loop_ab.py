@@ -8,8 +8,9 @@ by `blink_loop_create`) run in turn on the same runner and shapes, `--rounds` ti
 also replays the bare graph at the loop's context; the figure is each variant's median of (loop step - bare
 replay of its round). Each round also replays the bare graph instantiated as the loop's bucket graphs are (a
 child node, device-launchable, node priorities honoured; `over_bare_inst_us`), launched from the host: what
-is left over that one is the loop's own work, not how its graphs are instantiated. Prints a table, writes a
-JSON file.
+is left over that one is the loop's own work, not how its graphs are instantiated. Without --stamps, each
+round also replays it with that instantiation's parts one at a time, and relaunched from the device without the
+loop's work (`MECHANISMS`): which part of the difference belongs to which. Prints a table, writes a JSON file.
 """
 from __future__ import annotations
 
@@ -74,7 +75,12 @@ def main() -> None:
                                                 stamp_bucket=bucket if args.stamps else -1)
                 if args.stamps:
                     _stamps(bucket, False, stamps, "bare_inst")
+                # the loop's instantiation in parts, and its relaunch from the device without the loop's work
+                parts = {} if args.stamps else {key: mechanism_replay_ms(runner, batch, 100, mode=mode)
+                                                for key, mode in MECHANISMS.items()}
                 runs[variant].append({"step_ms": pers["step_ms_mean"], "bare_ms": bare, "bare_inst_ms": bare_inst,
+                                      **{f"{key}_ms": ms for key, ms in parts.items()},
+                                      **{f"{key}_over_bare_us": 1e3 * (ms - bare) for key, ms in parts.items()},
                                       "over_bare_us": 1e3 * (pers["step_ms_mean"] - bare),
                                       "over_bare_inst_us": 1e3 * (pers["step_ms_mean"] - bare_inst),
                                       "gap_us": pers["gap_us"],
@@ -88,6 +94,9 @@ def main() -> None:
             row[f"{variant}_over_bare_inst_us_median"] = statistics.median(r["over_bare_inst_us"] for r in runs[variant])
             row[f"{variant}_gap_us_median"] = statistics.median(r["gap_us"] for r in runs[variant])
             row[f"{variant}_spec_us_median"] = statistics.median(r["spec_us"] for r in runs[variant])
+            for key in MECHANISMS if not args.stamps else ():
+                row[f"{variant}_{key}_over_bare_us_median"] = statistics.median(
+                    r[f"{key}_over_bare_us"] for r in runs[variant])
         if args.stamps:  # per point: loop - instantiated bare, median over rounds, us
             for variant in ("a", "b"):
                 for key in ("loop", "bare_inst"):
@@ -103,6 +112,10 @@ def main() -> None:
               f"{row['a_spec_us_median']:.1f} / {row['b_spec_us_median']:.1f} us | over the bare replay instantiated "
               f"as the loop's graphs: a {row['a_over_bare_inst_us_median']:+.1f}, "
               f"b {row['b_over_bare_inst_us_median']:+.1f} us", flush=True)
+        if not args.stamps:
+            print("      the bare replay, instantiated or launched otherwise, minus the plain one (us, a's rounds / "
+                  "b's): " + "; ".join(f"{key} {row[f'a_{key}_over_bare_us_median']:+.1f} / "
+                                       f"{row[f'b_{key}_over_bare_us_median']:+.1f}" for key in MECHANISMS), flush=True)
         if args.stamps:
             for variant in ("a", "b"):
                 print(f"      {variant}: loop - instantiated bare at points 1..7 (us from point 0): "
@@ -117,6 +130,12 @@ def main() -> None:
     path = out / f"loop_ab-{name}-{result['commit']}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
+
+
+# `blink_loop_bench_mechanism` modes besides 1 (the bare replay instantiated as the loop's graphs), each the same
+# bare replay: a child node in a plain graph (host launches); device-launchable only (host launches); relaunched
+# from the device by a kernel after it (the loop's mechanism without its work), and that with node priorities.
+MECHANISMS = {"child": 2, "devflag": 3, "device": 0, "device_prio": 4}
 
 
 def _stamps(bucket: int, on: bool, into: dict, key: str) -> None:

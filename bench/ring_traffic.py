@@ -57,6 +57,7 @@ from protocols.ring import FinishReason, RequestSpec  # noqa: E402
 from protocols.shm import attach_ring  # noqa: E402
 from protocols.shm_producer import RingProducer  # noqa: E402
 from tests.conftest import _wait_health, free_port  # noqa: E402
+from isolate_cores import isolate_cores  # noqa: E402
 from keep_awake import keep_awake  # noqa: E402
 from traffic_engine import MODEL_NAME, lag_us, traffic_engine  # noqa: E402
 
@@ -108,7 +109,8 @@ def openai_ttft_ms(url: str, key: str, samples: int) -> list[float]:
 
 @contextlib.contextmanager
 def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | None = None,
-                     profile: str | None = None, poll_spin_s: float | None = None, extra: Sequence[str] = ()):
+                     profile: str | None = None, poll_spin_s: float | None = None, extra: Sequence[str] = (),
+                     nice: int = 0):
     """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL. With `probe`, the
     gateway runs under `bench/gateway_probe.py` and writes its emit times and token ids there; with `profile`, a cProfile dump."""
     port = free_port()
@@ -122,8 +124,12 @@ def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | N
         cmd = [sys.executable, str(Path(__file__).resolve().parent / "gateway_probe.py"), probe or "", profile or "", *args]
     else:
         cmd = [sys.executable, "-m", "blink.cli", "gateway", *args]
-    gateway = subprocess.Popen(cmd, cwd=ROOT, env=env,
-                               preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+    def placed() -> None:  # in the gateway's process before it starts: its cores and its priority
+        if cores:
+            os.sched_setaffinity(0, cores)
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+    gateway = subprocess.Popen(cmd, cwd=ROOT, env=env, preexec_fn=placed if cores or nice else None)
     try:
         _wait_health(f"http://127.0.0.1:{port}/health", gateway, 60)
         yield f"http://127.0.0.1:{port}/v1", gateway.pid
@@ -171,10 +177,11 @@ def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pi
     marks = {}  # the gateway's CPU seconds and the time when the last stream started, the first ended
 
     def mark(name: str):
-        return (lambda stats: marks.update({name: (cpu_s(gateway_pid), time.monotonic_ns())})) if gateway_pid else None
+        return (lambda stats: marks.update({name: (cpu_s(gateway_pid), time.monotonic_ns(), thread_sched_ns(gateway_pid))})) \
+            if gateway_pid else None
 
     def done() -> None:
-        marks["done"] = cpu_s(gateway_pid), time.monotonic_ns()
+        marks["done"] = cpu_s(gateway_pid), time.monotonic_ns(), thread_sched_ns(gateway_pid)
         if at_end is not None:
             at_end()
     warm_up = run_streams(url, key, {**body, "max_tokens": 2}, 8, tick_s)[0]  # what the gateway does once only
@@ -189,11 +196,16 @@ def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pi
     cpu, received = {}, np.sort(np.frombuffer(stats.times_ns, dtype=np.int64))
     if gateway_pid and "started" in marks:  # tokens received by a mark: the client parses them after the run
         cpu_end = marks["done"]
-        for name, (cpu1, t1) in (("steady", cpu_end), ("all_open", marks.get("first_end", cpu_end))):
-            (cpu0, t0), tokens1 = marks["started"], int(np.searchsorted(received, t1, side="right"))
+        for name, (cpu1, t1, (run1, wait1)) in (("steady", cpu_end), ("all_open", marks.get("first_end", cpu_end))):
+            (cpu0, t0, (run0, wait0)), tokens1 = marks["started"], int(np.searchsorted(received, t1, side="right"))
             tokens0 = int(np.searchsorted(received, t0, side="right"))
             if tokens1 > tokens0:
                 cpu[f"gateway_cpu_us_per_token_{name}"] = 1e6 * (cpu1 - cpu0) / (tokens1 - tokens0)
+            # The gateway's event-loop thread over the window: waiting on its core's run queue (another thread
+            # of this machine ran), and neither running nor runnable: asleep (the poller's timer) or its vCPU
+            # not run by the host (steal, not always counted as such).
+            cpu[f"gateway_thread_runqueue_ms_{name}"] = (wait1 - wait0) / 1e6
+            cpu[f"gateway_thread_lost_ms_{name}"] = (t1 - t0 - (run1 - run0) - (wait1 - wait0)) / 1e6
     counts = [c.num_tokens for c in counters]
     return {"streams": streams, "max_tokens": max_tokens, "client_tick_s": tick_s, "wall_s": wall,
             "tokens": sum(counts), "complete_streams": sum(c.ok and c.num_tokens == max_tokens for c in counters),
@@ -206,6 +218,13 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process so far (/proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_sched_ns(pid: int) -> tuple[int, int]:
+    """Nanoseconds a process's main thread has run on a core and waited on a run queue so far
+    (/proc/PID/task/PID/schedstat)."""
+    run_ns, wait_ns, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+    return int(run_ns), int(wait_ns)
 
 
 def lag_stats(name: str, samples: list[tuple[int, float]], windows: dict) -> dict:
@@ -278,15 +297,17 @@ def stream(args: argparse.Namespace) -> None:
     engine_stats = Path(f"/tmp/blink-engine-stats-{os.getpid()}.json")
     with traffic_engine(args.tok_s, idle_s=0.0005, cores=other, stats_path=str(engine_stats)) as (_, control, engine):
         with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile,
-                              poll_spin_s=args.poll_spin_s, extra=args.gateway_arg) as (url, gateway):
+                              poll_spin_s=args.poll_spin_s, extra=args.gateway_arg, nice=args.gateway_nice) as (url, gateway):
             os.sched_setaffinity(0, other)
             awake = set() if args.let_cores_halt else other - gw_cores
-            with keep_awake(awake) as spinners:
+            with isolate_cores(gw_cores if args.isolate else set(), keep={gateway}) as moved, \
+                    keep_awake(awake) as spinners:
                 pids = {"gateway": gateway, "engine": engine, "client": os.getpid(),
                         **{f"keep_awake_{core}": pid for core, pid in zip(sorted(awake), spinners)}}
                 result = with_cpu_use(pids, lambda at_end: stream_clients(
                     url, "traffic-key", args.streams, args.tokens, gateway, args.client_tick_ms / 1e3,
                     args.connect_batch, at_end))
+            result["threads_moved_off_gateway_cores"] = sorted(moved)
     result.update(json.loads(engine_stats.read_text()))
     engine_stats.unlink()
     result.update(engine_steps(result.pop("engine_steps"), result))
@@ -298,6 +319,7 @@ def stream(args: argparse.Namespace) -> None:
     if args.samples_out:  # every token's (time ns, lag us), for looking at a run's course
         np.savez_compressed(args.samples_out, emit=np.array(emit).reshape(-1, 2), client=np.array(samples).reshape(-1, 2))
     result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
+              "gateway_nice": args.gateway_nice, "gateway_cores_isolated": args.isolate,
               "keep_awake_cores": sorted(awake),
               "gateway_poll_spin_s": args.poll_spin_s, "gateway_args": args.gateway_arg, "engine_tok_s_per_stream": args.tok_s, **result,
               **(lag_stats("emit_lag_us", emit, result) if emit else {})}
@@ -359,6 +381,8 @@ def summary(r: dict) -> str:
               f"{awake}; "
               f"others {r['foreign_cpu_util']:.0%}, "
               f"stolen {r['steal_cpu_util']:.0%}; listen overflows {r['listen_overflows']}",
+              f"  gateway thread, all open: {r.get('gateway_thread_runqueue_ms_all_open', float('nan')):.1f} ms on the run "
+              f"queue, {r.get('gateway_thread_lost_ms_all_open', float('nan')):.1f} ms neither running nor runnable",
               f"  engine publish lateness P50 {r['engine_late_us_p50'] / 1e3:.2f} ms, P99 {r['engine_late_us_p99'] / 1e3:.2f} ms, "
               f"max {r['engine_late_us_max'] / 1e3:.2f} ms; all open: steps every {r.get('engine_gap_us_all_open_p50', 0) / 1e3:.2f} ms "
               f"(P99 {r.get('engine_gap_us_all_open_p99', 0) / 1e3:.2f}), {r.get('engine_gaps_over_1_ms_all_open')} gaps over 1 ms, "
@@ -401,6 +425,12 @@ def main() -> None:
                          "they halt when idle, and a halted vCPU wakes when the host runs it again")
     st.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
                     help="passed to `blink gateway` (repeatable), e.g. --gateway-arg=--no-setup-pacing")
+    st.add_argument("--gateway-nice", type=int, default=0,
+                    help="the gateway's nice value (-20 .. 19; below 0 needs root): at -20 the kernel's own threads "
+                         "and the gateway's helper threads on its core wait rather than preempt its event loop")
+    st.add_argument("--isolate", action="store_true",
+                    help="move every other thread that can run elsewhere off the gateway's cores for the run "
+                         "(`bench/isolate_cores.py`), as isolcpus= or systemd's CPUAffinity= would on an appliance")
     st.add_argument("--tag", help="appended to the result file's name (repeated runs)")
     st.add_argument("--samples-out", help="also write every token's emit and client (time, lag) here (.npz)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))

@@ -574,6 +574,9 @@ int blink_loop_launch(blink_loop* L) {
 // in it). mode 1: the child inside a graph instantiated as the loop's bucket graphs are (device-launchable,
 // node priorities honoured), launched from the host back to back (the bare replay with the loop's
 // instantiation, so that a comparison separates the loop's work from how its graphs are instantiated).
+// Each part of that on its own, launched from the host back to back: mode 2, the child node in a plain
+// graph; mode 3, device-launchable (no node priorities). mode 4: mode 0 instantiated as the loop's graphs
+// (node priorities honoured, the relaunching kernel at the greatest priority, as the take kernel is).
 // stamp_bucket >= 0: with the stamp kernels of that bucket (BLINK_LOOP_STAMPS).
 int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, int32_t stamp_bucket, double* ns_out) {
   cudaStream_t stream;
@@ -591,9 +594,16 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, 
   if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(plain_edges(child_node), 22);
   if (stamp_bucket >= 0) BLINK_TRY(add_stamps(child_node, stamp_bucket, model_nodes), 21);
   void* kernel_args[] = {&left};
-  if (mode == 0) BLINK_TRY(add_one_block(&count_node, graph, &child_node, 1, (void*)bench_countdown, kernel_args, 1), 5);
-  const unsigned long long flags =
-      cudaGraphInstantiateFlagDeviceLaunch | (mode == 1 ? cudaGraphInstantiateFlagUseNodePriority : 0);
+  const bool relaunched = mode == 0 || mode == 4, prioritized = mode == 1 || mode == 4;
+  if (relaunched) BLINK_TRY(add_one_block(&count_node, graph, &child_node, 1, (void*)bench_countdown, kernel_args, 1), 5);
+  if (mode == 4) {
+    int least = 0;
+    cudaKernelNodeAttrValue priority = {};
+    BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &priority.priority), 23);
+    BLINK_TRY(cudaGraphKernelNodeSetAttribute(count_node, cudaKernelNodeAttributePriority, &priority), 24);
+  }
+  const unsigned long long flags = (mode == 2 ? 0 : cudaGraphInstantiateFlagDeviceLaunch) |
+                                   (prioritized ? cudaGraphInstantiateFlagUseNodePriority : 0);
   BLINK_TRY(cudaGraphInstantiateWithFlags(&exec, graph, flags), 10);
   BLINK_TRY(cudaGraphUpload(exec, stream), 11);
   cudaEvent_t a, b;
@@ -604,7 +614,7 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, 
     const uint32_t n = round ? iterations : 3;
     BLINK_TRY(cudaMemcpyAsync(left, &n, sizeof(n), cudaMemcpyHostToDevice, stream), 14);
     BLINK_TRY(cudaEventRecord(a, stream), 15);
-    for (uint32_t i = 0; i < (mode == 0 ? 1u : n); ++i) BLINK_TRY(cudaGraphLaunch(exec, stream), 16);
+    for (uint32_t i = 0; i < (relaunched ? 1u : n); ++i) BLINK_TRY(cudaGraphLaunch(exec, stream), 16);
     BLINK_TRY(cudaEventRecord(b, stream), 17);
     BLINK_TRY(cudaEventSynchronize(b), 18);
     BLINK_TRY(cudaEventElapsedTime(&ms, a, b), 19);
