@@ -10,7 +10,8 @@ replay of its round). Each round also replays the bare graph instantiated as the
 child node, device-launchable, node priorities honoured; `over_bare_inst_us`), launched from the host: what
 is left over that one is the loop's own work, not how its graphs are instantiated. Without --stamps, each
 round also replays it with that instantiation's parts one at a time, and relaunched from the device without the
-loop's work (`MECHANISMS`): which part of the difference belongs to which. Prints a table, writes a JSON file.
+loop's work (`MECHANISMS`), and repeated by a conditional WHILE node (`WHILE_MODES`, the loop's other
+mechanism): which part of the difference belongs to which. Prints a table, writes a JSON file.
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ def main() -> None:
                 # the loop's instantiation in parts, and its relaunch from the device without the loop's work
                 parts = {} if args.stamps else {key: mechanism_replay_ms(runner, batch, 100, mode=mode)
                                                 for key, mode in MECHANISMS.items()}
+                if not args.stamps:
+                    parts.update({key: while_replay_ms(runner, batch, 100, mode) for key, mode in WHILE_MODES.items()})
                 runs[variant].append({"step_ms": pers["step_ms_mean"], "bare_ms": bare, "bare_inst_ms": bare_inst,
                                       **{f"{key}_ms": ms for key, ms in parts.items()},
                                       **{f"{key}_over_bare_us": 1e3 * (ms - bare) for key, ms in parts.items()},
@@ -94,7 +97,7 @@ def main() -> None:
             row[f"{variant}_over_bare_inst_us_median"] = statistics.median(r["over_bare_inst_us"] for r in runs[variant])
             row[f"{variant}_gap_us_median"] = statistics.median(r["gap_us"] for r in runs[variant])
             row[f"{variant}_spec_us_median"] = statistics.median(r["spec_us"] for r in runs[variant])
-            for key in MECHANISMS if not args.stamps else ():
+            for key in {**MECHANISMS, **WHILE_MODES} if not args.stamps else ():
                 row[f"{variant}_{key}_over_bare_us_median"] = statistics.median(
                     r[f"{key}_over_bare_us"] for r in runs[variant])
         if args.stamps:  # per point: loop - instantiated bare, median over rounds, us
@@ -115,7 +118,8 @@ def main() -> None:
         if not args.stamps:
             print("      the bare replay, instantiated or launched otherwise, minus the plain one (us, a's rounds / "
                   "b's): " + "; ".join(f"{key} {row[f'a_{key}_over_bare_us_median']:+.1f} / "
-                                       f"{row[f'b_{key}_over_bare_us_median']:+.1f}" for key in MECHANISMS), flush=True)
+                                       f"{row[f'b_{key}_over_bare_us_median']:+.1f}" for key in {**MECHANISMS, **WHILE_MODES}),
+                  flush=True)
         if args.stamps:
             for variant in ("a", "b"):
                 print(f"      {variant}: loop - instantiated bare at points 1..7 (us from point 0): "
@@ -136,6 +140,31 @@ def main() -> None:
 # bare replay: a child node in a plain graph (host launches); device-launchable only (host launches); relaunched
 # from the device by a kernel after it (the loop's mechanism without its work), and that with node priorities.
 MECHANISMS = {"child": 2, "devflag": 3, "device": 0, "device_prio": 4}
+
+
+# bench/while_mechanism.cu's modes: the same bare replay repeated by a conditional WHILE node (host-launched
+# once, nothing device-launchable), alone and with a SWITCH around the graph (the loop's shape before device
+# graph launch).
+WHILE_MODES = {"while": 0, "while_switch": 1}
+
+
+def while_replay_ms(runner: GpuRunner, batch, reps: int, mode: int) -> float:
+    from kernels.persistent_loop import ARCH, nvcc
+    from kernels.sched_host import cached_build
+    from gpu_host import _graph_for
+
+    source = ROOT / "bench" / "while_mechanism.cu"
+    lib = ctypes.CDLL(str(cached_build("while_mechanism", (source,), [
+        nvcc(), f"-arch={ARCH}", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", str(source)])))
+    graph = _graph_for(runner, batch)
+    torch.cuda.synchronize()
+    ns = ctypes.c_double()
+    fn = lib.blink_bench_while
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.POINTER(ctypes.c_double)], ctypes.c_int
+    err = fn(graph.raw_cuda_graph(), reps, mode, ctypes.byref(ns))
+    if err:
+        raise RuntimeError(f"bench/while_mechanism.cu mode {mode}: step {err} failed")
+    return ns.value / 1e6
 
 
 def _stamps(bucket: int, on: bool, into: dict, key: str) -> None:
