@@ -6,6 +6,7 @@
 //   mode 0: WHILE { child -> countdown }                 (the mechanism alone)
 //   mode 1: WHILE { SWITCH { child } -> countdown }      (the loop's former shape: the kernel after the step
 //                                                         sets the next step's branch)
+//   mode 2, 3: modes 0, 1 with the child's programmatic edges made plain ones (if a body refuses them)
 //
 // The countdown kernel, one thread, ends the loop after `iterations` bodies; in mode 1 it also sets the
 // SWITCH's branch each time, as the take kernel set the next bucket.
@@ -13,9 +14,11 @@
 
 #include <cstdint>
 
-#define TRY(call, code)                      \
-  do {                                       \
-    if ((call) != cudaSuccess) return (code); \
+// a failed step returns 1000 * its number + the CUDA error code
+#define TRY(call, code)                                  \
+  do {                                                   \
+    cudaError_t err_ = (call);                           \
+    if (err_ != cudaSuccess) return 1000 * (code) + err_; \
   } while (0)
 
 __global__ void while_countdown(cudaGraphConditionalHandle loop, cudaGraphConditionalHandle branch, uint32_t* left,
@@ -36,6 +39,27 @@ static cudaError_t add_conditional(cudaGraphNode_t* node, cudaGraph_t g, cudaGra
   return err;
 }
 
+// The programmatic edges of the child node's graph (its own copy) made plain ones.
+static cudaError_t plain_edges(cudaGraphNode_t child) {
+  cudaGraph_t g;
+  size_t n = 0;
+  cudaError_t err = cudaGraphChildGraphNodeGetGraph(child, &g);
+  if (err == cudaSuccess) err = cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n);
+  if (err != cudaSuccess || n == 0) return err;
+  cudaGraphNode_t* from = new cudaGraphNode_t[2 * n];
+  cudaGraphNode_t* to = from + n;
+  cudaGraphEdgeData* data = new cudaGraphEdgeData[n];
+  err = cudaGraphGetEdges(g, from, to, data, &n);
+  for (size_t i = 0; i < n && err == cudaSuccess; ++i) {
+    if (data[i].type == cudaGraphDependencyTypeDefault) continue;
+    err = cudaGraphRemoveDependencies(g, &from[i], &to[i], &data[i], 1);
+    if (err == cudaSuccess) err = cudaGraphAddDependencies(g, &from[i], &to[i], nullptr, 1);
+  }
+  delete[] from;
+  delete[] data;
+  return err;
+}
+
 // child: a cudaGraph_t (PyTorch's capture); *ns_out: GPU time per iteration (CUDA events), after a warm-up launch.
 extern "C" int blink_bench_while(void* child, uint32_t iterations, uint32_t mode, double* ns_out) {
   cudaStream_t stream;
@@ -50,15 +74,17 @@ extern "C" int blink_bench_while(void* child, uint32_t iterations, uint32_t mode
   TRY(cudaGraphConditionalHandleCreate(&loop, top, 1, cudaGraphCondAssignDefault), 4);
   TRY(cudaGraphConditionalHandleCreate(&branch, top, 0, cudaGraphCondAssignDefault), 5);
   TRY(add_conditional(&while_node, top, loop, cudaGraphCondTypeWhile, &body), 6);
-  if (mode == 1) {
+  const bool with_switch = mode & 1;
+  if (with_switch) {
     TRY(add_conditional(&step_node, body, branch, cudaGraphCondTypeSwitch, &inner), 7);
   } else {
     inner = body;
   }
   cudaGraphNode_t child_node;
   TRY(cudaGraphAddChildGraphNode(&child_node, inner, nullptr, 0, (cudaGraph_t)child), 8);
-  if (mode != 1) step_node = child_node;
-  int set_branch = mode == 1;
+  if (mode & 2) TRY(plain_edges(child_node), 20);
+  if (!with_switch) step_node = child_node;
+  int set_branch = with_switch;
   void* args[] = {&loop, &branch, &left, &set_branch};
   cudaKernelNodeParams k = {};
   k.func = (void*)while_countdown;
