@@ -326,6 +326,7 @@ def stream(args: argparse.Namespace) -> None:
     record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else "")
            + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}")
            + ("" if args.client_tick_ms else "_woken") + ("_halt" if args.let_cores_halt else "")
+           + (f"_nice{args.gateway_nice}" if args.gateway_nice else "") + ("_iso" if args.isolate else "")
            + (f"_{args.tag}" if args.tag else ""))
     print(summary(result))
 
