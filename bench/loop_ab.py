@@ -153,9 +153,10 @@ def while_replay_ms(runner: GpuRunner, batch, reps: int, mode: int) -> float:
     from kernels.sched_host import cached_build
     from gpu_host import _graph_for
 
-    source = ROOT / "bench" / "while_mechanism.cu"
-    lib = ctypes.CDLL(str(cached_build("while_mechanism", (source,), [
-        nvcc(), f"-arch={ARCH}", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", str(source)])))
+    source, include = ROOT / "bench" / "while_mechanism.cu", ROOT / "kernels" / "csrc" / "include"
+    lib = ctypes.CDLL(str(cached_build("while_mechanism", (source, include / "blink_graph_measure.cuh"), [
+        nvcc(), f"-arch={ARCH}", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
+        "-I", str(include), str(source)])))
     graph = _graph_for(runner, batch)
     torch.cuda.synchronize()
     ns = ctypes.c_double()

@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "blink_graph_measure.cuh"
+
 // a failed step returns 1000 * its number + the CUDA error code
 #define TRY(call, code)                                  \
   do {                                                   \
@@ -39,27 +41,6 @@ static cudaError_t add_conditional(cudaGraphNode_t* node, cudaGraph_t g, cudaGra
   return err;
 }
 
-// The programmatic edges of the child node's graph (its own copy) made plain ones.
-static cudaError_t plain_edges(cudaGraphNode_t child) {
-  cudaGraph_t g;
-  size_t n = 0;
-  cudaError_t err = cudaGraphChildGraphNodeGetGraph(child, &g);
-  if (err == cudaSuccess) err = cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n);
-  if (err != cudaSuccess || n == 0) return err;
-  cudaGraphNode_t* from = new cudaGraphNode_t[2 * n];
-  cudaGraphNode_t* to = from + n;
-  cudaGraphEdgeData* data = new cudaGraphEdgeData[n];
-  err = cudaGraphGetEdges(g, from, to, data, &n);
-  for (size_t i = 0; i < n && err == cudaSuccess; ++i) {
-    if (data[i].type == cudaGraphDependencyTypeDefault) continue;
-    err = cudaGraphRemoveDependencies(g, &from[i], &to[i], &data[i], 1);
-    if (err == cudaSuccess) err = cudaGraphAddDependencies(g, &from[i], &to[i], nullptr, 1);
-  }
-  delete[] from;
-  delete[] data;
-  return err;
-}
-
 // child: a cudaGraph_t (PyTorch's capture); *ns_out: GPU time per iteration (CUDA events), after a warm-up launch.
 extern "C" int blink_bench_while(void* child, uint32_t iterations, uint32_t mode, double* ns_out) {
   cudaStream_t stream;
@@ -82,7 +63,7 @@ extern "C" int blink_bench_while(void* child, uint32_t iterations, uint32_t mode
   }
   cudaGraphNode_t child_node;
   TRY(cudaGraphAddChildGraphNode(&child_node, inner, nullptr, 0, (cudaGraph_t)child), 8);
-  if (mode & 2) TRY(plain_edges(child_node), 20);
+  if (mode & 2) TRY(blink_plain_edges(child_node), 20);
   if (!with_switch) step_node = child_node;
   int set_branch = with_switch;
   void* args[] = {&loop, &branch, &left, &set_branch};
@@ -94,22 +75,7 @@ extern "C" int blink_bench_while(void* child, uint32_t iterations, uint32_t mode
   TRY(cudaGraphAddKernelNode(&count_node, body, &step_node, 1, &k), 9);
   TRY(cudaGraphInstantiateWithFlags(&exec, top, 0), 10);
   TRY(cudaGraphUpload(exec, stream), 11);
-  cudaEvent_t a, b;
-  TRY(cudaEventCreate(&a), 12);
-  TRY(cudaEventCreate(&b), 13);
-  float ms = 0.0f;
-  for (int round = 0; round < 2; ++round) {  // the first round warms up
-    const uint32_t n = round ? iterations : 3;
-    TRY(cudaMemcpyAsync(left, &n, sizeof(n), cudaMemcpyHostToDevice, stream), 14);
-    TRY(cudaEventRecord(a, stream), 15);
-    TRY(cudaGraphLaunch(exec, stream), 16);
-    TRY(cudaEventRecord(b, stream), 17);
-    TRY(cudaEventSynchronize(b), 18);
-    TRY(cudaEventElapsedTime(&ms, a, b), 19);
-  }
-  *ns_out = 1e6 * (double)ms / iterations;
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
+  TRY(blink_time_iterations(exec, stream, left, iterations, true, ns_out), 12);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(top);
   cudaFree(left);

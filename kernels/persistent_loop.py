@@ -16,7 +16,8 @@ from pathlib import Path
 from kernels.sched_host import CSRC, cached_build
 
 SOURCES = (CSRC / "persistent_loop.cu", CSRC / "include" / "blink_loop.cuh", CSRC / "include" / "blink_loop_spec.cuh",
-           CSRC / "include" / "blink_loop_ext.cuh", CSRC / "include" / "blink_sched.h", CSRC / "include" / "blink_sched_par.cuh", CSRC / "include" / "blink_ring.h")
+           CSRC / "include" / "blink_loop_ext.cuh", CSRC / "include" / "blink_sched.h", CSRC / "include" / "blink_sched_par.cuh", CSRC / "include" / "blink_ring.h",
+           CSRC / "include" / "blink_graph_measure.cuh")
 ARCH = os.environ.get("BLINK_CUDA_ARCH", "sm_90")
 _u32, _u64, _i64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
 

@@ -42,6 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blink_graph_measure.cuh"
 #include "blink_loop.cuh"  // and blink_loop_ext.cuh
 #include "blink_loop_spec.cuh"
 #include "blink_sched_par.cuh"
@@ -309,28 +310,6 @@ static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t mode
   return err;
 }
 
-// (Measuring, BLINK_LOOP_PLAIN_EDGES=1.) Every programmatic edge of `child`'s graph made a plain one (no
-// programmatic dependent launch between those kernels).
-static cudaError_t plain_edges(cudaGraphNode_t child) {
-  cudaGraph_t g;
-  size_t n = 0;
-  cudaError_t err = cudaGraphChildGraphNodeGetGraph(child, &g);
-  if (err == cudaSuccess) err = cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n);
-  if (err != cudaSuccess || n == 0) return err;
-  cudaGraphNode_t* from;
-  cudaGraphEdgeData* data;
-  if (!alloc_lists(n, &from, &data)) return cudaErrorMemoryAllocation;
-  cudaGraphNode_t* to = from + n;
-  err = cudaGraphGetEdges(g, from, to, data, &n);
-  for (size_t i = 0; i < n && err == cudaSuccess; ++i) {
-    if (data[i].type == cudaGraphDependencyTypeDefault) continue;
-    err = cudaGraphRemoveDependencies(g, &from[i], &to[i], &data[i], 1);
-    if (err == cudaSuccess) err = cudaGraphAddDependencies(g, &from[i], &to[i], nullptr, 1);
-  }
-  free(from);
-  free(data);
-  return err;
-}
 
 // The switches read at build time, all for measuring (bench/loop_ab.py): BLINK_LOOP_SPEC_TAIL_CHECK=0,
 // BLINK_LOOP_SPEC_PRIORITY=0, BLINK_LOOP_SIDE_ROOT=1, BLINK_LOOP_SMEM=0, BLINK_LOOP_SPEC_AT=<fraction>,
@@ -487,7 +466,7 @@ int blink_loop_create(const blink_loop_args* args_in, void* const* children, voi
     BLINK_TRY(cudaGraphAddChildGraphNode(&child, g, nullptr, 0, (cudaGraph_t)children[i]), 10);
     size_t model_nodes = 0;  // the captured graph's own nodes come first in its node list
     if (stamps) BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)children[i], nullptr, &model_nodes), 47);
-    if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(plain_edges(child), 49);
+    if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(blink_plain_edges(child), 49);
     cudaGraphNode_t start_after = nullptr;
     if (i >= 4u * (uint32_t)hdr.cfg.num_buckets) {  // an extended branch: children[i] is its LOGITS graph
       // the take kernel after the POST graph: its logprobs read the sampled tokens, which the take kernel
@@ -591,7 +570,7 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, 
   size_t model_nodes = 0;
   BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)child, nullptr, &model_nodes), 20);
   // (the same order as blink_loop_create's)
-  if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(plain_edges(child_node), 22);
+  if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(blink_plain_edges(child_node), 22);
   if (stamp_bucket >= 0) BLINK_TRY(add_stamps(child_node, stamp_bucket, model_nodes), 21);
   void* kernel_args[] = {&left};
   const bool relaunched = mode == 0 || mode == 4, prioritized = mode == 1 || mode == 4;
@@ -606,22 +585,7 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, 
                                    (prioritized ? cudaGraphInstantiateFlagUseNodePriority : 0);
   BLINK_TRY(cudaGraphInstantiateWithFlags(&exec, graph, flags), 10);
   BLINK_TRY(cudaGraphUpload(exec, stream), 11);
-  cudaEvent_t a, b;
-  BLINK_TRY(cudaEventCreate(&a), 12);
-  BLINK_TRY(cudaEventCreate(&b), 13);
-  float ms = 0.0f;
-  for (int round = 0; round < 2; ++round) {  // the first round warms up
-    const uint32_t n = round ? iterations : 3;
-    BLINK_TRY(cudaMemcpyAsync(left, &n, sizeof(n), cudaMemcpyHostToDevice, stream), 14);
-    BLINK_TRY(cudaEventRecord(a, stream), 15);
-    for (uint32_t i = 0; i < (relaunched ? 1u : n); ++i) BLINK_TRY(cudaGraphLaunch(exec, stream), 16);
-    BLINK_TRY(cudaEventRecord(b, stream), 17);
-    BLINK_TRY(cudaEventSynchronize(b), 18);
-    BLINK_TRY(cudaEventElapsedTime(&ms, a, b), 19);
-  }
-  *ns_out = 1e6 * (double)ms / iterations;
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
+  BLINK_TRY(blink_time_iterations(exec, stream, left, iterations, relaunched, ns_out), 12);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaFree(left);
