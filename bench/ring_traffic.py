@@ -166,10 +166,16 @@ def ttft(args: argparse.Namespace) -> None:
 
 
 def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | None = None,
-                   tick_s: float = 0.0, connect_batch: int = 0, at_end: Callable[[], None] | None = None) -> dict:
+                   tick_s: float = 0.0, connect_batch: int = 0, at_end: Callable[[], None] | None = None,
+                   refill_s: float = 0.0, tokens_spread: float = 0.0) -> dict:
     """`streams` concurrent streaming completions (`bench/stream_client.py`); per-token publish-to-receipt
     latency from the ids. With `gateway_pid`: the gateway's CPU per token received after every stream
-    started (steady state). `at_end` is called when every stream is done, before the bodies are parsed."""
+    started (steady state). `at_end` is called when every stream is done, before the bodies are parsed.
+    `tokens_spread` f: each stream asks for a whole number of tokens drawn uniformly from max_tokens * (1 -+ f)
+    (seeded); `refill_s`: ended streams are replaced for that long (the all-open window then has set-ups and
+    ends at the workload's own pace, and lasts until the first end that is not replaced)."""
+    import random
+
     from stream_client import run_streams
 
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "stream": True,
@@ -188,11 +194,15 @@ def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pi
     assert all(c.ok for c in warm_up), "warm-up requests failed"
     gc.collect()
     gc.freeze()  # the client's collections must not walk torch's objects (imported with the engine's code)
+    rng, low, high = random.Random(0), round(max_tokens * (1 - tokens_spread)), round(max_tokens * (1 + tokens_spread))
+    lengths = iter(lambda: rng.randint(max(low, 1), high), None) if tokens_spread else None
     counters, stats, wall = run_streams(url, key, body, streams, tick_s, mark("started"), mark("first_end"),
-                                        connect_batch, on_done=done if gateway_pid else at_end)
+                                        connect_batch, on_done=done if gateway_pid else at_end, refill_s=refill_s,
+                                        lengths=lengths)
     samples = list(zip(stats.times_ns, (lag_us(t, r) for t, r in zip(stats.tokens, stats.times_ns))))
-    windows = {"steady_ns": max(stats.first_ns),  # every stream has started: the ramp of request set-ups is over
-               "first_end_ns": min(stats.end_ns)}  # until here, every stream was open (no stream ends yet)
+    windows = {"steady_ns": sorted(stats.first_ns)[streams - 1],  # every stream has started: the ramp is over
+               # until here, every stream was open (no stream had ended, or each one ended was replaced)
+               "first_end_ns": stats.refill_end_ns}
     cpu, received = {}, np.sort(np.frombuffer(stats.times_ns, dtype=np.int64))
     if gateway_pid and "started" in marks:  # tokens received by a mark: the client parses them after the run
         cpu_end = marks["done"]
@@ -208,7 +218,9 @@ def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pi
             cpu[f"gateway_thread_lost_ms_{name}"] = (t1 - t0 - (run1 - run0) - (wait1 - wait0)) / 1e6
     counts = [c.num_tokens for c in counters]
     return {"streams": streams, "max_tokens": max_tokens, "client_tick_s": tick_s, "wall_s": wall,
-            "tokens": sum(counts), "complete_streams": sum(c.ok and c.num_tokens == max_tokens for c in counters),
+            "tokens": sum(counts), "requests": len(counters),
+            "complete_streams": sum(c.ok and c.num_tokens == c.max_tokens for c in counters),
+            "refill_s": refill_s, "tokens_spread": tokens_spread,
             "tok_s": sum(counts) / wall, **windows, "ramp_s": (windows["steady_ns"] - stats.t0_ns) / 1e9,
             "all_open_s": (windows["first_end_ns"] - windows["steady_ns"]) / 1e9,
             "samples": samples, **cpu, **lag_stats("lag_us", samples, windows)}
@@ -306,7 +318,7 @@ def stream(args: argparse.Namespace) -> None:
                         **{f"keep_awake_{core}": pid for core, pid in zip(sorted(awake), spinners)}}
                 result = with_cpu_use(pids, lambda at_end: stream_clients(
                     url, "traffic-key", args.streams, args.tokens, gateway, args.client_tick_ms / 1e3,
-                    args.connect_batch, at_end))
+                    args.connect_batch, at_end, args.refill_s, args.tokens_spread))
             result["threads_moved_off_gateway_cores"] = sorted(moved)
     result.update(json.loads(engine_stats.read_text()))
     engine_stats.unlink()
@@ -327,6 +339,7 @@ def stream(args: argparse.Namespace) -> None:
            + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}")
            + ("" if args.client_tick_ms else "_woken") + ("_halt" if args.let_cores_halt else "")
            + (f"_nice{args.gateway_nice}" if args.gateway_nice else "") + ("_iso" if args.isolate else "")
+           + (f"_refill{args.refill_s:g}" if args.refill_s else "") + (f"_spread{args.tokens_spread:g}" if args.tokens_spread else "")
            + (f"_{args.tag}" if args.tag else ""))
     print(summary(result))
 
@@ -370,7 +383,7 @@ def summary(r: dict) -> str:
                          for part in ("", "_steady", "_all_open") if f"{name}{part}_p50" in r)
     awake = "".join(f", keep-awake core {core} {r[f'keep_awake_{core}_cpu_util']:.0%}" for core in r.get("keep_awake_cores", ()))
     lines = [f"{r['streams']} streams x {r['max_tokens']} tokens at {r['engine_tok_s_per_stream']:g} tok/s each: "
-             f"{r['tok_s']:.0f} tok/s delivered, {r['complete_streams']} complete; all started after {r['ramp_s']:.2f} s, "
+             f"{r['tok_s']:.0f} tok/s delivered, {r['complete_streams']} of {r.get('requests', r['streams'])} complete; all started after {r['ramp_s']:.2f} s, "
              f"all open for {r['all_open_s']:.2f} s",
              f"  publish -> client (ms): {lags('lag_us')}"]
     if "emit_lag_us_p50" in r:
@@ -432,6 +445,12 @@ def main() -> None:
     st.add_argument("--isolate", action="store_true",
                     help="move every other thread that can run elsewhere off the gateway's cores for the run "
                          "(`bench/isolate_cores.py`), as isolcpus= or systemd's CPUAffinity= would on an appliance")
+    st.add_argument("--tokens-spread", type=float, default=0.0,
+                    help="each stream asks for a number of tokens drawn uniformly from tokens * (1 -+ F), so that "
+                         "streams end at different times (0: every stream asks for --tokens)")
+    st.add_argument("--refill-s", type=float, default=0.0,
+                    help="for this many seconds from the start, replace each stream that ends with a new one: "
+                         "--streams stay open while requests start and end (with --tokens-spread, spread out)")
     st.add_argument("--tag", help="appended to the result file's name (repeated runs)")
     st.add_argument("--samples-out", help="also write every token's emit and client (time, lag) here (.npz)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))

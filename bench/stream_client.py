@@ -9,6 +9,11 @@ only whether the body now ends with [DONE] and the chunked terminator. Everythin
 of the run (`StreamBody.parse`): the chunked framing, every event as JSON, the tokens in the event texts
 and each one's receipt time (the read that completed its event).
 
+`refill_s` > 0: for that long from the start, a stream that ends is replaced by a new one on a new connection,
+so the streams stay open in number while requests start and end at the workload's own pace (with `max_tokens`
+varied per stream, `lengths`, the ends spread out after the first generation). `StreamStats.refill_end_ns` is
+the first end that was not replaced: until then every stream slot was open.
+
 `tick_s` > 0: the client sleeps `tick_s` between rounds and then reads whatever arrived (never blocked in
 epoll): a gateway's write then finds no reader to wake on another core, as with a client on another host;
 0: it blocks in epoll and each write wakes it (on loopback the sender pays for that wake-up).
@@ -22,7 +27,7 @@ import re
 import select
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 WORD = re.compile(rb"w(\d+)")
@@ -46,12 +51,15 @@ class StreamStats:
         self.t0_ns = 0  # when the first stream was opened
         self.num_streams = num_streams
         self.on_all_started = on_all_started  # called once, when the last stream gets its first token
-        self.on_first_end = on_first_end  # called once, when the first stream is complete
+        self.on_first_end = on_first_end  # called once, when the first stream is complete and not replaced
+        self.refill_end_ns = 0  # when the first stream ended that was not replaced
 
-    def ended(self, now_ns: int) -> None:
+    def ended(self, now_ns: int, replaced: bool = False) -> None:
         self.end_ns.append(now_ns)
-        if len(self.end_ns) == 1 and self.on_first_end is not None:
-            self.on_first_end(self)
+        if not replaced and not self.refill_end_ns:
+            self.refill_end_ns = now_ns
+            if self.on_first_end is not None:
+                self.on_first_end(self)
 
     def first_token(self, now_ns: int) -> None:
         self.first_ns.append(now_ns)
@@ -63,10 +71,12 @@ class StreamBody:
     """One streamed completion's response, every byte kept: `add` after each read (True once the body is
     complete, the reply is an error or the peer closed), `parse` once the run is over."""
 
-    __slots__ = ("stats", "buf", "view", "size", "reads", "head_end", "started", "num_tokens", "num_events", "ok")
+    __slots__ = ("stats", "buf", "view", "size", "reads", "head_end", "started", "num_tokens", "num_events", "ok",
+                 "max_tokens")
 
-    def __init__(self, stats: StreamStats, capacity: int = 65536):
+    def __init__(self, stats: StreamStats, capacity: int = 65536, max_tokens: int = 0):
         self.stats = stats
+        self.max_tokens = max_tokens  # what its request asked for
         self.buf = bytearray(capacity)
         self.view = memoryview(self.buf)
         self.size = 0  # bytes read so far
@@ -181,16 +191,25 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
                 on_all_started: Callable[[StreamStats], None] | None = None,
                 on_first_end: Callable[[StreamStats], None] | None = None, connect_batch: int = 0,
                 connect_gap_s: float = 0.005, on_done: Callable[[], None] | None = None,
+                refill_s: float = 0.0, lengths: Iterator[int] | None = None,
                 ) -> tuple[list[StreamBody], StreamStats, float]:
     """All streams, `connect_batch` connections every `connect_gap_s` (0: all at once), read as they go;
     returns each stream's body (parsed), the token samples and the wall time (s) of the streaming, which
     ends with `on_done()` (before the parse, whose CPU time is not the run's). Connections are opened
     without blocking: one whose SYN a full listen backlog dropped (`listen_overflows` in the results counts
-    them; it waits a second or more for the retransmit) holds up no other stream."""
+    them; it waits a second or more for the retransmit) holds up no other stream. `lengths`: each new
+    stream's `max_tokens` (else `body`'s); `refill_s`: see the module's doc."""
     connect_batch = connect_batch or num_streams
     addr = (urlsplit(url).hostname, urlsplit(url).port)
-    request, stats = completion_request(url, key, body), StreamStats(num_streams, on_all_started, on_first_end)
-    capacity = 4096 + BODY_BYTES_PER_TOKEN * body.get("max_tokens", 16)
+    stats = StreamStats(num_streams, on_all_started, on_first_end)
+    requests: dict[int, bytes] = {}  # per max_tokens asked for
+
+    def new_stream() -> StreamBody:
+        max_tokens = next(lengths) if lengths is not None else body.get("max_tokens", 16)
+        if max_tokens not in requests:
+            requests[max_tokens] = completion_request(url, key, {**body, "max_tokens": max_tokens})
+        stream = StreamBody(stats, 4096 + BODY_BYTES_PER_TOKEN * max_tokens, max_tokens)
+        return _connect(addr, stream, requests[max_tokens], poller, open_socks)
     poller, open_socks, bodies = select.epoll(), {}, []
     t0, t0_ns, monotonic_ns = time.perf_counter(), time.monotonic_ns(), time.monotonic_ns
     next_connect_s = t0
@@ -198,7 +217,7 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
         connecting = len(bodies) < num_streams
         if connecting and time.perf_counter() >= next_connect_s:
             for _ in range(min(connect_batch, num_streams - len(bodies))):
-                bodies.append(_connect(addr, StreamBody(stats, capacity), poller, open_socks))
+                bodies.append(new_stream())
             next_connect_s += connect_gap_s
         if tick_s:
             time.sleep(tick_s)
@@ -206,15 +225,18 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
         else:
             timeout = max(0.0, next_connect_s - time.perf_counter()) if connecting else -1
         for fd, events in poller.poll(timeout):
-            sock, stream = open_socks[fd]
+            sock, stream, request = open_socks[fd]
             if events & select.EPOLLOUT:  # connected: the request fits the empty send buffer
                 sock.send(request)
                 poller.modify(fd, select.EPOLLIN)
             elif stream.recv(sock, monotonic_ns):
-                stats.ended(monotonic_ns())
+                replaced = not connecting and time.perf_counter() - t0 < refill_s
+                stats.ended(monotonic_ns(), replaced)
                 poller.unregister(fd)
                 sock.close()
                 del open_socks[fd]
+                if replaced:
+                    bodies.append(new_stream())
     wall_s = time.perf_counter() - t0
     if on_done is not None:
         on_done()
@@ -226,10 +248,11 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
     return bodies, stats, wall_s
 
 
-def _connect(addr: tuple[str, int], stream: StreamBody, poller: select.epoll, open_socks: dict) -> StreamBody:
+def _connect(addr: tuple[str, int], stream: StreamBody, request: bytes, poller: select.epoll,
+             open_socks: dict) -> StreamBody:
     sock = socket.socket()
     sock.setblocking(False)
     sock.connect_ex(addr)  # EINPROGRESS: writable once connected
-    open_socks[sock.fileno()] = (sock, stream)
+    open_socks[sock.fileno()] = (sock, stream, request)
     poller.register(sock.fileno(), select.EPOLLOUT)
     return stream

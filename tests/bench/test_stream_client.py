@@ -79,3 +79,51 @@ def test_bad_framing_or_a_bad_event_is_not_ok():
         stream = StreamBody(StreamStats(1))
         stream.feed(body, 0)
         assert stream.parse() == [] and not stream.ok
+
+
+def _serve_bodies(listener, stop) -> None:
+    """A server for run_streams: each connection's request gets a streamed body of as many tokens as its
+    max_tokens, after a short wait (so that streams overlap), then the connection closes."""
+    import json
+    import threading
+    import time
+
+    def answer(conn) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+                    data.split(b"Content-Length: ")[1].split(b"\r\n")[0]):
+                data += conn.recv(65536)
+            max_tokens = json.loads(data.split(b"\r\n\r\n", 1)[1])["max_tokens"]
+            time.sleep(0.02)
+            conn.sendall(_body(list(range(max_tokens))))
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+
+def test_refilled_streams_replace_each_ended_one_until_refill_s_and_ask_for_their_own_lengths():
+    import itertools
+    import socket
+    import threading
+
+    from stream_client import run_streams
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    server = threading.Thread(target=_serve_bodies, args=(listener, stop), daemon=True)
+    server.start()
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+        lengths = itertools.cycle([3, 5, 8])
+        bodies, stats, _ = run_streams(url, "k", {"max_tokens": 4}, 4, refill_s=0.3, lengths=lengths)
+    finally:
+        stop.set()
+        listener.close()
+    assert len(bodies) > 4  # ended streams were replaced
+    assert all(b.ok and b.num_tokens == b.max_tokens for b in bodies)
+    assert [b.max_tokens for b in bodies[:6]] == [3, 5, 8, 3, 5, 8][:len(bodies[:6])]
+    assert len(stats.end_ns) == len(bodies) and stats.refill_end_ns == sorted(stats.end_ns)[len(bodies) - 4]
