@@ -13,6 +13,7 @@ The gateway's added TTFT = median(HTTP) - median(direct). Writes JSON (commit, m
 
     .venv/bin/python bench/ring_traffic.py stream [--streams 512] [--tokens 200] [--tok-s 50] [--no-probe]
                                                   [--poll-spin-s 0] [--client-tick-ms 1] [--idle-wait-s 900]
+                                                  [--isolate] [--tokens-spread 0.5 --refill-s 10]
 
 `stream`: the gateway on the last core, engine and client on the others; N concurrent streams. Per-token
 latency from the publish time each token id encodes: to the client's receipt, and (unless --no-probe) to
@@ -241,7 +242,8 @@ def thread_sched_ns(pid: int) -> tuple[int, int]:
 
 def lag_stats(name: str, samples: list[tuple[int, float]], windows: dict) -> dict:
     """Percentiles of (receipt ns, lag us) samples by publish time: all of them; `_steady`: published after
-    every stream started; `_all_open`: and before the first stream ended (all streams open, no ends)."""
+    every stream started; `_all_open`: and before the first stream ended that was not replaced (all streams
+    open: no ends, or with --refill-s, each end replaced at once)."""
     out = {}
     steady_ns, first_end_ns = windows["steady_ns"], windows["first_end_ns"]
     for part, lags in (("", [lag for _, lag in samples]),
