@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import statistics
@@ -148,21 +149,28 @@ MECHANISMS = {"child": 2, "devflag": 3, "device": 0, "device_prio": 4}
 WHILE_MODES = {"while": 0, "while_switch": 1, "while_plain": 2, "while_switch_plain": 3}
 
 
-def while_replay_ms(runner: GpuRunner, batch, reps: int, mode: int) -> float:
+@functools.cache
+def _while_lib() -> ctypes.CDLL:
+    """bench/while_mechanism.cu, built once (without -rdc) and cached like the loop's library."""
     from kernels.persistent_loop import ARCH, nvcc
     from kernels.sched_host import cached_build
-    from gpu_host import _graph_for
 
     source, include = ROOT / "bench" / "while_mechanism.cu", ROOT / "kernels" / "csrc" / "include"
     lib = ctypes.CDLL(str(cached_build("while_mechanism", (source, include / "blink_graph_measure.cuh"), [
         nvcc(), f"-arch={ARCH}", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
         "-I", str(include), str(source)])))
+    fn = lib.blink_bench_while
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.POINTER(ctypes.c_double)], ctypes.c_int
+    return lib
+
+
+def while_replay_ms(runner: GpuRunner, batch, reps: int, mode: int) -> float:
+    from gpu_host import _graph_for
+
     graph = _graph_for(runner, batch)
     torch.cuda.synchronize()
     ns = ctypes.c_double()
-    fn = lib.blink_bench_while
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.POINTER(ctypes.c_double)], ctypes.c_int
-    err = fn(graph.raw_cuda_graph(), reps, mode, ctypes.byref(ns))
+    err = _while_lib().blink_bench_while(graph.raw_cuda_graph(), reps, mode, ctypes.byref(ns))
     if err:  # recorded as NaN: which graphs a conditional body refuses is a finding too
         print(f"bench/while_mechanism.cu mode {mode}: step {err // 1000} failed, CUDA error {err % 1000}", flush=True)
         return float("nan")

@@ -45,7 +45,6 @@ static cudaError_t add_conditional(cudaGraphNode_t* node, cudaGraph_t g, cudaGra
 extern "C" int blink_bench_while(void* child, uint32_t iterations, uint32_t mode, double* ns_out) {
   cudaStream_t stream;
   cudaGraph_t top, body, inner;
-  cudaGraphExec_t exec;
   cudaGraphConditionalHandle loop, branch;
   cudaGraphNode_t while_node, step_node, count_node;
   uint32_t* left = nullptr;
@@ -73,10 +72,7 @@ extern "C" int blink_bench_while(void* child, uint32_t iterations, uint32_t mode
   k.blockDim = dim3(1);
   k.kernelParams = args;
   TRY(cudaGraphAddKernelNode(&count_node, body, &step_node, 1, &k), 9);
-  TRY(cudaGraphInstantiateWithFlags(&exec, top, 0), 10);
-  TRY(cudaGraphUpload(exec, stream), 11);
-  TRY(blink_time_iterations(exec, stream, left, iterations, true, ns_out), 12);
-  cudaGraphExecDestroy(exec);
+  TRY(blink_time_graph(top, 0, stream, left, iterations, true, ns_out), 10);
   cudaGraphDestroy(top);
   cudaFree(left);
   cudaStreamDestroy(stream);

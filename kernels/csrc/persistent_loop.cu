@@ -560,7 +560,6 @@ int blink_loop_launch(blink_loop* L) {
 int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, int32_t stamp_bucket, double* ns_out) {
   cudaStream_t stream;
   cudaGraph_t graph;
-  cudaGraphExec_t exec;
   uint32_t* left = nullptr;
   BLINK_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), 1);
   BLINK_TRY(cudaMalloc(&left, sizeof(uint32_t)), 2);
@@ -583,10 +582,7 @@ int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, 
   }
   const unsigned long long flags = (mode == 2 ? 0 : cudaGraphInstantiateFlagDeviceLaunch) |
                                    (prioritized ? cudaGraphInstantiateFlagUseNodePriority : 0);
-  BLINK_TRY(cudaGraphInstantiateWithFlags(&exec, graph, flags), 10);
-  BLINK_TRY(cudaGraphUpload(exec, stream), 11);
-  BLINK_TRY(blink_time_iterations(exec, stream, left, iterations, relaunched, ns_out), 12);
-  cudaGraphExecDestroy(exec);
+  BLINK_TRY(blink_time_graph(graph, flags, stream, left, iterations, relaunched, ns_out), 10);
   cudaGraphDestroy(graph);
   cudaFree(left);
   cudaStreamDestroy(stream);

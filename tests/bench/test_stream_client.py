@@ -3,13 +3,18 @@ event, however the reads split it; a body is complete only at the chunked termin
 sound only if its framing and every event are."""
 from __future__ import annotations
 
+import itertools
+import json
 import random
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from stream_client import StreamBody, StreamStats  # noqa: E402
+from stream_client import StreamBody, StreamStats, run_streams  # noqa: E402
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
@@ -84,10 +89,6 @@ def test_bad_framing_or_a_bad_event_is_not_ok():
 def _serve_bodies(listener, stop) -> None:
     """A server for run_streams: each connection's request gets a streamed body of as many tokens as its
     max_tokens, after a short wait (so that streams overlap), then the connection closes."""
-    import json
-    import threading
-    import time
-
     def answer(conn) -> None:
         with conn:
             data = b""
@@ -106,12 +107,6 @@ def _serve_bodies(listener, stop) -> None:
 
 
 def test_refilled_streams_replace_each_ended_one_until_refill_s_and_ask_for_their_own_lengths():
-    import itertools
-    import socket
-    import threading
-
-    from stream_client import run_streams
-
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
     server = threading.Thread(target=_serve_bodies, args=(listener, stop), daemon=True)

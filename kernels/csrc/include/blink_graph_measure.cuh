@@ -35,13 +35,17 @@ static inline cudaError_t blink_plain_edges(cudaGraphNode_t child) {
   return err;
 }
 
-// GPU time per iteration (CUDA events) of `exec` on `stream`, after a warm-up round of 3: each round stores the
-// round's iteration count in *left (device memory, for a kernel in the graph that counts down and relaunches
-// or ends the loop) and launches `exec` once (`once`: the graph repeats itself) or that many times.
-static inline cudaError_t blink_time_iterations(cudaGraphExec_t exec, cudaStream_t stream, uint32_t* left,
-                                                uint32_t iterations, bool once, double* ns_out) {
+// GPU time per iteration (CUDA events) of `graph`, instantiated with `flags` and uploaded to `stream`, after a
+// warm-up round of 3: each round stores the round's iteration count in *left (device memory, for a kernel in
+// the graph that counts down and relaunches or ends the loop) and launches the graph once (`once`: it repeats
+// itself) or that many times. The instance is destroyed after; the graph stays the caller's.
+static inline cudaError_t blink_time_graph(cudaGraph_t graph, unsigned long long flags, cudaStream_t stream,
+                                           uint32_t* left, uint32_t iterations, bool once, double* ns_out) {
+  cudaGraphExec_t exec = nullptr;
   cudaEvent_t a = nullptr, b = nullptr;
-  cudaError_t err = cudaEventCreate(&a);
+  cudaError_t err = cudaGraphInstantiateWithFlags(&exec, graph, flags);
+  if (err == cudaSuccess) err = cudaGraphUpload(exec, stream);
+  if (err == cudaSuccess) err = cudaEventCreate(&a);
   if (err == cudaSuccess) err = cudaEventCreate(&b);
   float ms = 0.0f;
   for (int round = 0; round < 2 && err == cudaSuccess; ++round) {  // the first round warms up
@@ -56,5 +60,6 @@ static inline cudaError_t blink_time_iterations(cudaGraphExec_t exec, cudaStream
   if (err == cudaSuccess) *ns_out = 1e6 * (double)ms / iterations;
   if (a) cudaEventDestroy(a);
   if (b) cudaEventDestroy(b);
+  if (exec) cudaGraphExecDestroy(exec);
   return err;
 }
