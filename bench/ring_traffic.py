@@ -111,9 +111,12 @@ def openai_ttft_ms(url: str, key: str, samples: int) -> list[float]:
 @contextlib.contextmanager
 def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | None = None,
                      profile: str | None = None, poll_spin_s: float | None = None, extra: Sequence[str] = (),
-                     nice: int = 0):
-    """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL. With `probe`, the
-    gateway runs under `bench/gateway_probe.py` and writes its emit times and token ids there; with `profile`, a cProfile dump."""
+                     nice: int = 0, workers: int = 1):
+    """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL and its pids. With
+    `probe`, the gateway runs under `bench/gateway_probe.py` and writes its emit times and token ids there;
+    with `profile`, a cProfile dump. With `workers` N > 1, the N worker processes of `--workers N` on one port,
+    started here as its supervisor would (one usage table), worker i pinned to the i-th of `cores` (modulo)
+    and writing `probe`.i (and BLINK_ROUNDS.i)."""
     port = free_port()
     env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
     args = ["--port", str(port), "--grpc-port", "0", "--backend", control, "--log-level", "WARNING", *extra]
@@ -121,22 +124,57 @@ def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | N
         config = Path(f"/tmp/blink-traffic-gateway-{os.getpid()}.yaml")
         config.write_text(f"poll_spin_s: {poll_spin_s}\n")
         args += ["--config", str(config)]
-    if probe or profile:
-        cmd = [sys.executable, str(Path(__file__).resolve().parent / "gateway_probe.py"), probe or "", profile or "", *args]
-    else:
-        cmd = [sys.executable, "-m", "blink.cli", "gateway", *args]
-    def placed() -> None:  # in the gateway's process before it starts: its cores and its priority
-        if cores:
-            os.sched_setaffinity(0, cores)
-        if nice:
-            os.setpriority(os.PRIO_PROCESS, 0, nice)
-    gateway = subprocess.Popen(cmd, cwd=ROOT, env=env, preexec_fn=placed if cores or nice else None)
+    table = f"/dev/shm/blink-traffic-limits-{os.getpid()}"
+    if workers > 1:
+        from gateway.quotas import create_shared_table
+
+        create_shared_table(table)
+    procs = []
     try:
-        _wait_health(f"http://127.0.0.1:{port}/health", gateway, 60)
-        yield f"http://127.0.0.1:{port}/v1", gateway.pid
+        for i in range(workers):
+            worker_args, worker_env, worker_probe = args, env, probe
+            if workers > 1:
+                worker_args = [*args, "--workers", str(workers), "--worker-index", str(i), "--limits-table", table]
+                worker_probe = f"{probe}.{i}" if probe else None
+                if env.get("BLINK_ROUNDS"):
+                    worker_env = {**env, "BLINK_ROUNDS": f"{env['BLINK_ROUNDS']}.{i}"}
+            if probe or profile:
+                cmd = [sys.executable, str(Path(__file__).resolve().parent / "gateway_probe.py"), worker_probe or "",
+                       f"{profile}.{i}" if profile and workers > 1 else profile or "", *worker_args]
+            else:
+                cmd = [sys.executable, "-m", "blink.cli", "gateway", *worker_args]
+            core = {sorted(cores)[i % len(cores)]} if cores and workers > 1 else cores
+
+            def placed(core=core) -> None:  # in the gateway's process before it starts: its cores and its priority
+                if core:
+                    os.sched_setaffinity(0, core)
+                if nice:
+                    os.setpriority(os.PRIO_PROCESS, 0, nice)
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=worker_env, preexec_fn=placed if core or nice else None))
+        _wait_health(f"http://127.0.0.1:{port}/health", procs[0], 60)
+        _wait_listening(port, workers, procs)
+        yield f"http://127.0.0.1:{port}/v1", [p.pid for p in procs]
     finally:
-        gateway.send_signal(signal.SIGTERM)
-        gateway.wait(timeout=30)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=30)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(table)
+
+
+def _wait_listening(port: int, num: int, procs: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
+    """Until `num` sockets listen on `port` (/proc/net/tcp): the kernel spreads connections over the workers
+    listening when they arrive, so every worker must be there before the clients connect."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listening = sum(1 for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                        if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A")
+        if listening >= num:
+            return
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            raise RuntimeError(f"{listening} of {num} gateway workers listen on port {port}")
+        time.sleep(0.05)
 
 
 def record(result: dict, out: str, name: str) -> None:
@@ -166,9 +204,9 @@ def ttft(args: argparse.Namespace) -> None:
           f"gateway adds {result['gateway_added_ttft_ms_median']:.3f} ms at the median")
 
 
-def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | None = None,
+def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | list[int] | None = None,
                    tick_s: float = 0.0, connect_batch: int = 0, at_end: Callable[[], None] | None = None,
-                   refill_s: float = 0.0, tokens_spread: float = 0.0) -> dict:
+                   refill_s: float = 0.0, tokens_spread: float = 0.0, keep_alive: bool = False) -> dict:
     """`streams` concurrent streaming completions (`bench/stream_client.py`); per-token publish-to-receipt
     latency from the ids. With `gateway_pid`: the gateway's CPU per token received after every stream
     started (steady state). `at_end` is called when every stream is done, before the bodies are parsed.
@@ -199,7 +237,7 @@ def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pi
     lengths = iter(lambda: rng.randint(max(low, 1), high), None) if tokens_spread else None
     counters, stats, wall = run_streams(url, key, body, streams, tick_s, mark("started"), mark("first_end"),
                                         connect_batch, on_done=done if gateway_pid else at_end, refill_s=refill_s,
-                                        lengths=lengths)
+                                        lengths=lengths, keep_alive=keep_alive)
     samples = list(zip(stats.times_ns, (lag_us(t, r) for t, r in zip(stats.tokens, stats.times_ns))))
     windows = {"steady_ns": sorted(stats.first_ns)[streams - 1],  # every stream has started: the ramp is over
                # until here, every stream was open (no stream had ended, or each one ended was replaced)
@@ -221,21 +259,26 @@ def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pi
     return {"streams": streams, "max_tokens": max_tokens, "client_tick_s": tick_s, "wall_s": wall,
             "tokens": sum(counts), "requests": len(counters),
             "complete_streams": sum(c.ok and c.num_tokens == c.max_tokens for c in counters),
-            "refill_s": refill_s, "tokens_spread": tokens_spread,
+            "refill_s": refill_s, "tokens_spread": tokens_spread, "keep_alive": keep_alive,
             "tok_s": sum(counts) / wall, **windows, "ramp_s": (windows["steady_ns"] - stats.t0_ns) / 1e9,
             "all_open_s": (windows["first_end_ns"] - windows["steady_ns"]) / 1e9,
             "samples": samples, **cpu, **lag_stats("lag_us", samples, windows)}
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+def cpu_s(pid: int | Sequence[int]) -> float:
+    """User + system CPU seconds of a process (or, summed, of several) so far (/proc/PID/stat)."""
+    if not isinstance(pid, int):
+        return sum(cpu_s(p) for p in pid)
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def thread_sched_ns(pid: int) -> tuple[int, int]:
-    """Nanoseconds a process's main thread has run on a core and waited on a run queue so far
-    (/proc/PID/task/PID/schedstat)."""
+def thread_sched_ns(pid: int | Sequence[int]) -> tuple[int, int]:
+    """Nanoseconds a process's main thread (or, summed, those of several) has run on a core and waited on a
+    run queue so far (/proc/PID/task/PID/schedstat)."""
+    if not isinstance(pid, int):
+        run_wait = [thread_sched_ns(p) for p in pid]
+        return sum(r for r, _ in run_wait), sum(w for _, w in run_wait)
     run_ns, wait_ns, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
     return int(run_ns), int(wait_ns)
 
@@ -306,42 +349,45 @@ def stream(args: argparse.Namespace) -> None:
     if args.idle_wait_s > 0:
         print(f"waited {wait_for_idle(timeout_s=args.idle_wait_s):.0f} s for idle cores")
     cores = sorted(os.sched_getaffinity(0))
-    gw_cores, other = set(cores[-args.gateway_cores:]), set(cores[:-args.gateway_cores]) or set(cores)
+    # the gateway on the last N cores, the engine and client on the others (on the first when there are none)
+    gw_cores, other = set(cores[-args.gateway_cores:]), set(cores[:-args.gateway_cores]) or set(cores[:1])
     probe = None if args.no_probe else f"/tmp/blink-emit-lags-{os.getpid()}.json"
     engine_stats = Path(f"/tmp/blink-engine-stats-{os.getpid()}.json")
     with traffic_engine(args.tok_s, idle_s=0.0005, cores=other, stats_path=str(engine_stats)) as (_, control, engine):
         with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile,
-                              poll_spin_s=args.poll_spin_s, extra=args.gateway_arg, nice=args.gateway_nice) as (url, gateway):
+                              poll_spin_s=args.poll_spin_s, extra=args.gateway_arg, nice=args.gateway_nice,
+                              workers=args.workers) as (url, gateway):
             os.sched_setaffinity(0, other)
             awake = set() if args.let_cores_halt else other - gw_cores
-            with isolate_cores(gw_cores if args.isolate else set(), keep={gateway}) as moved, \
+            with isolate_cores(gw_cores - other if args.isolate else set(), keep=set(gateway)) as moved, \
                     keep_awake(awake) as spinners:
                 pids = {"gateway": gateway, "engine": engine, "client": os.getpid(),
                         **{f"keep_awake_{core}": pid for core, pid in zip(sorted(awake), spinners)}}
                 result = with_cpu_use(pids, lambda at_end: stream_clients(
                     url, "traffic-key", args.streams, args.tokens, gateway, args.client_tick_ms / 1e3,
-                    args.connect_batch, at_end, args.refill_s, args.tokens_spread))
+                    args.connect_batch, at_end, args.refill_s, args.tokens_spread, args.keep_alive))
             result["threads_moved_off_gateway_cores"] = sorted(moved)
     result.update(json.loads(engine_stats.read_text()))
     engine_stats.unlink()
     result.update(engine_steps(result.pop("engine_steps"), result))
     emit = []
-    if probe:
-        emit = [(t, lag_us(token, t)) for t, token in json.loads(Path(probe).read_text())]
-        os.unlink(probe)
+    for path in ([probe] if args.workers == 1 else [f"{probe}.{i}" for i in range(args.workers)]) if probe else []:
+        emit += [(t, lag_us(token, t)) for t, token in json.loads(Path(path).read_text())]
+        os.unlink(path)
+    emit.sort()
     samples = result.pop("samples")
     if args.samples_out:  # every token's (time ns, lag us), for looking at a run's course
         np.savez_compressed(args.samples_out, emit=np.array(emit).reshape(-1, 2), client=np.array(samples).reshape(-1, 2))
     result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
               "gateway_nice": args.gateway_nice, "gateway_cores_isolated": args.isolate,
               "keep_awake_cores": sorted(awake),
-              "gateway_poll_spin_s": args.poll_spin_s, "gateway_args": args.gateway_arg, "engine_tok_s_per_stream": args.tok_s, **result,
+              "gateway_workers": args.workers, "gateway_poll_spin_s": args.poll_spin_s, "gateway_args": args.gateway_arg, "engine_tok_s_per_stream": args.tok_s, **result,
               **(lag_stats("emit_lag_us", emit, result) if emit else {})}
     record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else "")
            + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}")
            + ("" if args.client_tick_ms else "_woken") + ("_halt" if args.let_cores_halt else "")
-           + (f"_nice{args.gateway_nice}" if args.gateway_nice else "") + ("_iso" if args.isolate else "")
-           + (f"_refill{args.refill_s:g}" if args.refill_s else "") + (f"_spread{args.tokens_spread:g}" if args.tokens_spread else "")
+           + (f"_nice{args.gateway_nice}" if args.gateway_nice else "") + (f"_w{args.workers}" if args.workers > 1 else "") + ("_iso" if args.isolate else "")
+           + (f"_refill{args.refill_s:g}" if args.refill_s else "") + ("_keepalive" if args.keep_alive else "") + (f"_spread{args.tokens_spread:g}" if args.tokens_spread else "")
            + (f"_{args.tag}" if args.tag else ""))
     print(summary(result))
 
@@ -425,6 +471,10 @@ def main() -> None:
     st.add_argument("--tokens", type=int, default=200, help="tokens per stream")
     st.add_argument("--tok-s", type=float, default=50.0, help="fake engine tokens/s per stream")
     st.add_argument("--gateway-cores", type=int, default=1, help="the last N cores are the gateway's")
+    st.add_argument("--workers", type=int, default=1,
+                    help="the gateway's worker processes (`--workers N`: one port, SO_REUSEPORT), one per gateway "
+                         "core; e.g. --gateway-cores 2 --workers 2 on a 2-core machine, the engine and client then "
+                         "sharing the first core")
     st.add_argument("--profile", help="write a cProfile dump of the gateway here")
     st.add_argument("--no-probe", action="store_true", help="leave out the gateway's emit-time probe (its own cost)")
     st.add_argument("--poll-spin-s", type=float, help="the gateway's poll_spin_s (0: its CPU use is its work per "
@@ -453,6 +503,9 @@ def main() -> None:
     st.add_argument("--refill-s", type=float, default=0.0,
                     help="for this many seconds from the start, replace each stream that ends with a new one: "
                          "--streams stay open while requests start and end (with --tokens-spread, spread out)")
+    st.add_argument("--keep-alive", action="store_true",
+                    help="with --refill-s: send each replacement on the connection of the stream it replaces "
+                         "(HTTP/1.1 keep-alive, as the openai client's connection pool does) instead of a new one")
     st.add_argument("--tag", help="appended to the result file's name (repeated runs)")
     st.add_argument("--samples-out", help="also write every token's emit and client (time, lag) here (.npz)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))

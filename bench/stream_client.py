@@ -9,8 +9,8 @@ only whether the body now ends with [DONE] and the chunked terminator. Everythin
 of the run (`StreamBody.parse`): the chunked framing, every event as JSON, the tokens in the event texts
 and each one's receipt time (the read that completed its event).
 
-`refill_s` > 0: for that long from the start, a stream that ends is replaced by a new one on a new connection,
-so the streams stay open in number while requests start and end at the workload's own pace (with `max_tokens`
+`refill_s` > 0: for that long from the start, a stream that ends is replaced by a new one on a new connection
+(`keep_alive`: on the same connection, as a client with a connection pool sends its next request), so the streams stay open in number while requests start and end at the workload's own pace (with `max_tokens`
 varied per stream, `lengths`, the ends spread out after the first generation). `StreamStats.refill_end_ns` is
 the first end that was not replaced: until then every stream slot was open.
 
@@ -191,25 +191,31 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
                 on_all_started: Callable[[StreamStats], None] | None = None,
                 on_first_end: Callable[[StreamStats], None] | None = None, connect_batch: int = 0,
                 connect_gap_s: float = 0.005, on_done: Callable[[], None] | None = None,
-                refill_s: float = 0.0, lengths: Iterator[int] | None = None,
+                refill_s: float = 0.0, lengths: Iterator[int] | None = None, keep_alive: bool = False,
                 ) -> tuple[list[StreamBody], StreamStats, float]:
     """All streams, `connect_batch` connections every `connect_gap_s` (0: all at once), read as they go;
     returns each stream's body (parsed), the token samples and the wall time (s) of the streaming, which
     ends with `on_done()` (before the parse, whose CPU time is not the run's). Connections are opened
     without blocking: one whose SYN a full listen backlog dropped (`listen_overflows` in the results counts
     them; it waits a second or more for the retransmit) holds up no other stream. `lengths`: each new
-    stream's `max_tokens` (else `body`'s); `refill_s`: see the module's doc."""
+    stream's `max_tokens` (else `body`'s); `refill_s`: see the module's doc; `keep_alive`: a replacement is
+    sent on the connection of the stream it replaces when that one ended whole (HTTP/1.1 keep-alive, as
+    the `openai` client's connection pool does), else on a new connection."""
     connect_batch = connect_batch or num_streams
     addr = (urlsplit(url).hostname, urlsplit(url).port)
     stats = StreamStats(num_streams, on_all_started, on_first_end)
     requests: dict[int, bytes] = {}  # per max_tokens asked for
 
-    def new_stream() -> StreamBody:
+    def new_stream(sock: socket.socket | None = None) -> StreamBody:
         max_tokens = next(lengths) if lengths is not None else body.get("max_tokens", 16)
         if max_tokens not in requests:
             requests[max_tokens] = completion_request(url, key, {**body, "max_tokens": max_tokens})
         stream = StreamBody(stats, 4096 + BODY_BYTES_PER_TOKEN * max_tokens, max_tokens)
-        return _connect(addr, stream, requests[max_tokens], poller, open_socks)
+        if sock is None:
+            return _connect(addr, stream, requests[max_tokens], poller, open_socks)
+        open_socks[sock.fileno()] = (sock, stream, requests[max_tokens])
+        sock.send(requests[max_tokens])  # the connection's previous response is complete: its send buffer is empty
+        return stream
     poller, open_socks, bodies = select.epoll(), {}, []
     t0, t0_ns, monotonic_ns = time.perf_counter(), time.monotonic_ns(), time.monotonic_ns
     next_connect_s = t0
@@ -232,6 +238,9 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
             elif stream.recv(sock, monotonic_ns):
                 replaced = not connecting and time.perf_counter() - t0 < refill_s
                 stats.ended(monotonic_ns(), replaced)
+                if replaced and keep_alive and stream.buf.endswith(END, 0, stream.size):
+                    bodies.append(new_stream(sock))
+                    continue
                 poller.unregister(fd)
                 sock.close()
                 del open_socks[fd]

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,26 @@ log = logging.getLogger("blink.gateway.backends")
 # The longest spin (`GatewayConfig.poll_spin_s`) of a poller whose engine is `cpu`: that engine computes on
 # this host's cores, and a spinning poller would take them from it.
 CPU_ENGINE_SPIN_S = 0.002
+
+_started = threading.local()  # .backends: the started backends of this thread's event loop (see `poll_checkpoint`)
+
+
+def poll_checkpoint() -> None:
+    """A place in a request's set-up or end where the pollers may run: each backend of this event loop whose
+    last poll round began more than `GatewayConfig.poll_checkpoint_s` ago gets one now, right here.
+
+    The event loop runs a callback to its end, and runs every callback that is ready in one pass; a
+    request's set-up or end (HTTP parsing, validation, tokenizing, the ring submission, the response head,
+    metrics) is several hundred microseconds of such work, and a pass can hold several requests'. Every
+    open stream's tokens wait meanwhile. Called between the steps of that work, this gives the token path
+    priority over it: tokens wait for at most one step, not for a pass. Cheap when no round is due (a clock
+    read per backend). Never call it from the poller's own path (sinks, `Generation.take`)."""
+    backends = getattr(_started, "backends", None)
+    if backends:
+        now_ns = time.monotonic_ns()
+        for backend in backends:
+            if now_ns - backend.round_ns > backend.checkpoint_ns:
+                backend.poll_round(now_ns)
 
 
 @dataclass(frozen=True)
@@ -186,6 +207,9 @@ class Backend:
         self._beat = (producer.heartbeat, time.monotonic())  # last heartbeat value, when it changed
         self._next_check_s = 0.0
         self._news_s = 0.0  # when a poll last found tokens or a finish (time.monotonic)
+        self.round_ns = 0  # when the last poll round began (time.monotonic_ns)
+        self.checkpoint_ns = int(config.poll_checkpoint_s * 1e9) if config.poll_checkpoint_s else 1 << 62
+        self._in_round = False
         self.spin_s = min(config.poll_spin_s, CPU_ENGINE_SPIN_S) if info.engine_mode == "cpu" else config.poll_spin_s
         self._queued_tokens = 0  # outstanding tokens of requests waiting here for a ring slot
         # Sum of `outstanding_tokens` over `_requests`, kept as they change: routing reads it per request,
@@ -330,8 +354,13 @@ class Backend:
     # ---------------------------------------------------------------- poller
     def start(self) -> None:
         self._poller = asyncio.create_task(self._poll_loop(), name=f"poller {self.info.addr}")
+        if not hasattr(_started, "backends"):
+            _started.backends = []
+        _started.backends.append(self)
 
     async def close(self) -> None:
+        if self in getattr(_started, "backends", ()):
+            _started.backends.remove(self)
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
@@ -343,9 +372,9 @@ class Backend:
         while True:
             try:
                 if self._requests:
-                    now_s = time.monotonic()
-                    if self._poll_once():
-                        self._news_s = now_s
+                    now_ns = time.monotonic_ns()
+                    now_s = now_ns / 1e9
+                    self.poll_round(now_ns)
                     self._housekeeping()
                     # Within poll_spin_s of the last news, poll again as soon as the readers woken have
                     # run (one loop iteration): flowing tokens wait for no timer tick. After that, sleep
@@ -360,6 +389,17 @@ class Backend:
                 log.exception("poller of backend %s failed", self.info.addr)
                 self._fail_all("the gateway lost track of this request (poller error)")
                 await asyncio.sleep(self.config.heartbeat_check_s)
+
+    def poll_round(self, now_ns: int) -> None:
+        """One poll round, begun at `now_ns` (time.monotonic_ns): the poller's, or a `poll_checkpoint`'s."""
+        if self._in_round or not self._requests:
+            return
+        self._in_round, self.round_ns = True, now_ns
+        try:
+            if self._poll_once():
+                self._news_s = now_ns / 1e9
+        finally:
+            self._in_round = False
 
     def _poll_once(self) -> int:
         """Pass each request's news to its reader; returns how many requests had some."""

@@ -43,6 +43,11 @@ class GatewayConfig:
     # (uvloop's tick; bench/RESULTS.md, stream3). A `cpu` engine computes on this host's cores, so a
     # poller of one spins at most CPU_ENGINE_SPIN_S (gateway/backends.py). 0: always sleep.
     poll_spin_s: float = 0.02
+    # While a request is set up or ended (parsing, tokenizing, submitting, its response head, metrics), the
+    # pollers get a round at each step of that work once their last began this long ago, so that open
+    # streams' tokens wait for one step of another request's work rather than for all of it
+    # (`backends.poll_checkpoint`). 0: only the poller's own rounds.
+    poll_checkpoint_s: float = 0.0001
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
     stall_timeout_s: float = 60.0  # heartbeat unchanged this long with requests in flight: fail them
     tcp_idle_timeout_s: float = 3.0  # tcp transport: no frame from the agent this long = connection lost
@@ -83,8 +88,9 @@ class GatewayConfig:
         if self.header_timeout_s <= 0 or self.body_timeout_s <= 0:
             raise ValueError(f"header_timeout_s and body_timeout_s must be positive, got "
                              f"{self.header_timeout_s:g} and {self.body_timeout_s:g}")
-        if self.slot_wait_s <= 0 or self.poll_active_s <= 0 or self.poll_spin_s < 0:
-            raise ValueError("slot_wait_s and poll_active_s must be positive, poll_spin_s not negative")
+        if self.slot_wait_s <= 0 or self.poll_active_s <= 0 or self.poll_spin_s < 0 or self.poll_checkpoint_s < 0:
+            raise ValueError("slot_wait_s and poll_active_s must be positive, poll_spin_s and poll_checkpoint_s "
+                             "not negative")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if min(self.heartbeat_timeout_s, self.health_check_s, self.probe_interval_s) <= 0:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from protocols.ring import ErrorCode, FinishReason, TokenLogprob
 from protocols.shm_producer import TokenUpdate
 
-from .backends import RequestHandle
+from .backends import RequestHandle, poll_checkpoint
 from .detokenize import TextStream
 from .errors import ApiError, bad_request, server_error, unavailable
 from .metrics import Metrics
@@ -192,6 +192,7 @@ class Generation:
         if not self._closed:
             self._closed = True
             self.handle.close()
+            poll_checkpoint()  # the stream's end was written in this pass; its accounting follows
             end_s = time.perf_counter()
             reason = self.finish_reason or "abort"
             if self.on_close is not None:

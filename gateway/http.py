@@ -13,6 +13,7 @@ from protocols.openai import (ChatCompletionRequest, CompletionRequest, Detokeni
                               ModelList, TokenizeRequest)
 
 from .auth import PRINCIPAL
+from .backends import poll_checkpoint
 from .choices import Choices
 from .formats import ChatFormat, CompletionFormat, OutputFormat
 from .pipeline import detokenize, parse, start_generation, tokenize
@@ -104,6 +105,7 @@ async def _generate(request: web.Request, req, make_format: Callable[[Choices], 
     choices = await start_generation(request.app[STATE], req, arrival_s=arrival_s, principal=request.get(PRINCIPAL))
     try:
         fmt = await make_format(choices)
+        poll_checkpoint()
         if req.stream:
             return await _stream(request, choices, fmt, req.include_usage)
         outputs = await choices.collect()
@@ -115,6 +117,7 @@ async def _generate(request: web.Request, req, make_format: Callable[[Choices], 
 
 async def _stream(request: web.Request, choices: Choices, fmt: OutputFormat, include_usage: bool):
     first = await choices.next_piece()  # a failure before the first token still gets its status code
+    poll_checkpoint()
     resp = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: str(choices.request_id)})
     writer = await resp.prepare(request)
     await SseBody(resp, writer, choices, fmt, request.app[STATE].metrics).run(first, include_usage)

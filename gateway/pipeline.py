@@ -16,7 +16,7 @@ from protocols.openai import (ChatCompletionRequest, ChatMessage, CompletionRequ
                               parse_request)
 from protocols.ring import RequestSpec
 
-from .backends import RequestHandle
+from .backends import RequestHandle, poll_checkpoint
 from .choices import Choices
 from .detokenize import TextStream
 from .errors import ApiError, bad_request
@@ -68,6 +68,7 @@ async def start_generation(state: GatewayState, req: GenerateRequest, prompt_par
     `close()` the result. Raises ApiError (429 over a key's limits)."""
     arrival_s = time.perf_counter() if arrival_s is None else arrival_s
     await state.pacer.turn()
+    poll_checkpoint()  # the set-up's turn came in a new pass, after the poller's round, or not
     admission = state.quotas.admit(principal)
     try:
         gens = await _start(state, req, prompt_param, arrival_s, admission)
@@ -94,6 +95,7 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
             prompt_ids = await tokenizer.encode_prompt(prompt)
         else:
             prompt_ids = check_token_ids(prompt, info.vocab_size, prompt_param)
+    poll_checkpoint()
     spec = build_spec(next(state.request_ids), req, prompt_ids, info, prompt_param,
                       state.config.default_max_tokens)
     check_engine_modes(req, [b.info for b in backends])
@@ -108,6 +110,7 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
                                 tokenizer.token_pieces)
             gens.append(Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s,
                                    failover=failover))
+            poll_checkpoint()
     except BaseException:
         for gen in gens:  # nothing leaks: the choices already submitted are cancelled
             gen.close()

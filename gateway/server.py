@@ -14,7 +14,7 @@ from aiohttp import web
 
 from .admin import add_admin_routes, watch_keys_file
 from .auth import auth_middleware
-from .backends import Backend
+from .backends import Backend, poll_checkpoint
 from .config import GatewayConfig
 from .errors import ApiError, from_http_exception, request_timeout, server_error
 from .grpc_api import GrpcServer
@@ -38,6 +38,7 @@ LISTEN_BACKLOG = 1024
 @web.middleware
 async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable]):
     """Every failure leaves as an OpenAI error object; a stack trace goes to the log, never to the client."""
+    poll_checkpoint()  # aiohttp's part of a new request (parsing, the request object) has just run
     try:
         return await handler(request)
     except ApiError as err:

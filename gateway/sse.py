@@ -26,6 +26,7 @@ from aiohttp.abc import AbstractStreamWriter
 
 from protocols.shm_producer import TokenUpdate
 
+from .backends import poll_checkpoint
 from .choices import Choices
 from .errors import ApiError
 from .formats import OutputFormat
@@ -59,6 +60,7 @@ class SseBody:
         try:
             last = await self._pieces(first, include_usage)
             self._detach()
+            poll_checkpoint()  # the response's head and first piece, or its last piece, took this pass so far
             await _write_end(self, last + DONE)
         except ConnectionResetError:
             log.info("client went away during request %d: cancelling it", self.choices.request_id,

@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from stream_client import StreamBody, StreamStats, run_streams  # noqa: E402
@@ -86,23 +88,32 @@ def test_bad_framing_or_a_bad_event_is_not_ok():
         assert stream.parse() == [] and not stream.ok
 
 
-def _serve_bodies(listener, stop) -> None:
-    """A server for run_streams: each connection's request gets a streamed body of as many tokens as its
-    max_tokens, after a short wait (so that streams overlap), then the connection closes."""
+def _serve_bodies(listener, stop, accepted: list | None = None) -> None:
+    """A server for run_streams: each request gets a streamed body of as many tokens as its max_tokens,
+    after a short wait (so that streams overlap); a connection serves requests until its client closes it
+    (HTTP/1.1 keep-alive). `accepted` gets one entry per connection."""
     def answer(conn) -> None:
         with conn:
             data = b""
-            while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
-                    data.split(b"Content-Length: ")[1].split(b"\r\n")[0]):
-                data += conn.recv(65536)
-            max_tokens = json.loads(data.split(b"\r\n\r\n", 1)[1])["max_tokens"]
-            time.sleep(0.02)
-            conn.sendall(_body(list(range(max_tokens))))
+            while True:
+                while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+                        data.split(b"Content-Length: ")[1].split(b"\r\n")[0]):
+                    more = conn.recv(65536)
+                    if not more:
+                        return
+                    data += more
+                head, rest = data.split(b"\r\n\r\n", 1)
+                length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                body, data = rest[:length], rest[length:]
+                time.sleep(0.02)
+                conn.sendall(_body(list(range(json.loads(body)["max_tokens"]))))
     while not stop.is_set():
         try:
             conn, _ = listener.accept()
         except OSError:
             return
+        if accepted is not None:
+            accepted.append(conn)
         threading.Thread(target=answer, args=(conn,), daemon=True).start()
 
 
@@ -122,3 +133,18 @@ def test_refilled_streams_replace_each_ended_one_until_refill_s_and_ask_for_thei
     assert all(b.ok and b.num_tokens == b.max_tokens for b in bodies)
     assert [b.max_tokens for b in bodies[:6]] == [3, 5, 8, 3, 5, 8][:len(bodies[:6])]
     assert len(stats.end_ns) == len(bodies) and stats.refill_end_ns == sorted(stats.end_ns)[len(bodies) - 4]
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+def test_refills_go_on_the_ended_streams_connection_with_keep_alive(keep_alive):
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop, accepted = threading.Event(), []
+    threading.Thread(target=_serve_bodies, args=(listener, stop, accepted), daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+        bodies, _, _ = run_streams(url, "k", {"max_tokens": 4}, 3, refill_s=0.3, keep_alive=keep_alive)
+    finally:
+        stop.set()
+        listener.close()
+    assert len(bodies) > 6 and all(b.ok and b.num_tokens == 4 for b in bodies)
+    assert len(accepted) == (3 if keep_alive else len(bodies))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
-from gateway.backends import CPU_ENGINE_SPIN_S, Backend, BackendInfo
+from gateway import backends as backends_module
+from gateway.backends import CPU_ENGINE_SPIN_S, Backend, BackendInfo, poll_checkpoint
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.route import Router
@@ -118,6 +120,44 @@ def test_the_poller_spins_for_poll_spin_s_after_news_then_sleeps(ring):
     sleeping = rounds_after_news(make_backend(ring, poll_spin_s=0.0, poll_active_s=0.005), 0.05)
     assert spinning > 50 and sleeping <= 11, (spinning, sleeping)  # back to back vs one per 5 ms
     assert make_backend(ring, "cpu", poll_spin_s=0.5).spin_s == CPU_ENGINE_SPIN_S < 0.5
+
+
+@pytest.mark.parametrize("checkpoint_s", [0.001, 0.0])
+def test_a_poll_checkpoint_takes_tokens_in_the_middle_of_other_work(ring, checkpoint_s):
+    """Work that holds the event loop (a request's set-up) and calls `poll_checkpoint` between its steps
+    lets the poller's round run there, once `poll_checkpoint_s` has passed since the last one: a token
+    published meanwhile reaches its request before the work yields. With 0, only the poller's own rounds."""
+    async def main():
+        backend = make_backend(ring, poll_checkpoint_s=checkpoint_s)
+        rounds = []
+        poll_once = backend._poll_once
+
+        def counted() -> int:
+            rounds.append(time.monotonic_ns())
+            return poll_once()
+        backend._poll_once = counted
+        backend.start()
+        engine = RingConsumer(ring)
+        handle = await backend.submit(spec(1))
+        (taken,) = engine.take_new()
+        await asyncio.sleep(0.01)  # the poller has run its rounds; no news
+        engine.publish(taken.slot, [7])
+        rounds.clear()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.02:  # 20 ms of work that never yields, checkpoints in between
+            poll_checkpoint()
+        taken_in_work = list(handle.queue)
+        in_work = len(rounds)
+        await asyncio.wait_for(handle.next(), 1)
+        await backend.close()
+        assert backend not in backends_module._started.backends  # closed: checkpoints leave it alone
+        return taken_in_work, in_work
+    taken_in_work, in_work = asyncio.run(main())
+    if checkpoint_s:
+        assert [u.tokens for u in taken_in_work] == [[7]]
+        assert 10 <= in_work <= 21, in_work  # one round per millisecond of work, not one per checkpoint
+    else:
+        assert taken_in_work == [] and in_work == 0
 
 
 def test_stalled_heartbeat_fails_requests_and_routes_around(ring):
