@@ -152,6 +152,8 @@ Sink = Callable[[TokenUpdate], bool]
 class RequestHandle:
     """The gateway's side of one submitted request: updates arrive in `queue`, or go to `sink` first."""
 
+    __slots__ = ("backend", "slot", "spec", "queue", "finished", "abandoned", "submitted_s", "num_produced", "sink")
+
     def __init__(self, backend: Backend, slot: int, spec: RequestSpec):
         self.backend = backend
         self.slot = slot

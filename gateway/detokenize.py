@@ -145,6 +145,8 @@ class PieceDetokenizer:
     """`IncrementalDetokenizer`'s job for tokenizers with `TokenPieces`: a cached piece per token.
     Bytes are decoded as they complete a character (never half a character; invalid bytes become U+FFFD)."""
 
+    __slots__ = ("_pieces", "_utf8", "_started")
+
     def __init__(self, pieces: TokenPieces, context_ids: Sequence[int] = ()):
         self._pieces = pieces
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if pieces.byte_level else None
@@ -175,6 +177,8 @@ class StopMatcher:
     Text that could be the start of a stop string is held back until the next chunk decides it; on a
     match the text before the stop string is released and the stop string itself is dropped.
     """
+
+    __slots__ = ("_stops", "_held")
 
     def __init__(self, stops: Iterable[str]):
         self._stops = tuple(s for s in stops if s)
@@ -218,6 +222,8 @@ class TextStream:
     `num_tokens` counts the tokens consumed, up to and including the one that completed a stop string;
     tokens after a stop match are not consumed.
     """
+
+    __slots__ = ("_detok", "_matcher", "_plain", "num_tokens", "stopped")
 
     def __init__(self, tokenizer: Tokenizer, stops: Iterable[str] = (), context_ids: Sequence[int] = (),
                  single_texts: dict[int, str] | None = None, pieces: TokenPieces | None = None):

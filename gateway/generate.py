@@ -24,7 +24,7 @@ _CLIENT_ERRORS = (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_PARAMS, ErrorCode
 Failover = Callable[[RequestHandle, str], Awaitable[RequestHandle | None]]
 
 
-@dataclass
+@dataclass(slots=True)
 class Piece:
     text: str
     finish_reason: str | None = None  # "stop" or "length" on the last piece
@@ -52,6 +52,11 @@ class Generation:
     `close` must run whatever happens (client gone, error, stop string): an unfinished request is
     cancelled in the engine and its slot is released by the poller once the engine confirms.
     """
+
+    # The poller reads and writes these per token of every stream (`take`): slots keep each object's
+    # fields in one place (hundreds of streams' state do not stay in the caches between two tokens).
+    __slots__ = ("handle", "budget_tokens", "on_close", "failover", "stream", "prompt_len", "model", "metrics",
+                 "arrival_s", "finish_reason", "first_token_s", "last_token_s", "_held", "_ids", "_lps", "_closed")
 
     def __init__(self, handle: RequestHandle, stream: TextStream, prompt_len: int, model: str = "",
                  metrics: Metrics | None = None, arrival_s: float | None = None, budget_tokens: int | None = None,
@@ -203,6 +208,8 @@ class Generation:
             self._log(reason, end_s)
 
     def _log(self, reason: str, end_s: float) -> None:
+        if not log.isEnabledFor(logging.INFO):  # its fields are built per request: not for nothing
+            return
         ttft_ms = round((self.first_token_s - self.arrival_s) * 1e3, 1) if self.first_token_s else None
         fields = {"request_id": self.request_id, "slot": self.handle.slot, "model": self.model,
                   "prompt_tokens": self.prompt_len, "completion_tokens": self.completion_tokens,

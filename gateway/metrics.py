@@ -60,19 +60,31 @@ class Metrics:
         self.e2e = Histogram("blink:e2e_request_latency_seconds", "Arrival to last token.", MODEL,
                              buckets=E2E_BUCKETS_S, registry=r)
         r.register(BackendCollector(backends))
+        # Each request's series, looked up once per model (and finish reason): `labels()` checks and hashes
+        # its values on every call, and a request's end makes six of them.
+        self._by_model: dict[str, tuple] = {}
+        self._success: dict[tuple[str, str], Counter] = {}
 
     def request_finished(self, model: str, prompt_len: int, completion_len: int, finish_reason: str,
                          arrival_s: float, first_token_s: float | None, last_token_s: float | None,
                          end_s: float) -> None:
         """One request left the gateway (finished, or aborted by its client); times in perf_counter s."""
-        self.prompt_tokens.labels(model).inc(prompt_len)
-        self.generation_tokens.labels(model).inc(completion_len)
-        self.request_success.labels(model, finish_reason).inc()
-        self.e2e.labels(model).observe(end_s - arrival_s)
+        series = self._by_model.get(model)
+        if series is None:
+            series = self._by_model[model] = tuple(m.labels(model) for m in (
+                self.prompt_tokens, self.generation_tokens, self.e2e, self.ttft, self.tpot))
+        prompt_tokens, generation_tokens, e2e, ttft, tpot = series
+        success = self._success.get((model, finish_reason))
+        if success is None:
+            success = self._success[model, finish_reason] = self.request_success.labels(model, finish_reason)
+        prompt_tokens.inc(prompt_len)
+        generation_tokens.inc(completion_len)
+        success.inc()
+        e2e.observe(end_s - arrival_s)
         if first_token_s is not None:
-            self.ttft.labels(model).observe(first_token_s - arrival_s)
+            ttft.observe(first_token_s - arrival_s)
             if completion_len > 1 and last_token_s is not None:
-                self.tpot.labels(model).observe((last_token_s - first_token_s) / (completion_len - 1))
+                tpot.observe((last_token_s - first_token_s) / (completion_len - 1))
 
     def retried(self, model: str, reason: str) -> None:
         self.retries.labels(model, reason).inc()

@@ -3,6 +3,8 @@ cancels them, polls new tokens (`TokenUpdate`) and releases slots; it writes onl
 """
 from __future__ import annotations
 
+import math
+import struct
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,9 +35,19 @@ _NO_ERROR = ErrorCode.NONE
 # u32 word offsets within a slot's response, for `RingProducer.poll`
 _W_FINISH, _W_PRODUCED, _W_CONSUMED = R.RESP_FINISH_REASON // 4, R.RESP_PRODUCED // 4, R.RESP_CONSUMED // 4
 _W_PROMPT_LEN, _W_ERROR_CODE, _W_TOKENS = R.RESP_PROMPT_LEN // 4, R.RESP_ERROR_CODE // 4, R.RESP_TOKENS // 4
+# A request's fixed fields, REQ_REQUEST_ID .. REQ_NUM_LOGPROBS (protocols/ring.py), packed in one write.
+_REQ_FIELDS = struct.Struct("<QIIffifQIII4xQfffII")
+assert _REQ_FIELDS.size == R.REQ_NUM_LOGPROBS + 4 - R.REQ_REQUEST_ID
+_U64 = (1 << 64) - 1
+_F32_MAX = 3.4028234663852886e38
 
 
-@dataclass
+def _f32(value: float) -> float:
+    """A float as a f32 word holds it (what numpy's cast gives): beyond f32's range, infinity."""
+    return value if -_F32_MAX <= value <= _F32_MAX or value != value else math.copysign(math.inf, value)
+
+
+@dataclass(slots=True)
 class _Outstanding:
     seq: int
     consumed: int = 0
@@ -83,6 +95,7 @@ class RingProducer:
         self._ready_idx = np.zeros(0, dtype=np.int64)
         self._ready_w = (self._ready_idx,) * 3  # and their produced, consumed and finish words
         self._u32, self._u64, self._i32 = memoryview(ring.u32), memoryview(ring.u64), memoryview(ring.i32)
+        self._bytes = memoryview(ring.buf)
         for slot in (range(self.geometry.num_slots) if slots is None else slots):
             self._adopt(slot)
 
@@ -153,34 +166,24 @@ class RingProducer:
         return slot
 
     def _queue(self, slot: int, spec: RequestSpec) -> int:
+        # Words through memoryviews (a numpy scalar write costs several times as much), in this order:
+        # the payload, then its seq (which validates it), then the queue entry, then the tail (publishes it).
         seq = self._tail + 1
         self._write_request(slot, spec)
-        self.ring.u32[(self.ring.resp(slot) + R.RESP_CONSUMED) // 4] = 0
-        self.ring.u64[self.ring.req(slot) // 8] = seq  # validates the payload
-        self.ring.u32[(self.geometry.sq_offset + 4 * (self._tail % self.geometry.num_slots)) // 4] = slot
+        self._u32[(self.ring.resp(slot) + R.RESP_CONSUMED) // 4] = 0
+        self._u64[self.ring.req(slot) // 8] = seq  # validates the payload
+        self._u32[(self.geometry.sq_offset + 4 * (self._tail % self.geometry.num_slots)) // 4] = slot
         self._tail += 1
-        self.ring.u64[R.HDR_SQ_TAIL // 8] = self._tail  # publishes the queue entry
+        self._u64[R.HDR_SQ_TAIL // 8] = self._tail  # publishes the queue entry
         return seq
 
     def _write_request(self, slot: int, spec: RequestSpec) -> None:
         ring, base = self.ring, self.ring.req(slot)
-        ring.u64[(base + R.REQ_REQUEST_ID) // 8] = spec.request_id & (2**64 - 1)
-        ring.u32[(base + R.REQ_PROMPT_LEN) // 4] = len(spec.prompt_ids)
-        ring.u32[(base + R.REQ_MAX_TOKENS) // 4] = spec.max_tokens
-        ring.f32[(base + R.REQ_TEMPERATURE) // 4] = spec.temperature
-        ring.f32[(base + R.REQ_TOP_P) // 4] = spec.top_p
-        ring.i32[(base + R.REQ_TOP_K) // 4] = spec.top_k
-        ring.f32[(base + R.REQ_MIN_P) // 4] = spec.min_p
-        ring.u64[(base + R.REQ_SEED) // 8] = (spec.seed or 0) & (2**64 - 1)
-        ring.u32[(base + R.REQ_FLAGS) // 4] = spec.flags
-        ring.u32[(base + R.REQ_PRIORITY) // 4] = spec.priority
-        ring.u32[(base + R.REQ_NUM_STOP_IDS) // 4] = len(spec.stop_ids)
-        ring.u64[(base + R.REQ_CANCEL_SEQ) // 8] = 0
-        ring.f32[(base + R.REQ_PRESENCE_PENALTY) // 4] = spec.presence_penalty
-        ring.f32[(base + R.REQ_FREQUENCY_PENALTY) // 4] = spec.frequency_penalty
-        ring.f32[(base + R.REQ_REPETITION_PENALTY) // 4] = spec.repetition_penalty
-        ring.u32[(base + R.REQ_NUM_LOGIT_BIAS) // 4] = len(spec.logit_bias)
-        ring.u32[(base + R.REQ_NUM_LOGPROBS) // 4] = spec.num_logprobs or 0
+        _REQ_FIELDS.pack_into(
+            self._bytes, base + R.REQ_REQUEST_ID, spec.request_id & _U64, len(spec.prompt_ids), spec.max_tokens,
+            _f32(spec.temperature), _f32(spec.top_p), spec.top_k, _f32(spec.min_p), (spec.seed or 0) & _U64,
+            spec.flags, spec.priority, len(spec.stop_ids), 0, _f32(spec.presence_penalty),
+            _f32(spec.frequency_penalty), _f32(spec.repetition_penalty), len(spec.logit_bias), spec.num_logprobs or 0)
         if spec.logit_bias:
             ids0, n = ring.bias(slot) // 4, len(spec.logit_bias)
             vals0 = (ring.bias(slot) + self.geometry.logit_bias_bytes // 2) // 4  # ids, then biases
@@ -304,6 +307,6 @@ class RingProducer:
             self._active[slot].finished = True
 
     def close(self) -> None:
-        for view in (self._u32, self._u64, self._i32):
+        for view in (self._u32, self._u64, self._i32, self._bytes):
             view.release()  # views of the mapping: the ring can only unmap without them
         self.ring.close()
