@@ -406,8 +406,8 @@ class Backend:
     def _poll_once(self) -> int:
         """Pass each request's news to its reader; returns how many requests had some."""
         num_updates = 0
-        if self._slot_list is None:
-            self._slot_list = list(self._requests)
+        if self._slot_list is None:  # in ring order: `ready_slots` then reads the ring's words in address order
+            self._slot_list = sorted(self._requests)
         requests, poll = self._requests, self._producer.poll  # bound once a round, used once per update
         for slot in self._producer.ready_slots(self._slot_list):
             handle = requests[slot]

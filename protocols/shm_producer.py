@@ -283,9 +283,14 @@ class RingProducer:
         return int(self.ring.u64[(base + R.RESP_FIRST_TOKEN_NS) // 8]), int(self.ring.u64[(base + R.RESP_LAST_TOKEN_NS) // 8])
 
     def release(self, slot: int) -> None:
-        """Return a finished slot to the free list. Releasing an unfinished slot is a bug."""
+        """Return a finished slot to the free list. Releasing an unfinished slot is a bug.
+
+        It goes to the front: the next submission takes it (last out, first in), so the slots in use stay
+        few and together in the ring however many requests come and go, and the poller's reads of their
+        words stay in memory it touched recently (taken first in, first out, the slots in use spread over
+        the whole ring within seconds, and its reads cost more and more: bench/RESULTS.md)."""
         pop_finished(self._active, slot)
-        self._free.append(slot)
+        self._free.appendleft(slot)
 
     def reclaim(self) -> list[int]:
         """Release adopted or abandoned slots whose finish has arrived; returns them."""
