@@ -8,7 +8,8 @@ the poller's sink or the stream's task; the probe wraps that transport's `write`
 transport and, at exit, the token ids (`w123` words of the ring-traffic vocabulary) in the chunk texts of
 that write: [[monotonic ns, token id], ...] in PROBE_JSON (empty: no probe). PROFILE_FILE
 (empty: none) gets a cProfile dump. For looking at a run's course, with BLINK_ROUNDS=FILE each poll round
-(`Backend._poll_once`) is written there as [start monotonic ns, wall ns, thread CPU ns, updates, ...], and
+(`Backend._poll_once`) is written there as [start monotonic ns, wall ns, thread CPU ns, updates, the thread's
+CPU time at the start ns, ...], and
 with BLINK_GC_EVENTS=FILE each collection as [end monotonic ns, duration ns, generation]. Kept apart from ring_traffic.py so that the gateway process imports
 what a gateway imports and nothing more (torch's objects would make every full GC pass slower).
 """
@@ -81,7 +82,7 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
             gc_events.append((time.monotonic_ns(), time.perf_counter_ns() - gc_start[0], info["generation"]))
     gc.callbacks.append(gc_timer)
 
-    rounds = array.array("q")  # per poll round: start (monotonic ns), wall ns, CPU ns, updates
+    rounds = array.array("q")  # per poll round: start (monotonic ns), wall ns, CPU ns, updates, thread CPU ns at start
     if os.environ.get("BLINK_ROUNDS"):
         from gateway.backends import Backend
         poll_once = Backend._poll_once
@@ -89,7 +90,7 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
         def timed_poll_once(backend) -> int:
             t0, c0 = time.monotonic_ns(), time.thread_time_ns()
             n = poll_once(backend)
-            rounds.extend((t0, time.monotonic_ns() - t0, time.thread_time_ns() - c0, n))
+            rounds.extend((t0, time.monotonic_ns() - t0, time.thread_time_ns() - c0, n, c0))
             return n
         Backend._poll_once = timed_poll_once
     if probe:

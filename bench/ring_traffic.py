@@ -30,6 +30,11 @@ client does not delay) and reports its lateness and the gaps between its steps. 
 the engine's core from halting (`bench/keep_awake.py`; `--let-cores-halt` leaves it out). It first waits for
 the cores to be idle (other developers' runs share this machine) and reports what others (and the
 hypervisor: steal, per core too) took of the cores during the run.
+With BLINK_ROUNDS=FILE (and the probe) the result also has `poll_rounds_all_open` (`bench/stream_rounds.py`:
+the poller's rounds and what filled the gaps between them: the gateway's own work, or its thread not
+running), with BLINK_GC_EVENTS=FILE `gc_all_open` (the collections in the all-open window, those over 1 ms).
+`--workers N` runs the N processes of `blink gateway --workers N`, one per gateway core; `--keep-alive` sends
+each refill on the ended stream's connection.
 """
 from __future__ import annotations
 
@@ -370,6 +375,16 @@ def stream(args: argparse.Namespace) -> None:
     result.update(json.loads(engine_stats.read_text()))
     engine_stats.unlink()
     result.update(engine_steps(result.pop("engine_steps"), result))
+    if os.environ.get("BLINK_ROUNDS") and probe and args.workers == 1:  # the probed gateway wrote its poll rounds
+        from stream_rounds import rounds_summary
+
+        result["poll_rounds_all_open"] = rounds_summary(result, json.loads(Path(os.environ["BLINK_ROUNDS"]).read_text()))
+    if os.environ.get("BLINK_GC_EVENTS") and probe and args.workers == 1:  # and each GC collection
+        events = [e for e in json.loads(Path(os.environ["BLINK_GC_EVENTS"]).read_text())
+                  if result["steady_ns"] < e[0] < result["first_end_ns"]]  # [end ns, duration ns, generation]
+        result["gc_all_open"] = {"collections": len(events), "ms": sum(e[1] for e in events) / 1e6,
+                                 "over_1_ms": [[round((e[0] - result["steady_ns"]) / 1e6), round(e[1] / 1e6, 1), e[2]]
+                                               for e in events if e[1] > 1e6]}  # [at ms, ms, generation]
     emit = []
     for path in ([probe] if args.workers == 1 else [f"{probe}.{i}" for i in range(args.workers)]) if probe else []:
         emit += [(t, lag_us(token, t)) for t, token in json.loads(Path(path).read_text())]
@@ -450,6 +465,17 @@ def summary(r: dict) -> str:
               f"(P99 {r.get('engine_gap_us_all_open_p99', 0) / 1e3:.2f}), {r.get('engine_gaps_over_1_ms_all_open')} gaps over 1 ms, "
               f"{r.get('engine_gaps_over_2_ms_all_open')} over 2 ms, max {r.get('engine_gap_us_all_open_max', 0) / 1e3:.2f} ms; "
               f"{r.get('engine_cpu_us_per_step_all_open', 0):.0f} us CPU a step"]
+    if "poll_rounds_all_open" in r:
+        p = r["poll_rounds_all_open"]
+        lines.append(f"  poll rounds, all open: {p['rounds']}, {p['cpu_us_per_update_in_rounds']:.1f} us CPU an update; "
+                     f"gaps between rounds over 0.3 ms: {p['gaps_over_300_us']} ({p['gap_busy_over_300_us']} the gateway's "
+                     f"own work, {p['gap_busy_ms']:.1f} ms), over 1 ms with the thread not running: "
+                     f"{p['gap_stalled_over_1_ms']} ({p['gap_stalled_lost_ms']:.1f} ms lost); largest gap "
+                     f"{p['largest_gap_ms']:.1f} ms")
+    if "gc_all_open" in r:
+        g = r["gc_all_open"]
+        lines.append(f"  GC, all open: {g['collections']} collections, {g['ms']:.1f} ms; over 1 ms "
+                     f"[at ms, ms, generation]: {g['over_1_ms']}")
     return "\n".join(lines)
 
 
