@@ -40,6 +40,27 @@ def spec(i: int) -> RequestSpec:
     return RequestSpec(request_id=i, prompt_ids=[1, 2, 3], max_tokens=4)
 
 
+def count_rounds(backend: Backend) -> list[int]:
+    """The backend's poll rounds from now on: the list gets each one's start (monotonic ns)."""
+    rounds, poll_once = [], backend._poll_once
+
+    def counted() -> int:
+        rounds.append(time.monotonic_ns())
+        return poll_once()
+    backend._poll_once = counted
+    return rounds
+
+
+async def start_with_one_request(backend: Backend, ring):
+    """Starts the backend's poller and submits one request, which a hand-driven engine takes:
+    (engine, handle, taken)."""
+    backend.start()
+    engine = RingConsumer(ring)
+    handle = await backend.submit(spec(1))
+    (taken,) = engine.take_new()
+    return engine, handle, taken
+
+
 def test_tokens_flow_and_the_slot_is_released(ring):
     async def main():
         backend = make_backend(ring)
@@ -92,23 +113,13 @@ def test_the_poller_spins_for_poll_spin_s_after_news_then_sleeps(ring):
     rounds); a `cpu` engine's poller spins at most CPU_ENGINE_SPIN_S; with 0 it sleeps poll_active_s."""
     def rounds_after_news(backend: Backend, quiet_s: float) -> int:
         async def main() -> int:
-            rounds = 0
-            poll_once = backend._poll_once
-
-            def counted() -> int:
-                nonlocal rounds
-                rounds += 1
-                return poll_once()
-            backend._poll_once = counted
-            backend.start()
-            engine = RingConsumer(ring)
-            handle = await backend.submit(spec(1))
-            (taken,) = engine.take_new()
+            rounds = count_rounds(backend)
+            engine, handle, taken = await start_with_one_request(backend, ring)
             engine.publish(taken.slot, [7])
             await asyncio.wait_for(handle.next(), 1)
-            rounds = 0
+            rounds.clear()
             await asyncio.sleep(quiet_s)  # no news meanwhile
-            counted_rounds = rounds
+            counted_rounds = len(rounds)
             engine.finish(taken.slot, FinishReason.LENGTH)
             await asyncio.wait_for(handle.next(), 1)
             await backend.close()
@@ -129,17 +140,8 @@ def test_a_poll_checkpoint_takes_tokens_in_the_middle_of_other_work(ring, checkp
     published meanwhile reaches its request before the work yields. With 0, only the poller's own rounds."""
     async def main():
         backend = make_backend(ring, poll_checkpoint_s=checkpoint_s)
-        rounds = []
-        poll_once = backend._poll_once
-
-        def counted() -> int:
-            rounds.append(time.monotonic_ns())
-            return poll_once()
-        backend._poll_once = counted
-        backend.start()
-        engine = RingConsumer(ring)
-        handle = await backend.submit(spec(1))
-        (taken,) = engine.take_new()
+        rounds = count_rounds(backend)
+        engine, handle, taken = await start_with_one_request(backend, ring)
         await asyncio.sleep(0.01)  # the poller has run its rounds; no news
         engine.publish(taken.slot, [7])
         rounds.clear()
