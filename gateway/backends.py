@@ -60,7 +60,10 @@ def poll_checkpoint() -> None:
         now_ns = time.monotonic_ns()
         for backend in backends:
             if now_ns - backend.round_ns > backend.checkpoint_ns:
-                backend.poll_round(now_ns)
+                try:
+                    backend.poll_round(now_ns)
+                except Exception:  # not the caller's request's failure: the poller's own round meets it next
+                    log.exception("poll round of backend %s failed at a checkpoint", backend.info.addr)
 
 
 @dataclass(frozen=True)

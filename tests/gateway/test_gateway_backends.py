@@ -242,3 +242,20 @@ def test_router_404_for_unknown_model(ring):
         assert exc.value.status == 404 and exc.value.detail.code == "model_not_found"
         backend._producer.ring.close()
     asyncio.run(main())
+
+
+def test_a_failing_poll_round_at_a_checkpoint_is_not_the_callers_failure(ring, caplog):
+    """A checkpoint runs in some request's code: a poll round that raises there is logged, and the request
+    goes on (the poller's own loop meets the error on its next round and fails what it must)."""
+    async def main():
+        backend = make_backend(ring, poll_checkpoint_s=0.0001)
+        await start_with_one_request(backend, ring)
+
+        def broken() -> int:
+            raise RuntimeError("ring gone")
+        backend._poll_once = broken
+        backend.round_ns = 0
+        poll_checkpoint()  # must not raise
+        await backend.close()
+    asyncio.run(main())
+    assert "failed at a checkpoint" in caplog.text
