@@ -9,9 +9,9 @@ transport and, at exit, the token ids (`w123` words of the ring-traffic vocabula
 that write: [[monotonic ns, token id], ...] in PROBE_JSON (empty: no probe). PROFILE_FILE
 (empty: none) gets a cProfile dump. For looking at a run's course, with BLINK_ROUNDS=FILE each poll round
 (`Backend._poll_once`) is written there as [start monotonic ns, wall ns, thread CPU ns, updates, the thread's
-CPU time at the start ns, ...], and
-with BLINK_GC_EVENTS=FILE each collection as [end monotonic ns, duration ns, generation]. Kept apart from ring_traffic.py so that the gateway process imports
-what a gateway imports and nothing more (torch's objects would make every full GC pass slower).
+CPU time at the start ns, ...], and with BLINK_GC_EVENTS=FILE each collection as [end monotonic ns, duration
+ns, generation]. Kept apart from ring_traffic.py so that the gateway process imports what a gateway imports
+and nothing more (torch's objects would make every full GC pass slower).
 """
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
     # cache) instead of reusing the freed chunks' memory, as an unprobed gateway does.
     times_ns, ends, written = array.array("q"), array.array("q"), bytearray()
 
+    def record(data: bytes) -> None:  # a write's time and bytes, before it is handed on
+        times_ns.append(time.monotonic_ns())
+        written.extend(data)
+        ends.append(len(written))
+
     class ProbedTransport:  # gateway.sse: a body's transport, through which every write before its end goes
         __slots__ = ("write", "is_closing", "get_write_buffer_size", "get_extra_info")
 
@@ -47,9 +52,7 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
             transport_write = transport.write
 
             def write(data: bytes) -> None:
-                times_ns.append(time.monotonic_ns())
-                written.extend(data)
-                ends.append(len(written))
+                record(data)
                 transport_write(data)
             self.write = write
             self.is_closing, self.get_write_buffer_size = transport.is_closing, transport.get_write_buffer_size
@@ -61,15 +64,11 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
             body.transport = ProbedTransport(body.transport)
 
     async def probed_write_end(body, data: bytes) -> None:  # gateway.sse: a stream's last write
-        times_ns.append(time.monotonic_ns())
-        written.extend(data)
-        ends.append(len(written))
+        record(data)
         await write_end(body, data)
 
     async def probed_http_write(resp, data: bytes, eof: bool = False) -> None:  # gateways before gateway.sse
-        times_ns.append(time.monotonic_ns())
-        written.extend(data)
-        ends.append(len(written))
+        record(data)
         await http_write(resp, data, eof)
 
     gc_ns, gc_start, gc_events = [0, 0, 0], [0], []  # time in collections of each generation; each collection

@@ -129,23 +129,23 @@ def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | N
         config = Path(f"/tmp/blink-traffic-gateway-{os.getpid()}.yaml")
         config.write_text(f"poll_spin_s: {poll_spin_s}\n")
         args += ["--config", str(config)]
-    table = f"/dev/shm/blink-traffic-limits-{os.getpid()}"
-    if workers > 1:
+    table = f"/dev/shm/blink-traffic-limits-{os.getpid()}" if workers > 1 else None
+    if table:
         from gateway.quotas import create_shared_table
 
         create_shared_table(table)
     procs = []
     try:
         for i in range(workers):
-            worker_args, worker_env, worker_probe = args, env, probe
-            if workers > 1:
+            worker_args, worker_env = args, env
+            if table:
                 worker_args = [*args, "--workers", str(workers), "--worker-index", str(i), "--limits-table", table]
-                worker_probe = f"{probe}.{i}" if probe else None
                 if env.get("BLINK_ROUNDS"):
-                    worker_env = {**env, "BLINK_ROUNDS": f"{env['BLINK_ROUNDS']}.{i}"}
+                    worker_env = {**env, "BLINK_ROUNDS": worker_file(env["BLINK_ROUNDS"], i, workers)}
             if probe or profile:
-                cmd = [sys.executable, str(Path(__file__).resolve().parent / "gateway_probe.py"), worker_probe or "",
-                       f"{profile}.{i}" if profile and workers > 1 else profile or "", *worker_args]
+                cmd = [sys.executable, str(Path(__file__).resolve().parent / "gateway_probe.py"),
+                       worker_file(probe, i, workers) if probe else "",
+                       worker_file(profile, i, workers) if profile else "", *worker_args]
             else:
                 cmd = [sys.executable, "-m", "blink.cli", "gateway", *worker_args]
             core = {sorted(cores)[i % len(cores)]} if cores and workers > 1 else cores
@@ -164,8 +164,9 @@ def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | N
             p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait(timeout=30)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(table)
+        if table:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(table)
 
 
 def _wait_listening(port: int, num: int, procs: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
@@ -180,6 +181,11 @@ def _wait_listening(port: int, num: int, procs: list[subprocess.Popen], timeout_
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
             raise RuntimeError(f"{listening} of {num} gateway workers listen on port {port}")
         time.sleep(0.05)
+
+
+def worker_file(path: str, index: int, workers: int) -> str:
+    """Where worker `index` of `workers` writes what one gateway would write to `path`."""
+    return path if workers == 1 else f"{path}.{index}"
 
 
 def record(result: dict, out: str, name: str) -> None:
@@ -386,7 +392,7 @@ def stream(args: argparse.Namespace) -> None:
                                  "over_1_ms": [[round((e[0] - result["steady_ns"]) / 1e6), round(e[1] / 1e6, 1), e[2]]
                                                for e in events if e[1] > 1e6]}  # [at ms, ms, generation]
     emit = []
-    for path in ([probe] if args.workers == 1 else [f"{probe}.{i}" for i in range(args.workers)]) if probe else []:
+    for path in [worker_file(probe, i, args.workers) for i in range(args.workers)] if probe else []:
         emit += [(t, lag_us(token, t)) for t, token in json.loads(Path(path).read_text())]
         os.unlink(path)
     emit.sort()
@@ -401,8 +407,9 @@ def stream(args: argparse.Namespace) -> None:
     record(result, args.out, f"gateway_stream_{args.streams}" + ("_noprobe" if args.no_probe else "")
            + ("" if args.poll_spin_s is None else f"_spin{args.poll_spin_s:g}")
            + ("" if args.client_tick_ms else "_woken") + ("_halt" if args.let_cores_halt else "")
-           + (f"_nice{args.gateway_nice}" if args.gateway_nice else "") + (f"_w{args.workers}" if args.workers > 1 else "") + ("_iso" if args.isolate else "")
-           + (f"_refill{args.refill_s:g}" if args.refill_s else "") + ("_keepalive" if args.keep_alive else "") + (f"_spread{args.tokens_spread:g}" if args.tokens_spread else "")
+           + (f"_nice{args.gateway_nice}" if args.gateway_nice else "") + (f"_w{args.workers}" if args.workers > 1 else "")
+           + ("_iso" if args.isolate else "") + (f"_refill{args.refill_s:g}" if args.refill_s else "")
+           + ("_keepalive" if args.keep_alive else "") + (f"_spread{args.tokens_spread:g}" if args.tokens_spread else "")
            + (f"_{args.tag}" if args.tag else ""))
     print(summary(result))
 

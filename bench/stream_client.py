@@ -10,7 +10,8 @@ of the run (`StreamBody.parse`): the chunked framing, every event as JSON, the t
 and each one's receipt time (the read that completed its event).
 
 `refill_s` > 0: for that long from the start, a stream that ends is replaced by a new one on a new connection
-(`keep_alive`: on the same connection, as a client with a connection pool sends its next request), so the streams stay open in number while requests start and end at the workload's own pace (with `max_tokens`
+(`keep_alive`: on the same connection, as a client with a connection pool sends its next request), so the
+streams stay open in number while requests start and end at the workload's own pace (with `max_tokens`
 varied per stream, `lengths`, the ends spread out after the first generation). `StreamStats.refill_end_ns` is
 the first end that was not replaced: until then every stream slot was open.
 

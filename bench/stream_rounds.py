@@ -5,11 +5,12 @@
 
 RUN_JSON is the run's result (`bench/results/gateway_stream_512_r1-COMMIT.json`: it gives the all-open window),
 ROUNDS_JSON what `bench/gateway_probe.py` wrote (per poll round: start monotonic ns, wall ns, thread CPU ns,
-updates, the thread's CPU time at the round's start). Prints, for the all-open window: the rounds and their updates; **sleeps**, gaps of over 0.9 ms
-between an empty round and the next (the poller slept on a timer, or lost its core right then); **off-CPU
-rounds**, rounds whose wall time exceeds their CPU time by over 1 ms (the thread was preempted or the VM
-stalled); the largest round (a burst of updates found at once, each written before the next); and the gaps between
-rounds: those in which the gateway's own work held the event loop, and those in which its thread did not run.
+updates, the thread's CPU time at the round's start). Prints, for the all-open window: the rounds and their
+updates; **sleeps**, gaps of over 0.9 ms between an empty round and the next (the poller slept on a timer, or
+lost its core right then); **off-CPU rounds**, rounds whose wall time exceeds their CPU time by over 1 ms (the
+thread was preempted or the VM stalled); the largest round (a burst of updates found at once, each written
+before the next); and the gaps between rounds: those in which the gateway's own work held the event loop, and
+those in which its thread did not run.
 """
 from __future__ import annotations
 
