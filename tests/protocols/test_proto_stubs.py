@@ -1,4 +1,5 @@
 """The committed gRPC stubs were generated from the committed .proto files."""
+import re
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,27 @@ def test_inference_service_shape():
     assert generate.server_streaming and not generate.client_streaming
     assert not tokenize.server_streaming and not tokenize.client_streaming
     assert inference_pb2.DESCRIPTOR.package == "blink.inference.v1"
+
+
+def _floor(requirement: str) -> tuple[int, ...]:
+    """pyproject's lower bound for one package: `grpcio>=1.85.1` -> (1, 85, 1)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    m = re.search(rf'"{re.escape(requirement)}>=([0-9.]+)', text)
+    assert m, f"pyproject.toml has no lower bound for {requirement}"
+    return tuple(int(x) for x in m.group(1).split("."))
+
+
+@pytest.mark.parametrize("stub", ["control", "inference"])
+def test_pyproject_asks_for_the_versions_the_stubs_check_at_import(stub):
+    """The generated stubs refuse older grpcio / protobuf at import time; the install must not allow them."""
+    grpc_text = (ROOT / "protocols" / f"{stub}_pb2_grpc.py").read_text()
+    grpc_needed = tuple(int(x) for x in re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", grpc_text).group(1).split("."))
+    for package in ("grpcio", "grpcio-health-checking", "grpcio-reflection"):
+        assert _floor(package) >= grpc_needed, package
+    pb_text = (ROOT / "protocols" / f"{stub}_pb2.py").read_text()
+    major, minor, patch = (int(x) for x in re.search(
+        r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),",
+        pb_text).groups())
+    assert _floor("protobuf") >= (major, minor, patch)
+    # protobuf refuses a runtime of another major version than the generated code
+    assert f'"protobuf>={".".join(map(str, _floor("protobuf")))},<{major + 1}"' in (ROOT / "pyproject.toml").read_text()
