@@ -8,6 +8,7 @@
     POST   /admin/keys                {"name", "role"?, limits...}: the new key, shown once
     DELETE /admin/keys/{name}
     POST   /admin/reload              re-read the keys file
+    POST   /admin/gc                  a full garbage collection now: what it found, by type (gateway/gc_policy.py)
 
 With `--workers N` each call reaches one worker: status and in-flight counts are that worker's.
 Keys are shared through the keys file, drains through a small file named after the port
@@ -27,6 +28,7 @@ from pathlib import Path
 from aiohttp import web
 
 from .errors import ApiError, bad_request
+from .gc_policy import GcPolicy
 from .keys import LIMIT_FIELDS, KeyLimits, KeysFileError
 from .state import GatewayState
 
@@ -51,6 +53,7 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_post("/admin/keys", add_key)
     app.router.add_delete("/admin/keys/{name}", remove_key)
     app.router.add_post("/admin/reload", reload)
+    app.router.add_post("/admin/gc", collect_garbage)
 
 
 def backend_report(backend) -> dict:
@@ -75,7 +78,16 @@ async def status(request: web.Request) -> web.Response:
         "uptime_s": round(time.monotonic() - _STARTED_S, 1), "pid": os.getpid(),
         "worker": state.config.worker_index, "workers": state.config.workers,
         "in_flight": in_flight, "in_flight_by_key": state.quotas.in_flight(),
-        "backends": [backend_report(b) for b in state.router.backends]})
+        "backends": [backend_report(b) for b in state.router.backends],
+        "gc": state.gc.report() if state.gc is not None else None})
+
+
+async def collect_garbage(request: web.Request) -> web.Response:
+    """A full collection now (it stops this worker for its length: tens of ms with many streams open).
+    `unreachable` counts the objects in reference cycles it freed; `by_type` names the most common."""
+    state = _state(request)
+    policy = state.gc if state.gc is not None else GcPolicy(freeze_s=0)  # in-process gateways (tests)
+    return web.json_response(policy.full_collection(reason="asked", by_type=True))
 
 
 async def backends(request: web.Request) -> web.Response:

@@ -35,44 +35,53 @@ class TextTemplate:
     pydantic does, non-ASCII left as UTF-8: tests compare the two byte for byte). The streamed path
     spends a few hundred ns here instead of building and serializing two models."""
 
-    def __init__(self, render: Callable[[str], BaseModel]):
-        head, sep, tail = render(_MARK).model_dump_json().partition(f'"{_MARK}"')
+    __slots__ = ("_head", "_tail", "_usable")
+
+    def __init__(self, rendered: BaseModel):
+        """`rendered`: the chunk made with `_MARK` for its text."""
+        head, sep, tail = rendered.model_dump_json().partition(f'"{_MARK}"')
         self._usable = bool(sep) and _MARK not in tail  # else (a model name holding the marker): no template
         self._head, self._tail = head.encode(), tail.encode()
-        self._render = render
 
     @property
     def parts(self) -> tuple[bytes, bytes] | None:
         """The bytes before and after the text's JSON string; None when chunks cannot come from the template."""
         return (self._head, self._tail) if self._usable else None
 
-    def json(self, text: str) -> bytes:
+    def json(self, text: str) -> bytes | None:
+        """The chunk of `text`; None when it cannot come from the template (the caller renders it)."""
         if self._usable:
             return b"%s%s%s" % (self._head, encode_basestring(text).encode(), self._tail)
-        return self._render(text).model_dump_json().encode()
+        return None
 
 
 class TextTemplates:
-    """A format's TextTemplate per choice index, made on first use from `render(index, text)`."""
+    """A format's TextTemplate per choice index, made on first use from `render(index, text)`.
 
-    def __init__(self, render: Callable[[int, str], BaseModel]):
-        self._render = render
+    `render` comes with each call rather than being kept: a format (which holds its TextTemplates) would
+    otherwise hold itself through it, a reference cycle per request that only the cyclic GC frees, and
+    the gateway keeps that collector out of the streaming path (`gateway.gc_policy`)."""
+
+    __slots__ = ("_by_index",)
+
+    def __init__(self):
         self._by_index: dict[int, TextTemplate] = {}
 
-    def get(self, index: int) -> TextTemplate:
+    def get(self, index: int, render: Callable[[int, str], BaseModel]) -> TextTemplate:
         template = self._by_index.get(index)
         if template is None:
-            template = self._by_index[index] = TextTemplate(lambda t: self._render(index, t))
+            template = self._by_index[index] = TextTemplate(render(index, _MARK))
         return template
 
-    def parts(self, index: int, plain: bool, started: bool) -> tuple[bytes, bytes] | bool | None:
+    def parts(self, index: int, plain: bool, started: bool,
+              render: Callable[[int, str], BaseModel]) -> tuple[bytes, bytes] | bool | None:
         """OutputFormat.text_parts: False unless the request's chunks can be `plain` (no logprobs), None
         until the choice has `started` (its first chunk made), then the template's parts (False if none)."""
         if not plain:
             return False
         if not started:
             return None
-        return self.get(index).parts or False
+        return self.get(index, render).parts or False
 
 
 @dataclass
@@ -106,20 +115,22 @@ class ChatFormat:
         self.id, self.model, self.created = response_id, model, int(time.time())
         self.texts = texts  # set when the request asked for logprobs
         self._role_sent: set[int] = set()
-        self._templates = TextTemplates(self.chunk)
+        self._templates = TextTemplates()
 
     def chunk_json(self, index: int, text: str = "", finish_reason: str | None = None,
                    logprobs: Sequence[LogprobItem] = ()) -> bytes:
         """`chunk(...)` as JSON bytes; a plain text chunk from its template."""
         if text and finish_reason is None and self.texts is None and index in self._role_sent:
-            return self._templates.get(index).json(text)
+            data = self._templates.get(index, self.chunk).json(text)
+            if data is not None:
+                return data
         return self.chunk(index, text, finish_reason, logprobs).model_dump_json().encode()
 
     def text_parts(self, index: int) -> tuple[bytes, bytes] | bool | None:
         """What surrounds the JSON string of a non-empty text in this choice's plain chunks (no logprobs,
         no finish), as `chunk_json` would write them: (before, after); None while its first chunk (the
         role's) has not been made, False when they never come from a template (logprobs were asked)."""
-        return self._templates.parts(index, self.texts is None, index in self._role_sent)
+        return self._templates.parts(index, self.texts is None, index in self._role_sent, self.chunk)
 
     def chunk(self, index: int, text: str = "", finish_reason: str | None = None,
               logprobs: Sequence[LogprobItem] = ()) -> ChatCompletionChunk:
@@ -164,21 +175,22 @@ class CompletionFormat:
         self.texts, self.echo = texts, echo
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}  # per choice: characters streamed so far (text_offset)
-        self._templates = TextTemplates(lambda index, t: self._make([CompletionChoice(index=index, text=t)]))
+        self._templates = TextTemplates()
 
     def chunk_json(self, index: int, text: str = "", finish_reason: str | None = None,
                    logprobs: Sequence[LogprobItem] = ()) -> bytes:
         """`chunk(...)` as JSON bytes; a plain text chunk from its template."""
         if finish_reason is None and self.texts is None and index in self._echoed:
             self._offsets[index] = self._offsets.get(index, 0) + len(text)
-            return self._templates.get(index).json(text)
+            data = self._templates.get(index, self._text_chunk).json(text)
+            return data if data is not None else self._text_chunk(index, text).model_dump_json().encode()
         return self.chunk(index, text, finish_reason, logprobs).model_dump_json().encode()
 
     def text_parts(self, index: int) -> tuple[bytes, bytes] | bool | None:
         """What surrounds the JSON string of a text in this choice's plain chunks (no logprobs, no finish),
         as `chunk_json` would write them: (before, after); None while its first chunk (the echo's) has not
         been made, False when they never come from a template (logprobs were asked: text offsets count)."""
-        return self._templates.parts(index, self.texts is None, index in self._echoed)
+        return self._templates.parts(index, self.texts is None, index in self._echoed, self._text_chunk)
 
     def chunk(self, index: int, text: str = "", finish_reason: str | None = None,
               logprobs: Sequence[LogprobItem] = ()) -> Completion:
@@ -188,6 +200,10 @@ class CompletionFormat:
         lps = self._logprobs(logprobs, self._offsets.get(index, 0)) if finish_reason is None else None
         self._offsets[index] = self._offsets.get(index, 0) + len(text)
         return self._make([CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=finish_reason)])
+
+    def _text_chunk(self, index: int, text: str) -> Completion:
+        """A plain text chunk of a choice whose first chunk (the echo's) has gone."""
+        return self._make([CompletionChoice(index=index, text=text)])
 
     def usage_chunk(self, prompt_len: int, completion_len: int) -> Completion:
         return self._make([], Usage.of(prompt_len, completion_len))

@@ -4,7 +4,6 @@ and the gRPC server beside it on the same event loop."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
@@ -17,6 +16,7 @@ from .auth import auth_middleware
 from .backends import Backend, poll_checkpoint
 from .config import GatewayConfig
 from .errors import ApiError, from_http_exception, request_timeout, server_error
+from .gc_policy import GcPolicy
 from .grpc_api import GrpcServer
 from .http import STATE, add_routes
 from .keys import KeyStore
@@ -99,8 +99,9 @@ class GatewayServer:
     """A started gateway: `url` once listening; `close()` stops it."""
 
     def __init__(self, config: GatewayConfig, runner: web.AppRunner, pool: BackendPool,
-                 grpc_server: GrpcServer | None = None):
+                 grpc_server: GrpcServer | None = None, state: GatewayState | None = None):
         self.config = config
+        self.state = state
         self.runner = runner
         self.pool = pool
         self.grpc_server = grpc_server
@@ -175,7 +176,7 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
         if grpc_server is not None:
             await grpc_server.close(0)
         raise
-    server = GatewayServer(config, runner, pool, grpc_server)
+    server = GatewayServer(config, runner, pool, grpc_server, state)
     server.keys_watcher = asyncio.create_task(watch_keys_file(state), name="keys file")
     if not state.keys.auth_enabled:
         log.warning("no API key configured: every client is accepted (set BLINK_API_KEY or --api-key)")
@@ -185,7 +186,8 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
 
 async def serve_forever(config: GatewayConfig) -> None:
     server = await start_gateway(config)
-    _settle_gc()
+    server.state.gc = gc_policy = GcPolicy(config.gc_freeze_s, config.gc_full_growth_blocks)
+    gc_policy.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -195,22 +197,8 @@ async def serve_forever(config: GatewayConfig) -> None:
         await stop.wait()
     finally:
         log.info("gateway stopping")
+        gc_policy.stop()
         await server.close()
-
-
-# Young collections every 20,000 net allocations instead of 700: streamed tokens allocate a few tracked
-# objects each (updates, pieces) that die within one poll round, and a collection in between walks and
-# promotes those of 512 streams for nothing (bench: 400 ms of GC in a 512-stream run, 60 ms after).
-GC_THRESHOLDS = (20_000, 20, 10)
-
-
-def _settle_gc() -> None:
-    """What start-up built (modules, schemas, the app) lives as long as the process: moved out of the
-    collector's sight, so the full collections that per-request objects still trigger do not walk it
-    (at 512 streams each took about 45 ms, a stall of every stream; 20 ms after)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def run_gateway(config: GatewayConfig) -> None:

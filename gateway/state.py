@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import GatewayConfig
+from .gc_policy import GcPolicy
 from .keys import KeyStore
 from .metrics import Metrics
 from .pacing import SetupPacer
@@ -27,3 +28,4 @@ class GatewayState:
     keys: KeyStore = field(default_factory=KeyStore)  # who may call what (start_gateway fills it)
     quotas: Quotas = field(default_factory=Quotas)  # per-key usage (shared by the workers of `--workers N`)
     pacer: SetupPacer = field(default_factory=SetupPacer)  # request set-ups take turns with streaming
+    gc: GcPolicy | None = None  # the collector's policy, once `serve_forever` started it (None: Python's own)

@@ -40,6 +40,7 @@ class LiveServer:
     control: str  # backend control-plane address
     grpc_addr: str  # the gateway's gRPC inference API
     proc: subprocess.Popen
+    admin_key: str = ""  # for /admin/
 
 
 def _describe(control: str):
@@ -69,8 +70,9 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 def live_server():
     port, control_port, grpc_port = free_port(), free_port(), free_port()
     control = f"127.0.0.1:{control_port}"
-    api_key = "test-key-" + os.urandom(6).hex()
-    env = {**os.environ, "BLINK_API_KEY": api_key, "PYTHONUNBUFFERED": "1", "BLINK_GRPC_PORT": str(grpc_port)}
+    api_key, admin_key = "test-key-" + os.urandom(6).hex(), "test-admin-" + os.urandom(6).hex()
+    env = {**os.environ, "BLINK_API_KEY": api_key, "BLINK_ADMIN_KEY": admin_key, "PYTHONUNBUFFERED": "1",
+           "BLINK_GRPC_PORT": str(grpc_port)}
     cmd = [sys.executable, "-m", "blink.cli", "serve", "--port", str(port), "--control", control,
            "--ring", f"blink-test-{os.getpid()}", "--context-len", "2048", "--kv-cache-mb", "256",
            "--num-slots", "32"]
@@ -79,7 +81,7 @@ def live_server():
         _wait_health(f"http://127.0.0.1:{port}/health", proc, timeout_s=600)
         desc = _describe(control)
         yield LiveServer(f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{port}", api_key, desc.model_name,
-                         desc.model_dir, desc.context_len, control, f"127.0.0.1:{grpc_port}", proc)
+                         desc.model_dir, desc.context_len, control, f"127.0.0.1:{grpc_port}", proc, admin_key)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
