@@ -1,6 +1,6 @@
 """`blinkctl` commands that talk to a gateway's admin API (`gateway/admin.py`) with the admin key.
 
-    blinkctl [--url URL] [--admin-key KEY] status | backends | drain ADDR | undrain ADDR | reload
+    blinkctl [--url URL] [--admin-key KEY] status | backends | drain ADDR | undrain ADDR | reload | gc
     blinkctl keys list | add NAME [--role R] [--rpm N] [--tpm N] [--max-streams N] [--max-tokens N] | remove NAME
 
 The URL defaults to BLINK_URL or http://127.0.0.1:8000, the key to BLINK_ADMIN_KEY. `keys --file FILE`
@@ -58,6 +58,8 @@ def add_admin_commands(sub) -> None:
         p.add_argument("addr", help="the backend's control address, HOST:PORT")
         p.set_defaults(func=cmd_drain, drain=name == "drain")
     sub.add_parser("reload", parents=[common], help="re-read the gateway's keys file").set_defaults(func=cmd_reload)
+    sub.add_parser("gc", parents=[common], help="a full garbage collection now (stops that worker for its length); "
+                   "what it found").set_defaults(func=cmd_gc)
     keys = sub.add_parser("keys", help="API keys (hashed in the keys file)").add_subparsers(
         dest="keys_command", required=True)
     file_arg = argparse.ArgumentParser(add_help=False)
@@ -113,6 +115,13 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_reload(args: argparse.Namespace) -> int:
     r = call(args, "POST", "/admin/reload")
     return _print(args, r, f"reloaded {r['file'] or '(no keys file)'}: {r['keys']} keys")
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    r = call(args, "POST", "/admin/gc")
+    found = ", ".join(f"{name} {n}" for name, n in r["by_type"].items())
+    return _print(args, r, f"{r['unreachable']} unreachable objects freed in {r['ms']:.1f} ms"
+                           + (f": {found}" if found else ""))
 
 
 def _limits(args: argparse.Namespace) -> dict:

@@ -1,5 +1,5 @@
 """`blinkctl`: operating a gateway appliance. `blinkctl net apply|check|show` manages its network;
-`status`, `backends`, `drain`, `undrain`, `keys`, `reload` talk to a gateway's admin API
+`status`, `backends`, `drain`, `undrain`, `keys`, `reload`, `gc` talk to a gateway's admin API
 (`blink/admin_client.py`) with the admin key.
 
 Exit codes: 0 done (or in sync), 1 drift found (`check`), an apply failed (rolled back) or the gateway
