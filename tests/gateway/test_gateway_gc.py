@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
+import http.client
 import json
 import urllib.request
 
@@ -189,3 +191,58 @@ def admin_status(live_server) -> dict:
                                  headers={"Authorization": f"Bearer {live_server.admin_key}"})
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
+
+
+ERROR_TOKEN = "<|endoftext|>"  # prompt [ERROR_TOKEN, n, ...]: the echo engine fails after n tokens (conftest.py)
+
+
+def gateway_garbage() -> dict[str, int]:
+    """One collection of this process (the in-process gateway's too): the unreachable objects that are the
+    gateway's own (its classes, its functions and coroutines), by type."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        ours = [o for o in gc.garbage if _ours(o)]
+        found = dict(collections.Counter(type(o).__qualname__ for o in ours))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.collect()
+    return found
+
+
+def _ours(obj) -> bool:
+    code = getattr(obj, "__code__", None) or getattr(obj, "cr_code", None)
+    if code is not None:
+        return "/gateway/" in code.co_filename or "/protocols/" in code.co_filename
+    return type(obj).__module__.startswith(("gateway.", "protocols."))
+
+
+def stream_events(harness, body: dict, read_all: bool = True) -> bytes:
+    conn = http.client.HTTPConnection(harness.url.removeprefix("http://"), timeout=10)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {harness.api_key}",
+                                                               "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read() if read_all else resp.read1(64)  # or the client goes away after its first bytes
+    conn.close()
+    return data
+
+
+def test_error_paths_leave_no_cyclic_garbage_of_the_gateway(harness):
+    """The live test's requests plus what it cannot reach: an engine failing before the first token and
+    mid-stream, n over the ring, wrong keys, a client gone mid-stream, unknown models."""
+    gateway_garbage()  # what start-up left
+    model, err = harness.model, harness.tokenizer.token_to_id(ERROR_TOKEN)
+    hello = harness.tokenizer.encode("hello world").ids
+    for _ in range(2):
+        assert harness.post("/v1/completions", {"model": model, "prompt": [err, 0, 5, 6]})[0] == 500
+        events = stream_events(harness, {"model": model, "prompt": [err, 3, *hello], "stream": True, "n": 2})
+        assert b'"error"' in events and events.endswith(b"data: [DONE]\n\n")
+        assert harness.post("/v1/completions", {"model": model, "prompt": "hi", "n": 5})[0] == 400
+        assert harness.post("/v1/completions", {"model": model, "prompt": "hi"}, key="wrong")[0] == 401
+        assert harness.post("/v1/completions", {"model": "nope", "prompt": "hi"})[0] == 404
+        assert harness.post("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 4, "stop": ["l"]})[0] == 200
+        stream_events(harness, {"model": model, "prompt": hello, "stream": True, "max_tokens": 16}, read_all=False)
+        harness.wait_idle()
+    assert gateway_garbage() == {}
