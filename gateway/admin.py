@@ -83,7 +83,8 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def collect_garbage(request: web.Request) -> web.Response:
-    """A full collection now (it stops this worker for its length: tens of ms with many streams open).
+    """A full collection now, counted by type (two collections: it stops this worker for 150-165 ms with 512
+    streams open on the 2-vCPU test VM; bench/RESULTS.md).
     `unreachable` counts the objects in reference cycles it freed; `by_type` names the most common."""
     state = _state(request)
     policy = state.gc if state.gc is not None else GcPolicy(freeze_s=0)  # in-process gateways (tests)
