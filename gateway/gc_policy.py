@@ -49,7 +49,7 @@ class GcPolicy:
         self.freeze_s, self.full_growth_blocks = freeze_s, full_growth_blocks
         self.full_collections = 0  # how many full collections have run (by growth or asked for)
         self.last_full: dict | None = None  # what the last one found (see `full_collection`)
-        self._floor_blocks = 0  # the lowest block count since the last full collection
+        self._floor_blocks = sys.getallocatedblocks()  # the lowest block count since the last full collection
         self._timer: asyncio.TimerHandle | None = None
         self._started = False  # whether `start` froze the process (a gateway inside tests is never frozen)
 

@@ -87,6 +87,14 @@ def test_growth_past_the_limit_runs_a_full_collection_that_frees_frozen_cycles(r
     del held
 
 
+def test_growth_counts_from_the_policys_making_not_from_an_empty_process(restore_gc):
+    held = blocks(30_000)
+    policy = GcPolicy(freeze_s=0.1, full_growth_blocks=20_000)
+    policy.tick()
+    assert policy.full_collections == 0
+    del held
+
+
 def test_the_limit_counts_from_the_lowest_size_since_the_last_full_collection(restore_gc):
     policy = GcPolicy(freeze_s=0.1, full_growth_blocks=20_000)
     asyncio.run(_start_and_stop(policy))
