@@ -169,10 +169,18 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: interference stopped, temp dirs removed
 
 
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT both unwind as KeyboardInterrupt. SIGINT's handler is set here too, not left to
+    Python: a process started from a background job of a script (`cmd &`, nohup) inherits SIGINT ignored,
+    and Python then installs no handler for it (found when the test suite ran as such a job)."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "interfere":
         return run_interfere(args)
-    signal.signal(signal.SIGTERM, _interrupt)
+    _stop_on_signals()
     api_key = args.api_key or os.environ.get("BLINK_API_KEY") or os.environ.get("OPENAI_API_KEY")
     try:
         model = args.model or asyncio.run(discover_model(args.url, api_key))
@@ -196,7 +204,7 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_interfere(args: argparse.Namespace) -> int:
     """Interference alone until `--seconds` pass or Ctrl-C/SIGTERM; always stopped and cleaned."""
     it = make_interference(args, args.threads, args.seconds)
-    signal.signal(signal.SIGTERM, _interrupt)
+    _stop_on_signals()
     print(f"interference: {it.describe()}", flush=True)
     with contextlib.suppress(KeyboardInterrupt), it:  # an interrupt during start-up too: stopped, exit 0
         deadline = time.monotonic() + args.seconds
