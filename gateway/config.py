@@ -49,7 +49,7 @@ class GatewayConfig:
     # (`backends.poll_checkpoint`). 0: only the poller's own rounds.
     poll_checkpoint_s: float = 0.0001
     # The cyclic garbage collector (gateway/gc_policy.py): every gc_freeze_s what survived is frozen out of
-    # its sight, so that no collection walks the open requests' objects (a 7-18 ms stall at 512 streams);
+    # its sight, so that no collection walks the open requests' objects (a 7-52 ms stall at 512 streams);
     # a full collection once the process has grown by gc_full_growth_blocks small-object blocks.
     # gc_freeze_s 0: Python's own collector (young threshold 20,000).
     gc_freeze_s: float = 0.1

@@ -5,8 +5,8 @@ reference cycle (a test holds the gateway to that: `test_requests_leave_no_cycli
 collector is then only a safety net, but left to itself it is the gateway's longest stall: a young
 collection walks every tracked object made since the last one, and with hundreds of streams open those
 are mostly the open requests' own (~110 each: coroutines, aiohttp's request and parser, formats...). At 512
-streams that was 40,000-60,000 objects, a 7-18 ms stop of every stream every few seconds (bench/RESULTS.md,
-"the GC").
+streams that was 40,000-60,000 objects, a 7-52 ms stop of every stream every few seconds (bench/RESULTS.md,
+"The cyclic GC out of the streaming path").
 
 So, once the gateway is up:
 - every `gc_freeze_s` it moves every tracked object out of the collector's sight (`gc.freeze()`, a few
