@@ -127,7 +127,7 @@ class Generation:
                 self._lps += update.logprobs[:num_used]
         if stream.stopped:
             return self._finish(text, "stop")
-        budget = self.budget_tokens  # `_budget_spent`, inlined: once per update
+        budget = self.budget_tokens  # once per update: the key's budget reached ends the stream
         if len(tokens) < len(update.tokens) or (not update.finish and budget is not None and stream.num_tokens >= budget):
             return self._finish(text + stream.finish(), "length")
         if not update.finish:  # FinishReason.NONE is 0
@@ -159,15 +159,6 @@ class Generation:
     def in_order(self) -> bool:
         """Nothing of this request waits for its reader: an update taken now would be the next one out."""
         return self._held is None and not self.handle.queue
-
-    def _within_budget(self, tokens: list[int]) -> list[int]:
-        if self.budget_tokens is None:
-            return tokens
-        return tokens[:max(0, self.budget_tokens - self.stream.num_tokens)]
-
-    @property
-    def _budget_spent(self) -> bool:
-        return self.budget_tokens is not None and self.stream.num_tokens >= self.budget_tokens
 
     def _may_fail_over(self, update: TokenUpdate) -> bool:
         """Before the first token, a backend's failure (not the client's) may move the request to another."""
