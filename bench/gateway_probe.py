@@ -6,7 +6,8 @@ Every byte of a streamed body before its end goes to the transport of its `gatew
 the poller's sink or the stream's task; the probe wraps that transport's `write`), its end through
 `_write_end` (`gateway.http._write` before those); the probe records when each write is handed to the
 transport and, at exit, the token ids (`w123` words of the ring-traffic vocabulary) in the chunk texts of
-that write: [[monotonic ns, token id], ...] in PROBE_JSON (empty: no probe). PROFILE_FILE
+that write: [[monotonic ns, token id], ...] in PROBE_JSON (empty: no probe). The chunks the native round
+(`gateway/stream_round.py`) sends on its own are recorded by its tap, just after each send returns. PROFILE_FILE
 (empty: none) gets a cProfile dump. For looking at a run's course, with BLINK_ROUNDS=FILE each poll round
 (`Backend._poll_once`) is written there as [start monotonic ns, wall ns, thread CPU ns, updates, the thread's
 CPU time at the start ns, ...], and with BLINK_GC_EVENTS=FILE each collection as [end monotonic ns, duration
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gateway.http as http  # noqa: E402
 from gateway.main import main as gateway_main  # noqa: E402
 
+TAP_CHUNKS, TAP_BYTES = 8 << 20, 2 << 30  # a native round's tap (zeroed memory: only what is written is touched)
 TEXTS = re.compile(rb'"(?:text|content)":"([^"]*)"')
 WORD = re.compile(rb"w(\d+)")
 
@@ -39,6 +41,7 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
     # each one alive would move the gateway's allocations onto fresh memory all the run (page faults, cold
     # cache) instead of reusing the freed chunks' memory, as an unprobed gateway does.
     times_ns, ends, written = array.array("q"), array.array("q"), bytearray()
+    rounds_tapped = []  # the native rounds (gateway/stream_round.py), whose own taps record their chunks
 
     def record(data: bytes) -> None:  # a write's time and bytes, before it is handed on
         times_ns.append(time.monotonic_ns())
@@ -100,6 +103,18 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
         else:
             body_init, sse.SseBody.__init__ = sse.SseBody.__init__, probed_body_init
             write_end, sse._write_end = sse._write_end, probed_write_end
+        try:
+            from gateway.stream_round import StreamRound
+        except ImportError:  # gateways before the native round
+            pass
+        else:  # the chunks the native round sends itself: its tap records them (times and bytes, as above)
+            round_init = StreamRound.__init__
+
+            def tapped_round_init(native, *args, **kwargs) -> None:
+                round_init(native, *args, **kwargs)
+                native.set_tap(TAP_CHUNKS, TAP_BYTES)
+                rounds_tapped.append(native)
+            StreamRound.__init__ = tapped_round_init
     profiler = None
     if profile:
         import cProfile
@@ -120,10 +135,17 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
             profiler.disable()
             profiler.dump_stats(profile)
         if probe:
-            starts = [0, *ends[:-1]]
-            ids = [(t, int(m.group(1))) for t, start, end in zip(times_ns, starts, ends)
-                   for text in TEXTS.findall(written, start, end) for m in WORD.finditer(text)]
-            Path(probe).write_text(json.dumps(ids))
+            ids = _chunk_ids(times_ns, ends, written)
+            for native in rounds_tapped:
+                ids += _chunk_ids(*native.tapped())
+            Path(probe).write_text(json.dumps(sorted(ids)))
+
+
+def _chunk_ids(times_ns, ends, written: bytes) -> list[tuple[int, int]]:
+    """(write time, token id) of every token in the chunk texts of the writes that end at `ends`."""
+    starts = [0, *ends[:-1]]
+    return [(int(t), int(m.group(1))) for t, start, end in zip(times_ns, starts, ends)
+            for text in TEXTS.findall(written, int(start), int(end)) for m in WORD.finditer(text)]
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from protocols import control_pb2, control_pb2_grpc
 from protocols.rdma import RdmaProducer
@@ -29,6 +30,7 @@ from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, Ri
 from protocols.shm import RingFull
 from protocols.shm_producer import RingProducer, TokenUpdate
 
+from . import stream_round
 from .config import GatewayConfig
 from .errors import unavailable
 from .tcp_producer import TcpProducer
@@ -150,12 +152,15 @@ class UpdateQueue(collections.deque):
 # Takes an update from the poller, in the poller (no task switch): True when it dealt with it, False when
 # the update should go into the request's queue for its reader instead. It must not raise or block.
 Sink = Callable[[TokenUpdate], bool]
+# Told what the native round did with a stream it hands back (`Backend.take_back`). It must not raise.
+OnTakeBack = Callable[[stream_round.Taken], None]
 
 
 class RequestHandle:
     """The gateway's side of one submitted request: updates arrive in `queue`, or go to `sink` first."""
 
-    __slots__ = ("backend", "slot", "spec", "queue", "finished", "abandoned", "submitted_s", "num_produced", "sink")
+    __slots__ = ("backend", "slot", "spec", "queue", "finished", "abandoned", "submitted_s", "num_produced", "sink",
+                 "native", "native_base")
 
     def __init__(self, backend: Backend, slot: int, spec: RequestSpec):
         self.backend = backend
@@ -167,6 +172,8 @@ class RequestHandle:
         self.submitted_s = time.perf_counter()
         self.num_produced = 0  # tokens pushed into `queue` (or taken by `sink`) so far
         self.sink: Sink | None = None  # set by a reader that can take updates in the poller
+        self.native: OnTakeBack | None = None  # set while the native round delivers this stream (`Backend.go_native`)
+        self.native_base = 0  # the stream's token count when it went native
 
     @property
     def outstanding_tokens(self) -> int:
@@ -189,9 +196,19 @@ class RequestHandle:
             self.finished = True
         return update
 
+    def go_native(self, *args) -> bool:
+        """`Backend.go_native` for this stream."""
+        return self.backend.go_native(self, *args)
+
+    def take_back(self) -> None:
+        """The stream is the Python path's again (`Backend.take_back`); a no-op if it is."""
+        if self.native is not None:
+            self.backend.take_back(self)
+
     def close(self) -> None:
         """Done reading. If the engine has not finished, cancel it there; the poller releases the slot."""
         if not self.abandoned:
+            self.take_back()
             self.abandoned = True
             if not self.finished:
                 self.backend.cancel(self)
@@ -206,6 +223,10 @@ class Backend:
         self._producer = producer
         self._requests: dict[int, RequestHandle] = {}  # slot -> request in flight
         self._slot_list: list[int] | None = None  # its slots, for `ready_slots` (None: changed since)
+        self._slot_array: np.ndarray | None = None  # the same, [n] int32, for the native round
+        # The native round (gateway/stream_round.py): made on the first `go_native`, for shared-memory rings.
+        self._native: stream_round.StreamRound | None = None
+        self._native_ok = config.native_stream and type(producer) is RingProducer and not producer.defer_consumed
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._wakeup = asyncio.Event()
         self._poller: asyncio.Task | None = None
@@ -370,8 +391,63 @@ class Backend:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
         for handle in self._requests.values():
+            self.take_back(handle)
             handle.queue.put_nowait(_error_update("the gateway is shutting down"))
+        if self._native is not None:
+            self._native.close()  # before the ring it points into
         self._producer.close()
+
+    # ---------------------------------------------------------------- the native round
+    def go_native(self, handle: RequestHandle, fd: int, chunked: bool, head: bytes, tail: bytes,
+                  budget: int | None, num_tokens: int, hand_over: Callable[[], tuple | None],
+                  on_take_back: OnTakeBack) -> bool:
+        """Let the native round deliver this stream's plain text chunks (`gateway/stream_round.py`): each
+        frame `head` + JSON string + `tail` (HTTP/1.1 chunked if `chunked`), sent on a dup of socket `fd`,
+        until the stream holds `budget` tokens (None: no limit). `hand_over()` gives the stream's
+        (TokenPieces, pending bytes), or None when it cannot go; `on_take_back` gets what the round did
+        when the stream comes back. False (nothing changed) when the stream stays on the Python path."""
+        if not self._native_ok or handle.native is not None or handle.abandoned or handle.finished \
+                or handle.slot not in self._requests:
+            return False
+        given = hand_over()
+        if given is None:
+            return False
+        pieces, pending = given
+        if self._native is None:
+            self._make_native(pieces)
+        seq, consumed = self._producer.position(handle.slot)
+        native, tokens_left = self._native, handle.spec.max_tokens - handle.num_produced
+        if native is None or stream_round.table_for(pieces) is not native.table or not native.enable(
+                handle.slot, fd, seq, consumed, num_tokens, budget, tokens_left, chunked, pending, head, tail):
+            on_take_back(stream_round.Taken(consumed, num_tokens, pending, 0, 0, b"", "none"))  # as it was
+            return False
+        handle.native, handle.native_base = on_take_back, num_tokens
+        return True
+
+    def _make_native(self, pieces) -> None:
+        lib = stream_round.load()
+        if lib is None:
+            self._native_ok = False
+            return
+        self._native = stream_round.StreamRound(lib, self._producer.ring.buf, self.info.geometry,
+                                                stream_round.table_for(pieces))
+
+    def take_back(self, handle: RequestHandle) -> None:
+        """The stream is the Python path's again (a no-op if it was not native): its ring position, token
+        count and what the round sent go back where the Python path keeps them."""
+        on_take_back = handle.native
+        if on_take_back is None:
+            return
+        handle.native = None
+        taken = self._native.take_back(handle.slot)
+        if taken is None:
+            return
+        self._producer.resume_at(handle.slot, taken.consumed)
+        handle.num_produced += taken.num_tokens - handle.native_base
+        try:
+            on_take_back(taken)
+        except Exception:  # the poller must go on; the stream's reader meets the state as it is
+            log.exception("request %d: taking its stream back from the native round failed", handle.spec.request_id)
 
     async def _poll_loop(self) -> None:
         while True:
@@ -411,9 +487,19 @@ class Backend:
         num_updates = 0
         if self._slot_list is None:  # in ring order: `ready_slots` then reads the ring's words in address order
             self._slot_list = sorted(self._requests)
-        requests, poll = self._requests, self._producer.poll  # bound once a round, used once per update
-        for slot in self._producer.ready_slots(self._slot_list):
+            self._slot_array = None
+        requests, poll, native = self._requests, self._producer.poll, self._native  # bound once a round
+        if native is None:
+            ready = self._producer.ready_slots(self._slot_list)
+        else:  # the native streams' tokens go out now; the rest is this loop's
+            if self._slot_array is None:
+                self._slot_array = np.array(self._slot_list, dtype=np.int32)
+            ready, num_updates, fell = native.round(self._slot_array, time.perf_counter_ns())
+            self._outstanding -= fell
+        for slot in ready:
             handle = requests[slot]
+            if handle.native is not None:  # handed back by the round: its news is this loop's
+                self.take_back(handle)
             update = poll(slot)
             tokens = update.tokens
             if not tokens and not update.finish:  # FinishReason.NONE is 0
@@ -490,6 +576,7 @@ class Backend:
             if unstarted_only and handle.num_produced:
                 continue
             num_failed += 1
+            self.take_back(handle)
             if not handle.abandoned:
                 handle.queue.put_nowait(_error_update(message))
                 handle.abandoned = True

@@ -116,6 +116,12 @@ class TokenPieces:
         for token_id, text in enumerate(texts):
             self._pieces.setdefault(token_id, "" if token_id in self.special_ids else text[ref_len:])
 
+    def utf8_pieces(self) -> list[bytes]:
+        """Every id's piece after another token as UTF-8 bytes (ByteLevel: its bytes), for the native
+        stream round's table (`gateway/stream_round.py`)."""
+        size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        return [p if isinstance(p, bytes) else p.encode() for p in map(self.piece, range(size))]
+
     def piece(self, token_id: int) -> bytes | str:
         """After another (non-special) token: bytes (ByteLevel) or text (WordPiece); empty for a special token."""
         piece = self._pieces.get(token_id)
@@ -169,6 +175,24 @@ class PieceDetokenizer:
     def flush(self) -> str:
         """At the end of the sequence: a character left incomplete, as U+FFFD."""
         return self._utf8.decode(b"", final=True) if self._utf8 is not None else ""
+
+    def hand_over(self) -> tuple[TokenPieces, bytes] | None:
+        """For another reader that goes on where this one is (the native stream round): the pieces and the
+        bytes of a character still incomplete, which this one forgets; None when the next token's piece
+        depends on more than the token (a WordPiece text not begun)."""
+        if self._utf8 is None:
+            return (self._pieces, b"") if self._started else None
+        pending, _ = self._utf8.getstate()
+        self._utf8.reset()
+        return self._pieces, pending
+
+    def take_over(self, pending: bytes) -> None:
+        """Back from that reader: it left `pending`, the bytes of a character not complete yet."""
+        if self._utf8 is not None:
+            if self._utf8.decode(pending):
+                raise ValueError(f"bytes {pending!r} handed back hold a whole character")
+        elif pending:
+            raise ValueError("a WordPiece stream has no pending bytes")
 
 
 class StopMatcher:
@@ -254,6 +278,18 @@ class TextStream:
             text, self.stopped = self._matcher.feed(self._detok.add(token_id))
             out.append(text)
         return "".join(out)
+
+    def hand_over(self) -> tuple[TokenPieces, bytes] | None:
+        """`PieceDetokenizer.hand_over` for a stream another reader can go on with (no stop strings, a piece
+        per token, not stopped); None otherwise."""
+        if not self._plain or self.stopped or not isinstance(self._detok, PieceDetokenizer):
+            return None
+        return self._detok.hand_over()
+
+    def take_over(self, num_tokens: int, pending: bytes) -> None:
+        """Back from that reader, which took the stream to `num_tokens` tokens and left `pending` bytes."""
+        self._detok.take_over(pending)
+        self.num_tokens = num_tokens
 
     def finish(self) -> str:
         """The text still held back, once the engine has finished."""

@@ -44,6 +44,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-setup-pacing", dest="setup_pacing", action="store_const", const=False,
                    help="run every ready request set-up at once instead of one per event-loop pass "
                         "(gateway/pacing.py; for measuring)")
+    p.add_argument("--no-native-stream", dest="native_stream", action="store_const", const=False,
+                   help="deliver every streamed token from Python, not from the poller's C round "
+                        "(gateway/stream_round.py; for measuring and debugging)")
     p.add_argument("--header-timeout", type=float, dest="header_timeout_s", metavar="SECONDS",
                    help="close a connection that has not sent a whole request head this long after it opened "
                    "or after its previous request ended (slowloris; also idle keep-alive; default 10; "
@@ -76,7 +79,8 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
              "api_keys": frozenset(args.api_keys) if args.api_keys else None,
              "admin_keys": frozenset(args.admin_keys) if args.admin_keys else None,
              "keys_file": args.keys_file, "workers": args.workers, "worker_index": args.worker_index,
-             "limits_table": args.limits_table, "setup_pacing": args.setup_pacing}
+             "limits_table": args.limits_table, "setup_pacing": args.setup_pacing,
+             "native_stream": args.native_stream}
     fields.update({k: v for k, v in flags.items() if v is not None})
     return GatewayConfig(**fields)
 

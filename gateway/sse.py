@@ -17,6 +17,7 @@ Both ways write through `_write`, one transport write per piece, framed as aioht
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from json.encoder import encode_basestring
@@ -32,6 +33,7 @@ from .errors import ApiError
 from .formats import OutputFormat
 from .generate import Generation, Piece
 from .metrics import Metrics
+from .stream_round import Taken
 
 log = logging.getLogger("blink.gateway.http")
 
@@ -102,12 +104,41 @@ class SseBody:
             self._attached = True
             for index, gen in enumerate(self.choices.gens):
                 gen.handle.sink = self._sink(index, gen)
+            if len(self.choices.gens) == 1:
+                self._go_native(self.choices.gens[0])
 
     def _detach(self) -> None:
         if self._attached:
             self._attached = False
             for gen in self.choices.gens:
+                gen.handle.take_back()
                 gen.handle.sink = None
+
+    # ---------------------------------------------------------------- the native round's way
+    def _go_native(self, gen: Generation) -> None:
+        """Hand a plain stream (one choice) to its backend's native round when nothing of it waits for the
+        task and its connection holds no unsent bytes (the round writes to the socket itself)."""
+        transport = self.transport
+        if (not gen.in_order or transport is None or transport.is_closing() or transport.get_write_buffer_size()):
+            return
+        parts = _frame_parts(self.fmt.text_parts(0))
+        sock = transport.get_extra_info("socket")
+        if not parts or sock is None:
+            return
+        head, tail, _ = parts
+        gen.handle.go_native(sock.fileno(), self.chunked, head, tail, gen.budget_tokens,
+                                     gen.stream.num_tokens, gen.stream.hand_over, self._take_back_fn(gen))
+
+    def _take_back_fn(self, gen: Generation):
+        def take_back(taken: Taken) -> None:
+            """What the native round did with the stream goes where the Python path keeps it."""
+            gen.stream.take_over(taken.num_tokens, taken.pending)
+            if taken.last_token_ns:
+                gen.last_token_s = taken.last_token_ns / 1e9  # perf_counter_ns: the same clock as perf_counter
+            self.writer.output_size += taken.bytes_sent + len(taken.unsent)
+            if taken.unsent:  # the rest of a chunk the socket took in part: before anything else
+                self.transport.write(taken.unsent)
+        return take_back
 
     def _sink(self, index: int, gen: Generation) -> Callable[[TokenUpdate], bool]:
         # The poller's hot path (once per token per stream): everything it reads is bound here once, and a
@@ -118,6 +149,7 @@ class SseBody:
         is_closing, buffered, take, chunk_json = (transport.is_closing, transport.get_write_buffer_size,
                                                   gen.take, fmt.chunk_json)
         write, several = transport.write, len(choices.gens) > 1
+        go_native = None if several else functools.partial(self._go_native, gen)
         frame_parts = None  # see `_frame_parts`: None until the format has this choice's text template
 
         def sink(update: TokenUpdate) -> bool:
@@ -149,6 +181,8 @@ class SseBody:
                             frame = b"%x\r\ndata: %s\n\n\r\n" % (len(chunk) + 8, chunk) if chunked else b"data: %s\n\n" % chunk
                         writer.output_size += len(frame)
                         write(frame)
+                        if go_native is not None and not buffered():
+                            go_native()
             except Exception as exc:  # never into the poller (it would fail every request): to the reader
                 log.exception("request %d: streaming a piece failed", self.choices.request_id)
                 gen.hold(exc)

@@ -271,6 +271,16 @@ class RingProducer:
         news = (u32[produced_w] != u32[consumed_w]) | (u32[finish_w] != 0)  # FinishReason.NONE is 0
         return self._ready_idx[news].tolist()
 
+    def position(self, slot: int) -> tuple[int, int]:
+        """(the outstanding request's seq, tokens `poll` has read of it): where another reader of the
+        responses takes over (the gateway's native round, `gateway/stream_round.py`)."""
+        out = self._active[slot]
+        return out.seq, out.consumed
+
+    def resume_at(self, slot: int, consumed: int) -> None:
+        """That other reader read up to `consumed` (and advanced the ring's counter): `poll` goes on from there."""
+        self._active[slot].consumed = consumed
+
     def set_consumed(self, slot: int, consumed: int) -> None:
         """Advance the slot's consumed counter (with `defer_consumed`) up to what `poll` has read."""
         out = self._active.get(slot)

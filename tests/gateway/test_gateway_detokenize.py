@@ -205,3 +205,49 @@ def test_other_decoders_keep_the_window():
     tok.decoder = decoders.Metaspace()
     assert TokenPieces.for_tokenizer(tok) is None
     assert isinstance(TextStream(tok)._detok, IncrementalDetokenizer)
+
+
+# ---------------------------------------------------------------- handing a stream to the native round and back
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "wordpiece"])
+def test_a_stream_handed_over_and_back_gives_the_same_text(byte_tokenizer, kind):
+    """A reader that takes over mid-stream (the native round) joins the table's pieces from the pending bytes
+    it was handed; what it hands back goes on as if the stream had never left."""
+    tok = byte_tokenizer if kind == "byte_level" else _wordpiece_tokenizer()
+    pieces = TokenPieces.for_tokenizer(tok)
+    table = pieces.utf8_pieces()
+    rng = random.Random(4)
+    if kind == "byte_level":
+        ids = byte_tokenizer.encode("héllo 世界 🙂 👩‍💻 " * 4).ids
+    else:
+        ids = [rng.randrange(tok.get_vocab_size(with_added_tokens=True)) for _ in range(40)]
+    for _ in range(50):
+        a, b = sorted(rng.sample(range(1, len(ids)), 2))
+        whole = TextStream(tok, pieces=pieces)
+        expected = whole.add(ids) + whole.finish()
+        stream = TextStream(tok, pieces=pieces)
+        text = stream.add(ids[:a])
+        given = stream.hand_over()
+        assert given is not None and given[0] is pieces
+        raw = given[1] + b"".join(table[t] for t in ids[a:b])  # the other reader's text: whole characters
+        cut = next(n for n in range(len(raw), len(raw) - 4, -1) if _decodes(raw[:n]))
+        text += raw[:cut].decode()
+        stream.take_over(b, raw[cut:])
+        text += stream.add(ids[b:]) + stream.finish()
+        assert text == expected and stream.num_tokens == len(ids)
+
+
+def _decodes(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_only_plain_piece_streams_are_handed_over(byte_tokenizer):
+    assert TextStream(byte_tokenizer, stops=["x"], pieces=TokenPieces.for_tokenizer(byte_tokenizer)).hand_over() is None
+    assert TextStream(byte_tokenizer).hand_over() is None  # the window decoder
+    wordpiece = _wordpiece_tokenizer()
+    assert TextStream(wordpiece, pieces=TokenPieces.for_tokenizer(wordpiece)).hand_over() is None  # not begun

@@ -13,6 +13,7 @@ import urllib.parse
 import pytest
 
 import gateway.sse as sse
+from gateway.config import GatewayConfig
 
 
 def _request(harness, body: dict) -> bytes:
@@ -94,9 +95,17 @@ def _watch_bodies(monkeypatch, bodies: list, first_sndbuf: int | None = None) ->
     monkeypatch.setattr(sse.SseBody, "__init__", watched_init)
 
 
-def test_the_poller_writes_the_chunks(harness, monkeypatch):
+@pytest.fixture(scope="module")
+def python_harness(start_harness, pick_free_port):
+    """A gateway whose streams all take the Python path (`native_stream` off)."""
+    config = GatewayConfig(host="127.0.0.1", port=0, grpc_port=pick_free_port(), api_keys=frozenset({"k"}),
+                           slot_wait_s=2.0, native_stream=False)
+    return start_harness(config, "k")
+
+
+def test_the_poller_writes_the_chunks(python_harness, monkeypatch):
     """After the first piece, a stream's chunks leave from the poller's task, not the stream's own."""
-    bodies = []
+    harness, bodies = python_harness, []
     _watch_bodies(monkeypatch, bodies)
     prompt = harness.tokenizer.encode("hello world", add_special_tokens=False).ids
     sock = _stream(harness, {"model": harness.model, "prompt": prompt, "max_tokens": 40, "stream": True})
@@ -105,6 +114,22 @@ def test_the_poller_writes_the_chunks(harness, monkeypatch):
     assert "".join(texts) == harness.tokenizer.decode((prompt * 40)[:40])
     writers = bodies[0].transport.writers
     assert len(writers) >= 10 and sum(name.startswith("poller") for name in writers) >= len(writers) - 2, writers
+
+
+def test_the_native_round_sends_a_plain_streams_chunks(harness, monkeypatch):
+    """With the native round (the default), a plain stream's chunks after the first leave neither through
+    the task nor through the transport: the round sends them on the socket, the client gets every one of
+    them in order, and the body's byte count includes them."""
+    bodies = []
+    _watch_bodies(monkeypatch, bodies)
+    prompt = harness.tokenizer.encode("héllo wörld 🙂", add_special_tokens=False).ids
+    sock = _stream(harness, {"model": harness.model, "prompt": prompt, "max_tokens": 60, "stream": True})
+    response = _read_body(sock)
+    sock.close()
+    texts = _texts(response)
+    assert "".join(texts) == harness.tokenizer.decode((prompt * 60)[:60]) and len(texts) >= 20
+    assert len(bodies[0].transport.writers) <= 3, bodies[0].transport.writers  # the first piece and the end
+    assert bodies[0].writer.output_size == len(response)  # aiohttp counts the head too
 
 
 def test_a_slow_reader_does_not_stall_other_streams_and_loses_nothing(harness, monkeypatch):

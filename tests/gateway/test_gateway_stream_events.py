@@ -89,6 +89,7 @@ class ScriptedHandle:
         self._updates = list(updates)
         self.cancelled = False
         self.sink = None
+        self.queue = ()  # nothing waits for the reader: `next` has it all
 
     async def next(self) -> TokenUpdate:
         return self._updates.pop(0)
@@ -96,12 +97,18 @@ class ScriptedHandle:
     def close(self) -> None:
         self.cancelled = bool(self._updates)
 
+    def go_native(self, *args) -> bool:  # stays on the Python path, which these tests are about
+        return False
+
+    def take_back(self) -> None:
+        pass
+
 
 class PolledHandle(RequestHandle):
     """A real RequestHandle fed as the poller feeds it (`feed`): through its sink first, then its queue."""
 
     def __init__(self, updates: list[TokenUpdate]):
-        super().__init__(SimpleNamespace(cancel=self._cancel), 0, RequestSpec(7, [1, 2], 64, temperature=0.0))
+        super().__init__(SimpleNamespace(cancel=self._cancel, go_native=lambda *args: False), 0, RequestSpec(7, [1, 2], 64, temperature=0.0))
         self._updates = list(updates)
         self.cancelled = False
         self.num_direct = 0  # updates the sink took
@@ -140,6 +147,9 @@ class RecordingTransport:
 
     def is_closing(self) -> bool:
         return self.closing
+
+    def get_extra_info(self, name: str, default=None):
+        return default  # no socket: streams stay on the Python path
 
 
 class RecordingWriter:
