@@ -13,6 +13,12 @@ does) whenever writing it there would change what the client sees or would have 
 - anything of the stream still waiting for the task (so chunks stay in order), and with n > 1 a piece of
   another choice that the task has not written yet.
 Both ways write through `_write`, one transport write per piece, framed as aiohttp frames a chunked body.
+
+A third way for a plain stream (one choice, no stop strings, no logprobs): once nothing of it waits for the
+task and its connection holds no unsent bytes, the body hands it to its backend's native round
+(`gateway/stream_round.py`), which sends the same frames on the socket itself; whatever the round hands back
+(the finish, a slow client, anything unusual) comes through the sink as above, after `_take_back_fn` has
+put what the round did into the stream's state.
 """
 
 from __future__ import annotations
@@ -119,7 +125,8 @@ class SseBody:
         """Hand a plain stream (one choice) to its backend's native round when nothing of it waits for the
         task and its connection holds no unsent bytes (the round writes to the socket itself)."""
         transport = self.transport
-        if (not gen.in_order or transport is None or transport.is_closing() or transport.get_write_buffer_size()):
+        if (not gen.in_order or transport is None or transport.is_closing() or transport.get_write_buffer_size()
+                or transport.get_extra_info("sslcontext") is not None):  # TLS: bytes must go through the transport
             return
         parts = _frame_parts(self.fmt.text_parts(0))
         sock = transport.get_extra_info("socket")
