@@ -257,6 +257,8 @@ class Backend:
                  info.model_name, info.engine_mode, info.transport, info.ring_name, info.geometry.num_slots,
                  info.context_len)
         backend = cls(info, producer, config)
+        if backend._native_ok:  # build (or find) the native round's library now, off the event loop
+            await loop.run_in_executor(None, stream_round.load)
         backend.start()
         return backend
 

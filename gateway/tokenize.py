@@ -14,6 +14,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from . import stream_round
 from .detokenize import TokenPieces
 from .token_text import TokenTexts
 
@@ -91,6 +92,7 @@ class TokenizerService:
         self.token_pieces = TokenPieces.for_tokenizer(self.tokenizer, self.token_texts)  # None: streams decode a window
         if self.token_pieces is not None:
             self.token_pieces.warm()
+            stream_round.table_for(self.token_pieces)  # made here, off the event loop, for the native round
         self._executor = executor
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
