@@ -85,11 +85,12 @@ def _print(args: argparse.Namespace, reply: dict, text: str) -> int:
 
 
 def _backend_lines(backends: list[dict]) -> list[str]:
-    lines = [f"{'backend':24} {'model':24} {'state':9} {'load':>5} {'kv':>5} {'in flight':>9}"]
+    lines = [f"{'backend':24} {'model':24} {'state':9} {'load':>5} {'kv':>5} {'in flight':>9} {'native':>6}"]
     for b in backends:
         state = "draining" if b["draining"] else "stalled" if b["stalled"] else "serving" if b.get("serving") else "down"
+        native = b.get("native_stream", "off").split()[0]  # the native stream round (the reason: --json)
         lines.append(f"{b['addr']:24} {b['model']:24} {state:9} {b['load']:5.2f} {b.get('kv_usage', 0):5.2f} "
-                     f"{b['in_flight']:9d}")
+                     f"{b['in_flight']:9d} {native:>6}")
     return lines
 
 

@@ -60,7 +60,9 @@ def backend_report(backend) -> dict:
     report = {"addr": backend.info.addr, "model": backend.info.model_name, "engine": backend.info.engine_mode,
               "transport": backend.info.transport, "stalled": backend.stalled,
               "draining": getattr(backend, "draining", False), "load": round(backend.load, 3),
-              "in_flight": backend.num_in_flight, "waiting": backend.num_waiting, "free_slots": backend.free_slots}
+              "in_flight": backend.num_in_flight, "waiting": backend.num_waiting, "free_slots": backend.free_slots,
+              "native_stream": getattr(backend, "native_stream", "off"),  # gateway/stream_round.py
+              "native_streams": getattr(backend, "num_native_streams", 0)}
     try:
         stats = backend.engine_stats()
         total = stats["total_kv_blocks"]

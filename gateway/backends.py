@@ -44,6 +44,7 @@ log = logging.getLogger("blink.gateway.backends")
 # this host's cores, and a spinning poller would take them from it.
 CPU_ENGINE_SPIN_S = 0.002
 
+_NATIVE_NOT_BUILT = "off (not built: no C compiler, or the build failed; see the log)"  # Backend.native_stream
 _started = threading.local()  # .backends: the started backends of this thread's event loop (see `poll_checkpoint`)
 
 
@@ -227,6 +228,8 @@ class Backend:
         # The native round (gateway/stream_round.py): made on the first `go_native`, for shared-memory rings.
         self._native: stream_round.StreamRound | None = None
         self._native_ok = config.native_stream and type(producer) is RingProducer and not producer.defer_consumed
+        self._native_off = None if self._native_ok else \
+            "off (native_stream: false)" if not config.native_stream else f"off ({info.transport} transport)"
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._wakeup = asyncio.Event()
         self._poller: asyncio.Task | None = None
@@ -257,8 +260,9 @@ class Backend:
                  info.model_name, info.engine_mode, info.transport, info.ring_name, info.geometry.num_slots,
                  info.context_len)
         backend = cls(info, producer, config)
-        if backend._native_ok:  # build (or find) the native round's library now, off the event loop
-            await loop.run_in_executor(None, stream_round.load)
+        if backend._native_ok and await loop.run_in_executor(None, stream_round.load) is None:  # built now, off the loop
+            backend._native_ok = False
+            backend._native_off = _NATIVE_NOT_BUILT
         backend.start()
         return backend
 
@@ -426,10 +430,22 @@ class Backend:
         handle.native, handle.native_base = on_take_back, num_tokens
         return True
 
+    @property
+    def native_stream(self) -> str:
+        """Whether the native round delivers this backend's plain streams, for operators (`/admin/status`)."""
+        if self._native is not None:
+            return "on"
+        return self._native_off or "on (from the first plain stream)"
+
+    @property
+    def num_native_streams(self) -> int:
+        return sum(handle.native is not None for handle in self._requests.values())
+
     def _make_native(self, pieces) -> None:
         lib = stream_round.load()
         if lib is None:
             self._native_ok = False
+            self._native_off = _NATIVE_NOT_BUILT
             return
         self._native = stream_round.StreamRound(lib, self._producer.ring.buf, self.info.geometry,
                                                 stream_round.table_for(pieces))

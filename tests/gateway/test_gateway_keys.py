@@ -167,6 +167,7 @@ def test_admin_api_needs_the_admin_key(keyed):
     assert raw(h, "GET", "/admin/status", keys["legacy"])[0] == 403
     status, _, body = raw(h, "GET", "/admin/status", keys["admin"])
     assert status == 200 and body["backends"][0]["addr"] == "in-process" and body["workers"] == 1
+    assert body["backends"][0]["native_stream"].startswith("on") and body["backends"][0]["native_streams"] == 0
     assert "salt" not in json.dumps(raw(h, "GET", "/admin/keys", keys["admin"])[2])
     status, _, body = raw(h, "GET", "/v1/models", keys["admin"])  # an admin key alone is no client key
     assert status == 403 and body["error"]["code"] == "permission_denied"
@@ -191,6 +192,9 @@ def test_blinkctl_round_trip(keyed, capsys):
     base = ["--url", h.url, "--admin-key", keys["admin"]]
     assert blinkctl(["status", *base]) == 0
     assert "in-process" in capsys.readouterr().out
+    assert blinkctl(["backends", *base]) == 0
+    head, row = capsys.readouterr().out.splitlines()[:2]
+    assert head.split()[-1] == "native" and row.split()[-1] == "on"  # the native stream round is in use
     assert blinkctl(["keys", "add", "carol", "--rpm", "100", "--max-tokens", "3", *base]) == 0
     carol = capsys.readouterr().out.strip()
     assert carol.startswith("blk-") and carol not in path.read_text()
