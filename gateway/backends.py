@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -33,6 +32,7 @@ from protocols.shm_producer import RingProducer, TokenUpdate
 from . import stream_round
 from .config import GatewayConfig
 from .errors import unavailable
+from .request_handle import RequestHandle
 from .tcp_producer import TcpProducer
 from .transports import BackendConnectError, connect_transport
 
@@ -44,7 +44,6 @@ log = logging.getLogger("blink.gateway.backends")
 # this host's cores, and a spinning poller would take them from it.
 CPU_ENGINE_SPIN_S = 0.002
 
-_NATIVE_NOT_BUILT = "off (not built: no C compiler, or the build failed; see the log)"  # Backend.native_stream
 _started = threading.local()  # .backends: the started backends of this thread's event loop (see `poll_checkpoint`)
 
 
@@ -111,110 +110,6 @@ def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:
                                       f"{exc.code().name} {exc.details()}") from None
 
 
-class UpdateQueue(collections.deque):
-    """One request's updates: the poller puts, the request's one reader awaits. What asyncio.Queue does
-    for this case with less work per token (no getter list, no size limit, no loop check per call). A
-    deque itself, so that "updates are waiting" (its truth, read per token by the poller's sink) is C's."""
-
-    __slots__ = ("_waiter", "_loop")
-
-    def __init__(self):
-        super().__init__()
-        self._waiter: asyncio.Future | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the reader's, found once (a getpid() per call)
-
-    def put_nowait(self, update: TokenUpdate) -> None:
-        self.append(update)
-        self.wake()
-
-    def wake(self) -> None:
-        """Wake the reader: `get` returns the next update, or None if there is none."""
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def get(self) -> TokenUpdate | None:
-        """The next update; None when `wake` woke the reader with none queued (it checks what else it waits for)."""
-        if not self:
-            if self._loop is None:
-                self._loop = asyncio.get_running_loop()
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-            if not self:
-                return None
-        return self.popleft()
-
-    def qsize(self) -> int:
-        return len(self)
-
-
-# Takes an update from the poller, in the poller (no task switch): True when it dealt with it, False when
-# the update should go into the request's queue for its reader instead. It must not raise or block.
-Sink = Callable[[TokenUpdate], bool]
-# Told what the native round did with a stream it hands back (`Backend.take_back`). It must not raise.
-OnTakeBack = Callable[[stream_round.Taken], None]
-
-
-class RequestHandle:
-    """The gateway's side of one submitted request: updates arrive in `queue`, or go to `sink` first."""
-
-    __slots__ = ("backend", "slot", "spec", "queue", "finished", "abandoned", "submitted_s", "num_produced", "sink",
-                 "native", "native_base")
-
-    def __init__(self, backend: Backend, slot: int, spec: RequestSpec):
-        self.backend = backend
-        self.slot = slot
-        self.spec = spec
-        self.queue = UpdateQueue()
-        self.finished = False  # the engine reported a finish (or the gateway gave up on the engine)
-        self.abandoned = False  # nobody reads `queue` any more
-        self.submitted_s = time.perf_counter()
-        self.num_produced = 0  # tokens pushed into `queue` (or taken by `sink`) so far
-        self.sink: Sink | None = None  # set by a reader that can take updates in the poller
-        self.native: OnTakeBack | None = None  # set while the native round delivers this stream (`Backend.go_native`)
-        self.native_base = 0  # the stream's token count when it went native
-
-    @property
-    def outstanding_tokens(self) -> int:
-        """Work still ahead: the prompt until the first token arrives, then what max_tokens leaves."""
-        prompt_len = len(self.spec.prompt_ids) if self.num_produced == 0 else 0
-        return prompt_len + max(self.spec.max_tokens - self.num_produced, 0)
-
-    def produced(self, num_tokens: int) -> int:
-        """`num_tokens` more arrived; returns by how much `outstanding_tokens` fell."""
-        # `outstanding_tokens` before and after, inlined: once per update of every request
-        produced, max_tokens = self.num_produced, self.spec.max_tokens
-        before = (len(self.spec.prompt_ids) if produced == 0 else 0) + (max_tokens - produced if max_tokens > produced else 0)
-        self.num_produced = produced = produced + num_tokens
-        return before - (len(self.spec.prompt_ids) if produced == 0 else 0) - (max_tokens - produced if max_tokens > produced else 0)
-
-    async def next(self) -> TokenUpdate | None:
-        """The next update; None when the reader was woken without one (`UpdateQueue.wake`)."""
-        update = await self.queue.get()
-        if update is not None and update.finish != FinishReason.NONE:
-            self.finished = True
-        return update
-
-    def go_native(self, *args) -> bool:
-        """`Backend.go_native` for this stream."""
-        return self.backend.go_native(self, *args)
-
-    def take_back(self) -> None:
-        """The stream is the Python path's again (`Backend.take_back`); a no-op if it is."""
-        if self.native is not None:
-            self.backend.take_back(self)
-
-    def close(self) -> None:
-        """Done reading. If the engine has not finished, cancel it there; the poller releases the slot."""
-        if not self.abandoned:
-            self.take_back()
-            self.abandoned = True
-            if not self.finished:
-                self.backend.cancel(self)
-
-
 class Backend:
     """One backend: its description, the producer end of its ring, and its poller task."""
 
@@ -225,11 +120,11 @@ class Backend:
         self._requests: dict[int, RequestHandle] = {}  # slot -> request in flight
         self._slot_list: list[int] | None = None  # its slots, for `ready_slots` (None: changed since)
         self._slot_array: np.ndarray | None = None  # the same, [n] int32, for the native round
-        # The native round (gateway/stream_round.py): made on the first `go_native`, for shared-memory rings.
-        self._native: stream_round.StreamRound | None = None
-        self._native_ok = config.native_stream and type(producer) is RingProducer and not producer.defer_consumed
-        self._native_off = None if self._native_ok else \
-            "off (native_stream: false)" if not config.native_stream else f"off ({info.transport} transport)"
+        # The native round (gateway/stream_round.py), for shared-memory rings read as they come.
+        native_ok = type(producer) is RingProducer and not producer.defer_consumed
+        self.native = stream_round.NativeStreams(producer, info.geometry, None if config.native_stream and native_ok
+                                                 else "off (native_stream: false)" if native_ok
+                                                 else f"off ({info.transport} transport)")
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._wakeup = asyncio.Event()
         self._poller: asyncio.Task | None = None
@@ -260,9 +155,7 @@ class Backend:
                  info.model_name, info.engine_mode, info.transport, info.ring_name, info.geometry.num_slots,
                  info.context_len)
         backend = cls(info, producer, config)
-        if backend._native_ok and await loop.run_in_executor(None, stream_round.load) is None:  # built now, off the loop
-            backend._native_ok = False
-            backend._native_off = _NATIVE_NOT_BUILT
+        await loop.run_in_executor(None, backend.native.prepare)  # its library built now, off the event loop
         backend.start()
         return backend
 
@@ -399,73 +292,26 @@ class Backend:
         for handle in self._requests.values():
             self.take_back(handle)
             handle.queue.put_nowait(_error_update("the gateway is shutting down"))
-        if self._native is not None:
-            self._native.close()  # before the ring it points into
+        self.native.close()  # before the ring it points into
         self._producer.close()
 
     # ---------------------------------------------------------------- the native round
-    def go_native(self, handle: RequestHandle, fd: int, chunked: bool, head: bytes, tail: bytes,
-                  budget: int | None, num_tokens: int, hand_over: Callable[[], tuple | None],
-                  on_take_back: OnTakeBack) -> bool:
-        """Let the native round deliver this stream's plain text chunks (`gateway/stream_round.py`): each
-        frame `head` + JSON string + `tail` (HTTP/1.1 chunked if `chunked`), sent on a dup of socket `fd`,
-        until the stream holds `budget` tokens (None: no limit). `hand_over()` gives the stream's
-        (TokenPieces, pending bytes), or None when it cannot go; `on_take_back` gets what the round did
-        when the stream comes back. False (nothing changed) when the stream stays on the Python path."""
-        if not self._native_ok or handle.native is not None or handle.abandoned or handle.finished \
-                or handle.slot not in self._requests:
-            return False
-        given = hand_over()
-        if given is None:
-            return False
-        pieces, pending = given
-        if self._native is None:
-            self._make_native(pieces)
-        seq, consumed = self._producer.position(handle.slot)
-        native, tokens_left = self._native, handle.spec.max_tokens - handle.num_produced
-        if native is None or stream_round.table_for(pieces) is not native.table or not native.enable(
-                handle.slot, fd, seq, consumed, num_tokens, budget, tokens_left, chunked, pending, head, tail):
-            on_take_back(stream_round.Taken(consumed, num_tokens, pending, 0, 0, b"", "none"))  # as it was
-            return False
-        handle.native, handle.native_base = on_take_back, num_tokens
-        return True
+    def go_native(self, handle: RequestHandle, *args) -> bool:
+        """`NativeStreams.go` for a request in flight here."""
+        return handle.slot in self._requests and self.native.go(handle, *args)
+
+    def take_back(self, handle: RequestHandle) -> None:
+        """`NativeStreams.take_back`."""
+        self.native.take_back(handle)
 
     @property
     def native_stream(self) -> str:
         """Whether the native round delivers this backend's plain streams, for operators (`/admin/status`)."""
-        if self._native is not None:
-            return "on"
-        return self._native_off or "on (from the first plain stream)"
+        return self.native.state
 
     @property
     def num_native_streams(self) -> int:
         return sum(handle.native is not None for handle in self._requests.values())
-
-    def _make_native(self, pieces) -> None:
-        lib = stream_round.load()
-        if lib is None:
-            self._native_ok = False
-            self._native_off = _NATIVE_NOT_BUILT
-            return
-        self._native = stream_round.StreamRound(lib, self._producer.ring.buf, self.info.geometry,
-                                                stream_round.table_for(pieces))
-
-    def take_back(self, handle: RequestHandle) -> None:
-        """The stream is the Python path's again (a no-op if it was not native): its ring position, token
-        count and what the round sent go back where the Python path keeps them."""
-        on_take_back = handle.native
-        if on_take_back is None:
-            return
-        handle.native = None
-        taken = self._native.take_back(handle.slot)
-        if taken is None:
-            return
-        self._producer.resume_at(handle.slot, taken.consumed)
-        handle.num_produced += taken.num_tokens - handle.native_base
-        try:
-            on_take_back(taken)
-        except Exception:  # the poller must go on; the stream's reader meets the state as it is
-            log.exception("request %d: taking its stream back from the native round failed", handle.spec.request_id)
 
     async def _poll_loop(self) -> None:
         while True:
@@ -506,7 +352,7 @@ class Backend:
         if self._slot_list is None:  # in ring order: `ready_slots` then reads the ring's words in address order
             self._slot_list = sorted(self._requests)
             self._slot_array = None
-        requests, poll, native = self._requests, self._producer.poll, self._native  # bound once a round
+        requests, poll, native = self._requests, self._producer.poll, self.native.round  # bound once a round
         if native is None:
             ready = self._producer.ready_slots(self._slot_list)
         else:  # the native streams' tokens go out now; the rest is this loop's

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from protocols.ring import ErrorCode, FinishReason, TokenLogprob
 from protocols.shm_producer import TokenUpdate
 
-from .backends import RequestHandle, poll_checkpoint
+from .backends import poll_checkpoint
+from .request_handle import RequestHandle
 from .detokenize import TextStream
 from .errors import ApiError, bad_request, server_error, unavailable
 from .metrics import Metrics

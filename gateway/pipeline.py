@@ -16,7 +16,8 @@ from protocols.openai import (ChatCompletionRequest, ChatMessage, CompletionRequ
                               parse_request)
 from protocols.ring import RequestSpec
 
-from .backends import RequestHandle, poll_checkpoint
+from .backends import poll_checkpoint
+from .request_handle import RequestHandle
 from .choices import Choices
 from .detokenize import TextStream
 from .errors import ApiError, bad_request

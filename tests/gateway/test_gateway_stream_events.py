@@ -17,7 +17,7 @@ from gateway.choices import Choices
 from gateway.detokenize import TextStream
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generate import Generation
-from gateway.backends import RequestHandle
+from gateway.request_handle import RequestHandle
 from gateway.sse import HIGH_WATER_BYTES, SseBody, _frame_parts
 from protocols.ring import FinishReason, RequestSpec, TokenLogprob
 from protocols.shm_producer import TokenUpdate
