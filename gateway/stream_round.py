@@ -162,11 +162,14 @@ class StreamRound:
         self._taken = _Taken()
         self.template_bytes = lib.sr_template_bytes()
         self._tap: tuple | None = None
+        self._slots, self._slots_p = None, 0  # the last `round`'s slot array, and its address
 
     def round(self, slots: np.ndarray, now_ns: int) -> tuple[list[int], int, int]:
         """`slots`: [n] int32, the slots in flight. Returns (the slots with news for Python, updates C
         delivered, outstanding tokens that fell)."""
-        num_out = self._round(self._state, slots.ctypes.data, len(slots), now_ns, self._out_p, self._stats_p)
+        if slots is not self._slots:  # a poller passes the same array while its requests stay the same
+            self._slots, self._slots_p = slots, slots.ctypes.data  # (`.ctypes` makes an object per call)
+        num_out = self._round(self._state, self._slots_p, len(slots), now_ns, self._out_p, self._stats_p)
         stats = self._stats
         return self._out[:num_out].tolist(), int(stats[0]), int(stats[1])
 
