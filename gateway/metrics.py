@@ -118,6 +118,8 @@ class BackendCollector(Collector):
                                   labels=BACKEND)
         healthy = GaugeMetricFamily("blink:backend_healthy", "1 while the engine serves and its heartbeat "
                                     "moves, else 0.", labels=BACKEND)
+        native = GaugeMetricFamily("blink:native_streams", "Streams the poller's round in C delivers now "
+                                   "(gateway/stream_round.py).", labels=BACKEND)
         for b in self._backends():
             labels = [b.info.model_name, b.info.addr]
             try:
@@ -131,4 +133,5 @@ class BackendCollector(Collector):
             kv.add_metric(labels, (total - stats["free_kv_blocks"]) / total if total else 0.0)
             slots.add_metric(labels, b.info.geometry.num_slots - b.free_slots)
             healthy.add_metric(labels, 1.0 if serving else 0.0)
-        return [running, waiting, kv, slots, healthy]
+            native.add_metric(labels, getattr(b, "num_native_streams", 0))
+        return [running, waiting, kv, slots, healthy, native]

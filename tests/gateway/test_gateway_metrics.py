@@ -16,7 +16,7 @@ from protocols import inference_pb2_grpc
 FAMILIES = {"blink:num_requests_running", "blink:num_requests_waiting", "blink:kv_cache_usage_perc",
             "blink:backend_healthy", "blink:ring_slots_in_use", "blink:prompt_tokens", "blink:generation_tokens",
             "blink:request_success", "blink:request_rejected", "blink:time_to_first_token_seconds",
-            "blink:time_per_output_token_seconds", "blink:e2e_request_latency_seconds"}
+            "blink:time_per_output_token_seconds", "blink:e2e_request_latency_seconds", "blink:native_streams"}
 
 
 def scrape(harness) -> dict:
@@ -63,6 +63,8 @@ def test_metrics_need_no_key_and_parse(harness):
     assert FAMILIES <= names
     backend = {"model_name": harness.model, "backend": "in-process"}
     assert value(metrics, "blink:backend_healthy", **backend) == 1.0
+    assert (("blink:native_streams", tuple(sorted(backend.items()))) in metrics
+            and value(metrics, "blink:native_streams", **backend) == 0)  # none open
 
 
 def _assert_counted(before: dict, after: dict, model: str, usage: dict, finish: str) -> None:

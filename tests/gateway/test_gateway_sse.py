@@ -131,7 +131,7 @@ def test_the_native_round_sends_a_plain_streams_chunks(harness, monkeypatch):
     assert "".join(texts) == harness.tokenizer.decode((prompt * 60)[:60]) and len(texts) >= 20
     assert len(bodies[0].transport.writers) <= 3, bodies[0].transport.writers  # the first piece and the end
     assert bodies[0].writer.output_size == len(response)  # aiohttp counts the head too
-    assert harness.backend.native_stream == "on"
+    assert harness.backend.native_stream == "on" and harness.backend.num_native_streams == 0  # none left
 
 
 def test_a_slow_reader_does_not_stall_other_streams_and_loses_nothing(harness, monkeypatch):
