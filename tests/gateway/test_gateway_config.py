@@ -29,6 +29,14 @@ def test_grpc_port_and_log_format():
     assert (cfg.grpc_port, cfg.log_format) == (0, "text")  # 0: no gRPC API
 
 
+def test_native_stream_is_on_unless_turned_off(tmp_path):
+    assert config_from_args(parse_args([]), {}).native_stream
+    assert not config_from_args(parse_args(["--no-native-stream"]), {}).native_stream
+    path = tmp_path / "gateway.yaml"
+    path.write_text("backends: [127.0.0.1:1]\nnative_stream: false\n")
+    assert not config_from_args(parse_args(["--config", str(path)]), {}).native_stream
+
+
 @pytest.mark.parametrize("bad", [{"port": 70000}, {"backend_addrs": ()}, {"max_body_bytes": 10},
                                  {"default_max_tokens": 0}, {"slot_wait_s": 0}, {"grpc_port": -1},
                                  {"log_format": "xml"}])
