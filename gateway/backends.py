@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 
 from protocols import control_pb2, control_pb2_grpc
 from protocols.rdma import RdmaProducer
@@ -118,13 +117,13 @@ class Backend:
         self.config = config
         self._producer = producer
         self._requests: dict[int, RequestHandle] = {}  # slot -> request in flight
-        self._slot_list: list[int] | None = None  # its slots, for `ready_slots` (None: changed since)
-        self._slot_array: np.ndarray | None = None  # the same, [n] int32, for the native round
+        self._slots: list[int] | None = None  # its slots in ring order, for a round (None: changed since)
         # The native round (gateway/stream_round.py), for shared-memory rings read as they come.
-        native_ok = type(producer) is RingProducer and not producer.defer_consumed
-        self.native = stream_round.NativeStreams(producer, info.geometry, None if config.native_stream and native_ok
-                                                 else "off (native_stream: false)" if native_ok
-                                                 else f"off ({info.transport} transport)")
+        if type(producer) is not RingProducer or producer.defer_consumed:
+            native_off = f"off ({info.transport} transport)"
+        else:
+            native_off = None if config.native_stream else "off (native_stream: false)"
+        self.native = stream_round.NativeStreams(producer, info.geometry, native_off)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._wakeup = asyncio.Event()
         self._poller: asyncio.Task | None = None
@@ -232,7 +231,7 @@ class Backend:
         self.num_requests += 1
         handle = RequestHandle(self, slot, spec)
         self._requests[slot] = handle
-        self._slot_list = None
+        self._slots = None
         self._outstanding += handle.outstanding_tokens
         self._wakeup.set()
         return handle
@@ -349,16 +348,13 @@ class Backend:
     def _poll_once(self) -> int:
         """Pass each request's news to its reader; returns how many requests had some."""
         num_updates = 0
-        if self._slot_list is None:  # in ring order: `ready_slots` then reads the ring's words in address order
-            self._slot_list = sorted(self._requests)
-            self._slot_array = None
+        if self._slots is None:  # in ring order: a round then reads the ring's words in address order
+            self._slots = sorted(self._requests)
         requests, poll, native = self._requests, self._producer.poll, self.native.round  # bound once a round
         if native is None:
-            ready = self._producer.ready_slots(self._slot_list)
+            ready = self._producer.ready_slots(self._slots)
         else:  # the native streams' tokens go out now; the rest is this loop's
-            if self._slot_array is None:
-                self._slot_array = np.array(self._slot_list, dtype=np.int32)
-            ready, num_updates, fell = native.round(self._slot_array, time.perf_counter_ns())
+            ready, num_updates, fell = native.round(self._slots, time.perf_counter_ns())
             self._outstanding -= fell
         for slot in ready:
             handle = requests[slot]
@@ -377,7 +373,7 @@ class Backend:
                     handle.queue.put_nowait(update)
             if update.finish:
                 del self._requests[slot]
-                self._slot_list = None
+                self._slots = None
                 self._outstanding -= handle.outstanding_tokens
                 self._producer.release(slot)
                 self._wake_one()

@@ -279,12 +279,14 @@ class TextStream:
             out.append(text)
         return "".join(out)
 
+    @property
+    def can_hand_over(self) -> bool:
+        """Another reader could go on with it: no stop strings, a piece per token, not stopped."""
+        return self._plain and not self.stopped and isinstance(self._detok, PieceDetokenizer)
+
     def hand_over(self) -> tuple[TokenPieces, bytes] | None:
-        """`PieceDetokenizer.hand_over` for a stream another reader can go on with (no stop strings, a piece
-        per token, not stopped); None otherwise."""
-        if not self._plain or self.stopped or not isinstance(self._detok, PieceDetokenizer):
-            return None
-        return self._detok.hand_over()
+        """`PieceDetokenizer.hand_over` for a stream that `can_hand_over`; None otherwise."""
+        return self._detok.hand_over() if self.can_hand_over else None
 
     def take_over(self, num_tokens: int, pending: bytes) -> None:
         """Back from that reader, which took the stream to `num_tokens` tokens and left `pending` bytes."""

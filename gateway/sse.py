@@ -59,6 +59,7 @@ class SseBody:
         self.transport = writer.transport
         self.chunked = writer.chunked  # HTTP/1.1: chunked encoding; 1.0: the body runs to the close
         self._attached = False
+        self._native_target: tuple[int, bytes, bytes] | bool | None = None  # see `_go_native`
         send_headers = getattr(writer, "send_headers", None)  # aiohttp >= 3.12 holds them for the first write
         if send_headers is not None:
             send_headers()
@@ -110,7 +111,7 @@ class SseBody:
             self._attached = True
             for index, gen in enumerate(self.choices.gens):
                 gen.handle.sink = self._sink(index, gen)
-            if len(self.choices.gens) == 1:
+            if self._may_go_native():
                 self._go_native(self.choices.gens[0])
 
     def _detach(self) -> None:
@@ -121,20 +122,28 @@ class SseBody:
                 gen.handle.sink = None
 
     # ---------------------------------------------------------------- the native round's way
+    def _may_go_native(self) -> bool:
+        """One choice whose text another reader could go on with (no stop strings or logprobs), on a
+        connection the round can write to: what does not change while the body runs."""
+        gens = self.choices.gens
+        return len(gens) == 1 and gens[0].stream.can_hand_over and self.fmt.text_parts(0) is not False \
+            and self.transport is not None and self.transport.get_extra_info("sslcontext") is None  # TLS: never
+
     def _go_native(self, gen: Generation) -> None:
-        """Hand a plain stream (one choice) to its backend's native round when nothing of it waits for the
-        task and its connection holds no unsent bytes (the round writes to the socket itself)."""
+        """Hand the stream to its backend's native round when nothing of it waits for the task and its
+        connection holds no unsent bytes (the round writes to the socket itself)."""
         transport = self.transport
-        if (not gen.in_order or transport is None or transport.is_closing() or transport.get_write_buffer_size()
-                or transport.get_extra_info("sslcontext") is not None):  # TLS: bytes must go through the transport
+        if not gen.in_order or transport.is_closing() or transport.get_write_buffer_size():
             return
-        parts = _frame_parts(self.fmt.text_parts(0))
-        sock = transport.get_extra_info("socket")
-        if not parts or sock is None:
-            return
-        head, tail, _ = parts
-        gen.handle.go_native(sock.fileno(), self.chunked, head, tail, gen.budget_tokens,
-                                     gen.stream.num_tokens, gen.stream.hand_over, self._take_back_fn(gen))
+        if self._native_target is None:  # the socket and the chunk's template, found once
+            parts, sock = _frame_parts(self.fmt.text_parts(0)), transport.get_extra_info("socket")
+            if parts is None:
+                return  # the choice's first chunk is not made yet
+            self._native_target = (sock.fileno(), parts[0], parts[1]) if parts and sock is not None else False
+        if self._native_target:
+            fd, head, tail = self._native_target
+            gen.handle.go_native(fd, self.chunked, head, tail, gen.budget_tokens, gen.stream.num_tokens,
+                                 gen.stream.hand_over, self._take_back_fn(gen))
 
     def _take_back_fn(self, gen: Generation):
         def take_back(taken: Taken) -> None:
@@ -156,7 +165,7 @@ class SseBody:
         is_closing, buffered, take, chunk_json = (transport.is_closing, transport.get_write_buffer_size,
                                                   gen.take, fmt.chunk_json)
         write, several = transport.write, len(choices.gens) > 1
-        go_native = None if several else functools.partial(self._go_native, gen)
+        go_native = functools.partial(self._go_native, gen) if self._may_go_native() else None
         frame_parts = None  # see `_frame_parts`: None until the format has this choice's text template
 
         def sink(update: TokenUpdate) -> bool:

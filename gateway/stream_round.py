@@ -130,15 +130,10 @@ class PieceTable:
         self.vocab_size = len(pieces)
 
 
-_tables: dict[int, tuple[object, PieceTable]] = {}  # id(TokenPieces) -> (it, its table)
-
-
+@functools.cache  # by the object: one table per tokenizer's TokenPieces (a gateway has one per model)
 def table_for(pieces) -> PieceTable:
-    """The `PieceTable` of a tokenizer's `TokenPieces` (made once; a gateway has a tokenizer per model)."""
-    entry = _tables.get(id(pieces))
-    if entry is None or entry[0] is not pieces:
-        entry = _tables[id(pieces)] = (pieces, PieceTable(pieces.utf8_pieces()))
-    return entry[1]
+    """The `PieceTable` of a tokenizer's `TokenPieces`."""
+    return PieceTable(pieces.utf8_pieces())
 
 
 class StreamRound:
@@ -162,13 +157,15 @@ class StreamRound:
         self._taken = _Taken()
         self.template_bytes = lib.sr_template_bytes()
         self._tap: tuple | None = None
-        self._slots, self._slots_p = None, 0  # the last `round`'s slot array, and its address
+        self._slots, self._slots_array, self._slots_p = None, None, 0  # the last `round`'s list, its array, address
 
-    def round(self, slots: np.ndarray, now_ns: int) -> tuple[list[int], int, int]:
-        """`slots`: [n] int32, the slots in flight. Returns (the slots with news for Python, updates C
-        delivered, outstanding tokens that fell)."""
-        if slots is not self._slots:  # a poller passes the same array while its requests stay the same
-            self._slots, self._slots_p = slots, slots.ctypes.data  # (`.ctypes` makes an object per call)
+    def round(self, slots: list[int], now_ns: int) -> tuple[list[int], int, int]:
+        """`slots`: the slots in flight. Returns (the slots with news for Python, updates C delivered,
+        outstanding tokens that fell). A list passed again (the same object) is taken to hold the same slots,
+        as `RingProducer.ready_slots` takes it."""
+        if slots is not self._slots:  # made once per list: an array and its address (`.ctypes` makes an object)
+            self._slots, self._slots_array = slots, np.array(slots, dtype=np.int32)  # [n] int32
+            self._slots_p = self._slots_array.ctypes.data
         num_out = self._round(self._state, self._slots_p, len(slots), now_ns, self._out_p, self._stats_p)
         stats = self._stats
         return self._out[:num_out].tolist(), int(stats[0]), int(stats[1])

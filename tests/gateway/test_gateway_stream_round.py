@@ -11,7 +11,6 @@ import socket
 import time
 from json.encoder import encode_basestring
 
-import numpy as np
 import pytest
 
 from gateway import stream_round
@@ -60,7 +59,7 @@ def _start(producer, engine, native, sock, *, budget=None, chunked=True, pending
 
 
 def _round(native, slot):
-    return native.round(np.array([slot], dtype=np.int32), 123)
+    return native.round([slot], 123)
 
 
 def _python_frame(text: str, chunked: bool = True) -> bytes:
@@ -234,7 +233,7 @@ def test_slots_it_does_not_own_come_back_when_they_have_news(rig):
     s1 = producer.submit(RequestSpec(1, [1], 5, temperature=0.0))
     s2 = producer.submit(RequestSpec(2, [1], 5, temperature=0.0))
     engine.take_new()
-    slots = np.array(sorted([s1, s2]), dtype=np.int32)
+    slots = sorted([s1, s2])
     assert native.round(slots, 1) == ([], 0, 0)
     engine.publish(s2, [0])
     assert native.round(slots, 1) == ([s2], 0, 0)
