@@ -14,7 +14,6 @@ Writes a JSON file with the commit hash and prints a summary row for bench/RESUL
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -30,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
 from protocols.shm import attach_ring  # noqa: E402
 from protocols.shm_producer import RingProducer  # noqa: E402
-from blink.bench.results import commit  # noqa: E402
+from blink.bench.results import commit, write_summary  # noqa: E402
 from tests.conftest import _describe, free_port  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -139,12 +138,9 @@ def main() -> None:
         "bench": "cpu_engine", "commit": commit(short=True) or "unknown", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "cpu": platform.processor() or "unknown", "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "model": desc.model_name, "prompt_tokens": len(prompt_ids), "engine": engine, "hf_generate_batch1": hf,
-        "ttft_direct_ms_median": statistics.median(direct), "ttft_direct_ms": direct,
+        "ttft_direct_ms_median": statistics.median(direct),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cpu_engine-{result['commit']}.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = write_summary(Path(args.out) / f"cpu_engine-{result['commit']}.json", result, {"ttft_direct_ms": direct})
     print(f"wrote {path}")
     print("| streams | blink cpu tok/s | vs HF generate b1 |")
     for e in engine:

@@ -58,7 +58,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from blink.bench.results import commit  # noqa: E402
+from blink.bench.results import commit, write_summary  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
 from protocols.shm import attach_ring  # noqa: E402
 from protocols.shm_producer import RingProducer  # noqa: E402
@@ -188,13 +188,11 @@ def worker_file(path: str, index: int, workers: int) -> str:
     return path if workers == 1 else f"{path}.{index}"
 
 
-def record(result: dict, out: str, name: str) -> None:
-    """Stamp commit and machine, write the JSON under `out`."""
+def record(result: dict, out: str, name: str, records: dict | None = None) -> None:
+    """Stamp commit and machine, write the summary JSON under `out` (per-request `records`, if any, beside
+    it in the git-ignored `.records.json.gz`)."""
     result.update(commit=commit(short=True) or "unknown", machine=f"{platform.machine()}, {os.cpu_count()} cores")
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
-    path = path / f"{name}-{result['commit']}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_summary(Path(out) / f"{name}-{result['commit']}.json", result, records)
     print(f"wrote {path}")
 
 
@@ -207,9 +205,8 @@ def ttft(args: argparse.Namespace) -> None:
     med = {k: statistics.median(v) for k, v in (("direct", direct), ("http", http), ("openai", sdk))}
     result = {"bench": "gateway_ttft", "samples": args.samples, "direct_ms_median": med["direct"], "http_ms_median": med["http"],
               "openai_ms_median": med["openai"], "gateway_added_ttft_ms_median": med["http"] - med["direct"],
-              "http_ms_p99": statistics.quantiles(http, n=100)[98], "direct_ms": direct, "http_ms": http,
-              "openai_ms": sdk}
-    record(result, args.out, "gateway_ttft")
+              "http_ms_p99": statistics.quantiles(http, n=100)[98]}
+    record(result, args.out, "gateway_ttft", {"direct_ms": direct, "http_ms": http, "openai_ms": sdk})
     print(f"TTFT median: ring round trip {med['direct']:.3f} ms, over HTTP (aiohttp) {med['http']:.3f} ms "
           f"(P99 {result['http_ms_p99']:.3f}), openai client {med['openai']:.3f} ms; "
           f"gateway adds {result['gateway_added_ttft_ms_median']:.3f} ms at the median")

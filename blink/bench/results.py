@@ -1,6 +1,9 @@
-"""Result files (one JSON per run: environment, workload, arrivals, figures, raw records) and the table."""
+"""Result files and the table. A run writes a summary JSON (environment, workload, arrivals, every figure),
+which is what `bench/results/` keeps in git, and its per-request records beside it in `<name>.records.json.gz`,
+which `.gitignore` keeps out (they were 99.9% of the folder's bytes)."""
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -68,17 +71,44 @@ def rate_name(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
+RECORDS_SUFFIX = ".records.json.gz"
+
+
+def records_path(summary: str | Path) -> Path:
+    """Where the per-request records of the summary at `summary` (`NAME.json`) go: `NAME.records.json.gz`."""
+    summary = Path(summary)
+    return summary.with_name(summary.name.removesuffix(".json") + RECORDS_SUFFIX)
+
+
+def write_summary(path: str | Path, doc: dict, records: dict | None = None) -> Path:
+    """Write `doc` at `path` and, when given, `records` (per-request lists) gzipped beside it; the summary
+    names the records file and says how many entries each list had, so a reader knows what is left out."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if records:
+        side = records_path(path)
+        with gzip.open(side, "wt") as f:
+            json.dump(records, f, default=str)
+        doc = {**doc, "records_file": side.name, "num_records": {k: len(v) for k, v in records.items()}}
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    return path
+
+
+def read_records(summary: str | Path) -> dict:
+    """The per-request records written beside a summary by `write_summary`."""
+    with gzip.open(records_path(summary), "rt") as f:
+        return json.load(f)
+
+
 def write_run(out_dir: str | Path, doc: dict) -> Path:
-    """Write one run's document; the name says system, workload, rate and interference."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Write one run's summary (the name says system, workload, rate and interference); its `requests`
+    records go to the git-ignored file beside it."""
     interfered = doc.get("interference") or {}
     tag = f"i{interfered['threads']}" if interfered else "iso"
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     name = f"{doc['label']}_{doc['workload']['name']}_r{doc['arrivals']['rate']}_{tag}_{stamp}_{os.getpid()}.json"
-    path = out / name.replace("/", "-")
-    path.write_text(json.dumps(doc, indent=1, default=str))
-    return path
+    summary = {k: v for k, v in doc.items() if k != "requests"}
+    return write_summary(Path(out_dir) / name.replace("/", "-"), summary, {"requests": doc.get("requests", [])})
 
 
 COLUMNS = [("rate", 6), ("ok/n", 8), ("dur s", 7), ("tok/s", 9), ("req/s", 7), ("good/s", 7),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from blink.bench.loadgen import ArrivalConfig, ClientConfig, run_requests
+from blink.bench.results import read_records
 from blink.bench.workloads import BenchRequest, Workload
 from tests.conftest import ROOT
 
@@ -29,7 +30,7 @@ def sweep(live_server, backend_pid, tmp_path_factory):
     env = {**os.environ, "BLINK_API_KEY": live_server.api_key}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    docs = [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))]
+    docs = [{**json.loads(p.read_text()), **read_records(p)} for p in sorted(Path(out).glob("*.json"))]
     return {d["arrivals"]["rate"]: d for d in docs}, proc.stdout
 
 
