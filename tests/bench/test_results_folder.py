@@ -19,13 +19,31 @@ MAX_FOLDER_BYTES = 3 * 1024 * 1024
 
 
 def _committed_files() -> list[str]:
-    """Names git tracks under bench/results/ (what a clone holds; ignored record files left out)."""
-    out = subprocess.run(["git", "ls-files", "bench/results"], cwd=ROOT, capture_output=True, text=True, check=True)
-    return [line.split("/", 2)[2] for line in out.stdout.splitlines() if line.count("/") == 2]
+    """Files under bench/results/ that git holds or would add (ignored record files left out)."""
+    cmd = ["git", "ls-files", "--cached", "--others", "--exclude-standard", "bench/results"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+    paths = [line for line in out.stdout.splitlines() if line.count("/") == 2 and (ROOT / line).exists()]
+    return sorted({p.split("/", 2)[2] for p in paths})
+
+
+def test_the_folder_is_under_3_mb():
+    total_bytes = sum((RESULTS_DIR / name).stat().st_size for name in _committed_files())
+    assert total_bytes < MAX_FOLDER_BYTES, f"bench/results/ holds {total_bytes / 1e6:.2f} MB (limit 3 MiB)"
+
+
+def _cites(text: str, name: str) -> bool:
+    """Whether `text` names the file `name` whole (not as part of a longer name)."""
+    return re.search(rf"(?<![\w.+-]){re.escape(name)}(?![\w.+-])", text) is not None
+
+
+def test_every_file_in_the_folder_is_cited_by_results_md():
+    text = RESULTS_MD.read_text()
+    uncited = [name for name in _committed_files() if not _cites(text, name)]
+    assert not uncited, f"bench/results/ files that bench/RESULTS.md does not cite: {uncited}"
 
 
 def test_every_results_file_that_results_md_cites_exists():
-    cited = set(re.findall(r"`bench/results/([^`*{}\s]+)`", RESULTS_MD.read_text()))
+    cited = set(re.findall(r"`(?:bench/results/)?([\w.+-]+\.(?:json|png|txt|log))`", RESULTS_MD.read_text()))
     missing = sorted(name for name in cited if not (RESULTS_DIR / name).exists())
     assert not missing, f"bench/RESULTS.md cites files that are not in bench/results/: {missing}"
 
