@@ -120,5 +120,6 @@ def test_runs_under_interference_and_cleans_up(live_server, tmp_path):
     doc = json.loads(path.read_text())
     assert doc["interference"]["threads"] == 1 and doc["interference"]["cores"] == [0]
     assert doc["interference"]["running_at_end"] == 1  # it covered the whole run
-    assert doc["arrivals"]["max_concurrency"] is None and max(r["queue_s"] for r in doc["requests"]) > 0  # batch1 gate
+    requests = read_records(path)["requests"]
+    assert doc["arrivals"]["max_concurrency"] is None and max(r["queue_s"] for r in requests) > 0  # batch1 gate
     assert not interference_processes()
