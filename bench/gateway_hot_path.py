@@ -24,14 +24,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.backends import Backend, BackendInfo  # noqa: E402
-from gateway.choices import Choices  # noqa: E402
+from gateway.backends.backend import Backend, BackendInfo  # noqa: E402
+from gateway.request.choices import Choices  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
-from gateway.detokenize import TextStream  # noqa: E402
-from gateway.formats import CompletionFormat  # noqa: E402
-from gateway.generate import Generation  # noqa: E402
-from gateway.sse import SseBody  # noqa: E402
-from gateway.tokenize import TokenizerService  # noqa: E402
+from gateway.request.detokenize import TextStream  # noqa: E402
+from gateway.api.formats import CompletionFormat  # noqa: E402
+from gateway.request.generate import Generation  # noqa: E402
+from gateway.api.sse import SseBody  # noqa: E402
+from gateway.request.tokenize import TokenizerService  # noqa: E402
 from protocols.ring import RequestSpec  # noqa: E402
 from protocols.shm import attach_ring  # noqa: E402
 from protocols.shm_producer import RingProducer  # noqa: E402

@@ -131,7 +131,7 @@ def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | N
         args += ["--config", str(config)]
     table = f"/dev/shm/blink-traffic-limits-{os.getpid()}" if workers > 1 else None
     if table:
-        from gateway.quotas import create_shared_table
+        from gateway.policy.quotas import create_shared_table
 
         create_shared_table(table)
     procs = []

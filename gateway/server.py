@@ -11,22 +11,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from .admin import add_admin_routes, watch_keys_file
-from .auth import auth_middleware
-from .backends import Backend, poll_checkpoint
+from .api.admin import add_admin_routes, watch_keys_file
+from .policy.auth import auth_middleware
+from .backends.backend import Backend, poll_checkpoint
 from .config import GatewayConfig
 from .errors import ApiError, from_http_exception, request_timeout, server_error
 from .gc_policy import GcPolicy
-from .grpc_api import GrpcServer
-from .http import STATE, add_routes
-from .keys import KeyStore
+from .api.grpc_api import GrpcServer
+from .api.http import STATE, add_routes
+from .policy.keys import KeyStore
 from .metrics import Metrics
-from .pacing import SetupPacer
-from .pool import BackendPool
-from .quotas import Quotas, attach_shared_table
-from .route import Router, make_policy
+from .streaming.pacing import SetupPacer
+from .backends.pool import BackendPool
+from .policy.quotas import Quotas, attach_shared_table
+from .backends.route import Router, make_policy
 from .state import GatewayState
-from .tokenize import TokenizerService
+from .request.tokenize import TokenizerService
 
 log = logging.getLogger("blink.gateway")
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 from .config import GatewayConfig
 from .gc_policy import GcPolicy
-from .keys import KeyStore
+from .policy.keys import KeyStore
 from .metrics import Metrics
-from .pacing import SetupPacer
-from .quotas import Quotas
-from .route import Router
-from .tokenize import TokenizerService
+from .streaming.pacing import SetupPacer
+from .policy.quotas import Quotas
+from .backends.route import Router
+from .request.tokenize import TokenizerService
 
 
 @dataclass

@@ -51,7 +51,7 @@ class RingLink(Protocol):
 
 
 class RdmaProducer:
-    """Ring producer over one-sided RDMA; the interface `gateway.backends.Backend` uses."""
+    """Ring producer over one-sided RDMA; the interface `gateway.backends.backend.Backend` uses."""
 
     def __init__(self, link: RingLink):
         self.link = link

@@ -273,7 +273,7 @@ class RingProducer:
 
     def position(self, slot: int) -> tuple[int, int]:
         """(the outstanding request's seq, tokens `poll` has read of it): where another reader of the
-        responses takes over (the gateway's native round, `gateway/stream_round.py`)."""
+        responses takes over (the gateway's native round, `gateway/streaming/stream_round.py`)."""
         out = self._active[slot]
         return out.seq, out.consumed
 

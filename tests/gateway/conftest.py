@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from gateway.backends import Backend, BackendInfo
+from gateway.backends.backend import Backend, BackendInfo
 from gpu_backend.control_server import ControlServer, Description
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer, start_gateway

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from gateway import backends as backends_module
-from gateway.backends import CPU_ENGINE_SPIN_S, Backend, BackendInfo, poll_checkpoint
+from gateway.backends import backend as backends_module
+from gateway.backends.backend import CPU_ENGINE_SPIN_S, Backend, BackendInfo, poll_checkpoint
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
-from gateway.route import Router
+from gateway.backends.route import Router
 from protocols.ring import FinishReason, RequestSpec, RingGeometry
 from protocols.shm import attach_ring, create_ring
 from protocols.shm_consumer import RingConsumer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import check_key
+from gateway.policy.auth import check_key
 from gateway.config import GatewayConfig, env_overrides
 from gateway.errors import ApiError
 from gateway.main import config_from_args, parse_args

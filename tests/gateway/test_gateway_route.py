@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from gateway.backends import Backend, BackendInfo
+from gateway.backends.backend import Backend, BackendInfo
 from gateway.config import GatewayConfig
 from gateway.config_file import ConfigFileError, read_config_file
 from gateway.errors import ApiError
 from gateway.main import config_from_args, parse_args
-from gateway.route import LeastOutstandingTokens, MostFreeKv, PrefixAffinity, Router
+from gateway.backends.route import LeastOutstandingTokens, MostFreeKv, PrefixAffinity, Router
 from gateway.server import start_gateway
 from protocols.shm import attach_ring, create_ring
 from protocols.shm_producer import RingProducer

@@ -9,11 +9,11 @@ import os
 
 import pytest
 
-from gateway.backends import Backend, BackendConnectError, BackendInfo
-from gateway.transports import connect_tcp
+from gateway.backends.backend import Backend, BackendConnectError, BackendInfo
+from gateway.backends.transports import connect_tcp
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
-from gateway.tcp_producer import TcpProducer
+from gateway.backends.tcp_producer import TcpProducer
 from gpu_backend.tcp_agent import TcpAgent
 from protocols import tcp_wire as W
 from protocols.ring import FinishReason, RequestSpec, RingGeometry, TokenLogprob

@@ -140,7 +140,7 @@ def test_key_limits_hold_across_workers(echo_backend, pick_free_port, tmp_path):
     """max_streams and requests_per_minute count a key's requests on every worker together."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from gateway.keys import KeyLimits, KeyStore
+    from gateway.policy.keys import KeyLimits, KeyStore
 
     control, engine, _ = echo_backend
     store = KeyStore(tmp_path / "keys.yaml")

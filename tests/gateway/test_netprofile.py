@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from blink import ctl
-from gateway.netprofile import ProfileError, parse_profile
+from blink.net.profile import ProfileError, parse_profile
 from netns_helpers import drop_netns, kernel_has_vlan, make_netns, netns_pair  # noqa: F401  (fixture)
 
 pyroute2 = pytest.importorskip("pyroute2", reason="pyroute2 is needed to apply profiles")

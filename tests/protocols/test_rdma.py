@@ -165,7 +165,7 @@ def test_the_gateway_backend_runs_on_the_rdma_producer(ring):
     """`Backend` uses the rdma producer exactly as it uses the shm one (same interface)."""
     import asyncio
 
-    from gateway.backends import Backend, BackendInfo
+    from gateway.backends.backend import Backend, BackendInfo
     from gateway.config import GatewayConfig
 
     async def main():

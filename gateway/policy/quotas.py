@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .errors import ApiError, rate_limited, server_error
+from ..errors import ApiError, rate_limited, server_error
 from .keys import KeyLimits, Principal
 
 # key hash, requests bucket (size per minute, level, time), tokens bucket (same), in flight, rejected

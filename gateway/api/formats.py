@@ -20,7 +20,7 @@ from protocols.openai import (AssistantMessage, ChatChoice, ChatChunkChoice, Cha
                               CompletionChoice, CompletionLogprobs, TopLogprob, Usage)
 from protocols.ring import TokenLogprob
 
-from .token_text import TokenTexts
+from ..request.token_text import TokenTexts
 
 MIN_LOGPROB = -9999.0  # what a logprob that underflowed float32 (-inf) is reported as: JSON has no -inf
 LogprobItem = tuple[int, TokenLogprob]  # (token id, its entry)

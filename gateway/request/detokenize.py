@@ -118,7 +118,7 @@ class TokenPieces:
 
     def utf8_pieces(self) -> list[bytes]:
         """Every id's piece after another token as UTF-8 bytes (ByteLevel: its bytes), for the native
-        stream round's table (`gateway/stream_round.py`)."""
+        stream round's table (`gateway/streaming/stream_round.py`)."""
         size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         return [p if isinstance(p, bytes) else p.encode() for p in map(self.piece, range(size))]
 

@@ -14,7 +14,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from . import stream_round
+from ..streaming import stream_round
 from .detokenize import TokenPieces
 from .token_text import TokenTexts
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from protocols.openai import SamplingFields
 from protocols.ring import RequestSpec
 
-from .backends import BackendInfo
-from .errors import bad_request
+from ..backends.backend import BackendInfo
+from ..errors import bad_request
 
 CONTEXT_CODE = "context_length_exceeded"
 

@@ -17,11 +17,11 @@ from protocols.rdma import RdmaLinkError, RdmaProducer
 from protocols.shm import RingAttachError, SqLock, attach_ring
 from protocols.shm_producer import RingProducer
 
-from .config import GatewayConfig
+from ..config import GatewayConfig
 from .tcp_producer import AgentMismatch, TcpProducer
 
 if TYPE_CHECKING:
-    from .backends import BackendInfo
+    from .backend import BackendInfo
 
 
 class BackendConnectError(RuntimeError):

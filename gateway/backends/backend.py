@@ -3,7 +3,7 @@
 The poller is the only code that touches a ring's response side. While requests are in flight it
 finds the slots with news (`ready_slots`: one vectorized read of every slot's counters), polls those,
 and hands each `TokenUpdate` to that request's `sink` if it has one (a streamed response writes it to
-its client right there, `gateway/sse.py`), else (or when the sink declines) pushes it into the request's
+its client right there, `gateway/api/sse.py`), else (or when the sink declines) pushes it into the request's
 `UpdateQueue`; it polls again right after the readers ran while news keeps coming (up to `poll_spin_s`
 after the last), else every `poll_active_s`; with no request in flight it waits for a submission. It
 releases a slot once the engine has reported a finish, also for requests whose client went away (those
@@ -28,10 +28,10 @@ from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, Ri
 from protocols.shm import RingFull
 from protocols.shm_producer import RingProducer, TokenUpdate
 
-from . import stream_round
-from .config import GatewayConfig
-from .errors import unavailable
-from .request_handle import RequestHandle
+from ..streaming import stream_round
+from ..config import GatewayConfig
+from ..errors import unavailable
+from ..streaming.request_handle import RequestHandle
 from .tcp_producer import TcpProducer
 from .transports import BackendConnectError, connect_transport
 
@@ -118,7 +118,7 @@ class Backend:
         self._producer = producer
         self._requests: dict[int, RequestHandle] = {}  # slot -> request in flight
         self._slots: list[int] | None = None  # its slots in ring order, for a round (None: changed since)
-        # The native round (gateway/stream_round.py), for shared-memory rings read as they come.
+        # The native round (gateway/streaming/stream_round.py), for shared-memory rings read as they come.
         if type(producer) is not RingProducer or producer.defer_consumed:
             native_off = f"off ({info.transport} transport)"
         else:

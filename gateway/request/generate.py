@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from protocols.ring import ErrorCode, FinishReason, TokenLogprob
 from protocols.shm_producer import TokenUpdate
 
-from .backends import poll_checkpoint
-from .request_handle import RequestHandle
+from ..backends.backend import poll_checkpoint
+from ..streaming.request_handle import RequestHandle
 from .detokenize import TextStream
-from .errors import ApiError, bad_request, server_error, unavailable
-from .metrics import Metrics
+from ..errors import ApiError, bad_request, server_error, unavailable
+from ..metrics import Metrics
 
 log = logging.getLogger("blink.gateway.requests")
 

@@ -2,7 +2,7 @@
 `grpc.health.v1` service and server reflection.
 
 Only the wire format is gRPC: requests become the OpenAI schemas of `protocols.openai` and take the
-HTTP path (`gateway/pipeline.py`): the same keys, validation, limits, engine-mode refusals, tokenizers
+HTTP path (`gateway/request/pipeline.py`): the same keys, validation, limits, engine-mode refusals, tokenizers
 and generations (n choices fanned out there; each message names its choice).
 Errors are the same `ApiError`s, sent as a gRPC status (the OpenAI `param` and `code` go in trailing
 metadata). A client that cancels its call cancels the request in the engine.
@@ -26,14 +26,14 @@ from protocols import inference_pb2, inference_pb2_grpc
 from protocols.openai import MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from protocols.ring import TokenLogprob
 
-from .auth import client_principal
-from .choices import Choices
-from .errors import ApiError, bad_request, server_error
+from ..policy.auth import client_principal
+from ..request.choices import Choices
+from ..errors import ApiError, bad_request, server_error
 from .formats import clamp_logprob
-from .keys import Principal
-from .pipeline import parse, start_generation, tokenize
-from .state import GatewayState
-from .token_text import TokenTexts
+from ..policy.keys import Principal
+from ..request.pipeline import parse, start_generation, tokenize
+from ..state import GatewayState
+from ..request.token_text import TokenTexts
 
 log = logging.getLogger("blink.gateway.grpc")
 

@@ -16,7 +16,7 @@ from protocols.shm_producer import TokenUpdate
 from . import stream_round
 
 if TYPE_CHECKING:
-    from .backends import Backend
+    from ..backends.backend import Backend
 
 
 class UpdateQueue(collections.deque):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from .formats import ChoiceOutput
+from ..api.formats import ChoiceOutput
 from .generate import Generation, Piece
 from .tokenize import TokenizerService
 

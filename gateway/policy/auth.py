@@ -1,7 +1,7 @@
 """API keys: `Authorization: Bearer <key>` on every route but the open ones.
 
 Client keys call the inference API (/v1, gRPC); admin keys call /admin/. A key is one, the other or
-both (`gateway/keys.py`). A client key on /admin gets a 403, an admin-only key on /v1 too.
+both (`gateway/policy/keys.py`). A client key on /admin gets a 403, an admin-only key on /v1 too.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
 
-from .errors import ApiError, forbidden
+from ..errors import ApiError, forbidden
 from .keys import KeyStore, Principal
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # for load balancers and Prometheus scrapers

@@ -1,9 +1,9 @@
-"""The poller's round in C for plain streams (`gateway/csrc/stream_round.c`): its loader and Python face.
+"""The poller's round in C for plain streams (`gateway/streaming/csrc/stream_round.c`): its loader and Python face.
 
 A backend on a shared-memory ring has one `StreamRound`. Its `round` replaces the poller's scan of the
 ring for news: it delivers the tokens of the streams C owns (detokenized, framed as their SSE chunk and
 sent on a dup of the client's socket, one send each) and returns every other slot with news for the
-Python path. A stream becomes C's with `enable` (`gateway/sse.py` does that once it writes plain text
+Python path. A stream becomes C's with `enable` (`gateway/api/sse.py` does that once it writes plain text
 chunks: one choice, no stop strings, no logprobs) and Python's again with `take_back`, which returns
 what C did meanwhile (`Taken`) for the stream's own state. C hands a stream back by itself for its
 finish and for anything it does not do (an invalid UTF-8 sequence, a key's budget, a socket that would

@@ -1,4 +1,4 @@
-/* The poller's round for plain streams, in C (`gateway/stream_round.py` is its Python face).
+/* The poller's round for plain streams, in C (`gateway/streaming/stream_round.py` is its Python face).
  *
  * A plain stream is one choice of a streamed response with no stop strings and no logprobs, on a ring in
  * this host's shared memory, whose first chunk has gone out. Each token of it costs the Python poller
@@ -7,7 +7,7 @@
  * with news it did not deliver (other requests', finishes, anything unusual), and Python takes a stream
  * back (`sr_take_back`) before it touches it.
  *
- * What a plain stream's chunk is, the Python path defines (`gateway/sse.py`, `gateway/detokenize.py`):
+ * What a plain stream's chunk is, the Python path defines (`gateway/api/sse.py`, `gateway/request/detokenize.py`):
  * - text: the tokens' pieces (a byte table from `TokenPieces`), decoded as UTF-8 as characters complete:
  *   an incomplete character's bytes wait for the next token; an invalid sequence (which Python would turn
  *   into U+FFFD) goes back to Python with the bytes before it still pending;

@@ -16,7 +16,7 @@ Both ways write through `_write`, one transport write per piece, framed as aioht
 
 A third way for a plain stream (one choice, no stop strings, no logprobs): once nothing of it waits for the
 task and its connection holds no unsent bytes, the body hands it to its backend's native round
-(`gateway/stream_round.py`), which sends the same frames on the socket itself; whatever the round hands back
+(`gateway/streaming/stream_round.py`), which sends the same frames on the socket itself; whatever the round hands back
 (the finish, a slow client, anything unusual) comes through the sink as above, after `_take_back_fn` has
 put what the round did into the stream's state.
 """
@@ -33,13 +33,13 @@ from aiohttp.abc import AbstractStreamWriter
 
 from protocols.shm_producer import TokenUpdate
 
-from .backends import poll_checkpoint
-from .choices import Choices
-from .errors import ApiError
+from ..backends.backend import poll_checkpoint
+from ..request.choices import Choices
+from ..errors import ApiError
 from .formats import OutputFormat
-from .generate import Generation, Piece
-from .metrics import Metrics
-from .stream_round import Taken
+from ..request.generate import Generation, Piece
+from ..metrics import Metrics
+from ..streaming.stream_round import Taken
 
 log = logging.getLogger("blink.gateway.http")
 

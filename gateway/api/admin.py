@@ -27,10 +27,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .errors import ApiError, bad_request
-from .gc_policy import GcPolicy
-from .keys import LIMIT_FIELDS, KeyLimits, KeysFileError
-from .state import GatewayState
+from ..errors import ApiError, bad_request
+from ..gc_policy import GcPolicy
+from ..policy.keys import LIMIT_FIELDS, KeyLimits, KeysFileError
+from ..state import GatewayState
 
 log = logging.getLogger("blink.gateway.admin")
 
@@ -61,7 +61,7 @@ def backend_report(backend) -> dict:
               "transport": backend.info.transport, "stalled": backend.stalled,
               "draining": getattr(backend, "draining", False), "load": round(backend.load, 3),
               "in_flight": backend.num_in_flight, "waiting": backend.num_waiting, "free_slots": backend.free_slots,
-              "native_stream": getattr(backend, "native_stream", "off"),  # gateway/stream_round.py
+              "native_stream": getattr(backend, "native_stream", "off"),  # gateway/streaming/stream_round.py
               "native_streams": getattr(backend, "num_native_streams", 0)}
     try:
         stats = backend.engine_stats()

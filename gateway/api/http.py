@@ -12,13 +12,13 @@ from aiohttp import web
 from protocols.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                               ModelList, TokenizeRequest)
 
-from .auth import PRINCIPAL
-from .backends import poll_checkpoint
-from .choices import Choices
+from ..policy.auth import PRINCIPAL
+from ..backends.backend import poll_checkpoint
+from ..request.choices import Choices
 from .formats import ChatFormat, CompletionFormat, OutputFormat
-from .pipeline import detokenize, parse, start_generation, tokenize
+from ..request.pipeline import detokenize, parse, start_generation, tokenize
 from .sse import SSE_HEADERS, SseBody
-from .state import GatewayState
+from ..state import GatewayState
 
 REQUEST_ID_HEADER = "X-Request-Id"  # the gateway's request number, as in its logs and the ring
 

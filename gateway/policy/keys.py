@@ -43,7 +43,7 @@ class KeysFileError(ValueError):
 
 @dataclass(frozen=True)
 class KeyLimits:
-    """Per-key limits; None: unlimited. They hold across the workers of `--workers N` (gateway/quotas.py)."""
+    """Per-key limits; None: unlimited. They hold across the workers of `--workers N` (gateway/policy/quotas.py)."""
 
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None  # prompt + completion tokens

@@ -1,7 +1,7 @@
 """Network profiles for the gateway appliance: links, MTU, addresses, routes, VLANs, per namespace.
 
 A profile is a YAML file validated into frozen dataclasses; every error names the field
-(`links[1].mtu: 70000 is outside 68..65535`). `gateway/netapply.py` turns a profile into a plan of
+(`links[1].mtu: 70000 is outside 68..65535`). `blink/net/apply.py` turns a profile into a plan of
 steps against the live kernel state (pyroute2) and applies it. Example (`deploy/net/*.yaml` has more):
 
     netns: blink-gw        # optional: apply inside this network namespace

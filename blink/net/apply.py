@@ -1,4 +1,4 @@
-"""Applying a network profile (gateway/netprofile.py) to the kernel with pyroute2.
+"""Applying a network profile (blink/net/profile.py) to the kernel with pyroute2.
 
 `plan()` compares the profile with the live state and returns the steps that would change it, each
 with its undo; an empty plan means the profile is already applied (so applying twice changes nothing
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from .netprofile import LinkSpec, Profile, ProfileError, RouteSpec
+from .profile import LinkSpec, Profile, ProfileError, RouteSpec
 
 log = logging.getLogger("blink.net")
 
