@@ -24,7 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.backends.backend import Backend, BackendInfo  # noqa: E402
+from gateway.backends.backend import Backend  # noqa: E402
+from protocols.messages import BackendInfo  # noqa: E402
 from gateway.request.choices import Choices  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.request.detokenize import TextStream  # noqa: E402
@@ -34,7 +35,7 @@ from gateway.api.sse import SseBody  # noqa: E402
 from gateway.request.tokenize import TokenizerService  # noqa: E402
 from protocols.ring import RequestSpec  # noqa: E402
 from protocols.shm import attach_ring  # noqa: E402
-from protocols.shm_producer import RingProducer  # noqa: E402
+from protocols.shm_producer import ShmProducer  # noqa: E402
 from traffic_engine import TOKENIZER_CFG, TrafficEngine, default_cache_dir, ensure_random_tokenizer  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
@@ -68,7 +69,7 @@ async def main(num_streams: int, num_rounds: int) -> None:
     tokenizer = TokenizerService(ensure_random_tokenizer(TOKENIZER_CFG, default_cache_dir()))
     info = BackendInfo("hot-path", "ring-traffic", "", "", 4096, TOKENIZER_CFG.vocab_size, (), "traffic", name,
                        engine.ring.geometry)
-    backend = Backend(info, RingProducer(attach_ring(name)), GatewayConfig())
+    backend = Backend(info, ShmProducer(attach_ring(name)), GatewayConfig())
     await streams(backend, tokenizer, num_streams)
     clock = time.monotonic()
     engine.step(clock)

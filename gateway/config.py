@@ -1,13 +1,10 @@
-"""Gateway configuration: one frozen dataclass; environment variables read here and nowhere else."""
+"""Gateway configuration: one frozen dataclass (its environment variables: `gateway/env.py`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-ENV_PREFIX = "BLINK_"
 MiB = 1 << 20
 ROUTING_POLICIES = ("least_outstanding_tokens", "most_free_kv", "prefix_affinity")  # gateway/backends/route.py
 
@@ -120,35 +117,3 @@ class GatewayConfig:
     def replace(self, **changes) -> GatewayConfig:
         return dataclasses.replace(self, **changes)
 
-
-def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
-    """GatewayConfig fields set by BLINK_* variables (BLINK_API_KEY takes a comma-separated list)."""
-    env = os.environ if environ is None else environ
-    out: dict = {}
-    if keys := env.get(f"{ENV_PREFIX}API_KEY"):
-        out["api_keys"] = frozenset(k.strip() for k in keys.split(",") if k.strip())
-    if keys := env.get(f"{ENV_PREFIX}ADMIN_KEY"):
-        out["admin_keys"] = frozenset(k.strip() for k in keys.split(",") if k.strip())
-    if path := env.get(f"{ENV_PREFIX}KEYS_FILE"):
-        out["keys_file"] = path
-    if workers := env.get(f"{ENV_PREFIX}WORKERS"):
-        out["workers"] = int(workers)
-    if host := env.get(f"{ENV_PREFIX}GATEWAY_HOST"):
-        out["host"] = host
-    if port := env.get(f"{ENV_PREFIX}GATEWAY_PORT"):
-        out["port"] = int(port)
-    if grpc_port := env.get(f"{ENV_PREFIX}GRPC_PORT"):
-        out["grpc_port"] = int(grpc_port)
-    if log_format := env.get(f"{ENV_PREFIX}LOG_FORMAT"):
-        out["log_format"] = log_format
-    if backends := env.get(f"{ENV_PREFIX}BACKENDS"):
-        out["backend_addrs"] = tuple(b.strip() for b in backends.split(",") if b.strip())
-    if config_file := env.get(f"{ENV_PREFIX}CONFIG"):
-        out["config_file"] = config_file
-    if size := env.get(f"{ENV_PREFIX}MAX_BODY_BYTES"):
-        out["max_body_bytes"] = int(size)
-    if timeout_s := env.get(f"{ENV_PREFIX}HEADER_TIMEOUT"):
-        out["header_timeout_s"] = float(timeout_s)
-    if timeout_s := env.get(f"{ENV_PREFIX}BODY_TIMEOUT"):
-        out["body_timeout_s"] = float(timeout_s)
-    return out

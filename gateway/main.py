@@ -8,8 +8,9 @@ import sys
 from collections.abc import Sequence
 
 from .backends.backend import BackendConnectError
-from .config import ROUTING_POLICIES, GatewayConfig, env_overrides
+from .config import ROUTING_POLICIES, GatewayConfig
 from .config_file import read_config_file
+from .env import config_overrides
 from .logs import LOG_FORMATS, setup_logging
 from .server import run_gateway
 from .workers import supervise
@@ -66,7 +67,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
     """Defaults, then the config file, then BLINK_* environment variables, then flags."""
-    env = env_overrides(environ)
+    env = config_overrides(environ)
     config_file = args.config_file or env.get("config_file")
     fields = read_config_file(config_file) if config_file else {}
     fields.update(env)

@@ -31,7 +31,7 @@ from json.encoder import encode_basestring
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
-from protocols.shm_producer import TokenUpdate
+from protocols.messages import TokenUpdate
 
 from ..backends.backend import poll_checkpoint
 from ..request.choices import Choices

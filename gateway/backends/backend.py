@@ -14,28 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 
 from protocols import control_pb2, control_pb2_grpc
-from protocols.rdma import RdmaProducer
-from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry
+from protocols.messages import BackendInfo, TokenUpdate
+from protocols.producer import RingProducer
+from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec
 from protocols.shm import RingFull
-from protocols.shm_producer import RingProducer, TokenUpdate
+from protocols.shm_producer import ShmProducer
 
-from ..streaming import stream_round
+from ..streaming.native import NativeStreams
 from ..config import GatewayConfig
 from ..errors import unavailable
 from ..streaming.request_handle import RequestHandle
-from .tcp_producer import TcpProducer
 from .transports import BackendConnectError, connect_transport
-
-_ALWAYS_EXTENDED = ("cpu", "host")  # engine modes that always apply penalties, logit_bias and logprobs
 
 log = logging.getLogger("blink.gateway.backends")
 
@@ -67,37 +63,6 @@ def poll_checkpoint() -> None:
                     log.exception("poll round of backend %s failed at a checkpoint", backend.info.addr)
 
 
-@dataclass(frozen=True)
-class BackendInfo:
-    """What a backend's `Describe` said."""
-
-    addr: str
-    model_name: str
-    model_dir: str
-    model_fingerprint: str
-    context_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    engine_mode: str
-    ring_name: str
-    geometry: RingGeometry
-    transport: str = "shm"  # shm | tcp
-    tcp_endpoint: str = ""  # HOST:PORT of the backend's tcp agent
-    sampling_extensions: bool = True  # penalties, logit_bias and logprobs are applied
-
-    @classmethod
-    def from_reply(cls, addr: str, reply: control_pb2.DescribeReply) -> BackendInfo:
-        g = reply.geometry
-        geometry = RingGeometry(**{f.name: getattr(g, f.name) for f in dataclasses.fields(RingGeometry)})
-        return cls(addr=addr, model_name=reply.model_name, model_dir=reply.model_dir,
-                   model_fingerprint=reply.model_fingerprint, context_len=reply.context_len,
-                   vocab_size=reply.vocab_size, eos_token_ids=tuple(reply.eos_token_ids),
-                   engine_mode=reply.engine_mode, ring_name=reply.ring_name,
-                   geometry=geometry,
-                   transport=reply.transport or "shm", tcp_endpoint=reply.tcp_endpoint,
-                   sampling_extensions=reply.sampling_extensions or reply.engine_mode in _ALWAYS_EXTENDED)
-
-
 def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:
     """Blocking Describe that waits up to `timeout_s` for the backend to come up."""
     with grpc.insecure_channel(addr) as channel:
@@ -112,18 +77,18 @@ def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:
 class Backend:
     """One backend: its description, the producer end of its ring, and its poller task."""
 
-    def __init__(self, info: BackendInfo, producer: RingProducer | TcpProducer | RdmaProducer, config: GatewayConfig):
+    def __init__(self, info: BackendInfo, producer: RingProducer, config: GatewayConfig):
         self.info = info
         self.config = config
         self._producer = producer
         self._requests: dict[int, RequestHandle] = {}  # slot -> request in flight
         self._slots: list[int] | None = None  # its slots in ring order, for a round (None: changed since)
         # The native round (gateway/streaming/stream_round.py), for shared-memory rings read as they come.
-        if type(producer) is not RingProducer or producer.defer_consumed:
+        if type(producer) is not ShmProducer or producer.defer_consumed:
             native_off = f"off ({info.transport} transport)"
         else:
             native_off = None if config.native_stream else "off (native_stream: false)"
-        self.native = stream_round.NativeStreams(producer, info.geometry, native_off)
+        self.native = NativeStreams(producer, info.geometry, native_off)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._wakeup = asyncio.Event()
         self._poller: asyncio.Task | None = None

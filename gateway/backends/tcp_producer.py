@@ -1,6 +1,6 @@
 """The gateway's end of the `tcp` transport: a ring producer whose ring is a `blink agent` over TCP.
 
-`TcpProducer` has the interface `Backend` uses of `protocols.shm_producer.RingProducer` (submit, poll, cancel,
+`TcpProducer` has the interface `Backend` uses of `protocols.shm_producer.ShmProducer` (submit, poll, cancel,
 release, reclaim, heartbeat, free_slots, connected, close), so nothing above it changes. Writes become
 frames (protocols/tcp_wire.py) queued in an outbox and sent once per event-loop pass; the agent's
 Tokens frames are accumulated per slot until `poll` takes them.
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from protocols import tcp_wire as W
 from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry
 from protocols.shm import RingFull
-from protocols.shm_producer import TokenUpdate, pop_finished
+from protocols.messages import TokenUpdate
+from protocols.shm_producer import pop_finished
 
 log = logging.getLogger("blink.gateway.tcp")
 
@@ -257,7 +258,7 @@ class TcpProducer:
             self._send(W.Cancel(slot))
 
     def ready_slots(self, slots: Sequence[int]) -> list[int]:
-        """Those of `slots` with an update waiting (RingProducer's counterpart)."""
+        """Those of `slots` with an update waiting (ShmProducer's counterpart)."""
         return [s for s in slots if (u := self._active[s].update).tokens or u.finish != FinishReason.NONE]
 
     def poll(self, slot: int) -> TokenUpdate:

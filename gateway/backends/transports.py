@@ -8,27 +8,25 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from typing import TYPE_CHECKING
 
 import grpc
 
 from protocols import control_pb2_grpc
+from protocols.messages import BackendInfo
+from protocols.producer import RingProducer
 from protocols.rdma import RdmaLinkError, RdmaProducer
 from protocols.shm import RingAttachError, SqLock, attach_ring
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import ShmProducer
 
 from ..config import GatewayConfig
 from .tcp_producer import AgentMismatch, TcpProducer
-
-if TYPE_CHECKING:
-    from .backend import BackendInfo
 
 
 class BackendConnectError(RuntimeError):
     """A backend did not answer Describe, or its ring could not be attached."""
 
 
-async def connect_transport(info: BackendInfo, config: GatewayConfig) -> RingProducer | TcpProducer | RdmaProducer:
+async def connect_transport(info: BackendInfo, config: GatewayConfig) -> RingProducer:
     if config.workers > 1 and info.transport not in ("", "shm"):
         raise BackendConnectError(f"backend {info.addr}: --workers > 1 needs the shm transport (its ring is "
                                   f"shared slot by slot); {info.transport} has one gateway session per ring")
@@ -41,17 +39,17 @@ async def connect_transport(info: BackendInfo, config: GatewayConfig) -> RingPro
     return attach_shm(info, config)
 
 
-def attach_shm(info: BackendInfo, config: GatewayConfig | None = None) -> RingProducer:
+def attach_shm(info: BackendInfo, config: GatewayConfig | None = None) -> ShmProducer:
     try:
         ring = attach_ring(info.ring_name, expect=info.geometry, fingerprint=info.model_fingerprint or None)
     except RingAttachError as exc:
         raise BackendConnectError(f"backend {info.addr}: {exc} (the gateway must run on the backend's host "
                                   f"for the shm transport)") from None
     if config is None or config.workers == 1:
-        return RingProducer(ring)
+        return ShmProducer(ring)
     # Gateway workers share the ring: each owns every workers-th slot; one lock file orders the queue.
     lock = SqLock(os.path.join(tempfile.gettempdir(), f"{info.ring_name.strip('/')}.sq.lock"))
-    return RingProducer(ring, slots=range(config.worker_index, info.geometry.num_slots, config.workers),
+    return ShmProducer(ring, slots=range(config.worker_index, info.geometry.num_slots, config.workers),
                         sq_lock=lock)
 
 

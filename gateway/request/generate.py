@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from protocols.ring import ErrorCode, FinishReason, TokenLogprob
-from protocols.shm_producer import TokenUpdate
+from protocols.messages import TokenUpdate
 
 from ..backends.backend import poll_checkpoint
 from ..streaming.request_handle import RequestHandle

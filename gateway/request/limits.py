@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from protocols.messages import BackendInfo
 from protocols.openai import SamplingFields
 from protocols.ring import RequestSpec
 
-from ..backends.backend import BackendInfo
 from ..errors import bad_request
 
 CONTEXT_CODE = "context_length_exceeded"

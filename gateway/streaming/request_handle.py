@@ -8,15 +8,12 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from protocols.messages import TokenUpdate
 from protocols.ring import FinishReason, RequestSpec
-from protocols.shm_producer import TokenUpdate
 
-from . import stream_round
-
-if TYPE_CHECKING:
-    from ..backends.backend import Backend
+from .stream_round import Taken
 
 
 class UpdateQueue(collections.deque):
@@ -62,7 +59,20 @@ class UpdateQueue(collections.deque):
 # the update should go into the request's queue for its reader instead. It must not raise or block.
 Sink = Callable[[TokenUpdate], bool]
 # Told what the native round did with a stream it hands back (`Backend.take_back`). It must not raise.
-OnTakeBack = Callable[[stream_round.Taken], None]
+OnTakeBack = Callable[[Taken], None]
+
+
+class Owner(Protocol):
+    """Where a handle's request runs (`gateway/backends/backend.py`'s `Backend`): what a handle asks of it."""
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Cancel the request in the engine; the poller releases its slot once the engine has finished."""
+
+    def go_native(self, handle: RequestHandle, *args) -> bool:
+        """Let the native round deliver this stream (`NativeStreams.go`); False: it stays on the Python path."""
+
+    def take_back(self, handle: RequestHandle) -> None:
+        """The stream is the Python path's again (`NativeStreams.take_back`)."""
 
 
 class RequestHandle:
@@ -71,7 +81,7 @@ class RequestHandle:
     __slots__ = ("backend", "slot", "spec", "queue", "finished", "abandoned", "submitted_s", "num_produced", "sink",
                  "native", "native_base")
 
-    def __init__(self, backend: Backend, slot: int, spec: RequestSpec):
+    def __init__(self, backend: Owner, slot: int, spec: RequestSpec):
         self.backend = backend
         self.slot = slot
         self.spec = spec

@@ -9,7 +9,7 @@ what C did meanwhile (`Taken`) for the stream's own state. C hands a stream back
 finish and for anything it does not do (an invalid UTF-8 sequence, a key's budget, a socket that would
 block): Python then reads the update as it always does.
 
-Built with the C compiler on first use and cached like the native scheduler (`kernels/sched_host.py`);
+Built with the C compiler on first use and cached (`protocols/native_build.py`);
 where none exists, or with `GatewayConfig.native_stream` off, every stream stays on the Python path.
 """
 
@@ -19,21 +19,16 @@ import ctypes
 import functools
 import logging
 import os
-import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kernels.sched_host import cached_build
 from protocols import ring as R
+from protocols.native_build import cached_build, find_compiler
 
-if TYPE_CHECKING:
-    from protocols.shm_producer import RingProducer
+from .. import env
 
-    from .request_handle import RequestHandle
 
 log = logging.getLogger("blink.gateway.stream_round")
 
@@ -83,10 +78,12 @@ class Taken:
 
 def c_compiler() -> str | None:
     """$CC, else the first of gcc, cc, clang on PATH; None when there is none."""
-    for name in (os.environ.get("CC"), "gcc", "cc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+    return find_compiler((env.CC.get(), "gcc", "cc", "clang"))
+
+
+def cache_dir() -> Path:
+    """Where the library is cached: beside the backend's native builds ($BLINK_CACHE/kernels)."""
+    return env.CACHE.value() / "kernels"
 
 
 @functools.cache
@@ -97,7 +94,7 @@ def load() -> ctypes.CDLL | None:
         log.warning("no C compiler (set CC or install gcc): streams take the Python path only")
         return None
     try:
-        lib = ctypes.CDLL(str(cached_build("stream_round", (SOURCE,), [cc, *FLAGS, str(SOURCE)])), use_errno=True)
+        lib = ctypes.CDLL(str(cached_build("stream_round", (SOURCE,), [cc, *FLAGS, str(SOURCE)], cache_dir())), use_errno=True)
     except (RuntimeError, OSError) as exc:
         log.warning("the native stream round did not build (%s): streams take the Python path only", exc)
         return None
@@ -162,7 +159,7 @@ class StreamRound:
     def round(self, slots: list[int], now_ns: int) -> tuple[list[int], int, int]:
         """`slots`: the slots in flight. Returns (the slots with news for Python, updates C delivered,
         outstanding tokens that fell). A list passed again (the same object) is taken to hold the same slots,
-        as `RingProducer.ready_slots` takes it."""
+        as `ShmProducer.ready_slots` takes it."""
         if slots is not self._slots:  # made once per list: an array and its address (`.ctypes` makes an object)
             self._slots, self._slots_array = slots, np.array(slots, dtype=np.int32)  # [n] int32
             self._slots_p = self._slots_array.ctypes.data
@@ -213,78 +210,3 @@ class StreamRound:
         if self._state:
             self._lib.sr_destroy(self._state)
             self._state = None
-
-
-class NativeStreams:
-    """One backend's use of the native round: which of its streams the round delivers, and their hand-over
-    both ways. `round` stays None until the first stream goes native (its tokenizer's table comes with it)."""
-
-    NOT_BUILT = "off (not built: no C compiler, or the build failed; see the log)"
-
-    def __init__(self, producer: RingProducer, geometry: R.RingGeometry, off: str | None):
-        """`off`: why the round is not used here (None: it is)."""
-        self._producer, self._geometry, self.off = producer, geometry, off
-        self.round: StreamRound | None = None
-
-    @property
-    def state(self) -> str:
-        """For operators (`/admin/status`): "on", or "off (why)"."""
-        return "on" if self.round is not None else self.off or "on (from the first plain stream)"
-
-    def prepare(self) -> None:
-        """Build (or find) the library now; blocking: run it off the event loop."""
-        if self.off is None and load() is None:
-            self.off = self.NOT_BUILT
-
-    def go(self, handle: RequestHandle, fd: int, chunked: bool, head: bytes, tail: bytes, budget: int | None,
-           num_tokens: int, hand_over: Callable[[], tuple | None], on_take_back: Callable[[Taken], None]) -> bool:
-        """Let the round deliver this stream's plain text chunks: each frame `head` + JSON string + `tail`
-        (HTTP/1.1 chunked if `chunked`), sent on a dup of socket `fd`, until the stream holds `budget` tokens
-        (None: no limit). `hand_over()` gives the stream's (TokenPieces, pending bytes), or None when it
-        cannot go; `on_take_back` gets what the round did when the stream comes back. False (nothing
-        changed) when the stream stays on the Python path."""
-        if self.off is not None or handle.native is not None or handle.abandoned or handle.finished:
-            return False
-        given = hand_over()
-        if given is None:
-            return False
-        pieces, pending = given
-        if self.round is None:
-            self._make_round(pieces)
-        seq, consumed = self._producer.position(handle.slot)
-        native, tokens_left = self.round, handle.spec.max_tokens - handle.num_produced
-        if native is None or table_for(pieces) is not native.table or not native.enable(
-                handle.slot, fd, seq, consumed, num_tokens, budget, tokens_left, chunked, pending, head, tail):
-            on_take_back(Taken(consumed, num_tokens, pending, 0, 0, b"", "none"))  # as it was
-            return False
-        handle.native, handle.native_base = on_take_back, num_tokens
-        return True
-
-    def _make_round(self, pieces) -> None:
-        lib = load()
-        if lib is None:
-            self.off = self.NOT_BUILT
-            return
-        self.round = StreamRound(lib, self._producer.ring.buf, self._geometry, table_for(pieces))
-
-    def take_back(self, handle: RequestHandle) -> None:
-        """The stream is the Python path's again (a no-op if it was not native): its ring position, token
-        count and what the round sent go back where the Python path keeps them."""
-        on_take_back = handle.native
-        if on_take_back is None:
-            return
-        handle.native = None
-        taken = self.round.take_back(handle.slot)
-        if taken is None:
-            return
-        self._producer.resume_at(handle.slot, taken.consumed)
-        handle.num_produced += taken.num_tokens - handle.native_base
-        try:
-            on_take_back(taken)
-        except Exception:  # the poller must go on; the stream's reader meets the state as it is
-            log.exception("request %d: taking its stream back from the native round failed", handle.spec.request_id)
-
-    def close(self) -> None:
-        """Before the ring it points into."""
-        if self.round is not None:
-            self.round.close()

@@ -9,14 +9,15 @@ import time
 import pytest
 
 from gateway.backends import backend as backends_module
-from gateway.backends.backend import CPU_ENGINE_SPIN_S, Backend, BackendInfo, poll_checkpoint
+from gateway.backends.backend import CPU_ENGINE_SPIN_S, Backend, poll_checkpoint
+from protocols.messages import BackendInfo
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.backends.route import Router
 from protocols.ring import FinishReason, RequestSpec, RingGeometry
 from protocols.shm import attach_ring, create_ring
 from protocols.shm_consumer import RingConsumer
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import ShmProducer
 
 GEOMETRY = RingGeometry(num_slots=2, max_prompt_len=16, max_output_len=8, max_stop_ids=2)
 
@@ -33,7 +34,7 @@ def make_backend(ring, engine_mode: str = "test", **config) -> Backend:
                        vocab_size=100, eos_token_ids=(0,), engine_mode=engine_mode, ring_name=ring.name,
                        geometry=GEOMETRY)
     cfg = GatewayConfig(**{"slot_wait_s": 5.0, "heartbeat_check_s": 0.02, **config})
-    return Backend(info, RingProducer(attach_ring(ring.name)), cfg)
+    return Backend(info, ShmProducer(attach_ring(ring.name)), cfg)
 
 
 def spec(i: int) -> RequestSpec:
@@ -220,7 +221,7 @@ def test_waiters_are_served_in_order_and_a_cancelled_waiter_passes_its_turn(ring
 def test_slots_left_by_an_earlier_gateway_are_reclaimed(ring):
     async def main():
         engine = RingConsumer(ring)
-        crashed = RingProducer(attach_ring(ring.name))
+        crashed = ShmProducer(attach_ring(ring.name))
         crashed.submit(spec(1))  # that gateway dies with the request running
         (taken,) = engine.take_new()
         backend = make_backend(ring)  # attaching adopts the slot and cancels it

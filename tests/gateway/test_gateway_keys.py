@@ -242,11 +242,11 @@ def test_token_bucket_and_quotas_without_a_server():
 
 
 def test_config_flags_environment_and_file_errors(tmp_path):
-    from gateway.config import env_overrides
+    from gateway.env import config_overrides
     from gateway.main import config_from_args, parse_args
 
     env = {"BLINK_ADMIN_KEY": "a1,a2", "BLINK_KEYS_FILE": "/etc/blink/keys.yaml", "BLINK_WORKERS": "3"}
-    assert env_overrides(env) == {"admin_keys": frozenset({"a1", "a2"}), "keys_file": "/etc/blink/keys.yaml",
+    assert config_overrides(env) == {"admin_keys": frozenset({"a1", "a2"}), "keys_file": "/etc/blink/keys.yaml",
                                   "workers": 3}
     cfg = config_from_args(parse_args(["--admin-key", "x", "--keys", "k.yaml", "--workers", "2"]), env)
     assert cfg.admin_keys == {"x"} and cfg.keys_file == "k.yaml" and cfg.workers == 2 and cfg.worker_index == 0

@@ -20,7 +20,7 @@ from gateway.request.generate import Generation
 from gateway.streaming.request_handle import RequestHandle
 from gateway.api.sse import HIGH_WATER_BYTES, SseBody, _frame_parts
 from protocols.ring import FinishReason, RequestSpec, TokenLogprob
-from protocols.shm_producer import TokenUpdate
+from protocols.messages import TokenUpdate
 
 TEXTS = ["a", " w12", "", '"', "\\", "\\u0041", "/", "\x00\x01\x1f\x7f", "\n\r\t\b\f", "é", "🙂", "世界",
          "\u2028\u2029", "</script>", "\ufffd", "blink-chunk-text-7d1e", '"blink-chunk-text-7d1e"',

@@ -19,7 +19,7 @@ from protocols import ring as R
 from protocols.ring import FinishReason, RequestSpec, RingGeometry
 from protocols.shm import create_ring
 from protocols.shm_consumer import RingConsumer
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import ShmProducer
 
 GEOM = RingGeometry(num_slots=8, max_prompt_len=16, max_output_len=64, max_stop_ids=4)
 HEAD, TAIL = b'data: {"choices":[{"text":', b'}]}\n\n'
@@ -38,7 +38,7 @@ def rig():
     if lib is None:
         pytest.skip("no C compiler")
     ring = create_ring(f"blink-sr-test-{os.getpid()}", GEOM, "fp")
-    producer, engine = RingProducer(ring), RingConsumer(ring)
+    producer, engine = ShmProducer(ring), RingConsumer(ring)
     native = StreamRound(lib, ring.buf, GEOM, PieceTable(PIECES))
     a, b = socket.socketpair()
     a.setblocking(False)
