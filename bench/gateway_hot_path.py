@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/gateway_hot_path.py [--streams 512] [--rounds 1000]
 
 A real ring with `--streams` requests, the fake engine (`bench/traffic_engine.py`) publishing the tokens due
-each 0.5 ms step (due times spread over 20 ms, as at 50 tok/s per stream), and `Backend._poll_once` with a
+each 0.5 ms step (due times spread over 20 ms, as at 50 tok/s per stream), and `Poller._poll_once` with a
 real `SseBody` sink per stream writing to a null transport: ready_slots, poll, take (detokenization through
 the cached pieces), the chunk from its template, framing. No kernel write, no cross-core traffic: what the
 streamed path costs in Python per update. Prints the minimum and median over 7 repeats.
@@ -83,7 +83,7 @@ async def main(num_streams: int, num_rounds: int) -> None:
             clock += 0.0005
             engine.step(clock)
             t0 = time.perf_counter()
-            num_updates += backend._poll_once()
+            num_updates += backend.poller._poll_once()
             poll_s += time.perf_counter() - t0
         per_update_us.append(1e6 * poll_s / num_updates)
     engine.ring.close()

@@ -12,21 +12,22 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from .api.admin import add_admin_routes, watch_keys_file
-from .policy.auth import auth_middleware
-from .backends.backend import Backend, poll_checkpoint
+from .api.grpc_api import GrpcServer
+from .api.http import STATE, add_routes
+from .backends.backend import Backend
+from .backends.pool import BackendPool
+from .backends.route import Router, make_policy
 from .config import GatewayConfig
 from .errors import ApiError, from_http_exception, request_timeout, server_error
 from .gc_policy import GcPolicy
-from .api.grpc_api import GrpcServer
-from .api.http import STATE, add_routes
-from .policy.keys import KeyStore
 from .metrics import Metrics
-from .streaming.pacing import SetupPacer
-from .backends.pool import BackendPool
+from .policy.auth import auth_middleware
+from .policy.keys import KeyStore
 from .policy.quotas import Quotas, attach_shared_table
-from .backends.route import Router, make_policy
-from .state import GatewayState
 from .request.tokenize import TokenizerService
+from .state import GatewayState
+from .streaming.pacing import SetupPacer
+from .streaming.poller import poll_checkpoint
 
 log = logging.getLogger("blink.gateway")
 

@@ -6,14 +6,14 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from .backends.route import Router
 from .config import GatewayConfig
 from .gc_policy import GcPolicy
-from .policy.keys import KeyStore
 from .metrics import Metrics
-from .streaming.pacing import SetupPacer
+from .policy.keys import KeyStore
 from .policy.quotas import Quotas
-from .backends.route import Router
 from .request.tokenize import TokenizerService
+from .streaming.pacing import SetupPacer
 
 
 @dataclass

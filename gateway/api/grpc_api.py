@@ -26,14 +26,14 @@ from protocols import inference_pb2, inference_pb2_grpc
 from protocols.openai import MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from protocols.ring import TokenLogprob
 
-from ..policy.auth import client_principal
-from ..request.choices import Choices
 from ..errors import ApiError, bad_request, server_error
-from .formats import clamp_logprob
+from ..policy.auth import client_principal
 from ..policy.keys import Principal
+from ..request.choices import Choices
 from ..request.pipeline import parse, start_generation, tokenize
-from ..state import GatewayState
 from ..request.token_text import TokenTexts
+from ..state import GatewayState
+from .formats import clamp_logprob
 
 log = logging.getLogger("blink.gateway.grpc")
 

@@ -13,12 +13,12 @@ from protocols.openai import (ChatCompletionRequest, CompletionRequest, Detokeni
                               ModelList, TokenizeRequest)
 
 from ..policy.auth import PRINCIPAL
-from ..backends.backend import poll_checkpoint
 from ..request.choices import Choices
-from .formats import ChatFormat, CompletionFormat, OutputFormat
 from ..request.pipeline import detokenize, parse, start_generation, tokenize
-from .sse import SSE_HEADERS, SseBody
 from ..state import GatewayState
+from ..streaming.poller import poll_checkpoint
+from .formats import ChatFormat, CompletionFormat, OutputFormat
+from .sse import SSE_HEADERS, SseBody
 
 REQUEST_ID_HEADER = "X-Request-Id"  # the gateway's request number, as in its logs and the ring
 

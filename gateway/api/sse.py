@@ -33,13 +33,13 @@ from aiohttp.abc import AbstractStreamWriter
 
 from protocols.messages import TokenUpdate
 
-from ..backends.backend import poll_checkpoint
-from ..request.choices import Choices
 from ..errors import ApiError
-from .formats import OutputFormat
-from ..request.generate import Generation, Piece
 from ..metrics import Metrics
+from ..request.choices import Choices
+from ..request.generate import Generation, Piece
+from ..streaming.poller import poll_checkpoint
 from ..streaming.stream_round import Taken
+from .formats import OutputFormat
 
 log = logging.getLogger("blink.gateway.http")
 

@@ -1,21 +1,12 @@
-"""Backends as the gateway sees them: a Describe over gRPC, then one ring and one poller task each.
-
-The poller is the only code that touches a ring's response side. While requests are in flight it
-finds the slots with news (`ready_slots`: one vectorized read of every slot's counters), polls those,
-and hands each `TokenUpdate` to that request's `sink` if it has one (a streamed response writes it to
-its client right there, `gateway/api/sse.py`), else (or when the sink declines) pushes it into the request's
-`UpdateQueue`; it polls again right after the readers ran while news keeps coming (up to `poll_spin_s`
-after the last), else every `poll_active_s`; with no request in flight it waits for a submission. It
-releases a slot once the engine has reported a finish, also for requests whose client went away (those
-are cancelled first, then drained).
-"""
+"""Backends as the gateway sees them: a Describe over gRPC, then one ring, its producer end and its poller
+(`gateway/streaming/poller.py`) each. A backend takes submissions (waiting, first come first served, for a free
+slot), watches the engine's heartbeat, and fails its requests when the engine stops or goes away."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
-import threading
 import time
 
 import grpc
@@ -27,9 +18,10 @@ from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec
 from protocols.shm import RingFull
 from protocols.shm_producer import ShmProducer
 
-from ..streaming.native import NativeStreams
 from ..config import GatewayConfig
 from ..errors import unavailable
+from ..streaming.native import NativeStreams
+from ..streaming.poller import Poller
 from ..streaming.request_handle import RequestHandle
 from .transports import BackendConnectError, connect_transport
 
@@ -38,29 +30,6 @@ log = logging.getLogger("blink.gateway.backends")
 # The longest spin (`GatewayConfig.poll_spin_s`) of a poller whose engine is `cpu`: that engine computes on
 # this host's cores, and a spinning poller would take them from it.
 CPU_ENGINE_SPIN_S = 0.002
-
-_started = threading.local()  # .backends: the started backends of this thread's event loop (see `poll_checkpoint`)
-
-
-def poll_checkpoint() -> None:
-    """A place in a request's set-up or end where the pollers may run: each backend of this event loop whose
-    last poll round began more than `GatewayConfig.poll_checkpoint_s` ago gets one now, right here.
-
-    The event loop runs a callback to its end, and runs every callback that is ready in one pass; a
-    request's set-up or end (HTTP parsing, validation, tokenizing, the ring submission, the response head,
-    metrics) is several hundred microseconds of such work, and a pass can hold several requests'. Every
-    open stream's tokens wait meanwhile. Called between the steps of that work, this gives the token path
-    priority over it: tokens wait for at most one step, not for a pass. Cheap when no round is due (a clock
-    read per backend). Never call it from the poller's own path (sinks, `Generation.take`)."""
-    backends = getattr(_started, "backends", None)
-    if backends:
-        now_ns = time.monotonic_ns()
-        for backend in backends:
-            if now_ns - backend.round_ns > backend.checkpoint_ns:
-                try:
-                    backend.poll_round(now_ns)
-                except Exception:  # not the caller's request's failure: the poller's own round meets it next
-                    log.exception("poll round of backend %s failed at a checkpoint", backend.info.addr)
 
 
 def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:
@@ -81,28 +50,17 @@ class Backend:
         self.info = info
         self.config = config
         self._producer = producer
-        self._requests: dict[int, RequestHandle] = {}  # slot -> request in flight
-        self._slots: list[int] | None = None  # its slots in ring order, for a round (None: changed since)
         # The native round (gateway/streaming/stream_round.py), for shared-memory rings read as they come.
         if type(producer) is not ShmProducer or producer.defer_consumed:
             native_off = f"off ({info.transport} transport)"
         else:
             native_off = None if config.native_stream else "off (native_stream: false)"
-        self.native = NativeStreams(producer, info.geometry, native_off)
+        spin_s = min(config.poll_spin_s, CPU_ENGINE_SPIN_S) if info.engine_mode == "cpu" else config.poll_spin_s
+        self.poller = Poller(info.addr, producer, NativeStreams(producer, info.geometry, native_off), config,
+                             spin_s, owner=self)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
-        self._wakeup = asyncio.Event()
-        self._poller: asyncio.Task | None = None
         self._beat = (producer.heartbeat, time.monotonic())  # last heartbeat value, when it changed
-        self._next_check_s = 0.0
-        self._news_s = 0.0  # when a poll last found tokens or a finish (time.monotonic)
-        self.round_ns = 0  # when the last poll round began (time.monotonic_ns)
-        self.checkpoint_ns = int(config.poll_checkpoint_s * 1e9) if config.poll_checkpoint_s else 1 << 62
-        self._in_round = False
-        self.spin_s = min(config.poll_spin_s, CPU_ENGINE_SPIN_S) if info.engine_mode == "cpu" else config.poll_spin_s
         self._queued_tokens = 0  # outstanding tokens of requests waiting here for a ring slot
-        # Sum of `outstanding_tokens` over `_requests`, kept as they change: routing reads it per request,
-        # and summing over hundreds of streams each time made routing quadratic in the streams in flight.
-        self._outstanding = 0
         self.stalled = False  # heartbeat stuck for stall_timeout_s with requests in flight: they were failed
         self._ejected_at: int | None = None  # the heartbeat that stood still when the pool ejected it
         self.dead = False  # control plane unreachable: its requests were failed (set by the pool)
@@ -119,14 +77,14 @@ class Backend:
                  info.model_name, info.engine_mode, info.transport, info.ring_name, info.geometry.num_slots,
                  info.context_len)
         backend = cls(info, producer, config)
-        await loop.run_in_executor(None, backend.native.prepare)  # its library built now, off the event loop
+        await loop.run_in_executor(None, backend.poller.native.prepare)  # its library built now, off the event loop
         backend.start()
         return backend
 
     # ---------------------------------------------------------------- state
     @property
     def num_in_flight(self) -> int:
-        return len(self._requests)
+        return len(self.poller.requests)
 
     @property
     def free_slots(self) -> int:
@@ -166,7 +124,7 @@ class Backend:
     @property
     def outstanding_tokens(self) -> int:
         """Prompt plus output tokens still to be produced for requests here (the gateway's own count)."""
-        return self._queued_tokens + self._outstanding
+        return self._queued_tokens + self.poller.outstanding
 
     @property
     def serving(self) -> bool:
@@ -195,10 +153,7 @@ class Backend:
             self._queued_tokens -= tokens
         self.num_requests += 1
         handle = RequestHandle(self, slot, spec)
-        self._requests[slot] = handle
-        self._slots = None
-        self._outstanding += handle.outstanding_tokens
-        self._wakeup.set()
+        self.poller.add(handle)
         return handle
 
     async def _acquire_slot(self, spec: RequestSpec) -> int:
@@ -230,6 +185,10 @@ class Backend:
                                   f"{self.info.addr} stayed busy for {self.config.slot_wait_s:g} s")
             woken = True
 
+    def slot_freed(self) -> None:
+        """A slot came back (`Poller`'s owner): the first request waiting for one goes."""
+        self._wake_one()
+
     def _wake_one(self) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
@@ -242,129 +201,46 @@ class Backend:
 
     # ---------------------------------------------------------------- poller
     def start(self) -> None:
-        self._poller = asyncio.create_task(self._poll_loop(), name=f"poller {self.info.addr}")
-        if not hasattr(_started, "backends"):
-            _started.backends = []
-        _started.backends.append(self)
+        self.poller.start()
 
     async def close(self) -> None:
-        if self in getattr(_started, "backends", ()):
-            _started.backends.remove(self)
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
-        for handle in self._requests.values():
+        await self.poller.stop()
+        for handle in self.poller.requests.values():
             self.take_back(handle)
             handle.queue.put_nowait(_error_update("the gateway is shutting down"))
-        self.native.close()  # before the ring it points into
+        self.poller.native.close()  # before the ring it points into
         self._producer.close()
 
     # ---------------------------------------------------------------- the native round
     def go_native(self, handle: RequestHandle, *args) -> bool:
         """`NativeStreams.go` for a request in flight here."""
-        return handle.slot in self._requests and self.native.go(handle, *args)
+        return handle.slot in self.poller.requests and self.poller.native.go(handle, *args)
 
     def take_back(self, handle: RequestHandle) -> None:
         """`NativeStreams.take_back`."""
-        self.native.take_back(handle)
+        self.poller.native.take_back(handle)
 
     @property
     def native_stream(self) -> str:
         """Whether the native round delivers this backend's plain streams, for operators (`/admin/status`)."""
-        return self.native.state
+        return self.poller.native.state
 
     @property
     def num_native_streams(self) -> int:
-        return sum(handle.native is not None for handle in self._requests.values())
+        return sum(handle.native is not None for handle in self.poller.requests.values())
 
-    async def _poll_loop(self) -> None:
-        while True:
-            try:
-                if self._requests:
-                    now_ns = time.monotonic_ns()
-                    now_s = now_ns / 1e9
-                    self.poll_round(now_ns)
-                    self._housekeeping()
-                    # Within poll_spin_s of the last news, poll again as soon as the readers woken have
-                    # run (one loop iteration): flowing tokens wait for no timer tick. After that, sleep
-                    # poll_active_s per round, so requests that produce nothing cost no spinning core.
-                    spinning = now_s - self._news_s < self.spin_s
-                    await asyncio.sleep(0 if spinning else self.config.poll_active_s)
-                else:
-                    await self._idle()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a poller that dies would hang every request: fail them, keep going
-                log.exception("poller of backend %s failed", self.info.addr)
-                self._fail_all("the gateway lost track of this request (poller error)")
-                await asyncio.sleep(self.config.heartbeat_check_s)
+    # ---------------------------------------------------------------- asked by the poller (`Owner`)
+    def tidy(self) -> None:
+        self._reclaim_adopted()
+        self._wake_free()
 
-    def poll_round(self, now_ns: int) -> None:
-        """One poll round, begun at `now_ns` (time.monotonic_ns): the poller's, or a `poll_checkpoint`'s."""
-        if self._in_round or not self._requests:
-            return
-        self._in_round, self.round_ns = True, now_ns
-        try:
-            if self._poll_once():
-                self._news_s = now_ns / 1e9
-        finally:
-            self._in_round = False
-
-    def _poll_once(self) -> int:
-        """Pass each request's news to its reader; returns how many requests had some."""
-        num_updates = 0
-        if self._slots is None:  # in ring order: a round then reads the ring's words in address order
-            self._slots = sorted(self._requests)
-        requests, poll, native = self._requests, self._producer.poll, self.native.round  # bound once a round
-        if native is None:
-            ready = self._producer.ready_slots(self._slots)
-        else:  # the native streams' tokens go out now; the rest is this loop's
-            ready, num_updates, fell = native.round(self._slots, time.perf_counter_ns())
-            self._outstanding -= fell
-        for slot in ready:
-            handle = requests[slot]
-            if handle.native is not None:  # handed back by the round: its news is this loop's
-                self.take_back(handle)
-            update = poll(slot)
-            tokens = update.tokens
-            if not tokens and not update.finish:  # FinishReason.NONE is 0
-                continue
-            num_updates += 1
-            if not handle.abandoned:
-                if tokens:
-                    self._outstanding -= handle.produced(len(tokens))
-                sink = handle.sink
-                if sink is None or not sink(update):
-                    handle.queue.put_nowait(update)
-            if update.finish:
-                del self._requests[slot]
-                self._slots = None
-                self._outstanding -= handle.outstanding_tokens
-                self._producer.release(slot)
-                self._wake_one()
-        return num_updates
-
-    async def _idle(self) -> None:
-        self._wakeup.clear()
-        try:
-            await asyncio.wait_for(self._wakeup.wait(), self.config.heartbeat_check_s)
-        except TimeoutError:
-            self._reclaim_adopted()
-            self._wake_free()
+    def reset_heartbeat(self) -> None:
         self._beat = (self.heartbeat, time.monotonic())
-
-    def _housekeeping(self) -> None:
-        now = time.monotonic()
-        if now >= self._next_check_s:
-            self._next_check_s = now + self.config.heartbeat_check_s
-            self._check_heartbeat()
-            self._reclaim_adopted()
-            self._wake_free()
 
     def _reclaim_adopted(self) -> None:
         """Slots an earlier gateway left running are released once their finish arrives."""
         for slot in self._producer.reclaim():
-            if slot not in self._requests:
+            if slot not in self.poller.requests:
                 self._producer.release(slot)
                 self._wake_one()
 
@@ -373,7 +249,7 @@ class Backend:
         for _ in range(min(self.free_slots, len(self._waiters))):
             self._wake_one()
 
-    def _check_heartbeat(self) -> None:
+    def check_heartbeat(self) -> None:
         beat, since = self._beat
         now, current = time.monotonic(), self.heartbeat
         if current != beat:
@@ -397,7 +273,7 @@ class Backend:
     def _fail_all(self, message: str, unstarted_only: bool = False) -> int:
         """Tell every reader its request failed; cancel in the engine; slots return if it ever finishes."""
         num_failed = 0
-        for handle in self._requests.values():
+        for handle in self.poller.requests.values():
             if unstarted_only and handle.num_produced:
                 continue
             num_failed += 1

@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .backend import Backend
 from ..config import GatewayConfig
 from ..config_file import ConfigFileError, reload_fields
+from .backend import Backend
 from .route import Router, make_policy
 
 log = logging.getLogger("blink.gateway.pool")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 
-from .backend import Backend
 from ..config import GatewayConfig
 from ..errors import ApiError, unavailable
+from .backend import Backend
 
 AFFINITY_BLOCK_LEN = 16  # tokens per hashed block of the prompt prefix (a KV block's worth)
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from protocols.ring import ErrorCode, FinishReason, TokenLogprob
 from protocols.messages import TokenUpdate
 
-from ..backends.backend import poll_checkpoint
-from ..streaming.request_handle import RequestHandle
-from .detokenize import TextStream
 from ..errors import ApiError, bad_request, server_error, unavailable
 from ..metrics import Metrics
+from ..streaming.poller import poll_checkpoint
+from ..streaming.request_handle import RequestHandle
+from .detokenize import TextStream
 
 log = logging.getLogger("blink.gateway.requests")
 

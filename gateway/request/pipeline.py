@@ -16,18 +16,18 @@ from protocols.openai import (ChatCompletionRequest, ChatMessage, CompletionRequ
                               parse_request)
 from protocols.ring import RequestSpec
 
-from ..backends.backend import poll_checkpoint
+from ..backends.route import Router
+from ..errors import ApiError, bad_request
+from ..metrics import Metrics
+from ..policy.keys import Principal
+from ..policy.quotas import Admission
+from ..state import GatewayState
+from ..streaming.poller import poll_checkpoint
 from ..streaming.request_handle import RequestHandle
 from .choices import Choices
 from .detokenize import TextStream
-from ..errors import ApiError, bad_request
 from .generate import Generation
-from ..policy.keys import Principal
 from .limits import build_spec, check_engine_modes, check_token_ids
-from ..metrics import Metrics
-from ..policy.quotas import Admission
-from ..backends.route import Router
-from ..state import GatewayState
 from .tokenize import TemplateError, TokenizerService
 
 log = logging.getLogger("blink.gateway.requests")
