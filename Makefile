@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: on these machines 2.13.0 is a local CPU build (a CUDA build is several GB)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[backend,gateway,test]'
 	# fetch and import the demo model once (cached under $${BLINK_CACHE:-~/.cache/blink})
 	$(PY) -m blink.cli model demo
 	touch $@

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
 from protocols.shm import attach_ring  # noqa: E402
-from protocols.shm_producer import RingProducer  # noqa: E402
+from protocols.shm_producer import ShmProducer  # noqa: E402
 from blink.bench.results import commit, write_summary  # noqa: E402
 from tests.conftest import _describe, free_port  # noqa: E402
 
@@ -51,7 +51,7 @@ def wait_backend(control: str, proc: subprocess.Popen, timeout_s: float = 600) -
     raise TimeoutError("backend did not start")
 
 
-def run_streams(prod: RingProducer, prompt_ids: list[int], streams: int, tokens: int) -> dict:
+def run_streams(prod: ShmProducer, prompt_ids: list[int], streams: int, tokens: int) -> dict:
     t0 = time.perf_counter()
     slots = [prod.submit(RequestSpec(i, prompt_ids, tokens, temperature=0.0, ignore_eos=True)) for i in range(streams)]
     got = {s: 0 for s in slots}
@@ -74,7 +74,7 @@ def run_streams(prod: RingProducer, prompt_ids: list[int], streams: int, tokens:
             "mean_ttft_ms": 1e3 * statistics.mean(first.values())}
 
 
-def direct_ttft_ms(prod: RingProducer, prompt_ids: list[int], n: int) -> list[float]:
+def direct_ttft_ms(prod: ShmProducer, prompt_ids: list[int], n: int) -> list[float]:
     out = []
     for i in range(n):
         t0 = time.perf_counter()
@@ -123,7 +123,7 @@ def main() -> None:
                      "--context-len", "2048"], env)
     try:
         desc = wait_backend(control, backend)
-        prod = RingProducer(attach_ring(ring))
+        prod = ShmProducer(attach_ring(ring))
         run_streams(prod, prompt_ids, 1, 8)  # warm-up
         engine = [run_streams(prod, prompt_ids, n, args.tokens) for n in (1, 4, 16)]
         direct = direct_ttft_ms(prod, prompt_ids, args.ttft_samples)

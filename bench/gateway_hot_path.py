@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/gateway_hot_path.py [--streams 512] [--rounds 1000]
 
 A real ring with `--streams` requests, the fake engine (`bench/traffic_engine.py`) publishing the tokens due
-each 0.5 ms step (due times spread over 20 ms, as at 50 tok/s per stream), and `Backend._poll_once` with a
+each 0.5 ms step (due times spread over 20 ms, as at 50 tok/s per stream), and `Poller._poll_once` with a
 real `SseBody` sink per stream writing to a null transport: ready_slots, poll, take (detokenization through
 the cached pieces), the chunk from its template, framing. No kernel write, no cross-core traffic: what the
 streamed path costs in Python per update. Prints the minimum and median over 7 repeats.
@@ -24,17 +24,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.backends import Backend, BackendInfo  # noqa: E402
-from gateway.choices import Choices  # noqa: E402
+from gateway.backends.backend import Backend  # noqa: E402
+from protocols.messages import BackendInfo  # noqa: E402
+from gateway.request.choices import Choices  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
-from gateway.detokenize import TextStream  # noqa: E402
-from gateway.formats import CompletionFormat  # noqa: E402
-from gateway.generate import Generation  # noqa: E402
-from gateway.sse import SseBody  # noqa: E402
-from gateway.tokenize import TokenizerService  # noqa: E402
+from gateway.request.detokenize import TextStream  # noqa: E402
+from gateway.api.formats import CompletionFormat  # noqa: E402
+from gateway.request.generate import Generation  # noqa: E402
+from gateway.api.sse import SseBody  # noqa: E402
+from gateway.request.tokenize import TokenizerService  # noqa: E402
 from protocols.ring import RequestSpec  # noqa: E402
 from protocols.shm import attach_ring  # noqa: E402
-from protocols.shm_producer import RingProducer  # noqa: E402
+from protocols.shm_producer import ShmProducer  # noqa: E402
 from traffic_engine import TOKENIZER_CFG, TrafficEngine, default_cache_dir, ensure_random_tokenizer  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
@@ -68,7 +69,7 @@ async def main(num_streams: int, num_rounds: int) -> None:
     tokenizer = TokenizerService(ensure_random_tokenizer(TOKENIZER_CFG, default_cache_dir()))
     info = BackendInfo("hot-path", "ring-traffic", "", "", 4096, TOKENIZER_CFG.vocab_size, (), "traffic", name,
                        engine.ring.geometry)
-    backend = Backend(info, RingProducer(attach_ring(name)), GatewayConfig())
+    backend = Backend(info, ShmProducer(attach_ring(name)), GatewayConfig())
     await streams(backend, tokenizer, num_streams)
     clock = time.monotonic()
     engine.step(clock)
@@ -82,7 +83,7 @@ async def main(num_streams: int, num_rounds: int) -> None:
             clock += 0.0005
             engine.step(clock)
             t0 = time.perf_counter()
-            num_updates += backend._poll_once()
+            num_updates += backend.poller._poll_once()
             poll_s += time.perf_counter() - t0
         per_update_us.append(1e6 * poll_s / num_updates)
     engine.ring.close()

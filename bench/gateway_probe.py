@@ -2,14 +2,14 @@
 
     python bench/gateway_probe.py PROBE_JSON PROFILE_FILE GATEWAY_ARGS...
 
-Every byte of a streamed body before its end goes to the transport of its `gateway.sse.SseBody` (from
+Every byte of a streamed body before its end goes to the transport of its `gateway.api.sse.SseBody` (from
 the poller's sink or the stream's task; the probe wraps that transport's `write`), its end through
-`_write_end` (`gateway.http._write` before those); the probe records when each write is handed to the
+`_write_end` (`gateway.api.http._write` before those); the probe records when each write is handed to the
 transport and, at exit, the token ids (`w123` words of the ring-traffic vocabulary) in the chunk texts of
 that write: [[monotonic ns, token id], ...] in PROBE_JSON (empty: no probe). The chunks the native round
-(`gateway/stream_round.py`) sends on its own are recorded by its tap, just after each send returns. PROFILE_FILE
+(`gateway/streaming/stream_round.py`) sends on its own are recorded by its tap, just after each send returns. PROFILE_FILE
 (empty: none) gets a cProfile dump. For looking at a run's course, with BLINK_ROUNDS=FILE each poll round
-(`Backend._poll_once`) is written there as [start monotonic ns, wall ns, thread CPU ns, updates, the thread's
+(`Poller._poll_once`) is written there as [start monotonic ns, wall ns, thread CPU ns, updates, the thread's
 CPU time at the start ns, ...], and with BLINK_GC_EVENTS=FILE each collection as [end monotonic ns, duration
 ns, generation]. Kept apart from ring_traffic.py so that the gateway process imports what a gateway imports
 and nothing more (torch's objects would make every full GC pass slower).
@@ -27,7 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import gateway.http as http  # noqa: E402
+try:
+    import gateway.api.http as http  # noqa: E402
+except ImportError:  # gateways before the rooms (api/, request/, streaming/, ...)
+    import gateway.http as http  # noqa: E402
 from gateway.main import main as gateway_main  # noqa: E402
 
 TAP_CHUNKS, TAP_BYTES = 8 << 20, 2 << 30  # a native round's tap (zeroed memory: only what is written is touched)
@@ -41,14 +44,14 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
     # each one alive would move the gateway's allocations onto fresh memory all the run (page faults, cold
     # cache) instead of reusing the freed chunks' memory, as an unprobed gateway does.
     times_ns, ends, written = array.array("q"), array.array("q"), bytearray()
-    rounds_tapped = []  # the native rounds (gateway/stream_round.py), whose own taps record their chunks
+    rounds_tapped = []  # the native rounds (gateway/streaming/stream_round.py), whose own taps record their chunks
 
     def record(data: bytes) -> None:  # a write's time and bytes, before it is handed on
         times_ns.append(time.monotonic_ns())
         written.extend(data)
         ends.append(len(written))
 
-    class ProbedTransport:  # gateway.sse: a body's transport, through which every write before its end goes
+    class ProbedTransport:  # gateway.api.sse: a body's transport, through which every write before its end goes
         __slots__ = ("write", "is_closing", "get_write_buffer_size", "get_extra_info")
 
         def __init__(self, transport) -> None:
@@ -66,11 +69,11 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
         if body.transport is not None:
             body.transport = ProbedTransport(body.transport)
 
-    async def probed_write_end(body, data: bytes) -> None:  # gateway.sse: a stream's last write
+    async def probed_write_end(body, data: bytes) -> None:  # gateway.api.sse: a stream's last write
         record(data)
         await write_end(body, data)
 
-    async def probed_http_write(resp, data: bytes, eof: bool = False) -> None:  # gateways before gateway.sse
+    async def probed_http_write(resp, data: bytes, eof: bool = False) -> None:  # gateways before gateway.api.sse
         record(data)
         await http_write(resp, data, eof)
 
@@ -86,28 +89,43 @@ def probed_gateway(probe: str, profile: str, argv: list[str]) -> int:
 
     rounds = array.array("q")  # per poll round: start (monotonic ns), wall ns, CPU ns, updates, thread CPU ns at start
     if os.environ.get("BLINK_ROUNDS"):
-        from gateway.backends import Backend
-        poll_once = Backend._poll_once
+        try:
+            from gateway.streaming.poller import Poller
+        except ImportError:  # gateways before the rooms: the backend polled its ring itself
+            from gateway.backends import Backend as Poller
+        poll_once = Poller._poll_once
 
-        def timed_poll_once(backend) -> int:
+        def timed_poll_once(poller) -> int:
             t0, c0 = time.monotonic_ns(), time.thread_time_ns()
-            n = poll_once(backend)
+            n = poll_once(poller)
             rounds.extend((t0, time.monotonic_ns() - t0, time.thread_time_ns() - c0, n, c0))
             return n
-        Backend._poll_once = timed_poll_once
+        Poller._poll_once = timed_poll_once
     if probe:
         try:
-            import gateway.sse as sse
+            import gateway.api.sse as sse
         except ImportError:
+            sse = None
+        if sse is None:
+            try:  # gateways before the rooms
+                import gateway.sse as sse
+            except ImportError:
+                sse = None
+        if sse is None:
             http_write, http._write = http._write, probed_http_write
         else:
             body_init, sse.SseBody.__init__ = sse.SseBody.__init__, probed_body_init
             write_end, sse._write_end = sse._write_end, probed_write_end
         try:
-            from gateway.stream_round import StreamRound
-        except ImportError:  # gateways before the native round
-            pass
-        else:  # the chunks the native round sends itself: its tap records them (times and bytes, as above)
+            from gateway.streaming.stream_round import StreamRound
+        except ImportError:
+            StreamRound = None
+        if StreamRound is None:
+            try:  # gateways before the rooms; before the native round there is none
+                from gateway.stream_round import StreamRound
+            except ImportError:
+                pass
+        if StreamRound is not None:  # the chunks the native round sends itself: its tap records them (times and bytes, as above)
             round_init = StreamRound.__init__
 
             def tapped_round_init(native, *args, **kwargs) -> None:

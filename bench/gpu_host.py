@@ -44,7 +44,7 @@ from gpu_backend.models import load_model  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec, RingGeometry  # noqa: E402
 from protocols.shm import attach_ring, create_ring  # noqa: E402
 from protocols.shm_consumer import RingConsumer  # noqa: E402
-from protocols.shm_producer import RingProducer  # noqa: E402
+from protocols.shm_producer import ShmProducer  # noqa: E402
 
 
 def copy_gbps() -> float:
@@ -154,7 +154,7 @@ def engine_config(runner: GpuRunner) -> EngineConfig:
                         max_num_seqs=c.max_num_seqs)
 
 
-def submit_streams(prod: RingProducer, batch_size: int, prompt_len: int, new_tokens: int, **changes) -> list[int]:
+def submit_streams(prod: ShmProducer, batch_size: int, prompt_len: int, new_tokens: int, **changes) -> list[int]:
     """Greedy streams; `changes` go into each RequestSpec (bench/persistent_extensions.py: the extensions)."""
     return [prod.submit(RequestSpec(i, [7 + i] * prompt_len, new_tokens, temperature=0.0, ignore_eos=True, **changes))
             for i in range(batch_size)]
@@ -166,7 +166,7 @@ def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode
     new_tokens = prefill_steps(runner, batch_size, prompt_len) + decode_steps_wanted
     ring = create_ring(f"blink-bench-host-{os.getpid()}", RingGeometry(max(batch_size, 16), 4096, 1024), "bench")
     try:
-        prod = RingProducer(attach_ring(ring.name))
+        prod = ShmProducer(attach_ring(ring.name))
         loop = EngineLoop(runner, cfg, RingConsumer(ring), engine_config(runner), context_len=runner.config.context_len)
         slots = submit_streams(prod, batch_size, prompt_len, new_tokens)
         live, produced = set(slots), 0
@@ -208,7 +208,7 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
     ring = create_ring(f"blink-bench-pers-{os.getpid()}", RingGeometry(max(batch_size, 16), 4096, 4096), "bench")
     engine = None
     try:
-        prod = RingProducer(attach_ring(ring.name))
+        prod = ShmProducer(attach_ring(ring.name))
         engine = PersistentEngine(runner, cfg, ring, engine_config(runner), context_len=runner.config.context_len)
         slots = submit_streams(prod, batch_size, prompt_len, new_tokens, **changes)
         engine.start()

@@ -4,7 +4,7 @@ streamed tokens per second with their added latency.
     .venv/bin/python bench/ring_traffic.py ttft [--samples 300] [--out bench/results]
 
 `ttft`: the engine runs in its own process, spinning, so it answers a request within microseconds.
-1. direct: a RingProducer in this process submits a 1-token request and polls for the token; the median
+1. direct: a ShmProducer in this process submits a 1-token request and polls for the token; the median
    is the ring round trip (IPC + the fake engine's poll);
 2. HTTP: the gateway is started in front of the same ring; a raw aiohttp client (no SDK overhead) sends
    streaming `max_tokens=1` completions one after another; TTFT = request sent -> first chunk with a
@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 from blink.bench.results import commit, write_summary  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
 from protocols.shm import attach_ring  # noqa: E402
-from protocols.shm_producer import RingProducer  # noqa: E402
+from protocols.shm_producer import ShmProducer  # noqa: E402
 from tests.conftest import _wait_health, free_port  # noqa: E402
 from isolate_cores import isolate_cores  # noqa: E402
 from keep_awake import keep_awake  # noqa: E402
@@ -69,7 +69,7 @@ from traffic_engine import MODEL_NAME, lag_us, traffic_engine  # noqa: E402
 
 
 def direct_ttft_ms(ring_name: str, samples: int) -> list[float]:
-    prod, out = RingProducer(attach_ring(ring_name)), []
+    prod, out = ShmProducer(attach_ring(ring_name)), []
     for i in range(samples):
         t0 = time.perf_counter()
         slot = prod.submit(RequestSpec(i, [5, 6, 7, 8], 1, temperature=0.0))
@@ -131,7 +131,7 @@ def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | N
         args += ["--config", str(config)]
     table = f"/dev/shm/blink-traffic-limits-{os.getpid()}" if workers > 1 else None
     if table:
-        from gateway.quotas import create_shared_table
+        from gateway.policy.quotas import create_shared_table
 
         create_shared_table(table)
     procs = []

@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 
 import protocols.ring as R
-from gpu_backend.control_server import ControlServer, Description
+from gpu_backend.control_server import ControlServer
 from gpu_backend.models import preset_config
 from gpu_backend.models.demo import default_cache_dir
 from gpu_backend.models.random_tokenizer import ensure_random_tokenizer
+from protocols.messages import BackendDescription
 from protocols.ring import EngineState, FinishReason, RingGeometry
 from protocols.shm import create_ring
 from protocols.shm_consumer import RingConsumer
@@ -59,7 +60,7 @@ class TrafficEngine:
         self.ring = create_ring(ring_name, RingGeometry(num_slots, 4096, 1024), MODEL_NAME)
         self.consumer = RingConsumer(self.ring)  # requests in, finishes, heartbeat; tokens are stored here
         self.interval_s = 1.0 / tok_s if tok_s > 0 else 0.0
-        desc = Description(MODEL_NAME, str(ensure_random_tokenizer(TOKENIZER_CFG, default_cache_dir())),
+        desc = BackendDescription(MODEL_NAME, str(ensure_random_tokenizer(TOKENIZER_CFG, default_cache_dir())),
                            MODEL_NAME, 4096, TOKENIZER_CFG.vocab_size, (), "traffic")
         self.control = ControlServer(control, desc, self.ring)
         self.idle_s = idle_s  # sleep between loop iterations (0: spin)

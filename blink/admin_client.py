@@ -1,4 +1,4 @@
-"""`blinkctl` commands that talk to a gateway's admin API (`gateway/admin.py`) with the admin key.
+"""`blinkctl` commands that talk to a gateway's admin API (`gateway/api/admin.py`) with the admin key.
 
     blinkctl [--url URL] [--admin-key KEY] status | backends | drain ADDR | undrain ADDR | reload | gc
     blinkctl keys list | add NAME [--role R] [--rpm N] [--tpm N] [--max-streams N] [--max-tokens N] | remove NAME
@@ -132,7 +132,7 @@ def _limits(args: argparse.Namespace) -> dict:
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
     if args.file:
-        from gateway.keys import KeyStore
+        from gateway.policy.keys import KeyStore
         r = {"keys": KeyStore(args.file).listing(), "file": args.file}
     else:
         r = call(args, "GET", "/admin/keys")
@@ -143,7 +143,7 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 def cmd_keys_add(args: argparse.Namespace) -> int:
     if args.file:
-        from gateway.keys import KeyLimits, KeysFileError, KeyStore
+        from gateway.policy.keys import KeyLimits, KeysFileError, KeyStore
         try:
             r = {"name": args.name, "key": KeyStore(args.file).add(args.name, args.role, KeyLimits(**_limits(args)))}
         except KeysFileError as exc:
@@ -155,7 +155,7 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
 
 def cmd_keys_remove(args: argparse.Namespace) -> int:
     if args.file:
-        from gateway.keys import KeyStore
+        from gateway.policy.keys import KeyStore
         if not KeyStore(args.file).remove(args.name):
             raise AdminError(f"no key named {args.name!r} in {args.file}")
         r = {"removed": args.name}

@@ -15,11 +15,15 @@ import sys
 import time
 import urllib.request
 
-from gpu_backend.main import add_backend_args, run_backend
-from gpu_backend.tcp_agent import add_agent_args
+from gateway import env as gateway_env
+
+# gpu_backend is imported inside the backend commands only: `blink gateway` runs on hosts without the
+# backend's dependencies (torch), and must not load them.
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
+    from gpu_backend.main import add_backend_args
+
     p.add_argument("--host", default="127.0.0.1", help="gateway address")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for start-up")
@@ -28,10 +32,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Start a backend and a gateway, wait until the API answers, stop both together."""
-    key = os.environ.get("BLINK_API_KEY") or secrets.token_urlsafe(24)
-    if not os.environ.get("BLINK_API_KEY"):
+    key = gateway_env.API_KEY.get() or secrets.token_urlsafe(24)
+    if not gateway_env.API_KEY.get():
         print(f"BLINK_API_KEY not set; generated API key: {key}", flush=True)
-    env = {**os.environ, "BLINK_API_KEY": key}
+    env = {**os.environ, gateway_env.API_KEY.name: key}
     backend_argv = _backend_argv(args)
     ring = args.ring or f"blink-{os.getpid()}"
     backend = subprocess.Popen([sys.executable, "-m", "blink.cli", "backend", *backend_argv, "--ring", ring], env=env)
@@ -54,6 +58,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def _backend_argv(args: argparse.Namespace) -> list[str]:
     """The backend flags of a `serve` invocation that differ from their defaults."""
+    from gpu_backend.main import add_backend_args
+
     probe = argparse.ArgumentParser(add_help=False)
     add_backend_args(probe)
     argv = []
@@ -100,6 +106,9 @@ def _gateway(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gpu_backend.main import add_backend_args
+    from gpu_backend.tcp_agent import add_agent_args
+
     parser = argparse.ArgumentParser(prog="blink", description="CPU-free LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_args(sub.add_parser("serve", help="run a backend and the gateway together"))
@@ -117,13 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=os.environ.get("BLINK_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=gateway_env.LOG_LEVEL.get(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if argv[:1] == ["gateway"]:
         return _gateway(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
     if args.command == "backend":
+        from gpu_backend.main import run_backend
+
         return run_backend(args)
     if args.command == "bench":
         from blink.bench.cli import run_bench

@@ -14,7 +14,7 @@ import os
 import sys
 
 from blink.admin_client import AdminError, add_admin_commands
-from gateway.netprofile import ProfileError, load_profile
+from blink.net.profile import ProfileError, load_profile
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from gateway.netapply import ApplyError, apply
+    from blink.net.apply import ApplyError, apply
 
     profile = load_profile(args.profile)
     try:
@@ -58,7 +58,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.offline:
         print(f"{args.profile}: valid")
         return 0
-    from gateway.netapply import apply
+    from blink.net.apply import apply
 
     drift = apply(profile, dry_run=True)
     for text in drift:
@@ -68,7 +68,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from gateway.netapply import show
+    from blink.net.apply import show
 
     print(show(args.netns))
     return 0

@@ -1,15 +1,12 @@
-"""Gateway configuration: one frozen dataclass; environment variables read here and nowhere else."""
+"""Gateway configuration: one frozen dataclass (its environment variables: `gateway/env.py`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-ENV_PREFIX = "BLINK_"
 MiB = 1 << 20
-ROUTING_POLICIES = ("least_outstanding_tokens", "most_free_kv", "prefix_affinity")  # gateway/route.py
+ROUTING_POLICIES = ("least_outstanding_tokens", "most_free_kv", "prefix_affinity")  # gateway/backends/route.py
 
 
 @dataclass(frozen=True)
@@ -20,7 +17,7 @@ class GatewayConfig:
     backend_addrs: tuple[str, ...] = ("127.0.0.1:50051",)  # control-plane gRPC addresses
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
     admin_keys: frozenset[str] = field(default_factory=frozenset)  # plain admin keys (--admin-key)
-    keys_file: str | None = None  # hashed client/admin keys with limits (gateway/keys.py)
+    keys_file: str | None = None  # hashed client/admin keys with limits (gateway/policy/keys.py)
     workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT)
     worker_index: int = 0  # which of them this one is (it owns ring slots i, i + workers, ...)
     limits_table: str | None = None  # the workers' shared per-key usage file (set by the supervisor)
@@ -41,7 +38,7 @@ class GatewayConfig:
     # it woke have run (no timer), so tokens that keep flowing wait for no millisecond tick. Long enough to
     # ride out an engine's pause of a few ms: a sleep begun in one costs the tokens that end it ~1.2 ms
     # (uvloop's tick; bench/RESULTS.md, stream3). A `cpu` engine computes on this host's cores, so a
-    # poller of one spins at most CPU_ENGINE_SPIN_S (gateway/backends.py). 0: always sleep.
+    # poller of one spins at most CPU_ENGINE_SPIN_S (gateway/backends/backend.py). 0: always sleep.
     poll_spin_s: float = 0.02
     # While a request is set up or ended (parsing, tokenizing, submitting, its response head, metrics), the
     # pollers get a round at each step of that work once their last began this long ago, so that open
@@ -49,7 +46,7 @@ class GatewayConfig:
     # (`backends.poll_checkpoint`). 0: only the poller's own rounds.
     poll_checkpoint_s: float = 0.0001
     # Plain streams (one choice, no stop strings, no logprobs) on shared-memory rings are delivered by the
-    # poller's round in C once their first chunk is out (gateway/stream_round.py): a token costs a table
+    # poller's round in C once their first chunk is out (gateway/streaming/stream_round.py): a token costs a table
     # lookup, a JSON escape and its socket write instead of ~20-35 us of Python. False: the Python path only.
     native_stream: bool = True
     # The cyclic garbage collector (gateway/gc_policy.py): every gc_freeze_s what survived is frozen out of
@@ -64,12 +61,12 @@ class GatewayConfig:
     rdma_device: str | None = None  # rdma transport: local device name (None: the first one)
     tokenizer_threads: int = 2
     # One request set-up per event-loop pass, so that a burst of arrivals does not hold up the tokens of
-    # open streams (gateway/pacing.py). False: every ready set-up runs at once (for measuring).
+    # open streams (gateway/streaming/pacing.py). False: every ready set-up runs at once (for measuring).
     setup_pacing: bool = True
     shutdown_timeout_s: float = 5.0  # on SIGTERM, how long open streams may finish before they are cut
     access_log: bool = True
     log_format: str = "text"  # or "json": one object per line, with request ids as fields
-    # Many backends (gateway/pool.py, gateway/route.py).
+    # Many backends (gateway/backends/pool.py, gateway/backends/route.py).
     config_file: str | None = None  # YAML file of backends and settings, read again on SIGHUP
     routing: str = "least_outstanding_tokens"  # or most_free_kv, prefix_affinity
     heartbeat_timeout_s: float = 1.0  # heartbeat unchanged this long: no new work goes to the backend
@@ -120,35 +117,3 @@ class GatewayConfig:
     def replace(self, **changes) -> GatewayConfig:
         return dataclasses.replace(self, **changes)
 
-
-def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
-    """GatewayConfig fields set by BLINK_* variables (BLINK_API_KEY takes a comma-separated list)."""
-    env = os.environ if environ is None else environ
-    out: dict = {}
-    if keys := env.get(f"{ENV_PREFIX}API_KEY"):
-        out["api_keys"] = frozenset(k.strip() for k in keys.split(",") if k.strip())
-    if keys := env.get(f"{ENV_PREFIX}ADMIN_KEY"):
-        out["admin_keys"] = frozenset(k.strip() for k in keys.split(",") if k.strip())
-    if path := env.get(f"{ENV_PREFIX}KEYS_FILE"):
-        out["keys_file"] = path
-    if workers := env.get(f"{ENV_PREFIX}WORKERS"):
-        out["workers"] = int(workers)
-    if host := env.get(f"{ENV_PREFIX}GATEWAY_HOST"):
-        out["host"] = host
-    if port := env.get(f"{ENV_PREFIX}GATEWAY_PORT"):
-        out["port"] = int(port)
-    if grpc_port := env.get(f"{ENV_PREFIX}GRPC_PORT"):
-        out["grpc_port"] = int(grpc_port)
-    if log_format := env.get(f"{ENV_PREFIX}LOG_FORMAT"):
-        out["log_format"] = log_format
-    if backends := env.get(f"{ENV_PREFIX}BACKENDS"):
-        out["backend_addrs"] = tuple(b.strip() for b in backends.split(",") if b.strip())
-    if config_file := env.get(f"{ENV_PREFIX}CONFIG"):
-        out["config_file"] = config_file
-    if size := env.get(f"{ENV_PREFIX}MAX_BODY_BYTES"):
-        out["max_body_bytes"] = int(size)
-    if timeout_s := env.get(f"{ENV_PREFIX}HEADER_TIMEOUT"):
-        out["header_timeout_s"] = float(timeout_s)
-    if timeout_s := env.get(f"{ENV_PREFIX}BODY_TIMEOUT"):
-        out["body_timeout_s"] = float(timeout_s)
-    return out

@@ -7,9 +7,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .backends import BackendConnectError
-from .config import ROUTING_POLICIES, GatewayConfig, env_overrides
+from .backends.backend import BackendConnectError
+from .config import ROUTING_POLICIES, GatewayConfig
 from .config_file import read_config_file
+from .env import config_overrides
 from .logs import LOG_FORMATS, setup_logging
 from .server import run_gateway
 from .workers import supervise
@@ -43,10 +44,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--no-setup-pacing", dest="setup_pacing", action="store_const", const=False,
                    help="run every ready request set-up at once instead of one per event-loop pass "
-                        "(gateway/pacing.py; for measuring)")
+                        "(gateway/streaming/pacing.py; for measuring)")
     p.add_argument("--no-native-stream", dest="native_stream", action="store_const", const=False,
                    help="deliver every streamed token from Python, not from the poller's C round "
-                        "(gateway/stream_round.py; for measuring and debugging)")
+                        "(gateway/streaming/stream_round.py; for measuring and debugging)")
     p.add_argument("--header-timeout", type=float, dest="header_timeout_s", metavar="SECONDS",
                    help="close a connection that has not sent a whole request head this long after it opened "
                    "or after its previous request ended (slowloris; also idle keep-alive; default 10; "
@@ -66,7 +67,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
     """Defaults, then the config file, then BLINK_* environment variables, then flags."""
-    env = env_overrides(environ)
+    env = config_overrides(environ)
     config_file = args.config_file or env.get("config_file")
     fields = read_config_file(config_file) if config_file else {}
     fields.update(env)

@@ -16,7 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .backends import Backend
+    from .backends.backend import Backend
     from .errors import ApiError
 
 disable_created_metrics()  # no `*_created` series: a third of every scrape, unused by dashboards (vLLM too)
@@ -119,7 +119,7 @@ class BackendCollector(Collector):
         healthy = GaugeMetricFamily("blink:backend_healthy", "1 while the engine serves and its heartbeat "
                                     "moves, else 0.", labels=BACKEND)
         native = GaugeMetricFamily("blink:native_streams", "Streams the poller's round in C delivers now "
-                                   "(gateway/stream_round.py).", labels=BACKEND)
+                                   "(gateway/streaming/stream_round.py).", labels=BACKEND)
         for b in self._backends():
             labels = [b.info.model_name, b.info.addr]
             try:

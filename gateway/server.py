@@ -11,22 +11,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from .admin import add_admin_routes, watch_keys_file
-from .auth import auth_middleware
-from .backends import Backend, poll_checkpoint
+from .api.admin import add_admin_routes, watch_keys_file
+from .api.grpc_api import GrpcServer
+from .api.http import STATE, add_routes
+from .backends.backend import Backend
+from .backends.pool import BackendPool
+from .backends.route import Router, make_policy
 from .config import GatewayConfig
 from .errors import ApiError, from_http_exception, request_timeout, server_error
 from .gc_policy import GcPolicy
-from .grpc_api import GrpcServer
-from .http import STATE, add_routes
-from .keys import KeyStore
 from .metrics import Metrics
-from .pacing import SetupPacer
-from .pool import BackendPool
-from .quotas import Quotas, attach_shared_table
-from .route import Router, make_policy
+from .policy.auth import auth_middleware
+from .policy.keys import KeyStore
+from .policy.quotas import Quotas, attach_shared_table
+from .request.tokenize import TokenizerService
 from .state import GatewayState
-from .tokenize import TokenizerService
+from .streaming.pacing import SetupPacer
+from .streaming.poller import poll_checkpoint
 
 log = logging.getLogger("blink.gateway")
 

@@ -6,14 +6,14 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from .backends.route import Router
 from .config import GatewayConfig
 from .gc_policy import GcPolicy
-from .keys import KeyStore
 from .metrics import Metrics
-from .pacing import SetupPacer
-from .quotas import Quotas
-from .route import Router
-from .tokenize import TokenizerService
+from .policy.keys import KeyStore
+from .policy.quotas import Quotas
+from .request.tokenize import TokenizerService
+from .streaming.pacing import SetupPacer
 
 
 @dataclass

@@ -4,8 +4,8 @@ The supervisor starts `python -m gateway ARGS --worker-index i` N times and stop
 What is per worker: `/admin/status`, `/metrics` and `/health` (each answers for the worker the
 connection reached), request ids.
 Shared: the port, the keys file and the drained backends (each worker re-reads them within a second
-of a change; `gateway/admin.py`), the backends' rings, and per-key usage: the supervisor creates one
-usage table in /dev/shm before it starts the workers (`gateway/quotas.py`), so a key's limits hold
+of a change; `gateway/api/admin.py`), the backends' rings, and per-key usage: the supervisor creates one
+usage table in /dev/shm before it starts the workers (`gateway/policy/quotas.py`), so a key's limits hold
 across them.
 On an shm ring worker i owns slots i, i + N, i + 2N, ...; submissions to the ring's one queue are
 serialized by a lock file, so the queue's tail word still has one writer at a time.
@@ -21,9 +21,9 @@ import subprocess
 import sys
 import time
 
-from .admin import drain_file
+from .api.admin import drain_file
 from .config import GatewayConfig
-from .quotas import create_shared_table
+from .policy.quotas import create_shared_table
 
 log = logging.getLogger("blink.gateway.workers")
 

@@ -5,32 +5,17 @@ so it reports the same thing whichever engine mode runs, including a GPU loop wi
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protocols import control_pb2, control_pb2_grpc
-from protocols.ring import RING_VERSION, EngineState
+from protocols.messages import BackendDescription as Description  # the shared message, by the name used here
+from protocols.ring import EngineState
 from protocols.shm import ShmRing
-
-
-@dataclass(frozen=True)
-class Description:
-    model_name: str
-    model_dir: str
-    model_fingerprint: str
-    context_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    engine_mode: str
-    transport: str = "shm"  # shm | tcp
-    tcp_endpoint: str = ""  # HOST:PORT gateways reach the tcp agent at
-    sampling_extensions: bool = True  # penalties, logit_bias, logprobs (the persistent mode may run without)
 
 
 class HeartbeatWatch:
@@ -62,16 +47,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         self._lock = threading.Lock()
 
     def Describe(self, request, context):
-        g = self.ring.geometry
-        return control_pb2.DescribeReply(
-            model_name=self.desc.model_name, model_dir=self.desc.model_dir,
-            model_fingerprint=self.desc.model_fingerprint, context_len=self.desc.context_len,
-            vocab_size=self.desc.vocab_size, eos_token_ids=list(self.desc.eos_token_ids),
-            engine_mode=self.desc.engine_mode, transport=self.desc.transport,
-            tcp_endpoint=self.desc.tcp_endpoint, ring_name=self.ring.name,
-            geometry=control_pb2.RingGeometry(**dataclasses.asdict(g)),
-            ring_version=RING_VERSION, sampling_extensions=self.desc.sampling_extensions,
-        )
+        return self.desc.to_reply(self.ring.name, self.ring.geometry)
 
     def ConnectRdma(self, request, context):
         from protocols.rdma_verbs import endpoint_from_proto, endpoint_to_proto

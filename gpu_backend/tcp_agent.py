@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from protocols import tcp_wire as W
 from protocols.ring import ErrorCode, FinishReason
 from protocols.shm import SHM_DIR, RingAttachError, RingFull, attach_ring
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import ShmProducer
 
 log = logging.getLogger("blink.agent")
 
@@ -44,7 +44,7 @@ class Session:
 class TcpAgent:
     """Producer of one shm ring on behalf of a remote gateway."""
 
-    def __init__(self, producer: RingProducer, poll_s: float = 0.001, state_s: float = 0.05,
+    def __init__(self, producer: ShmProducer, poll_s: float = 0.001, state_s: float = 0.05,
                  idle_timeout_s: float = 5.0, parent_pid: int = 0):
         self.producer = producer
         self.ring = producer.ring
@@ -222,7 +222,7 @@ def run_agent(args: argparse.Namespace) -> int:
     except (ValueError, RingAttachError) as exc:
         print(f"blink agent: {exc}", file=sys.stderr)
         return 2
-    agent = TcpAgent(RingProducer(ring, defer_consumed=True), idle_timeout_s=args.idle_timeout,
+    agent = TcpAgent(ShmProducer(ring, defer_consumed=True), idle_timeout_s=args.idle_timeout,
                      parent_pid=args.parent_pid)
 
     async def main() -> None:

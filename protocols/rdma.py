@@ -1,7 +1,7 @@
 """The `rdma` transport's producer: the gateway's end of a ring that lives in another host's memory.
 
 `RdmaProducer` keeps a local mirror of the remote ring (same layout, same offsets) and runs the ordinary
-`RingProducer` logic on it; every word the producer writes goes out as an RDMA WRITE of the mirror's
+`ShmProducer` logic on it; every word the producer writes goes out as an RDMA WRITE of the mirror's
 bytes, and what it reads comes in by RDMA READ first. The ring's rules carry over (DESIGN.md,
 "Transports"): the request payload is written, then the sequence word, on the same RC queue pair (so
 in order); responses are read with one-sided READs; no WRITE_WITH_IMM and no receive queue, so the
@@ -22,7 +22,8 @@ from typing import Protocol
 from . import ring as R
 from .ring import ErrorCode, FinishReason, RequestSpec, RingGeometry
 from .shm import ShmRing
-from .shm_producer import RingProducer, TokenUpdate
+from .messages import TokenUpdate
+from .shm_producer import ShmProducer
 
 RESP_LINE_BYTES = 64  # line 0 of a response slot: seq, produced, finish, times, prompt_len, error_code
 HDR_ENGINE_LINE = (R.HDR_HEARTBEAT, 64)  # header line 2: heartbeat, state, stats
@@ -51,14 +52,14 @@ class RingLink(Protocol):
 
 
 class RdmaProducer:
-    """Ring producer over one-sided RDMA; the interface `gateway.backends.Backend` uses."""
+    """Ring producer over one-sided RDMA; the interface `gateway.backends.backend.Backend` uses."""
 
     def __init__(self, link: RingLink):
         self.link = link
         self.geometry = link.geometry
         self.ring = link.mirror
         link.read(0, self.geometry.total_bytes)  # the whole ring once: adopt what an earlier producer left
-        self._local = RingProducer(self.ring)
+        self._local = ShmProducer(self.ring)
         self.error = ""
         for slot in self._local.unfinished_slots():  # adopted: their cancel words are set in the mirror
             link.write(self.ring.req(slot) + R.REQ_CANCEL_SEQ, 8)

@@ -1,5 +1,5 @@
 """Shared-memory transport: a ring (protocols/ring.py) in POSIX shared memory (`ShmRing`: create, attach,
-unlink), and the lock its producers share. Its two ends: `shm_producer.RingProducer`, the gateway's
+unlink), and the lock its producers share. Its two ends: `shm_producer.ShmProducer`, the gateway's
 (submit, cancel, poll new tokens, release), and `shm_consumer.RingConsumer`, the engine's (take new
 requests, publish tokens, finish). Each end writes only its own words.
 

@@ -1,4 +1,4 @@
-"""The gateway's end of a shared-memory ring (protocols/shm.py): `RingProducer` submits requests,
+"""The gateway's end of a shared-memory ring (protocols/shm.py): `ShmProducer` submits requests,
 cancels them, polls new tokens (`TokenUpdate`) and releases slots; it writes only the producer's words.
 """
 from __future__ import annotations
@@ -7,32 +7,19 @@ import math
 import struct
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from protocols import ring as R
+from protocols.messages import TokenUpdate
 from protocols.ring import ErrorCode, FinishReason, RequestSpec, TokenLogprob
 from protocols.shm import RingFull, ShmRing, SqLock
 
 
-@dataclass(slots=True)  # one per poll with news: slots make it cheaper to build and to read
-class TokenUpdate:
-    """What `RingProducer.poll` found since the last poll of a slot (which builds it positionally: keep
-    the field order)."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the request asked
-    finish: FinishReason = FinishReason.NONE  # 0 (false) while the request runs
-    error: str = ""
-    error_code: ErrorCode = ErrorCode.NONE
-    prompt_len: int = 0
-    started: bool = False  # the engine has taken the request
-
-
 _FINISH_REASONS = {int(f): f for f in FinishReason}
 _NO_ERROR = ErrorCode.NONE
-# u32 word offsets within a slot's response, for `RingProducer.poll`
+# u32 word offsets within a slot's response, for `ShmProducer.poll`
 _W_FINISH, _W_PRODUCED, _W_CONSUMED = R.RESP_FINISH_REASON // 4, R.RESP_PRODUCED // 4, R.RESP_CONSUMED // 4
 _W_PROMPT_LEN, _W_ERROR_CODE, _W_TOKENS = R.RESP_PROMPT_LEN // 4, R.RESP_ERROR_CODE // 4, R.RESP_TOKENS // 4
 # A request's fixed fields, REQ_REQUEST_ID .. REQ_NUM_LOGPROBS (protocols/ring.py), packed in one write.
@@ -67,7 +54,7 @@ def pop_finished(active: dict, slot: int):
     return state
 
 
-class RingProducer:
+class ShmProducer:
     """The gateway's end of a ring. Not thread-safe: use it from one thread (the event loop).
 
     With `defer_consumed`, `poll` does not advance the ring's consumed counter; `set_consumed` does,
@@ -273,7 +260,7 @@ class RingProducer:
 
     def position(self, slot: int) -> tuple[int, int]:
         """(the outstanding request's seq, tokens `poll` has read of it): where another reader of the
-        responses takes over (the gateway's native round, `gateway/stream_round.py`)."""
+        responses takes over (the gateway's native round, `gateway/streaming/stream_round.py`)."""
         out = self._active[slot]
         return out.seq, out.consumed
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.netprofile import load_profile
+from blink.net.profile import load_profile
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROFILES = sorted((DEPLOY / "net").glob("*.yaml"))

@@ -16,14 +16,16 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from gateway.backends import Backend, BackendInfo
-from gpu_backend.control_server import ControlServer, Description
+from gateway.backends.backend import Backend
+from protocols.messages import BackendInfo
+from gpu_backend.control_server import ControlServer
+from protocols.messages import BackendDescription
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer, start_gateway
 from protocols.ring import EngineState, ErrorCode, FinishReason, RingGeometry
 from protocols.shm import attach_ring, create_ring
 from protocols.shm_consumer import RingConsumer
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import ShmProducer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
@@ -188,7 +190,7 @@ async def _start(model_dir: Path, tokenizer: Tokenizer, ring_name: str, config: 
                        context_len=CONTEXT_LEN, vocab_size=tokenizer.get_vocab_size(),
                        eos_token_ids=(engine.eos_id,), engine_mode=engine_mode, ring_name=ring_name, geometry=GEOMETRY,
                        sampling_extensions=sampling_extensions)
-    backend = Backend(info, RingProducer(attach_ring(ring_name)), config)
+    backend = Backend(info, ShmProducer(attach_ring(ring_name)), config)
     backend.start()
     server = await start_gateway(config, backends=[backend])
     return ring, engine, engine_task, backend, server
@@ -250,7 +252,7 @@ def echo_backend(model_dir, byte_tokenizer, pick_free_port):
     async def spawn():
         return asyncio.create_task(engine.run())
     task = asyncio.run_coroutine_threadsafe(spawn(), loop).result(timeout=5)
-    desc = Description(MODEL, str(model_dir), "fp-workers", CONTEXT_LEN, byte_tokenizer.get_vocab_size(),
+    desc = BackendDescription(MODEL, str(model_dir), "fp-workers", CONTEXT_LEN, byte_tokenizer.get_vocab_size(),
                        (engine.eos_id,), "echo")
     control = f"127.0.0.1:{pick_free_port()}"
     server = ControlServer(control, desc, ring)

@@ -8,15 +8,17 @@ import time
 
 import pytest
 
-from gateway import backends as backends_module
-from gateway.backends import CPU_ENGINE_SPIN_S, Backend, BackendInfo, poll_checkpoint
+from gateway.backends.backend import CPU_ENGINE_SPIN_S, Backend
+from gateway.backends.route import Router
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
-from gateway.route import Router
+from gateway.streaming import poller as poller_module
+from gateway.streaming.poller import poll_checkpoint
+from protocols.messages import BackendInfo
 from protocols.ring import FinishReason, RequestSpec, RingGeometry
 from protocols.shm import attach_ring, create_ring
 from protocols.shm_consumer import RingConsumer
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import ShmProducer
 
 GEOMETRY = RingGeometry(num_slots=2, max_prompt_len=16, max_output_len=8, max_stop_ids=2)
 
@@ -33,7 +35,7 @@ def make_backend(ring, engine_mode: str = "test", **config) -> Backend:
                        vocab_size=100, eos_token_ids=(0,), engine_mode=engine_mode, ring_name=ring.name,
                        geometry=GEOMETRY)
     cfg = GatewayConfig(**{"slot_wait_s": 5.0, "heartbeat_check_s": 0.02, **config})
-    return Backend(info, RingProducer(attach_ring(ring.name)), cfg)
+    return Backend(info, ShmProducer(attach_ring(ring.name)), cfg)
 
 
 def spec(i: int) -> RequestSpec:
@@ -42,12 +44,12 @@ def spec(i: int) -> RequestSpec:
 
 def count_rounds(backend: Backend) -> list[int]:
     """The backend's poll rounds from now on: the list gets each one's start (monotonic ns)."""
-    rounds, poll_once = [], backend._poll_once
+    rounds, poll_once = [], backend.poller._poll_once
 
     def counted() -> int:
         rounds.append(time.monotonic_ns())
         return poll_once()
-    backend._poll_once = counted
+    backend.poller._poll_once = counted
     return rounds
 
 
@@ -89,7 +91,7 @@ def test_outstanding_tokens_follow_submissions_tokens_and_releases(ring):
 
         def check(expected: int) -> None:
             assert backend.outstanding_tokens == expected == \
-                sum(h.outstanding_tokens for h in backend._requests.values())
+                sum(h.outstanding_tokens for h in backend.poller.requests.values())
         a, b = await backend.submit(spec(1)), await backend.submit(spec(2))
         check(2 * (3 + 4))
         taken = engine.take_new()
@@ -126,11 +128,11 @@ def test_the_poller_spins_for_poll_spin_s_after_news_then_sleeps(ring):
             return counted_rounds
         return asyncio.run(main())
 
-    assert make_backend(ring, poll_spin_s=0.5).spin_s == 0.5
+    assert make_backend(ring, poll_spin_s=0.5).poller.spin_s == 0.5
     spinning = rounds_after_news(make_backend(ring, poll_spin_s=0.5), 0.05)
     sleeping = rounds_after_news(make_backend(ring, poll_spin_s=0.0, poll_active_s=0.005), 0.05)
     assert spinning > 50 and sleeping <= 11, (spinning, sleeping)  # back to back vs one per 5 ms
-    assert make_backend(ring, "cpu", poll_spin_s=0.5).spin_s == CPU_ENGINE_SPIN_S < 0.5
+    assert make_backend(ring, "cpu", poll_spin_s=0.5).poller.spin_s == CPU_ENGINE_SPIN_S < 0.5
 
 
 @pytest.mark.parametrize("checkpoint_s", [0.001, 0.0])
@@ -152,7 +154,7 @@ def test_a_poll_checkpoint_takes_tokens_in_the_middle_of_other_work(ring, checkp
         in_work = len(rounds)
         await asyncio.wait_for(handle.next(), 1)
         await backend.close()
-        assert backend not in backends_module._started.backends  # closed: checkpoints leave it alone
+        assert backend.poller not in poller_module._started.pollers  # closed: checkpoints leave it alone
         return taken_in_work, in_work
     taken_in_work, in_work = asyncio.run(main())
     if checkpoint_s:
@@ -220,7 +222,7 @@ def test_waiters_are_served_in_order_and_a_cancelled_waiter_passes_its_turn(ring
 def test_slots_left_by_an_earlier_gateway_are_reclaimed(ring):
     async def main():
         engine = RingConsumer(ring)
-        crashed = RingProducer(attach_ring(ring.name))
+        crashed = ShmProducer(attach_ring(ring.name))
         crashed.submit(spec(1))  # that gateway dies with the request running
         (taken,) = engine.take_new()
         backend = make_backend(ring)  # attaching adopts the slot and cancels it
@@ -253,8 +255,8 @@ def test_a_failing_poll_round_at_a_checkpoint_is_not_the_callers_failure(ring, c
 
         def broken() -> int:
             raise RuntimeError("ring gone")
-        backend._poll_once = broken
-        backend.round_ns = 0
+        backend.poller._poll_once = broken
+        backend.poller.round_ns = 0
         poll_checkpoint()  # must not raise
         await backend.close()
     asyncio.run(main())

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import check_key
-from gateway.config import GatewayConfig, env_overrides
+from gateway.policy.auth import check_key
+from gateway.config import GatewayConfig
+from gateway.env import config_overrides
 from gateway.errors import ApiError
 from gateway.main import config_from_args, parse_args
 
 
 def test_env_then_flags():
     env = {"BLINK_API_KEY": "a, b", "BLINK_BACKENDS": "h1:1,h2:2", "BLINK_GATEWAY_PORT": "9000"}
-    assert env_overrides(env) == {"api_keys": frozenset({"a", "b"}), "backend_addrs": ("h1:1", "h2:2"), "port": 9000}
+    assert config_overrides(env) == {"api_keys": frozenset({"a", "b"}), "backend_addrs": ("h1:1", "h2:2"), "port": 9000}
     cfg = config_from_args(parse_args(["--port", "9100", "--backend", "x:1", "--backend", "y:2"]), env)
     assert cfg.port == 9100 and cfg.backend_addrs == ("x:1", "y:2") and cfg.api_keys == {"a", "b"}
     cfg = config_from_args(parse_args(["--api-key", "k"]), {})

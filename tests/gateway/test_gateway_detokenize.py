@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.detokenize import IncrementalDetokenizer, PieceDetokenizer, StopMatcher, TextStream, TokenPieces
+from gateway.request.detokenize import IncrementalDetokenizer, PieceDetokenizer, StopMatcher, TextStream, TokenPieces
 
 MIXED = "ok 🙂 héllo 世界 done 👩‍💻!"
 

@@ -274,8 +274,8 @@ def test_a_taken_grpc_port_fails_the_start(harness):
     """Without SO_REUSEPORT a second gateway cannot share the port silently."""
     import asyncio
 
-    from gateway.grpc_api import GrpcServer
-    from gateway.route import Router
+    from gateway.api.grpc_api import GrpcServer
+    from gateway.backends.route import Router
     from gateway.state import GatewayState
 
     port = int(harness.grpc_addr.rsplit(":", 1)[1])  # the harness gateway holds it

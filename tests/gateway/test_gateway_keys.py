@@ -17,8 +17,8 @@ import pytest
 
 from blink.ctl import main as blinkctl
 from gateway.config import GatewayConfig
-from gateway.keys import KeyLimits, KeyStore, KeysFileError, read_keys_file
-from gateway.quotas import Quotas, TokenBucket
+from gateway.policy.keys import KeyLimits, KeyStore, KeysFileError, read_keys_file
+from gateway.policy.quotas import Quotas, TokenBucket
 from protocols import inference_pb2, inference_pb2_grpc
 
 
@@ -229,7 +229,7 @@ def test_token_bucket_and_quotas_without_a_server():
     now[0] = 11.0
     assert bucket.wait_s(1) == 0.0
     quotas = Quotas(clock=lambda: now[0])
-    from gateway.keys import Principal
+    from gateway.policy.keys import Principal
     who = Principal("k", True, False, KeyLimits(max_streams=1))
     admission = quotas.admit(who)
     with pytest.raises(Exception) as exc:
@@ -242,11 +242,11 @@ def test_token_bucket_and_quotas_without_a_server():
 
 
 def test_config_flags_environment_and_file_errors(tmp_path):
-    from gateway.config import env_overrides
+    from gateway.env import config_overrides
     from gateway.main import config_from_args, parse_args
 
     env = {"BLINK_ADMIN_KEY": "a1,a2", "BLINK_KEYS_FILE": "/etc/blink/keys.yaml", "BLINK_WORKERS": "3"}
-    assert env_overrides(env) == {"admin_keys": frozenset({"a1", "a2"}), "keys_file": "/etc/blink/keys.yaml",
+    assert config_overrides(env) == {"admin_keys": frozenset({"a1", "a2"}), "keys_file": "/etc/blink/keys.yaml",
                                   "workers": 3}
     cfg = config_from_args(parse_args(["--admin-key", "x", "--keys", "k.yaml", "--workers", "2"]), env)
     assert cfg.admin_keys == {"x"} and cfg.keys_file == "k.yaml" and cfg.workers == 2 and cfg.worker_index == 0
@@ -273,8 +273,8 @@ def test_config_flags_environment_and_file_errors(tmp_path):
 
 def test_quotas_on_one_shared_table_count_together(tmp_path):
     """Two workers' Quotas on one table file: a key's streams and buckets are the same for both."""
-    from gateway.keys import Principal
-    from gateway.quotas import attach_shared_table, create_shared_table
+    from gateway.policy.keys import Principal
+    from gateway.policy.quotas import attach_shared_table, create_shared_table
 
     path = str(tmp_path / "usage.limits")
     create_shared_table(path, num_records=64)

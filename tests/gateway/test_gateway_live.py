@@ -13,7 +13,7 @@ import grpc
 import openai
 import pytest
 
-from gateway.detokenize import IncrementalDetokenizer
+from gateway.request.detokenize import IncrementalDetokenizer
 from protocols import control_pb2, control_pb2_grpc
 
 pytestmark = pytest.mark.slow

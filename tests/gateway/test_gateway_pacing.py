@@ -1,4 +1,4 @@
-"""gateway/pacing.py: request set-ups take turns with the rest of the event loop (one per pass, in order)."""
+"""gateway/streaming/pacing.py: request set-ups take turns with the rest of the event loop (one per pass, in order)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.pacing import SetupPacer
+from gateway.streaming.pacing import SetupPacer
 
 
 class PassCounter:

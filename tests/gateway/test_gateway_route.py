@@ -11,15 +11,16 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from gateway.backends import Backend, BackendInfo
+from gateway.backends.backend import Backend
+from protocols.messages import BackendInfo
 from gateway.config import GatewayConfig
 from gateway.config_file import ConfigFileError, read_config_file
 from gateway.errors import ApiError
 from gateway.main import config_from_args, parse_args
-from gateway.route import LeastOutstandingTokens, MostFreeKv, PrefixAffinity, Router
+from gateway.backends.route import LeastOutstandingTokens, MostFreeKv, PrefixAffinity, Router
 from gateway.server import start_gateway
 from protocols.shm import attach_ring, create_ring
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import ShmProducer
 
 from tests.gateway.conftest import ERROR_TOKEN, GEOMETRY, EchoEngine
 
@@ -115,7 +116,7 @@ async def _two_backends(model_dir, tokenizer, config):
         info = BackendInfo(addr=f"echo-{i}", model_name="tiny", model_dir=str(model_dir), model_fingerprint="fp-test",
                            context_len=256, vocab_size=tokenizer.get_vocab_size(), eos_token_ids=(engine.eos_id,),
                            engine_mode="echo", ring_name=name, geometry=GEOMETRY)
-        backend = Backend(info, RingProducer(attach_ring(name)), config)
+        backend = Backend(info, ShmProducer(attach_ring(name)), config)
         backend.start()
         engines.append(engine), backends.append(backend), rings.append(ring)
     server = await start_gateway(config, backends=backends)

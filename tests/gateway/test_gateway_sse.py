@@ -1,4 +1,4 @@
-"""Streamed bodies written by the poller (`gateway.sse`), over a real HTTP connection to the in-process
+"""Streamed bodies written by the poller (`gateway.api.sse`), over a real HTTP connection to the in-process
 gateway and echo engine: the poller writes the chunks, a slow reader stalls nobody and loses nothing."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import urllib.parse
 
 import pytest
 
-import gateway.sse as sse
+import gateway.api.sse as sse
 from gateway.config import GatewayConfig
 
 

@@ -13,14 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.choices import Choices
-from gateway.detokenize import TextStream
-from gateway.formats import ChatFormat, CompletionFormat
-from gateway.generate import Generation
-from gateway.request_handle import RequestHandle
-from gateway.sse import HIGH_WATER_BYTES, SseBody, _frame_parts
+from gateway.request.choices import Choices
+from gateway.request.detokenize import TextStream
+from gateway.api.formats import ChatFormat, CompletionFormat
+from gateway.request.generate import Generation
+from gateway.streaming.request_handle import RequestHandle
+from gateway.api.sse import HIGH_WATER_BYTES, SseBody, _frame_parts
 from protocols.ring import FinishReason, RequestSpec, TokenLogprob
-from protocols.shm_producer import TokenUpdate
+from protocols.messages import TokenUpdate
 
 TEXTS = ["a", " w12", "", '"', "\\", "\\u0041", "/", "\x00\x01\x1f\x7f", "\n\r\t\b\f", "é", "🙂", "世界",
          "\u2028\u2029", "</script>", "\ufffd", "blink-chunk-text-7d1e", '"blink-chunk-text-7d1e"',
@@ -55,7 +55,7 @@ def test_chunk_json_is_the_schema_json_byte_for_byte(cls, model):
 def test_the_sinks_text_event_is_the_schema_event_byte_for_byte(cls, model, byte_tokenizer):
     """The poller's sink frames a plain text event from `text_parts` (`sse._frame_parts`): not before the
     choice's first chunk, never with logprobs, else exactly the schema's event."""
-    from gateway.token_text import TokenTexts
+    from gateway.request.token_text import TokenTexts
 
     fmt, schema = _pair(cls, model)
     assert fmt.text_parts(0) is None  # the first chunk (role or echo) is not made yet
@@ -69,7 +69,7 @@ def test_the_sinks_text_event_is_the_schema_event_byte_for_byte(cls, model, byte
 
 
 def test_chunk_json_with_logprobs_takes_the_schema_path(byte_tokenizer):
-    from gateway.token_text import TokenTexts
+    from gateway.request.token_text import TokenTexts
 
     texts = TokenTexts(byte_tokenizer)
     for cls in (ChatFormat, CompletionFormat):

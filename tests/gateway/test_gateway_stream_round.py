@@ -1,4 +1,4 @@
-"""The native stream round (`gateway/stream_round.py`, `gateway/csrc/stream_round.c`) on a real shared-memory
+"""The native stream round (`gateway/streaming/stream_round.py`, `gateway/streaming/csrc/stream_round.c`) on a real shared-memory
 ring and real sockets: its chunks are the Python path's byte for byte, and it hands every stream back with
 nothing lost or sent twice whenever it does not deliver an update itself."""
 
@@ -13,13 +13,13 @@ from json.encoder import encode_basestring
 
 import pytest
 
-from gateway import stream_round
-from gateway.stream_round import PieceTable, StreamRound
+from gateway.streaming import stream_round
+from gateway.streaming.stream_round import PieceTable, StreamRound
 from protocols import ring as R
 from protocols.ring import FinishReason, RequestSpec, RingGeometry
 from protocols.shm import create_ring
 from protocols.shm_consumer import RingConsumer
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import ShmProducer
 
 GEOM = RingGeometry(num_slots=8, max_prompt_len=16, max_output_len=64, max_stop_ids=4)
 HEAD, TAIL = b'data: {"choices":[{"text":', b'}]}\n\n'
@@ -38,7 +38,7 @@ def rig():
     if lib is None:
         pytest.skip("no C compiler")
     ring = create_ring(f"blink-sr-test-{os.getpid()}", GEOM, "fp")
-    producer, engine = RingProducer(ring), RingConsumer(ring)
+    producer, engine = ShmProducer(ring), RingConsumer(ring)
     native = StreamRound(lib, ring.buf, GEOM, PieceTable(PIECES))
     a, b = socket.socketpair()
     a.setblocking(False)
@@ -63,7 +63,7 @@ def _round(native, slot):
 
 
 def _python_frame(text: str, chunked: bool = True) -> bytes:
-    """The Python path's frame of a plain text chunk (`gateway.sse`: `_frame_parts` + `_write`)."""
+    """The Python path's frame of a plain text chunk (`gateway.api.sse`: `_frame_parts` + `_write`)."""
     body = HEAD + encode_basestring(text).encode() + TAIL
     return b"%x\r\n%s\r\n" % (len(body), body) if chunked else body
 

@@ -9,17 +9,18 @@ import os
 
 import pytest
 
-from gateway.backends import Backend, BackendConnectError, BackendInfo
-from gateway.transports import connect_tcp
+from gateway.backends.backend import Backend, BackendConnectError
+from protocols.messages import BackendInfo
+from gateway.backends.transports import connect_tcp
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
-from gateway.tcp_producer import TcpProducer
+from gateway.backends.tcp_producer import TcpProducer
 from gpu_backend.tcp_agent import TcpAgent
 from protocols import tcp_wire as W
 from protocols.ring import FinishReason, RequestSpec, RingGeometry, TokenLogprob
 from protocols.shm import attach_ring, create_ring
 from protocols.shm_consumer import RingConsumer
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import ShmProducer
 
 GEOMETRY = RingGeometry(num_slots=2, max_prompt_len=16, max_output_len=4, max_stop_ids=2)
 CONFIG = GatewayConfig(slot_wait_s=2.0, heartbeat_check_s=0.02, tcp_idle_timeout_s=0.5)
@@ -37,7 +38,7 @@ def spec(i: int, max_tokens: int = 8) -> RequestSpec:
 
 
 async def start_agent(ring, port: int = 0) -> tuple[TcpAgent, asyncio.Task]:
-    agent = TcpAgent(RingProducer(attach_ring(ring.name), defer_consumed=True), state_s=0.02, idle_timeout_s=1.0)
+    agent = TcpAgent(ShmProducer(attach_ring(ring.name), defer_consumed=True), state_s=0.02, idle_timeout_s=1.0)
     task = asyncio.create_task(agent.serve("127.0.0.1", port))
     while not agent.port:
         await asyncio.sleep(0.005)

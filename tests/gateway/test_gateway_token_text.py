@@ -1,7 +1,7 @@
 """Token texts for logprobs: a token's own bytes, partial UTF-8 characters as \\xNN escapes."""
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from gateway.token_text import TokenTexts
+from gateway.request.token_text import TokenTexts
 
 
 def test_byte_level_tokens_give_their_bytes(byte_tokenizer):

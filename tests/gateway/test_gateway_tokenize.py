@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from gateway.tokenize import ChatTemplate, TemplateError, TokenizerService
+from gateway.request.tokenize import ChatTemplate, TemplateError, TokenizerService
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
 

@@ -88,12 +88,12 @@ def test_two_producers_share_a_ring_slot_by_slot(tmp_path):
     from protocols.ring import RequestSpec, RingGeometry
     from protocols.shm import RingFull, SqLock, attach_ring, create_ring
     from protocols.shm_consumer import RingConsumer
-    from protocols.shm_producer import RingProducer
+    from protocols.shm_producer import ShmProducer
 
     ring = create_ring(f"blink-split-test-{os.getpid()}", RingGeometry(8, 16, 4, 2), "fp")
     try:
         lock_path = str(tmp_path / "sq.lock")
-        producers = [RingProducer(attach_ring(ring.name), slots=range(i, 8, 2), sq_lock=SqLock(lock_path))
+        producers = [ShmProducer(attach_ring(ring.name), slots=range(i, 8, 2), sq_lock=SqLock(lock_path))
                      for i in range(2)]
         slots = [producers[n % 2].submit(RequestSpec(request_id=n, prompt_ids=[1, 2], max_tokens=2))
                  for n in range(8)]
@@ -140,7 +140,7 @@ def test_key_limits_hold_across_workers(echo_backend, pick_free_port, tmp_path):
     """max_streams and requests_per_minute count a key's requests on every worker together."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from gateway.keys import KeyLimits, KeyStore
+    from gateway.policy.keys import KeyLimits, KeyStore
 
     control, engine, _ = echo_backend
     store = KeyStore(tmp_path / "keys.yaml")

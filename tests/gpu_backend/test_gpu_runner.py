@@ -25,7 +25,7 @@ from gpu_backend.models import LlamaModel, preset_config  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec, RingGeometry  # noqa: E402
 from protocols.shm import attach_ring, create_ring  # noqa: E402
 from protocols.shm_consumer import RingConsumer  # noqa: E402
-from protocols.shm_producer import RingProducer  # noqa: E402
+from protocols.shm_producer import ShmProducer  # noqa: E402
 
 
 def _runner(model, cfg, **kw):
@@ -114,7 +114,7 @@ def _drive(runner, cfg, specs, *, steps_before_cancel=None, cancel=(), config=No
     `loop.final_logprobs` has the logprobs of the requests that asked."""
     ring = create_ring(f"blink-gpu-test-{os.getpid()}", RingGeometry(16, 256, 256), "test")
     try:
-        prod = RingProducer(attach_ring(ring.name))
+        prod = ShmProducer(attach_ring(ring.name))
         loop = EngineLoop(runner, cfg, RingConsumer(ring), config or EngineConfig(
             block_size=16, max_num_batched_tokens=64, max_num_seqs=8), context_len=512)
         slots = [prod.submit(s) for s in specs]

@@ -35,7 +35,7 @@ from test_gpu_runner import _drive, _peaky_model, _specs  # noqa: E402
 from gpu_backend.engine.loop import EngineConfig  # noqa: E402
 from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry  # noqa: E402
 from protocols.shm import attach_ring, create_ring  # noqa: E402
-from protocols.shm_producer import RingProducer  # noqa: E402
+from protocols.shm_producer import ShmProducer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = EngineConfig(block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
@@ -56,7 +56,7 @@ class Served:
         from gpu_backend.engine.persistent import PersistentEngine
 
         self.ring = create_ring(f"blink-persistent-test-{os.getpid()}", geometry, "test")
-        self.prod = RingProducer(attach_ring(self.ring.name))
+        self.prod = ShmProducer(attach_ring(self.ring.name))
         self.engine = PersistentEngine(runner, cfg, self.ring, CONFIG, context_len=512)
         self.tokens: dict[int, list[int]] = {}
         self.logprobs: dict[int, list] = {}  # per token, when a request asked (test_persistent_extensions.py)

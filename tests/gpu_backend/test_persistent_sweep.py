@@ -7,7 +7,7 @@ from gpu_backend.engine.persistent import PersistentEngine
 from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry
 from protocols.shm import attach_ring, create_ring
 from protocols.shm_consumer import RingConsumer
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import ShmProducer
 
 
 def _engine_over(ring) -> PersistentEngine:
@@ -24,7 +24,7 @@ def _finish(prod, slot):
 def test_sweep_answers_every_request_the_loop_left():
     ring = create_ring(f"blink-sweep-test-{os.getpid()}", RingGeometry(8, 64, 16), "test")
     try:
-        prod = RingProducer(attach_ring(ring.name))
+        prod = ShmProducer(attach_ring(ring.name))
         taken, done = (prod.submit(RequestSpec(i, [1, 2, 3], 4)) for i in range(2))
         loop_side = RingConsumer(ring)  # what the loop did before it died: took both, finished one
         assert [t.slot for t in loop_side.take_new()] == [taken, done]

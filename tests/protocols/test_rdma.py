@@ -11,7 +11,7 @@ from protocols.rdma import RdmaLinkError, RdmaProducer
 from protocols.ring import FinishReason, RequestSpec, RingGeometry
 from protocols.shm import ShmRing, attach_ring, create_ring
 from protocols.shm_consumer import RingConsumer
-from protocols.shm_producer import RingProducer
+from protocols.shm_producer import ShmProducer
 
 GEOM = RingGeometry(num_slots=4, max_prompt_len=32, max_output_len=8, max_stop_ids=4)
 
@@ -118,7 +118,7 @@ def test_a_finish_is_read_twice_so_the_last_tokens_are_not_lost(ring):
 
 def test_cancel_and_adoption_of_an_earlier_producers_slots(ring):
     engine = RingConsumer(ring)
-    RingProducer(attach_ring(ring.name)).submit(spec())  # a gateway that died with this running
+    ShmProducer(attach_ring(ring.name)).submit(spec())  # a gateway that died with this running
     [old] = engine.take_new()
     prod = RdmaProducer(MemoryLink(ring))
     assert engine.cancelled(old.slot, old.seq) and prod.free_slots == GEOM.num_slots - 1
@@ -165,7 +165,8 @@ def test_the_gateway_backend_runs_on_the_rdma_producer(ring):
     """`Backend` uses the rdma producer exactly as it uses the shm one (same interface)."""
     import asyncio
 
-    from gateway.backends import Backend, BackendInfo
+    from gateway.backends.backend import Backend
+    from protocols.messages import BackendInfo
     from gateway.config import GatewayConfig
 
     async def main():

@@ -10,7 +10,8 @@ from protocols import ring as R
 from protocols.ring import ErrorCode, FinishReason, RequestSpec, RingGeometry, TokenLogprob
 from protocols.shm import RingAttachError, RingFull, attach_ring, create_ring
 from protocols.shm_consumer import RingConsumer
-from protocols.shm_producer import RingProducer, TokenUpdate
+from protocols.messages import TokenUpdate
+from protocols.shm_producer import ShmProducer
 
 GEOM = RingGeometry(num_slots=4, max_prompt_len=32, max_output_len=8, max_stop_ids=4)
 
@@ -27,7 +28,7 @@ def spec(n=3, **kw):
 
 
 def test_request_round_trips_every_field(ring):
-    prod, cons = RingProducer(attach_ring(ring.name)), RingConsumer(ring)
+    prod, cons = ShmProducer(attach_ring(ring.name)), RingConsumer(ring)
     sent = RequestSpec(request_id=2**63 + 5, prompt_ids=[9, 8, 7], max_tokens=77, temperature=0.5, top_p=0.9,
                        top_k=40, min_p=0.05, seed=2**64 - 1, stop_ids=(3, 4), ignore_eos=True, priority=2)
     slot = prod.submit(sent)
@@ -42,7 +43,7 @@ def test_request_round_trips_every_field(ring):
 
 
 def test_version_2_fields_round_trip(ring):
-    prod, cons = RingProducer(attach_ring(ring.name)), RingConsumer(ring)
+    prod, cons = ShmProducer(attach_ring(ring.name)), RingConsumer(ring)
     bias = tuple((i * 7, i - 150.0) for i in range(GEOM.max_logit_bias))
     sent = spec(presence_penalty=1.5, frequency_penalty=-2.0, repetition_penalty=1.25, logit_bias=bias, num_logprobs=3)
     prod.submit(sent)
@@ -54,7 +55,7 @@ def test_version_2_fields_round_trip(ring):
 
 
 def test_logprobs_travel_with_their_tokens_and_wrap_in_their_window(ring):
-    prod, cons = RingProducer(attach_ring(ring.name)), RingConsumer(ring)
+    prod, cons = ShmProducer(attach_ring(ring.name)), RingConsumer(ring)
     slot = prod.submit(spec(num_logprobs=2))
     cons.take_new()
     assert cons.room(slot) == GEOM.logprob_window == 8  # clamped to max_output_len
@@ -76,7 +77,7 @@ def test_a_logprobs_request_runs_at_most_its_window_ahead():
     geom = RingGeometry(num_slots=2, max_prompt_len=8, max_output_len=16, max_stop_ids=2, logprob_window=4)
     ring = create_ring(f"blink-t-w-{os.getpid()}", geom, "fp")
     try:
-        prod, cons = RingProducer(attach_ring(ring.name)), RingConsumer(ring)
+        prod, cons = ShmProducer(attach_ring(ring.name)), RingConsumer(ring)
         with_lp, without = prod.submit(spec(num_logprobs=0)), prod.submit(spec())
         cons.take_new()
         assert (cons.room(with_lp), cons.room(without)) == (4, 16)
@@ -90,7 +91,7 @@ def test_a_logprobs_request_runs_at_most_its_window_ahead():
 
 
 def test_no_seed_is_not_seed_zero(ring):
-    prod, cons = RingProducer(ring), RingConsumer(ring)
+    prod, cons = ShmProducer(ring), RingConsumer(ring)
     prod.submit(spec())
     prod.submit(spec(seed=0))
     a, b = cons.take_new()
@@ -98,7 +99,7 @@ def test_no_seed_is_not_seed_zero(ring):
 
 
 def test_tokens_flow_and_output_buffer_wraps(ring):
-    prod, cons = RingProducer(ring), RingConsumer(ring)
+    prod, cons = ShmProducer(ring), RingConsumer(ring)
     slot = prod.submit(spec())
     cons.take_new()
     assert prod.poll(slot).tokens == [] and prod.poll(slot).started
@@ -118,7 +119,7 @@ def test_tokens_flow_and_output_buffer_wraps(ring):
 
 
 def test_full_output_buffer_is_backpressure_not_overwrite(ring):
-    prod, cons = RingProducer(ring), RingConsumer(ring)
+    prod, cons = ShmProducer(ring), RingConsumer(ring)
     slot = prod.submit(spec())
     cons.take_new()
     cons.publish(slot, list(range(8)))
@@ -130,7 +131,7 @@ def test_full_output_buffer_is_backpressure_not_overwrite(ring):
 
 
 def test_full_ring_refuses_and_recovers_after_release(ring):
-    prod, cons = RingProducer(ring), RingConsumer(ring)
+    prod, cons = ShmProducer(ring), RingConsumer(ring)
     slots = [prod.submit(spec()) for _ in range(GEOM.num_slots)]
     with pytest.raises(RingFull):
         prod.submit(spec())
@@ -147,7 +148,7 @@ def test_full_ring_refuses_and_recovers_after_release(ring):
 
 
 def test_submission_queue_wraps_many_times(ring):
-    prod, cons = RingProducer(ring), RingConsumer(ring)
+    prod, cons = ShmProducer(ring), RingConsumer(ring)
     for i in range(50):
         slot = prod.submit(spec(n=1 + i % 30))
         [taken] = cons.take_new()
@@ -161,7 +162,7 @@ def test_submission_queue_wraps_many_times(ring):
 
 
 def test_cancel_is_seen_only_by_its_own_submission(ring):
-    prod, cons = RingProducer(ring), RingConsumer(ring)
+    prod, cons = ShmProducer(ring), RingConsumer(ring)
     slot = prod.submit(spec())
     [taken] = cons.take_new()
     assert not cons.cancelled(slot, taken.seq)
@@ -176,7 +177,7 @@ def test_cancel_is_seen_only_by_its_own_submission(ring):
 
 
 def test_error_finish_carries_a_message(ring):
-    prod, cons = RingProducer(ring), RingConsumer(ring)
+    prod, cons = ShmProducer(ring), RingConsumer(ring)
     slot = prod.submit(spec())
     cons.take_new()
     cons.finish(slot, FinishReason.ERROR, ErrorCode.PROMPT_TOO_LONG)
@@ -185,7 +186,7 @@ def test_error_finish_carries_a_message(ring):
 
 
 def test_bad_spec_is_refused_before_it_reaches_the_ring(ring):
-    prod = RingProducer(ring)
+    prod = ShmProducer(ring)
     with pytest.raises(ValueError, match="prompt_ids"):
         prod.submit(spec(n=GEOM.max_prompt_len + 1))
     with pytest.raises(ValueError, match="stop_ids"):
@@ -214,10 +215,10 @@ def test_attach_errors_are_clear(ring):
 
 
 def test_a_restarted_producer_cancels_what_the_old_one_left(ring):
-    old, cons = RingProducer(ring), RingConsumer(ring)
+    old, cons = ShmProducer(ring), RingConsumer(ring)
     slot = old.submit(spec())
     [taken] = cons.take_new()
-    new = RingProducer(attach_ring(ring.name))
+    new = ShmProducer(attach_ring(ring.name))
     assert new.free_slots == GEOM.num_slots - 1 and cons.cancelled(slot, taken.seq)
     cons.finish(slot, FinishReason.CANCELLED)
     assert new.reclaim() == [slot]
@@ -226,7 +227,7 @@ def test_a_restarted_producer_cancels_what_the_old_one_left(ring):
 
 
 def test_two_processes_share_the_ring(ring):
-    prod = RingProducer(ring)
+    prod = ShmProducer(ring)
     slot = prod.submit(spec(n=4))
     code = f"""
 from protocols.shm import attach_ring
@@ -244,7 +245,7 @@ cons.finish(t.slot, FinishReason.STOP)
 
 def test_ready_slots_names_only_slots_with_news(ring):
     """What the gateway's poller polls: slots with unread tokens or a finish; none missed, idle ones skipped."""
-    prod, cons = RingProducer(ring), RingConsumer(ring)
+    prod, cons = ShmProducer(ring), RingConsumer(ring)
     quiet, talking, done = (prod.submit(RequestSpec(request_id=i, prompt_ids=[1], max_tokens=4)) for i in range(3))
     cons.take_new()
     waiting = prod.submit(RequestSpec(request_id=3, prompt_ids=[1], max_tokens=4))  # not taken by the engine

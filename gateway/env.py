@@ -1,0 +1,85 @@
+"""Every environment variable the gateway reads, in one table: name, default, what it sets, what it means.
+
+Nothing else in `gateway/` (or the gateway's part of `blink/cli.py`) reads `os.environ`: it asks a variable
+here (`CACHE.get()`), or takes the `GatewayConfig` fields the variables set (`config_overrides`). Flags
+override these; these override the config file (`gateway/main.py`)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+PREFIX = "BLINK_"
+
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(k.strip() for k in text.split(",") if k.strip())
+
+
+def _addrs(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One variable: `field` is the `GatewayConfig` field it sets (None: a module reads it with `get`)."""
+
+    name: str
+    doc: str
+    default: str | None = None
+    field: str | None = None
+    parse: Callable[[str], object] = str
+
+    def get(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """Its value (an empty one counts as unset), else its default."""
+        return (os.environ if environ is None else environ).get(self.name) or self.default
+
+    def value(self, environ: Mapping[str, str] | None = None):
+        """Its value parsed (None when unset and without a default); ValueError names the variable."""
+        raw = self.get(environ)
+        if raw is None:
+            return None
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}={raw!r}: {exc}") from None
+
+
+API_KEY = EnvVar(f"{PREFIX}API_KEY", "accepted API keys, comma-separated (--api-key)", field="api_keys", parse=_names)
+ADMIN_KEY = EnvVar(f"{PREFIX}ADMIN_KEY", "admin API keys, comma-separated (--admin-key)", field="admin_keys",
+                   parse=_names)
+KEYS_FILE = EnvVar(f"{PREFIX}KEYS_FILE", "YAML file of hashed keys with per-key limits (--keys-file)",
+                   field="keys_file")
+WORKERS = EnvVar(f"{PREFIX}WORKERS", "gateway processes sharing the port (--workers)", field="workers", parse=int)
+GATEWAY_HOST = EnvVar(f"{PREFIX}GATEWAY_HOST", "address the HTTP API listens on (--host)", field="host")
+GATEWAY_PORT = EnvVar(f"{PREFIX}GATEWAY_PORT", "port of the HTTP API (--port)", field="port", parse=int)
+GRPC_PORT = EnvVar(f"{PREFIX}GRPC_PORT", "port of the gRPC API, 0: off (--grpc-port)", field="grpc_port", parse=int)
+LOG_FORMAT = EnvVar(f"{PREFIX}LOG_FORMAT", "text or json (--log-format)", field="log_format")
+BACKENDS = EnvVar(f"{PREFIX}BACKENDS", "backends' control-plane addresses, comma-separated (--backend)",
+                  field="backend_addrs", parse=_addrs)
+CONFIG = EnvVar(f"{PREFIX}CONFIG", "YAML config file, re-read on SIGHUP (--config)", field="config_file")
+MAX_BODY_BYTES = EnvVar(f"{PREFIX}MAX_BODY_BYTES", "largest request body accepted (--max-body-bytes)",
+                        field="max_body_bytes", parse=int)
+HEADER_TIMEOUT = EnvVar(f"{PREFIX}HEADER_TIMEOUT", "seconds a connection has to send a request head",
+                        field="header_timeout_s", parse=float)
+BODY_TIMEOUT = EnvVar(f"{PREFIX}BODY_TIMEOUT", "seconds a request has to send its body after its head",
+                      field="body_timeout_s", parse=float)
+LOG_LEVEL = EnvVar(f"{PREFIX}LOG_LEVEL", "log level of the `blink` command's processes", default="INFO")
+CACHE = EnvVar(f"{PREFIX}CACHE", "where built native libraries (and models) are cached",
+               default=str(Path("~/.cache/blink")), parse=lambda text: Path(text).expanduser())
+CC = EnvVar("CC", "C compiler of the native stream round (default: the first of gcc, cc, clang on PATH)")
+
+VARIABLES: tuple[EnvVar, ...] = (API_KEY, ADMIN_KEY, KEYS_FILE, WORKERS, GATEWAY_HOST, GATEWAY_PORT, GRPC_PORT,
+                                 LOG_FORMAT, BACKENDS, CONFIG, MAX_BODY_BYTES, HEADER_TIMEOUT, BODY_TIMEOUT,
+                                 LOG_LEVEL, CACHE, CC)
+
+
+def config_overrides(environ: Mapping[str, str] | None = None) -> dict:
+    """The `GatewayConfig` fields the set variables give (unset ones give nothing)."""
+    out = {}
+    for var in VARIABLES:
+        if var.field is not None and var.get(environ) is not None:
+            out[var.field] = var.value(environ)
+    return out
+

@@ -1,0 +1,1 @@
+"""Who may ask for what: API keys (`keys`), authentication (`auth`) and per-key quotas (`quotas`)."""

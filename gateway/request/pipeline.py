@@ -1,0 +1,179 @@
+"""The one request path behind every front end (HTTP, gRPC): parse, tokenize, check limits, submit.
+
+Front ends turn their wire format into the OpenAI request schemas of `protocols.openai`, so both
+validate alike and name the same fields in their errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+from protocols.openai import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                              DetokenizeResponse, InvalidRequest, TokenizeRequest, TokenizeResponse,
+                              parse_request)
+from protocols.ring import RequestSpec
+
+from ..backends.route import Router
+from ..errors import ApiError, bad_request
+from ..metrics import Metrics
+from ..policy.keys import Principal
+from ..policy.quotas import Admission
+from ..state import GatewayState
+from ..streaming.poller import poll_checkpoint
+from ..streaming.request_handle import RequestHandle
+from .choices import Choices
+from .detokenize import TextStream
+from .generate import Generation
+from .limits import build_spec, check_engine_modes, check_token_ids
+from .tokenize import TemplateError, TokenizerService
+
+log = logging.getLogger("blink.gateway.requests")
+
+GenerateRequest = ChatCompletionRequest | CompletionRequest
+
+
+def parse(cls, body: bytes, rename: dict[str, str] | None = None):
+    """A request schema from a JSON body; a 400 naming the field (after `rename` of its first part)."""
+    try:
+        return parse_request(cls, body)
+    except InvalidRequest as exc:
+        param, message = exc.param, exc.message
+        if param and rename:
+            head = param.split("[", 1)[0].split(".", 1)[0]
+            param = rename.get(head, head) + param[len(head):]
+            message = message.replace(f"'{head}", f"'{rename.get(head, head)}", 1)
+        raise bad_request(message, param) from None
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
+    """Chat messages as chat templates read them."""
+    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+
+
+async def encode_messages(tokenizer: TokenizerService, messages: Sequence[ChatMessage],
+                          add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
+    try:
+        return await tokenizer.encode_chat(template_messages(messages), add_generation_prompt,
+                                           add_special_tokens)
+    except TemplateError as exc:
+        raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
+
+
+async def start_generation(state: GatewayState, req: GenerateRequest, prompt_param: str | None = None,
+                           arrival_s: float | None = None, principal: Principal | None = None) -> Choices:
+    """Check the key's limits, tokenize, check the context, submit the request's n choices to the
+    backends routing picks (each to another if it fails before the first token). The caller must
+    `close()` the result. Raises ApiError (429 over a key's limits)."""
+    arrival_s = time.perf_counter() if arrival_s is None else arrival_s
+    await state.pacer.turn()
+    poll_checkpoint()  # the set-up's turn came in a new pass, after the poller's round, or not
+    admission = state.quotas.admit(principal)
+    try:
+        gens = await _start(state, req, prompt_param, arrival_s, admission)
+    except BaseException:
+        admission.close()
+        raise
+    for gen in gens:
+        gen.budget_tokens = principal.limits.max_tokens_per_request if principal else None
+    return Choices(gens, state.tokenizers[req.model], on_close=admission.close)
+
+
+async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | None, arrival_s: float,
+                 admission: Admission) -> list[Generation]:
+    backends = state.router.backends_for(req.model)
+    info = backends[0].info  # backends of one model share its limits
+    tokenizer = state.tokenizers[req.model]
+    if isinstance(req, ChatCompletionRequest):
+        prompt_param = prompt_param or "messages"
+        prompt_ids = await encode_messages(tokenizer, req.messages)
+    else:
+        prompt_param = prompt_param or "prompt"
+        prompt = req.prompt_text_or_ids
+        if isinstance(prompt, str):
+            prompt_ids = await tokenizer.encode_prompt(prompt)
+        else:
+            prompt_ids = check_token_ids(prompt, info.vocab_size, prompt_param)
+    poll_checkpoint()
+    spec = build_spec(next(state.request_ids), req, prompt_ids, info, prompt_param,
+                      state.config.default_max_tokens)
+    check_engine_modes(req, [b.info for b in backends])
+    admission.charge(len(prompt_ids))
+    gens: list[Generation] = []
+    try:
+        for i in range(req.n):
+            choice = spec if spec.seed is None or i == 0 else dataclasses.replace(spec, seed=spec.seed + i)
+            failover = Failover(state.router, req.model, choice, state.metrics)
+            handle = await failover.submit()
+            stream = TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids, tokenizer.single_texts,
+                                tokenizer.token_pieces)
+            gens.append(Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s,
+                                   failover=failover))
+            poll_checkpoint()
+    except BaseException:
+        for gen in gens:  # nothing leaks: the choices already submitted are cancelled
+            gen.close()
+        raise
+    return gens
+
+
+class Failover:
+    """Submits one request where routing says; again elsewhere (each backend once) if it fails there
+    before its first token."""
+
+    def __init__(self, router: Router, model: str, spec: RequestSpec, metrics: Metrics | None = None):
+        self.router = router
+        self.model = model
+        self.spec = spec
+        self.metrics = metrics  # counts each resubmission (blink:request_retries_total)
+        self.tried: list[str] = []  # backend addresses
+
+    async def submit(self, retry_reason: str | None = None) -> RequestHandle:
+        """A handle on a backend not tried yet; the last refusal (or routing's 503) when none takes it.
+        `retry_reason`: why an earlier backend failed this request (None for its first submission)."""
+        refused: ApiError | None = None
+        while True:
+            try:
+                backend = self.router.pick(self.model, self.spec.prompt_ids, exclude=self.tried)
+            except ApiError:
+                if refused is not None:
+                    raise refused from None
+                raise
+            self.tried.append(backend.info.addr)
+            if retry_reason is not None and self.metrics is not None:
+                self.metrics.retried(self.model, retry_reason)
+            try:
+                return await backend.submit(self.spec)
+            except ApiError as err:
+                if err.status != 503:
+                    raise
+                refused, retry_reason = err, "submit_refused"
+
+    async def __call__(self, failed: RequestHandle, reason: str) -> RequestHandle | None:
+        try:
+            handle = await self.submit("failed_before_first_token")
+        except ApiError:
+            return None
+        log.warning("request %d: backend %s failed before the first token (%s); retrying on %s",
+                    self.spec.request_id, failed.backend.info.addr, reason, handle.backend.info.addr,
+                    extra={"request_id": self.spec.request_id})
+        return handle
+
+
+async def tokenize(state: GatewayState, req: TokenizeRequest) -> TokenizeResponse:
+    info = state.router.backends_for(req.model)[0].info
+    tokenizer = state.tokenizers[req.model]
+    if req.messages is not None:
+        ids = await encode_messages(tokenizer, req.messages, req.add_generation_prompt,
+                                    bool(req.add_special_tokens))
+    else:
+        ids = await tokenizer.encode_prompt(req.prompt, req.add_special_tokens is not False)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=info.context_len)
+
+
+async def detokenize(state: GatewayState, req: DetokenizeRequest) -> DetokenizeResponse:
+    info = state.router.backends_for(req.model)[0].info
+    ids = check_token_ids(req.tokens, info.vocab_size, "tokens")
+    return DetokenizeResponse(prompt=await state.tokenizers[req.model].decode(ids))
