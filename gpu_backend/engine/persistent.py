@@ -157,8 +157,7 @@ class PersistentEngine:
             sched_mem=self.sched_state.data_ptr(), step_buf=runner.buffer_sets[0].dev.data_ptr(),
             step_buf_alt=runner.buffer_sets[1].dev.data_ptr(),
             sampled=runner.tokens_dev.data_ptr(), ctl=ctl_dev.value, clock_offset_ns=self._clock_offset_ns(),
-            sq_head=int(hdr.u64[R.HDR_SQ_HEAD // 8]), beats=hdr.heartbeat,
-            generated=int(hdr.u64[R.HDR_GENERATED_TOKENS // 8]),
+            sq_head=int(hdr.header["sq_head"]), beats=hdr.heartbeat, generated=int(hdr.header["generated_tokens"]),
             **{name: t.data_ptr() for name, t in sc.items()})
         children = [graphs[(bucket, greedy)].raw_cuda_graph()  # branch 2 * (buffer * buckets + i) + greedy
                     for graphs in runner.set_graphs for bucket in runner.buckets for greedy in (False, True)]
@@ -248,10 +247,8 @@ class PersistentEngine:
         ring = self.ring
         if died:
             for slot in range(self.geometry.num_slots):
-                req, resp = ring.req(slot), ring.resp(slot)
-                seq = int(ring.u64[req // 8])
-                if (seq and int(ring.u64[(resp + R.RESP_SEQ) // 8]) == seq
-                        and int(ring.u32[(resp + R.RESP_FINISH_REASON) // 4]) == FinishReason.NONE):
+                seq, resp = int(ring.request_fields(slot)["seq"]), ring.response_fields(slot)
+                if seq and int(resp["seq"]) == seq and int(resp["finish_reason"]) == FinishReason.NONE:
                     consumer.finish(slot, FinishReason.ERROR, ErrorCode.INTERNAL)
         for taken in consumer.take_new():
             consumer.finish(taken.slot, FinishReason.ERROR, ErrorCode.ENGINE_STOPPING)

@@ -14,9 +14,7 @@
 #define BLINK_LOOP_THREADS 256
 #define BLINK_LOOP_IDLE_SLEEP_MAX_NS 2000u
 #define BLINK_LOOP_IDLE_BEAT_NS 1000000ull  // heartbeat while idle: every 1 ms
-// ErrorCode values of protocols/ring.py beyond the scheduler's own (blink_sched_error)
-#define BLINK_ERROR_ENGINE_STOPPING 4u
-#define BLINK_ERROR_INTERNAL 5u
+// ErrorCode values beyond the scheduler's own (blink_sched_error): enum blink_error_code, blink_ring_layout.h
 
 struct blink_loop_counters {
   uint64_t iterations;       // loop kernel runs
