@@ -49,12 +49,16 @@ class PersistentEngine:
     """`run()` launches the loop and watches it until `stop_event` is set; `num_blocks` as the other engines."""
 
     def __init__(self, runner: GpuRunner, model_cfg: ModelConfig, ring: ShmRing, config: EngineConfig,
-                 context_len: int, watch_interval_s: float = 1.0, stale_after_s: float = 2.0):
+                 context_len: int, watch_interval_s: float = 1.0, stale_after_s: float = 2.0,
+                 loop_options: native.LoopOptions | None = None):
+        """`loop_options`: how the loop is built (default: `LoopOptions.from_env()`, the product's unless a
+        BLINK_LOOP_* variable says otherwise); options for measuring load the bench build of the library."""
         if not runner.config.use_graphs or not runner.keep_graphs:
             raise ValueError("the persistent loop runs the runner's bucket graphs: build it with graphs kept")
         self.runner, self.ring, self.geometry, self.context_len = runner, ring, ring.geometry, context_len
         self.watch_interval_s, self.stale_after_s = watch_interval_s, stale_after_s
-        self.lib = native.load()
+        self.loop_options = native.LoopOptions.from_env() if loop_options is None else loop_options
+        self.lib = native.load(bench=self.loop_options.needs_bench_build)
         self.num_blocks = runner.num_blocks
         g, dev, rc = ring.geometry, runner.device, runner.config
         sched = NativeScheduler(
@@ -170,8 +174,9 @@ class PersistentEngine:
         sampler_array = (ctypes.c_void_p * len(samplers))(*[g.raw_cuda_graph() for g in samplers])
         torch.cuda.synchronize(runner.device)  # every set-up copy done before the loop reads its state
         t0 = time.perf_counter()
-        native.check(self.lib.blink_loop_create(ctypes.byref(args), child_array, sampler_array, len(children),
-                                                ctypes.byref(self._loop)), "building the loop graph")
+        options = self.loop_options.to_struct()
+        native.check(self.lib.blink_loop_create(ctypes.byref(args), ctypes.byref(options), child_array, sampler_array,
+                                                len(children), ctypes.byref(self._loop)), "building the loop graph")
         del samplers
         self.smem_bytes = self.lib.blink_loop_smem_bytes(self._loop)
         self.take_linked = self.lib.blink_loop_take_linked(self._loop)
@@ -201,7 +206,7 @@ class PersistentEngine:
         while not self.stop_event.wait(self.watch_interval_s):
             status = self.lib.blink_loop_poll(self._loop)
             if status != 1:
-                self.failed = (f"the GPU loop ended on its own (internal error {self.ctl.error})" if status == 0
+                self.failed = (f"the GPU loop ended on its own ({native.fault_message(self.ctl.error)})" if status == 0
                                else f"the GPU loop failed: cudaError {status}")
                 log.error("%s; failing the requests in flight and stopping", self.failed)
                 return
@@ -226,7 +231,7 @@ class PersistentEngine:
             if status not in (0, 1):
                 self.failed = f"the GPU loop failed while stopping: cudaError {status}"
         if self.ctl is not None:
-            self.final_ctl = {name: getattr(self.ctl, name) for name, _ in native.LoopCtl._fields_ if name != "_pad"}
+            self.final_ctl = native.ctl_values(self.ctl)
         if running:
             log.error("the GPU loop did not stop within %.0f s; leaving it to the process exit", timeout_s)
         died = self.failed is not None

@@ -78,6 +78,7 @@ class Struct:
     ctypes_name: str = ""
     dtype_name: str = ""
     size_name: str = ""
+    anonymous: tuple[str, ...] = ()  # ctypes: nested struct fields whose members read as the outer's
 
 
 @dataclass(frozen=True)

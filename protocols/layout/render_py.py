@@ -69,8 +69,10 @@ def _struct(laid_s: Laid, laid: dict[str, Laid]) -> list[str]:
         lines += [f'    "{p.field.name}": ({p.offset}, "{_ctype_text(p)}"),' for p in named]
         lines.append("}")
     if s.ctypes_name:
-        lines += ["", "", f"class {s.ctypes_name}(ctypes.Structure):", f'    """{s.c_name}."""', "",
-                  "    _fields_ = ["]
+        lines += ["", "", f"class {s.ctypes_name}(ctypes.Structure):", f'    """{s.c_name}."""', ""]
+        if s.anonymous:
+            lines.append(f"    _anonymous_ = {s.anonymous!r}")
+        lines.append("    _fields_ = [")
         lines += [f'        ("{p.field.name}", {_ctypes_type(p, laid)}),' for p in laid_s.placed
                   if p.field.count != FLEX]
         lines += ["    ]", "", "", f"assert ctypes.sizeof({s.ctypes_name}) == {laid_s.size}"]
