@@ -19,7 +19,8 @@ from protocols.layout.render_py import render_py
 COMMAND = "python -m protocols.layout.gen"
 ROOT = Path(__file__).resolve().parents[2]
 # Each module defines LAYOUT (a protocols.layout.Layout), next to the code that owns the layout.
-DECLARATIONS = ("protocols.ring_decl", "kernels.loop_decl", "gateway.stream_round_decl")
+DECLARATIONS = ("protocols.ring_decl", "kernels.loop_decl", "kernels.step_decl", "kernels.sched_decl",
+                "gateway.stream_round_decl")
 
 
 def layouts() -> list[Layout]:

@@ -55,8 +55,9 @@ def _struct(laid: Laid) -> list[str]:
 def _block(b: ArrayBlock) -> list[str]:
     lines = [f"/* {b.doc} */"] if b.doc else []
     if b.enum_prefix:
-        lines.append(f"enum blink_{b.name.lower()}_array {{ "
-                     + ", ".join(f"{b.enum_prefix}{a.name.upper()}" for a in b.arrays) + " };")
+        lines.append(f"enum blink_{b.name.lower()}_array {{")
+        lines += [f"  {b.enum_prefix}{a.name.upper()},{_comment(a.doc)}" for a in b.arrays]
+        lines.append("};")
     lines.append(f"#define BLINK_{b.name}_NUM_ARRAYS {len(b.arrays)}")
     lines.append(f"#define BLINK_{b.name}_ALIGN {b.align}")
     groups = dict.fromkeys(a.group for a in b.arrays)

@@ -110,3 +110,31 @@ def test_a_prebuilt_library_is_used_as_given(monkeypatch, tmp_path):
         persistent_loop.build()
     lib.write_bytes(b"")
     assert persistent_loop.build() == lib
+
+
+def _includes(path, seen):
+    """The project headers `path` includes (quoted), transitively."""
+    import re
+
+    for name in re.findall(r'^#include "([^"]+)"', path.read_text(), re.M):
+        header = persistent_loop.CSRC / "include" / name
+        if header.is_file() and header not in seen:
+            seen.add(header)
+            _includes(header, seen)
+    return seen
+
+
+@pytest.mark.parametrize("defines", ["product", "bench"])
+def test_the_build_cache_key_covers_every_included_header(defines):
+    """A header left out of SOURCES would let a stale cached library load after it (or its declaration) changed."""
+    from kernels import sched_host
+
+    sources = persistent_loop.SOURCES + (persistent_loop.BENCH_SOURCES if defines == "bench" else ())
+    needed = _includes(persistent_loop.SOURCES[0], set())
+    if defines == "bench":
+        needed |= _includes(persistent_loop.BENCH_SOURCES[0], {persistent_loop.BENCH_SOURCES[0]})
+    else:
+        needed.discard(persistent_loop.BENCH_SOURCES[0])  # included only under BLINK_BENCH_PROBES
+        needed -= _includes(persistent_loop.BENCH_SOURCES[0], set())
+    assert needed <= set(sources), sorted(str(p.name) for p in needed - set(sources))
+    assert _includes(sched_host.SOURCES[0], set()) <= set(sched_host.SOURCES)
