@@ -7,6 +7,9 @@ import ctypes
 import enum
 
 
+__all__ = ['BackReason', 'SrRing', 'SrTaken', 'SrTap']
+
+
 class BackReason(enum.IntEnum):
     """Why C handed a stream back to Python"""
 

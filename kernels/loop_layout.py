@@ -7,6 +7,10 @@ import ctypes
 import enum
 
 
+__all__ = ['MAX_EOS', 'LoopError', 'LoopFault', 'LoopCounters', 'LoopCtl', 'LoopOptionsStruct', 'LoopExt',
+           'LoopArgs']
+
+
 MAX_EOS = 8  # eos_ids entries (BLINK_SCHED_MAX_EOS)
 
 

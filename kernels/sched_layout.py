@@ -7,6 +7,10 @@ import ctypes
 import enum
 
 
+__all__ = ['MAX_EOS', 'MAX_BUCKETS', 'SeqStatus', 'SchedError', 'SchedConfig', 'SchedHeader', 'SCHED_DIMS',
+           'SCHED_ALIGN', 'SCHED_ARRAYS', 'SCHED_GROUPS']
+
+
 MAX_EOS = 8
 MAX_BUCKETS = 32
 

@@ -106,6 +106,25 @@ def _block(b: ArrayBlock) -> list[str]:
     return lines
 
 
+def _public_names(layout: Layout, laid: dict[str, Laid]) -> list[str]:
+    names = []
+    for item in layout.items:
+        if isinstance(item, Const):
+            names.append(item.py_name)
+        elif isinstance(item, Enum):
+            names.append(item.py_name)
+        elif isinstance(item, Struct):
+            s = item
+            if s.prefix:
+                names += [f"{s.prefix}{p.field.name.upper()}" for p in laid[s.c_name].placed if not p.is_pad]
+            names += [n for n in (s.size_name, s.fields_dict, s.ctypes_name, s.dtype_name) if n]
+        elif isinstance(item, ArrayBlock):
+            names += [f"{item.name}_DIMS", f"{item.name}_ALIGN", f"{item.name}_ARRAYS"]
+            if len(dict.fromkeys(a.group for a in item.arrays)) > 1:
+                names.append(f"{item.name}_GROUPS")
+    return names
+
+
 def render_py(layout: Layout, laid: dict[str, Laid], generator: str) -> str:
     items = layout.items
     structs = [i for i in items if isinstance(i, Struct)]
@@ -116,6 +135,9 @@ def render_py(layout: Layout, laid: dict[str, Laid], generator: str) -> str:
     out += ["import ctypes"] * any(s.ctypes_name for s in structs)
     out += ["import enum"] * any(isinstance(i, Enum) for i in items)
     out += ["", "import numpy as np"] * need_np
+    out += ["", ""]
+    out += textwrap.wrap("__all__ = [" + ", ".join(repr(n) for n in _public_names(layout, laid)) + "]", 110,
+                         subsequent_indent=" " * 11, break_long_words=False, break_on_hyphens=False)
     out += ["", ""]
     for item in items:
         if isinstance(item, Const):
