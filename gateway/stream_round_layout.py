@@ -29,7 +29,7 @@ class BackReason(enum.IntEnum):
 
 
 class SrRing(ctypes.Structure):
-    """sr_ring."""
+    """sr_ring: what the Python side fills once per ring"""
 
     _fields_ = [
         ("ring", ctypes.c_void_p),
@@ -56,7 +56,7 @@ assert ctypes.sizeof(SrRing) == 72
 
 
 class SrTaken(ctypes.Structure):
-    """sr_taken."""
+    """sr_taken: a stream's state as it comes back to Python"""
 
     _fields_ = [
         ("consumed", ctypes.c_int32),
@@ -79,7 +79,7 @@ assert ctypes.sizeof(SrTaken) == 48
 
 
 class SrTap(ctypes.Structure):
-    """sr_tap."""
+    """sr_tap: a benchmark's tap: each chunk C sends (bench/gateway_probe.py)"""
 
     _fields_ = [
         ("times_ns", ctypes.c_void_p),

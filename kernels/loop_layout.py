@@ -84,7 +84,7 @@ _LOOPFAULT_MESSAGES = {
 
 
 class LoopCounters(ctypes.Structure):
-    """blink_loop_counters."""
+    """blink_loop_counters: (generated)"""
 
     _fields_ = [
         ("iterations", ctypes.c_uint64),
@@ -108,11 +108,13 @@ class LoopCounters(ctypes.Structure):
 assert ctypes.sizeof(LoopCounters) == 120
 
 
-# ---- blink_loop_ctl: pinned, mapped: the host writes stop only, the loop stores the rest (a read of host memory is a PCIe round trip, so the loop keeps its counters in device memory and mirrors them)
+# ---- blink_loop_ctl: pinned, mapped: the host writes stop only, the loop stores the rest (a read of host
+# memory is a PCIe round trip, so the loop keeps its counters in device memory and mirrors them)
 
 
 class LoopCtl(ctypes.Structure):
-    """blink_loop_ctl."""
+    """blink_loop_ctl: pinned, mapped: the host writes stop only, the loop stores the rest (a read of host
+    memory is a PCIe round trip, so the loop keeps its counters in device memory and mirrors them)"""
 
     _anonymous_ = ('c',)
     _fields_ = [
@@ -131,7 +133,7 @@ assert ctypes.sizeof(LoopCtl) == 136
 
 
 class LoopOptionsStruct(ctypes.Structure):
-    """blink_loop_options."""
+    """blink_loop_options: how blink_loop_create builds the loop (host memory, read once)"""
 
     _fields_ = [
         ("smem", ctypes.c_uint32),
@@ -154,7 +156,7 @@ assert ctypes.sizeof(LoopOptionsStruct) == 48
 
 
 class LoopExt(ctypes.Structure):
-    """blink_loop_ext."""
+    """blink_loop_ext: the sampling extensions (blink_loop_ext.cuh): device memory, set by the engine"""
 
     _fields_ = [
         ("logits", ctypes.c_void_p),
@@ -200,11 +202,13 @@ class LoopExt(ctypes.Structure):
 assert ctypes.sizeof(LoopExt) == 256
 
 
-# ---- blink_loop_args: everything the kernels need, in device memory (written once by the host before the launch)
+# ---- blink_loop_args: everything the kernels need, in device memory (written once by the host before the
+# launch)
 
 
 class LoopArgs(ctypes.Structure):
-    """blink_loop_args."""
+    """blink_loop_args: everything the kernels need, in device memory (written once by the host before the
+    launch)"""
 
     _fields_ = [
         ("ring", ctypes.c_void_p),

@@ -37,7 +37,7 @@ class SchedError(enum.IntEnum):
 
 
 class SchedConfig(ctypes.Structure):
-    """blink_sched_config."""
+    """blink_sched_config: (generated)"""
 
     _fields_ = [
         ("max_slots", ctypes.c_int32),
@@ -63,7 +63,7 @@ assert ctypes.sizeof(SchedConfig) == 204
 
 
 class SchedHeader(ctypes.Structure):
-    """blink_sched_header."""
+    """blink_sched_header: (generated)"""
 
     _fields_ = [
         ("cfg", SchedConfig),
@@ -128,6 +128,9 @@ SCHED_ARRAYS = (
     ('free_blocks', '<i4', ('BLOCKS',)),
 )
 SCHED_GROUPS = {
-    'hot': ('status', 'prompt_len', 'num_tokens', 'num_computed', 'num_table', 'num_preemptions', 'priority', 'arrival', 'max_tokens', 'ignore_eos', 'num_stop', 'temperature', 'top_p', 'min_p', 'top_k', 'seed', 'scheduled', 'running', 'waiting', 'entry_slot', 'entry_q_len', 'entry_samples', 'entry_start', 'entry_q_start', 'preempted', 'new_slot', 'new_token', 'fin_slot', 'fin_reason'),
+    'hot': ('status', 'prompt_len', 'num_tokens', 'num_computed', 'num_table', 'num_preemptions', 'priority',
+        'arrival', 'max_tokens', 'ignore_eos', 'num_stop', 'temperature', 'top_p', 'min_p', 'top_k', 'seed',
+        'scheduled', 'running', 'waiting', 'entry_slot', 'entry_q_len', 'entry_samples', 'entry_start',
+        'entry_q_start', 'preempted', 'new_slot', 'new_token', 'fin_slot', 'fin_reason'),
     'cold': ('stop_ids', 'block_table', 'tokens', 'free_blocks'),
 }

@@ -54,35 +54,51 @@ def _enum(e: Enum) -> list[str]:
     return lines
 
 
-def _struct(laid_s: Laid, laid: dict[str, Laid]) -> list[str]:
-    s, named = laid_s.struct, [p for p in laid_s.placed if not p.is_pad]
-    lines = [f"# ---- {s.c_name}: {s.doc}" if s.doc else f"# ---- {s.c_name}"]
+def _offsets(s: Struct, named: list[Placed], size: int) -> list[str]:
+    lines = []
     if s.prefix:
         for p in named:
             note = ", ".join(x for x in (_ctype_text(p), p.field.writer) if x)
             lines.append(f"{s.prefix}{p.field.name.upper()} = {p.offset}  # {note}"
                          + (f": {p.field.doc}" if p.field.doc else ""))
     if s.size_name:
-        lines.append(f"{s.size_name} = {laid_s.size}")
+        lines.append(f"{s.size_name} = {size}")
     if s.fields_dict:
         lines.append(f"{s.fields_dict} = {{")
         lines += [f'    "{p.field.name}": ({p.offset}, "{_ctype_text(p)}"),' for p in named]
         lines.append("}")
+    return lines
+
+
+def _ctypes_class(laid_s: Laid, laid: dict[str, Laid]) -> list[str]:
+    s = laid_s.struct
+    doc = textwrap.wrap(f'"""{s.c_name}: {s.doc or "(generated)"}"""', 106, break_long_words=False)
+    lines = ["", "", f"class {s.ctypes_name}(ctypes.Structure):", *("    " + line for line in doc), ""]
+    if s.anonymous:
+        lines.append(f"    _anonymous_ = {s.anonymous!r}")
+    lines.append("    _fields_ = [")
+    lines += [f'        ("{p.field.name}", {_ctypes_type(p, laid)}),' for p in laid_s.placed if p.field.count != FLEX]
+    return lines + ["    ]", "", "", f"assert ctypes.sizeof({s.ctypes_name}) == {laid_s.size}"]
+
+
+def _dtype(laid_s: Laid, named: list[Placed], laid: dict[str, Laid]) -> list[str]:
+    fixed = [p for p in named if p.field.count != FLEX]
+    return [f"{laid_s.struct.dtype_name} = np.dtype({{",
+            *_wrapped("names", [repr(p.field.name) for p in fixed]),
+            *_wrapped("formats", [_np_format(p, laid) for p in fixed]),
+            *_wrapped("offsets", [str(p.offset) for p in fixed]),
+            f"    \"itemsize\": {laid_s.size},", "})"]
+
+
+def _struct(laid_s: Laid, laid: dict[str, Laid]) -> list[str]:
+    s, named = laid_s.struct, [p for p in laid_s.placed if not p.is_pad]
+    lines = textwrap.wrap(f"# ---- {s.c_name}: {s.doc}" if s.doc else f"# ---- {s.c_name}", 110,
+                          subsequent_indent="# ", break_long_words=False)
+    lines += _offsets(s, named, laid_s.size)
     if s.ctypes_name:
-        lines += ["", "", f"class {s.ctypes_name}(ctypes.Structure):", f'    """{s.c_name}."""', ""]
-        if s.anonymous:
-            lines.append(f"    _anonymous_ = {s.anonymous!r}")
-        lines.append("    _fields_ = [")
-        lines += [f'        ("{p.field.name}", {_ctypes_type(p, laid)}),' for p in laid_s.placed
-                  if p.field.count != FLEX]
-        lines += ["    ]", "", "", f"assert ctypes.sizeof({s.ctypes_name}) == {laid_s.size}"]
+        lines += _ctypes_class(laid_s, laid)
     if s.dtype_name:
-        fixed = [p for p in named if p.field.count != FLEX]
-        lines += [f"{s.dtype_name} = np.dtype({{",
-                  *_wrapped("names", [repr(p.field.name) for p in fixed]),
-                  *_wrapped("formats", [_np_format(p, laid) for p in fixed]),
-                  *_wrapped("offsets", [str(p.offset) for p in fixed]),
-                  f"    \"itemsize\": {laid_s.size},", "})"]
+        lines += _dtype(laid_s, named, laid)
     return lines
 
 
@@ -101,7 +117,9 @@ def _block(b: ArrayBlock) -> list[str]:
     groups = dict.fromkeys(a.group for a in b.arrays)
     if len(groups) > 1:
         lines.append(f"{b.name}_GROUPS = {{")
-        lines += [f"    {g!r}: {tuple(a.name for a in b.arrays if a.group == g)!r}," for g in groups]
+        for g in groups:
+            lines += textwrap.wrap(f"    {g!r}: {tuple(a.name for a in b.arrays if a.group == g)!r},", 110,
+                                   subsequent_indent=" " * 8, break_long_words=False, break_on_hyphens=False)
         lines.append("}")
     return lines
 
