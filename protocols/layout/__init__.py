@@ -18,7 +18,7 @@ and the backend may import it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 FLEX = -1  # count of a C flexible array member
 
@@ -135,5 +135,4 @@ class Layout:
     items: tuple = ()
     doc: str = ""
     c_prelude: tuple[str, ...] = ()  # lines after the guard (includes, forward declarations)
-    source: str = ""  # the declaring module, named in the generated files
-    extra: dict = field(default_factory=dict)
+    source: str = ""  # the declaring module, named in the generated files (set by the generator)

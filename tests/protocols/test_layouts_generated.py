@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from protocols.layout import FLEX, Layout, Struct
-from protocols.layout import gen
+from protocols.layout import FLEX, Field, Layout, Struct, gen
 from protocols.layout.compute import lay_out, lay_out_all
-from protocols.layout import Field
 
 CUDA_INCLUDE = Path("/usr/local/cuda/include")
 
