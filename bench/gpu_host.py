@@ -137,8 +137,9 @@ def mechanism_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50, mode: i
     graph = _graph_for(runner, batch)
     torch.cuda.synchronize()
     ns = ctypes.c_double()
-    persistent_loop.check(persistent_loop.load().blink_loop_bench_mechanism(
-        graph.raw_cuda_graph(), reps, mode, stamp_bucket, ctypes.byref(ns)), "the mechanism's replay")
+    plain_edges = persistent_loop.LoopOptions.from_env().plain_edges  # as the loop's graphs are built
+    persistent_loop.check(persistent_loop.load(bench=True).blink_loop_bench_mechanism(
+        graph.raw_cuda_graph(), reps, mode, stamp_bucket, int(plain_edges), ctypes.byref(ns)), "the mechanism's replay")
     return ns.value / 1e6
 
 

@@ -184,7 +184,7 @@ def _stamps(bucket: int, on: bool, into: dict, key: str) -> None:
     from kernels import persistent_loop
 
     means = (ctypes.c_double * 9)()
-    persistent_loop.check(persistent_loop.load().blink_loop_stamps(bucket, int(on), means), "the stamps")
+    persistent_loop.check(persistent_loop.load(bench=True).blink_loop_stamps(bucket, int(on), means), "the stamps")
     if not on:
         into[key] = [means[0]] + [x / 1e3 for x in means[1:8]]
         into[f"{key}_sm_mhz"] = means[8]

@@ -2,67 +2,103 @@
 `blink_loop_ext.cuh`, `blink_sched.h` and `blink_ring.h`):
 compiled with nvcc for sm_90 on first use, cached by a hash of the sources, loaded with ctypes.
 
-`LoopArgs`, `LoopCtl` and `LoopExt` mirror the C structs field for field; `load()` checks their sizes against
-the library's. The engine that drives it is `gpu_backend/engine/persistent.py`.
+`LoopArgs`, `LoopCtl`, `LoopExt` and the options struct are generated from `kernels/loop_decl.py` (as is
+their C side, `blink_loop_layout.h`); `load()` checks their sizes against the library's. How the loop is
+built is a `LoopOptions` (the one place its environment variables are read). The product library has no
+benchmark probes; `load(bench=True)` builds the one that has them (`-DBLINK_BENCH_PROBES`, for bench/).
+The engine that drives it is `gpu_backend/engine/persistent.py`.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
+from kernels.loop_layout import (MAX_EOS, LoopArgs, LoopCounters, LoopCtl, LoopError, LoopExt, LoopFault,
+                                 LoopOptionsStruct)
 from kernels.sched_host import CSRC, cached_build
 
-SOURCES = (CSRC / "persistent_loop.cu", CSRC / "include" / "blink_loop.cuh", CSRC / "include" / "blink_loop_spec.cuh",
-           CSRC / "include" / "blink_loop_ext.cuh", CSRC / "include" / "blink_sched.h", CSRC / "include" / "blink_sched_par.cuh", CSRC / "include" / "blink_ring.h",
-           CSRC / "include" / "blink_graph_measure.cuh")
+__all__ = ["ARCH", "COUNTERS", "MAX_EOS", "LoopArgs", "LoopCtl", "LoopError", "LoopExt", "LoopFault", "LoopOptions",
+           "build", "check", "ctl_values", "fault_message", "load", "nvcc"]
+
+_INCLUDE = CSRC / "include"
+SOURCES = (CSRC / "persistent_loop.cu", *(_INCLUDE / name for name in (
+    "blink_loop.cuh", "blink_loop_spec.cuh", "blink_loop_ext.cuh", "blink_loop_layout.h", "blink_sched.h",
+    "blink_sched_layout.h", "blink_step_layout.h", "blink_sched_par.cuh", "blink_ring.h", "blink_ring_layout.h")))
+BENCH_SOURCES = (_INCLUDE / "blink_loop_bench.cuh", _INCLUDE / "blink_graph_measure.cuh")
 ARCH = os.environ.get("BLINK_CUDA_ARCH", "sm_90")
-_u32, _u64, _i64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
+_u32, _u64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
+COUNTERS = tuple(name for name, _ in LoopCounters._fields_)  # blink_loop_counters
 
 
-COUNTERS = ("iterations", "steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "idle_polls",  # blink_loop_counters
-            "commit_ns", "schedule_ns", "fill_ns", "spec_hits", "spec_misses", "spec_ns", "gap_ns", "gap_steps")
-MAX_EOS = 8  # BLINK_SCHED_MAX_EOS
+@dataclass(frozen=True)
+class LoopOptions:
+    """How `blink_loop_create` builds the loop. The defaults are the product's; every other value is for
+    measuring (bench/loop_ab.py). `from_env` reads the BLINK_LOOP_* variables, here and nowhere else."""
+
+    smem: bool = True  # the scheduler's hot state in shared memory when it fits (BLINK_LOOP_SMEM=0: global)
+    spec_tail_check: bool = True  # requests queued after the speculation looked drop it (BLINK_LOOP_SPEC_TAIL_CHECK=0)
+    async_take: bool = True  # launch the next step before the tokens come (BLINK_LOOP_ASYNC=0: wait for them)
+    spec_priority: bool = True  # side kernels at the greatest node priority (BLINK_LOOP_SPEC_PRIORITY=0)
+    side_root: bool = False  # publish -> spec as a root of each bucket graph (BLINK_LOOP_SIDE_ROOT=1)
+    spec_at: float | None = None  # publish -> spec after the node at this fraction of the model graph
+    #                               (BLINK_LOOP_SPEC_AT=f, 0..1; None: after its first node)
+    plain_edges: bool = False  # the model graph's programmatic edges made plain (BLINK_LOOP_PLAIN_EDGES=1; bench build)
+    stamps: bool = False  # stamp kernels after the model's nodes (BLINK_LOOP_STAMPS=1; bench build)
+    spinner_ns: int = 0  # a block holding an SM this long beside each graph (BLINK_LOOP_SPINNER_NS; bench build)
+
+    def __post_init__(self) -> None:
+        if self.spec_at is not None and not 0.0 <= self.spec_at <= 1.0:
+            raise ValueError(f"LoopOptions.spec_at: {self.spec_at} is outside 0..1")
+        if not 0 <= self.spinner_ns < 1 << 64:
+            raise ValueError(f"LoopOptions.spinner_ns: {self.spinner_ns} must be a non-negative 64-bit int")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> LoopOptions:
+        """The options the BLINK_LOOP_* variables of `env` (default os.environ) ask for."""
+        env = os.environ if env is None else env
+        spec_at = env.get("BLINK_LOOP_SPEC_AT")
+        spinner = env.get("BLINK_LOOP_SPINNER_NS")
+        try:
+            return cls(smem=env.get("BLINK_LOOP_SMEM") != "0",
+                       spec_tail_check=env.get("BLINK_LOOP_SPEC_TAIL_CHECK") != "0",
+                       async_take=env.get("BLINK_LOOP_ASYNC") != "0",
+                       spec_priority=env.get("BLINK_LOOP_SPEC_PRIORITY") != "0",
+                       side_root=env.get("BLINK_LOOP_SIDE_ROOT") == "1",
+                       spec_at=None if spec_at is None else float(spec_at),
+                       plain_edges=env.get("BLINK_LOOP_PLAIN_EDGES") == "1",
+                       stamps=env.get("BLINK_LOOP_STAMPS") == "1",
+                       spinner_ns=int(spinner) if spinner else 0)
+        except ValueError as exc:
+            raise ValueError(f"a BLINK_LOOP_* environment variable: {exc}") from None
+
+    @property
+    def needs_bench_build(self) -> bool:
+        """Options only the library with the benchmark probes implements (`load(bench=True)`)."""
+        return self.stamps or self.plain_edges or self.spinner_ns > 0
+
+    def to_struct(self) -> LoopOptionsStruct:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "spec_at"}
+        return LoopOptionsStruct(**{k: int(v) for k, v in fields.items()},
+                                 spec_at=-1.0 if self.spec_at is None else self.spec_at)
 
 
-class LoopCtl(ctypes.Structure):  # blink_loop_ctl: pinned, mapped; the host writes `stop` only
-    _fields_ = [("stop", _u32), ("exited", _u32)] + [(n, _u64) for n in COUNTERS] + [("error", _u32), ("_pad", _u32)]
+def fault_message(code: int) -> str:
+    """What `LoopCtl.error` says, for a log line."""
+    try:
+        return LoopFault(code).message
+    except ValueError:
+        return f"unknown fault {code}"
 
 
-class LoopArgs(ctypes.Structure):  # blink_loop_args
-    _fields_ = ([("ring", _p)]
-                + [(n, _u64) for n in ("sq_offset", "requests_offset", "responses_offset", "request_bytes",
-                                       "response_bytes", "prompt_offset")]
-                + [(n, _u32) for n in ("num_slots", "max_prompt_len", "max_output_len", "max_stop_ids")]
-                + [("sched_mem", _p), ("hot_bytes", _u64), ("smem_bytes", _u32), ("_pad0", _u32)]
-                + [(n, _p) for n in ("step_buf", "sampled", "sampled32", "slot_seq", "slot_produced", "room",
-                                     "order", "cancel", "par", "ctl")]
-                + [("full_exec", _p), ("branch_execs", _p), ("num_branches", _u32),
-                   ("check_tail", _u32),
-                   ("clock_offset_ns", _i64)]
-                + [(n, _u64) for n in ("sq_head", "beats", "generated", "last_commit_ns", "ready_ns",
-                                       "take_wait_ns")]
-                + [(f"c_{n}", _u64) for n in COUNTERS]
-                # the speculation (blink_loop_create fills all but step_buf_alt)
-                + [(n, _p) for n in ("step_buf_alt", "hot_alt", "tokens", "stop_ids", "rows", "err_slot", "err_code")]
-                + [(n, _u64) for n in ("new_token_offset", "sq_head_alt", "spec_tail")]
-                + [(n, _u32) for n in ("cur", "buf", "spec_ok", "spec_branch", "spec_rows", "num_err", "exiting",
-                                       "num_eos", "spec_done", "async_take")]
-                + [("eos_ids", ctypes.c_int32 * MAX_EOS)]
-                + [("ext", _p)])  # a LoopExt in device memory, or None: no sampling extensions
-
-
-class LoopExt(ctypes.Structure):  # blink_loop_ext (blink_loop_ext.cuh): device memory, set by the engine
-    _fields_ = ([(n, _p) for n in ("logits", "scratch", "lp_chosen", "lp_ids", "lp_vals", "post_graphs", "flags",
-                                   "num_logprobs", "prompt_len", "num_bias", "capacity", "penalties", "bias_ids",
-                                   "bias_vals", "row_slot", "slot_row")]
-                + [(n, _u64) for n in ("bias_offset", "bias_bytes", "lp_offset", "lp_bytes", "lp_ids_offset",
-                                       "lp_top_offset", "off_sample_rows", "off_seq_ids", "off_sample_pos")]
-                + [(n, _u32) for n in ("vocab", "max_rows", "lp_k", "max_bias", "window", "max_logprobs",
-                                       "num_buckets", "context_len")]
-                + [("num_rows", _u32 * 2), ("extended", _u32 * 2), ("pub_buf", _u32), ("_pad", _u32)])
+def ctl_values(ctl: LoopCtl) -> dict[str, int]:
+    """The control block's words and counters, flat (`exited`, `error`, `steps`, ...)."""
+    return {"stop": ctl.stop, "exited": ctl.exited, "error": ctl.error, **{n: getattr(ctl, n) for n in COUNTERS}}
 
 
 def nvcc() -> str | None:
@@ -72,10 +108,11 @@ def nvcc() -> str | None:
     return found if Path(found).exists() else None
 
 
-def build() -> Path:
-    """The library: $BLINK_LOOP_LIB when set (prebuilt, e.g. in a container image without nvcc), else
-    compiled now unless a build of these exact sources is cached."""
-    prebuilt = os.environ.get("BLINK_LOOP_LIB")
+def build(bench: bool = False) -> Path:
+    """The library: $BLINK_LOOP_LIB when set (prebuilt, e.g. in a container image without nvcc; not for
+    `bench`), else compiled now unless a build of these exact sources is cached. `bench`: with the benchmark
+    probes (-DBLINK_BENCH_PROBES), cached apart."""
+    prebuilt = None if bench else os.environ.get("BLINK_LOOP_LIB")
     if prebuilt:
         if not Path(prebuilt).is_file():
             raise RuntimeError(f"BLINK_LOOP_LIB={prebuilt}: no such file")
@@ -84,44 +121,57 @@ def build() -> Path:
     if compiler is None:
         raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin): --mode persistent compiles its loop with it")
     argv = [compiler, f"-arch={ARCH}", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
-            "-rdc=true", "-I", str(CSRC / "include"), str(SOURCES[0]), "-lcudadevrt"]  # device graph launch
+            "-rdc=true", "-I", str(_INCLUDE), str(SOURCES[0]), "-lcudadevrt"]  # device graph launch
+    if bench:
+        return cached_build("persistent_loop_bench", SOURCES + BENCH_SOURCES, [*argv, "-DBLINK_BENCH_PROBES"])
     return cached_build("persistent_loop", SOURCES, argv)
 
 
 @functools.cache
-def load() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build()))
+def load(bench: bool = False) -> ctypes.CDLL:
+    """The loop's library (`bench`: the build with the benchmark probes), its functions typed and its
+    structs' sizes checked against the generated ctypes views."""
+    lib = ctypes.CDLL(str(build(bench)))
     i32, pp = ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p)
     sigs = {
         "blink_loop_args_bytes": (_u64, []),
         "blink_loop_ctl_bytes": (_u64, []),
         "blink_loop_ext_bytes": (_u64, []),
+        "blink_loop_options_bytes": (_u64, []),
+        "blink_loop_has_bench_probes": (_u32, []),
         "blink_loop_register": (i32, [_p, _u64, pp]),
         "blink_loop_unregister": (i32, [_p]),
         "blink_loop_alloc_ctl": (i32, [pp, pp]),
         "blink_loop_read_globaltimer": (i32, [ctypes.POINTER(_u64)]),
-        "blink_loop_create": (i32, [ctypes.POINTER(LoopArgs), pp, pp, _u32, pp]),
+        "blink_loop_create": (i32, [ctypes.POINTER(LoopArgs), ctypes.POINTER(LoopOptionsStruct), pp, pp, _u32, pp]),
         "blink_loop_take_linked": (_u32, [_p]),
         "blink_loop_launch": (i32, [_p]),
         "blink_loop_smem_bytes": (_u32, [_p]),
         "blink_loop_poll": (i32, [_p]),
         "blink_loop_destroy": (i32, [_p]),
-        "blink_loop_bench_mechanism": (i32, [_p, _u32, _u32, ctypes.c_int32, ctypes.POINTER(ctypes.c_double)]),
-        "blink_loop_stamps": (i32, [ctypes.c_int32, _u32, ctypes.POINTER(ctypes.c_double)]),
     }
+    if bench:
+        sigs["blink_loop_bench_mechanism"] = (i32, [_p, _u32, _u32, ctypes.c_int32, _u32, ctypes.POINTER(ctypes.c_double)])
+        sigs["blink_loop_stamps"] = (i32, [ctypes.c_int32, _u32, ctypes.POINTER(ctypes.c_double)])
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     for name, struct in (("blink_loop_args_bytes", LoopArgs), ("blink_loop_ctl_bytes", LoopCtl),
-                         ("blink_loop_ext_bytes", LoopExt)):
+                         ("blink_loop_ext_bytes", LoopExt), ("blink_loop_options_bytes", LoopOptionsStruct)):
         if getattr(lib, name)() != ctypes.sizeof(struct):
             raise RuntimeError(f"{name}: the library's struct is {getattr(lib, name)()} bytes, "
-                               f"kernels/persistent_loop.py's {ctypes.sizeof(struct)}")
+                               f"kernels/loop_layout.py's {ctypes.sizeof(struct)} (rebuild: stale cache?)")
     return lib
 
 
 def check(code: int, what: str) -> None:
-    """Library calls return 0 or (step * 1000 + cudaError_t)."""
-    if code:
-        step, err = divmod(code, 1000)
-        raise RuntimeError(f"{what} failed at step {step}: cudaError {err}")
+    """Library calls return 0 or LoopError * 1000 + cudaError_t: raise RuntimeError naming both."""
+    if not code:
+        return
+    stage, err = divmod(code, 1000)
+    try:
+        error = LoopError(stage)
+    except ValueError:
+        raise RuntimeError(f"{what} failed with unknown code {code}") from None
+    cuda = f" (cudaError {err})" if err else ""
+    raise RuntimeError(f"{what} failed: {error.name}: {error.message}{cuda}")

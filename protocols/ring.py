@@ -1,7 +1,10 @@
 """The request/response ring: the one memory layout shared by the gateway, the engines and the kernels.
 
-This module is the single source of truth. `kernels/csrc/include/blink_ring.h` mirrors it for device
-code and `tests/protocols/test_ring_layout.py` compiles that header and compares every offset and size.
+The fixed part (header, slots, flags, enums) is declared once in `protocols/ring_decl.py`; `python -m
+protocols.layout.gen` writes its Python view (`protocols/ring_layout.py`, re-exported here) and its C view
+(`kernels/csrc/include/blink_ring_layout.h`, included by `blink_ring.h`). This module adds the geometry
+(the regions' sizes and offsets); `tests/protocols/test_ring_layout.py` compiles the C header and compares
+every offset and size with both.
 
 Memory map (all little-endian, every region 64-byte aligned):
 
@@ -22,70 +25,28 @@ Rules (DESIGN.md, "The rings"):
 """
 from __future__ import annotations
 
-import enum
 import functools
+import math
+import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-RING_MAGIC = 0x474E_4952_4B4E_494C  # b"LINKRING" little-endian
-RING_VERSION = 2  # 2: penalties, logit bias and logprobs
+# The fixed layout, generated from protocols/ring_decl.py: RING_MAGIC, RING_VERSION, HEADER_BYTES,
+# FINGERPRINT_BYTES, FLAG_*, FinishReason, ErrorCode, EngineState, the HDR_/REQ_/RESP_ offsets, the
+# *_FIELDS dicts and the HEADER/REQUEST/RESPONSE numpy dtypes.
+from protocols.ring_layout import *  # noqa: F401,F403
+from protocols.ring_layout import (ErrorCode, FinishReason, HEADER_BYTES, HEADER_DTYPE, FINGERPRINT_BYTES,
+                                   FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, REQ_STOP_IDS, RESP_TOKENS,
+                                   REQUEST_FIELDS, RING_MAGIC, RING_VERSION)
+from protocols.layout.views import pack_format
+
 CACHE_LINE = 64
 
 
 def _align(n: int, to: int = CACHE_LINE) -> int:
     return (n + to - 1) // to * to
-
-
-class FinishReason(enum.IntEnum):
-    """Why a request ended. Written by the engine into the response area."""
-
-    NONE = 0  # still running
-    STOP = 1  # EOS or a stop token id
-    LENGTH = 2  # max_tokens reached
-    CANCELLED = 3  # the producer asked (client gone, stop string matched)
-    ERROR = 4  # see ErrorCode
-
-
-class ErrorCode(enum.IntEnum):
-    """Detail for FinishReason.ERROR, with a message the gateway can show to the client."""
-
-    NONE = 0
-    PROMPT_TOO_LONG = 1
-    INVALID_PARAMS = 2
-    NO_KV_CAPACITY = 3
-    ENGINE_STOPPING = 4
-    INTERNAL = 5
-
-    @property
-    def message(self) -> str:
-        return _ERROR_MESSAGES[self]
-
-
-_ERROR_MESSAGES = {
-    ErrorCode.NONE: "",
-    ErrorCode.PROMPT_TOO_LONG: "the prompt plus max_tokens exceeds the model's context length",
-    ErrorCode.INVALID_PARAMS: "the engine rejected the sampling parameters",
-    ErrorCode.NO_KV_CAPACITY: "the request needs more KV cache than the whole engine holds",
-    ErrorCode.ENGINE_STOPPING: "the engine is shutting down and did not finish this request",
-    ErrorCode.INTERNAL: "the engine failed while running this request",
-}
-
-
-class EngineState(enum.IntEnum):
-    """Engine lifecycle, written by the engine into the header."""
-
-    STARTING = 0
-    SERVING = 1
-    STOPPING = 2
-    STOPPED = 3
-
-
-# Request flags (RequestSpec booleans packed into one word).
-FLAG_HAS_SEED = 1 << 0
-FLAG_IGNORE_EOS = 1 << 1
-FLAG_LOGPROBS = 1 << 2  # publish the chosen token's logprob and `num_logprobs` alternatives per token
 
 
 @dataclass(frozen=True)
@@ -174,136 +135,6 @@ _GEOMETRY_FIELDS = ("num_slots", "max_prompt_len", "max_output_len", "max_stop_i
                     "max_logprobs", "logprob_window")
 
 
-# ---- header (256 bytes) -------------------------------------------------------------------------
-# Lines 0-1, written once by the creator (the backend) before anyone attaches.
-HDR_MAGIC = 0  # u64
-HDR_VERSION = 8  # u32
-HDR_HEADER_BYTES = 12  # u32
-HDR_NUM_SLOTS = 16  # u32
-HDR_MAX_PROMPT_LEN = 20  # u32
-HDR_MAX_OUTPUT_LEN = 24  # u32
-HDR_MAX_STOP_IDS = 28  # u32
-HDR_REQUEST_BYTES = 32  # u32
-HDR_RESPONSE_BYTES = 36  # u32
-HDR_SQ_OFFSET = 40  # u64
-HDR_REQUESTS_OFFSET = 48  # u64
-HDR_RESPONSES_OFFSET = 56  # u64
-HDR_TOTAL_BYTES = 64  # u64
-HDR_MAX_LOGIT_BIAS = 72  # u32 (version 2)
-HDR_MAX_LOGPROBS = 76  # u32
-HDR_LOGPROB_WINDOW = 80  # u32
-HDR_LOGIT_BIAS_OFFSET = 88  # u64; the logprobs region follows the logit-bias region
-FINGERPRINT_BYTES = 32
-HDR_FINGERPRINT = 96  # char[32], ASCII, NUL-padded
-# Line 2, written by the engine (consumer).
-HDR_HEARTBEAT = 128  # u64, bumped every engine loop iteration
-HDR_ENGINE_STATE = 136  # u32, EngineState
-HDR_SQ_HEAD = 144  # u64, submission-queue entries consumed so far
-HDR_FREE_KV_BLOCKS = 152  # u32
-HDR_TOTAL_KV_BLOCKS = 156  # u32
-HDR_RUNNING = 160  # u32, sequences in the running batch
-HDR_WAITING = 164  # u32, admitted-but-waiting sequences
-HDR_GENERATED_TOKENS = 168  # u64, total tokens published
-# Line 3, written by the gateway (producer).
-HDR_SQ_TAIL = 192  # u64, submission-queue entries written so far
-HEADER_BYTES = 256
-
-# ---- request slot (gateway writes everything; `seq` last) -----------------------------------------
-REQ_SEQ = 0  # u64, nonzero submission number; validates the payload below
-REQ_REQUEST_ID = 8  # u64
-REQ_PROMPT_LEN = 16  # u32
-REQ_MAX_TOKENS = 20  # u32
-REQ_TEMPERATURE = 24  # f32, 0 means greedy
-REQ_TOP_P = 28  # f32
-REQ_TOP_K = 32  # i32, 0 means off
-REQ_MIN_P = 36  # f32
-REQ_SEED = 40  # u64
-REQ_FLAGS = 48  # u32, FLAG_*
-REQ_PRIORITY = 52  # u32, 0 = latency-sensitive (first), larger = later
-REQ_NUM_STOP_IDS = 56  # u32
-REQ_CANCEL_SEQ = 64  # u64, equals `seq` once the gateway asks to cancel this submission
-REQ_PRESENCE_PENALTY = 72  # f32, 0 means off (version 2, in what was padding)
-REQ_FREQUENCY_PENALTY = 76  # f32, 0 means off
-REQ_REPETITION_PENALTY = 80  # f32, 1 means off
-REQ_NUM_LOGIT_BIAS = 84  # u32, entries in the slot's logit-bias area
-REQ_NUM_LOGPROBS = 88  # u32, alternatives per token when FLAG_LOGPROBS is set
-REQ_STOP_IDS = 128  # i32[max_stop_ids], then the prompt i32[max_prompt_len] at geometry.prompt_offset
-
-# ---- response slot (engine writes line 0 and the tokens; gateway writes line 1) ----------------------
-RESP_SEQ = 0  # u64, the request `seq` these counters belong to
-RESP_PRODUCED = 8  # u32, tokens written so far (monotonic; token i lives at tokens[i % max_output_len])
-RESP_FINISH_REASON = 12  # u32, FinishReason; written after the last `produced`
-RESP_FIRST_TOKEN_NS = 16  # u64, engine clock (CLOCK_MONOTONIC or GPU globaltimer)
-RESP_LAST_TOKEN_NS = 24  # u64
-RESP_PROMPT_LEN = 32  # u32, prompt tokens the engine accepted
-RESP_ERROR_CODE = 36  # u32, ErrorCode when finish_reason == ERROR
-RESP_CONSUMED = 64  # u32, gateway: tokens read so far (backpressure: produced - consumed <= capacity)
-RESP_TOKENS = 128  # i32[max_output_len]
-
-# Every scalar field: name -> (offset, C type). The layout test compares these with the C header.
-HEADER_FIELDS = {
-    "magic": (HDR_MAGIC, "uint64_t"),
-    "version": (HDR_VERSION, "uint32_t"),
-    "header_bytes": (HDR_HEADER_BYTES, "uint32_t"),
-    "num_slots": (HDR_NUM_SLOTS, "uint32_t"),
-    "max_prompt_len": (HDR_MAX_PROMPT_LEN, "uint32_t"),
-    "max_output_len": (HDR_MAX_OUTPUT_LEN, "uint32_t"),
-    "max_stop_ids": (HDR_MAX_STOP_IDS, "uint32_t"),
-    "request_bytes": (HDR_REQUEST_BYTES, "uint32_t"),
-    "response_bytes": (HDR_RESPONSE_BYTES, "uint32_t"),
-    "sq_offset": (HDR_SQ_OFFSET, "uint64_t"),
-    "requests_offset": (HDR_REQUESTS_OFFSET, "uint64_t"),
-    "responses_offset": (HDR_RESPONSES_OFFSET, "uint64_t"),
-    "total_bytes": (HDR_TOTAL_BYTES, "uint64_t"),
-    "max_logit_bias": (HDR_MAX_LOGIT_BIAS, "uint32_t"),
-    "max_logprobs": (HDR_MAX_LOGPROBS, "uint32_t"),
-    "logprob_window": (HDR_LOGPROB_WINDOW, "uint32_t"),
-    "logit_bias_offset": (HDR_LOGIT_BIAS_OFFSET, "uint64_t"),
-    "fingerprint": (HDR_FINGERPRINT, "char[32]"),
-    "heartbeat": (HDR_HEARTBEAT, "uint64_t"),
-    "engine_state": (HDR_ENGINE_STATE, "uint32_t"),
-    "sq_head": (HDR_SQ_HEAD, "uint64_t"),
-    "free_kv_blocks": (HDR_FREE_KV_BLOCKS, "uint32_t"),
-    "total_kv_blocks": (HDR_TOTAL_KV_BLOCKS, "uint32_t"),
-    "running": (HDR_RUNNING, "uint32_t"),
-    "waiting": (HDR_WAITING, "uint32_t"),
-    "generated_tokens": (HDR_GENERATED_TOKENS, "uint64_t"),
-    "sq_tail": (HDR_SQ_TAIL, "uint64_t"),
-}
-REQUEST_FIELDS = {
-    "seq": (REQ_SEQ, "uint64_t"),
-    "request_id": (REQ_REQUEST_ID, "uint64_t"),
-    "prompt_len": (REQ_PROMPT_LEN, "uint32_t"),
-    "max_tokens": (REQ_MAX_TOKENS, "uint32_t"),
-    "temperature": (REQ_TEMPERATURE, "float"),
-    "top_p": (REQ_TOP_P, "float"),
-    "top_k": (REQ_TOP_K, "int32_t"),
-    "min_p": (REQ_MIN_P, "float"),
-    "seed": (REQ_SEED, "uint64_t"),
-    "flags": (REQ_FLAGS, "uint32_t"),
-    "priority": (REQ_PRIORITY, "uint32_t"),
-    "num_stop_ids": (REQ_NUM_STOP_IDS, "uint32_t"),
-    "cancel_seq": (REQ_CANCEL_SEQ, "uint64_t"),
-    "presence_penalty": (REQ_PRESENCE_PENALTY, "float"),
-    "frequency_penalty": (REQ_FREQUENCY_PENALTY, "float"),
-    "repetition_penalty": (REQ_REPETITION_PENALTY, "float"),
-    "num_logit_bias": (REQ_NUM_LOGIT_BIAS, "uint32_t"),
-    "num_logprobs": (REQ_NUM_LOGPROBS, "uint32_t"),
-    "stop_ids": (REQ_STOP_IDS, "int32_t[]"),
-}
-RESPONSE_FIELDS = {
-    "seq": (RESP_SEQ, "uint64_t"),
-    "produced": (RESP_PRODUCED, "uint32_t"),
-    "finish_reason": (RESP_FINISH_REASON, "uint32_t"),
-    "first_token_ns": (RESP_FIRST_TOKEN_NS, "uint64_t"),
-    "last_token_ns": (RESP_LAST_TOKEN_NS, "uint64_t"),
-    "prompt_len": (RESP_PROMPT_LEN, "uint32_t"),
-    "error_code": (RESP_ERROR_CODE, "uint32_t"),
-    "consumed": (RESP_CONSUMED, "uint32_t"),
-    "tokens": (RESP_TOKENS, "int32_t[]"),
-}
-
-
 @dataclass(frozen=True)
 class RequestSpec:
     """One generation request as the gateway submits it (token ids only: text never enters a ring)."""
@@ -379,34 +210,72 @@ def _finite(x: float) -> bool:
     return abs(x) < float("inf")  # False for inf and NaN alike
 
 
+# A request's fixed fields after `seq` (request_id .. num_logprobs; cancel_seq among them, sent as 0) as one
+# `struct`: the shm producer packs them into a slot (seq after), the tcp wire's Submit carries the same bytes,
+# and the consumer unpacks them.
+REQUEST_HEAD_NAMES = tuple(list(REQUEST_FIELDS)[1:list(REQUEST_FIELDS).index("num_logprobs") + 1])
+REQUEST_HEAD = struct.Struct(pack_format(REQUEST_FIELDS, REQUEST_HEAD_NAMES[0], REQUEST_HEAD_NAMES[-1]))
+_U64 = (1 << 64) - 1
+_F32_MAX = 3.4028234663852886e38
+
+
+def _f32(value: float) -> float:
+    """A float as a f32 word holds it (what numpy's cast gives): beyond f32's range, infinity."""
+    return value if -_F32_MAX <= value <= _F32_MAX or value != value else math.copysign(math.inf, value)
+
+
+def request_head(spec: RequestSpec) -> tuple:
+    """`spec`'s values for REQUEST_HEAD, in REQUEST_HEAD_NAMES order."""
+    return (spec.request_id & _U64, len(spec.prompt_ids), spec.max_tokens, _f32(spec.temperature), _f32(spec.top_p),
+            spec.top_k, _f32(spec.min_p), (spec.seed or 0) & _U64, spec.flags, spec.priority, len(spec.stop_ids), 0,
+            _f32(spec.presence_penalty), _f32(spec.frequency_penalty), _f32(spec.repetition_penalty),
+            len(spec.logit_bias), spec.num_logprobs or 0)
+
+
+def spec_from_head(head: tuple, prompt_ids: Sequence[int], stop_ids: Sequence[int],
+                   logit_bias: Sequence[tuple[int, float]], max_logprobs: int | None = None) -> RequestSpec:
+    """The RequestSpec of unpacked REQUEST_HEAD values and the slot's arrays (their lengths are the caller's:
+    clipped to the geometry on a ring, as sent on the wire); `max_logprobs` clips num_logprobs."""
+    h = dict(zip(REQUEST_HEAD_NAMES, head))
+    flags, num_logprobs = h["flags"], h["num_logprobs"]
+    if max_logprobs is not None:
+        num_logprobs = min(num_logprobs, max_logprobs)
+    return RequestSpec(
+        request_id=h["request_id"], prompt_ids=prompt_ids, max_tokens=h["max_tokens"], temperature=h["temperature"],
+        top_p=h["top_p"], top_k=h["top_k"], min_p=h["min_p"], seed=h["seed"] if flags & FLAG_HAS_SEED else None,
+        stop_ids=tuple(stop_ids), ignore_eos=bool(flags & FLAG_IGNORE_EOS), priority=h["priority"],
+        presence_penalty=h["presence_penalty"], frequency_penalty=h["frequency_penalty"],
+        repetition_penalty=h["repetition_penalty"], logit_bias=tuple(logit_bias),
+        num_logprobs=num_logprobs if flags & FLAG_LOGPROBS else None)
+
+
 class RingLayoutError(ValueError):
     """A ring's header does not match what the attaching side expects."""
 
 
+def header_view(buf: np.ndarray) -> np.void:
+    """The header's named fields (a structured view of `buf[:HEADER_BYTES]`: stores go to the ring)."""
+    return buf[:HEADER_BYTES].view(HEADER_DTYPE)[0]
+
+
+_DERIVED_FIELDS = ("request_bytes", "response_bytes", "requests_offset", "responses_offset", "logit_bias_offset",
+                   "total_bytes")
+
+
 def geometry_from_header(buf: memoryview | bytearray | np.ndarray) -> RingGeometry:
     """Check magic, version and self-consistency of a header and return its geometry."""
-    hdr = np.frombuffer(bytes(buf[:HEADER_BYTES]), dtype=np.uint8)  # a copy: holds no export of `buf`
-    u32 = hdr.view(np.uint32)
-    u64 = hdr.view(np.uint64)
-    if int(u64[HDR_MAGIC // 8]) != RING_MAGIC:
+    hdr = header_view(np.frombuffer(bytes(buf[:HEADER_BYTES]), dtype=np.uint8))  # a copy: holds no export of `buf`
+    if int(hdr["magic"]) != RING_MAGIC:
         raise RingLayoutError("not a blink ring (bad magic); was it created by `blink backend`?")
-    version = int(u32[HDR_VERSION // 4])
+    version = int(hdr["version"])
     if version != RING_VERSION:
         raise RingLayoutError(f"ring version {version} is not supported (this build speaks {RING_VERSION})")
     try:
-        geometry = RingGeometry(**{name: int(u32[HEADER_FIELDS[name][0] // 4]) for name in _GEOMETRY_FIELDS})
+        geometry = RingGeometry(**{name: int(hdr[name]) for name in _GEOMETRY_FIELDS})
     except ValueError as exc:
         raise RingLayoutError(f"ring header: {exc}") from None
-    stored = {
-        "header_bytes": int(u32[HDR_HEADER_BYTES // 4]),
-        "request_bytes": int(u32[HDR_REQUEST_BYTES // 4]),
-        "response_bytes": int(u32[HDR_RESPONSE_BYTES // 4]),
-        "requests_offset": int(u64[HDR_REQUESTS_OFFSET // 8]),
-        "responses_offset": int(u64[HDR_RESPONSES_OFFSET // 8]),
-        "logit_bias_offset": int(u64[HDR_LOGIT_BIAS_OFFSET // 8]),
-        "total_bytes": int(u64[HDR_TOTAL_BYTES // 8]),
-    }
-    expected = {"header_bytes": HEADER_BYTES, **{k: getattr(geometry, k) for k in list(stored)[1:]}}
+    stored = {"header_bytes": int(hdr["header_bytes"]), **{k: int(hdr[k]) for k in _DERIVED_FIELDS}}
+    expected = {"header_bytes": HEADER_BYTES, **{k: getattr(geometry, k) for k in _DERIVED_FIELDS}}
     for key, value in stored.items():
         if value != expected[key]:
             raise RingLayoutError(f"ring header field {key}={value} disagrees with its geometry ({expected[key]})")
@@ -415,24 +284,16 @@ def geometry_from_header(buf: memoryview | bytearray | np.ndarray) -> RingGeomet
 
 def write_header(buf: np.ndarray, geometry: RingGeometry, fingerprint: str) -> None:
     """Fill a zeroed header (creator only, before anyone attaches)."""
-    u32 = buf[:HEADER_BYTES].view(np.uint32)
-    u64 = buf[:HEADER_BYTES].view(np.uint64)
-    u32[HDR_VERSION // 4] = RING_VERSION
-    u32[HDR_HEADER_BYTES // 4] = HEADER_BYTES
-    for name in _GEOMETRY_FIELDS:
-        u32[HEADER_FIELDS[name][0] // 4] = getattr(geometry, name)
-    u32[HDR_REQUEST_BYTES // 4] = geometry.request_bytes
-    u32[HDR_RESPONSE_BYTES // 4] = geometry.response_bytes
-    u64[HDR_SQ_OFFSET // 8] = geometry.sq_offset
-    u64[HDR_REQUESTS_OFFSET // 8] = geometry.requests_offset
-    u64[HDR_RESPONSES_OFFSET // 8] = geometry.responses_offset
-    u64[HDR_LOGIT_BIAS_OFFSET // 8] = geometry.logit_bias_offset
-    u64[HDR_TOTAL_BYTES // 8] = geometry.total_bytes
-    fp = fingerprint.encode("ascii")[:FINGERPRINT_BYTES].ljust(FINGERPRINT_BYTES, b"\0")
-    buf[HDR_FINGERPRINT : HDR_FINGERPRINT + FINGERPRINT_BYTES] = np.frombuffer(fp, dtype=np.uint8)
-    u64[HDR_MAGIC // 8] = RING_MAGIC  # last: a reader that sees the magic sees a whole header
+    hdr = header_view(buf)
+    hdr["version"] = RING_VERSION
+    hdr["header_bytes"] = HEADER_BYTES
+    for name in _GEOMETRY_FIELDS + _DERIVED_FIELDS:
+        hdr[name] = getattr(geometry, name)
+    hdr["sq_offset"] = geometry.sq_offset
+    hdr["fingerprint"] = fingerprint.encode("ascii")[:FINGERPRINT_BYTES]
+    hdr["magic"] = RING_MAGIC  # last: a reader that sees the magic sees a whole header
 
 
 def read_fingerprint(buf: np.ndarray) -> str:
-    raw = bytes(buf[HDR_FINGERPRINT : HDR_FINGERPRINT + FINGERPRINT_BYTES])
+    raw = bytes(header_view(buf)["fingerprint"])
     return raw.rstrip(b"\0").decode("ascii", "replace")

@@ -50,6 +50,11 @@ class ShmRing:
         self.u64 = self.buf.view(np.uint64)
         self.i32 = self.buf.view(np.int32)
         self.f32 = self.buf.view(np.float32)
+        g = geometry  # structured views of the header and of every slot's fixed fields, made once
+        self._hdr = self.buf[:R.HEADER_BYTES].view(R.HEADER_DTYPE)  # [1]
+        self._requests = np.ndarray((g.num_slots,), R.REQUEST_DTYPE, self.buf, g.requests_offset, (g.request_bytes,))
+        self._responses = np.ndarray((g.num_slots,), R.RESPONSE_DTYPE, self.buf, g.responses_offset,
+                                     (g.response_bytes,))
 
     # Byte offsets of a slot's request and response areas, and of their version-2 extensions.
     def req(self, slot: int) -> int:
@@ -71,6 +76,19 @@ class ShmRing:
         return ((base + 4 * w) // 4, (base + g.logprob_top_ids_offset + 4 * w * k) // 4,
                 (base + g.logprob_top_offset + 4 * w * k) // 4)
 
+    # Named fields (numpy structured views: stores go to the ring), for everything but the per-token paths,
+    # which read words at offsets precomputed from the same generated names (a field read through a
+    # structured view costs several times a memoryview's word).
+    @property
+    def header(self) -> np.void:
+        return self._hdr[0]
+
+    def request_fields(self, slot: int) -> np.void:
+        return self._requests[slot]
+
+    def response_fields(self, slot: int) -> np.void:
+        return self._responses[slot]
+
     def hdr_u32(self, off: int) -> int:
         return int(self.u32[off // 4])
 
@@ -83,19 +101,21 @@ class ShmRing:
 
     @property
     def heartbeat(self) -> int:
-        return self.hdr_u64(R.HDR_HEARTBEAT)
+        return self.hdr_u64(R.HDR_HEARTBEAT)  # read per routing decision: a word, not a view
 
     @property
     def engine_state(self) -> R.EngineState:
-        return R.EngineState(self.hdr_u32(R.HDR_ENGINE_STATE))
+        return R.EngineState(int(self.header["engine_state"]))
 
     def stats(self) -> dict[str, int]:
+        hdr = self.header
         names = ("free_kv_blocks", "total_kv_blocks", "running", "waiting", "generated_tokens", "sq_head", "sq_tail")
-        return {n: int(getattr(self, "hdr_u64" if R.HEADER_FIELDS[n][1] == "uint64_t" else "hdr_u32")(R.HEADER_FIELDS[n][0])) for n in names}
+        return {n: int(hdr[n]) for n in names}
 
     def close(self) -> None:
         """Unmap; the creator also unlinks the name. Views taken earlier become invalid."""
         self.buf = self.u32 = self.u64 = self.i32 = self.f32 = None  # drop exports before closing
+        self._hdr = self._requests = self._responses = None
         try:
             self._mm.close()
         except BufferError:

@@ -43,51 +43,34 @@ class RingConsumer:
         return taken
 
     def _take(self, slot: int) -> TakenRequest:
-        ring, base = self.ring, self.ring.req(slot)
-        seq = int(ring.u64[base // 8])
-        n_prompt = min(int(ring.u32[(base + R.REQ_PROMPT_LEN) // 4]), self.geometry.max_prompt_len)
-        n_stop = min(int(ring.u32[(base + R.REQ_NUM_STOP_IDS) // 4]), self.geometry.max_stop_ids)
-        flags = int(ring.u32[(base + R.REQ_FLAGS) // 4])
-        n_bias = min(int(ring.u32[(base + R.REQ_NUM_LOGIT_BIAS) // 4]), self.geometry.max_logit_bias)
+        ring, g = self.ring, self.geometry
+        seq = int(ring.request_fields(slot)["seq"])
+        head = R.REQUEST_HEAD.unpack_from(ring.buf, ring.req(slot) + R.REQ_REQUEST_ID)
+        n = dict(zip(R.REQUEST_HEAD_NAMES, head))
+        n_prompt, n_stop = min(n["prompt_len"], g.max_prompt_len), min(n["num_stop_ids"], g.max_stop_ids)
+        n_bias = min(n["num_logit_bias"], g.max_logit_bias)
         b0 = ring.bias(slot) // 4
-        v0 = (ring.bias(slot) + self.geometry.logit_bias_bytes // 2) // 4  # ids, then biases
-        p0, s0 = (base + self.geometry.prompt_offset) // 4, (base + R.REQ_STOP_IDS) // 4
-        spec = RequestSpec(
-            request_id=int(ring.u64[(base + R.REQ_REQUEST_ID) // 8]),
-            prompt_ids=ring.i32[p0 : p0 + n_prompt].tolist(),
-            max_tokens=int(ring.u32[(base + R.REQ_MAX_TOKENS) // 4]),
-            temperature=float(ring.f32[(base + R.REQ_TEMPERATURE) // 4]),
-            top_p=float(ring.f32[(base + R.REQ_TOP_P) // 4]),
-            top_k=int(ring.i32[(base + R.REQ_TOP_K) // 4]),
-            min_p=float(ring.f32[(base + R.REQ_MIN_P) // 4]),
-            seed=int(ring.u64[(base + R.REQ_SEED) // 8]) if flags & R.FLAG_HAS_SEED else None,
-            stop_ids=tuple(ring.i32[s0 : s0 + n_stop].tolist()),
-            ignore_eos=bool(flags & R.FLAG_IGNORE_EOS),
-            priority=int(ring.u32[(base + R.REQ_PRIORITY) // 4]),
-            presence_penalty=float(ring.f32[(base + R.REQ_PRESENCE_PENALTY) // 4]),
-            frequency_penalty=float(ring.f32[(base + R.REQ_FREQUENCY_PENALTY) // 4]),
-            repetition_penalty=float(ring.f32[(base + R.REQ_REPETITION_PENALTY) // 4]),
-            logit_bias=tuple(zip(ring.i32[b0 : b0 + n_bias].tolist(), ring.f32[v0 : v0 + n_bias].tolist())),
-            num_logprobs=min(int(ring.u32[(base + R.REQ_NUM_LOGPROBS) // 4]), self.geometry.max_logprobs)
-            if flags & R.FLAG_LOGPROBS else None,
-        )
+        v0 = (ring.bias(slot) + g.logit_bias_bytes // 2) // 4  # ids, then biases
+        p0, s0 = (ring.req(slot) + g.prompt_offset) // 4, (ring.req(slot) + R.REQ_STOP_IDS) // 4
+        spec = R.spec_from_head(
+            head, ring.i32[p0 : p0 + n_prompt].tolist(), ring.i32[s0 : s0 + n_stop].tolist(),
+            zip(ring.i32[b0 : b0 + n_bias].tolist(), ring.f32[v0 : v0 + n_bias].tolist()), g.max_logprobs)
         self._reset_response(slot, seq, n_prompt)
-        self._capacity[slot] = self.geometry.logprob_window if spec.num_logprobs is not None \
-            else self.geometry.max_output_len
+        self._capacity[slot] = g.logprob_window if spec.num_logprobs is not None else g.max_output_len
         return TakenRequest(slot=slot, seq=seq, spec=spec)
 
     def _reset_response(self, slot: int, seq: int, prompt_len: int) -> None:
-        ring, base = self.ring, self.ring.resp(slot)
-        ring.u32[(base + R.RESP_PRODUCED) // 4] = 0
-        ring.u32[(base + R.RESP_FINISH_REASON) // 4] = FinishReason.NONE
-        ring.u32[(base + R.RESP_ERROR_CODE) // 4] = ErrorCode.NONE
-        ring.u32[(base + R.RESP_PROMPT_LEN) // 4] = prompt_len
-        ring.u64[(base + R.RESP_FIRST_TOKEN_NS) // 8] = 0
-        ring.u64[(base + R.RESP_LAST_TOKEN_NS) // 8] = 0
-        ring.u64[(base + R.RESP_SEQ) // 8] = seq  # last: the counters above now belong to `seq`
+        resp = self.ring.response_fields(slot)
+        resp["produced"] = 0
+        resp["finish_reason"] = FinishReason.NONE
+        resp["error_code"] = ErrorCode.NONE
+        resp["prompt_len"] = prompt_len
+        resp["first_token_ns"] = resp["last_token_ns"] = 0
+        resp["seq"] = seq  # last: the counters above now belong to `seq`
         self._produced[slot] = 0
 
     def cancelled(self, slot: int, seq: int) -> bool:
+        # per running sequence per step: a word at the generated offset, not a view
         return int(self.ring.u64[(self.ring.req(slot) + R.REQ_CANCEL_SEQ) // 8]) == seq
 
     def room(self, slot: int) -> int:
@@ -134,22 +117,20 @@ class RingConsumer:
 
     def finish(self, slot: int, reason: FinishReason, error: ErrorCode = ErrorCode.NONE) -> None:
         """Last word on a slot: after this the engine never touches it again."""
-        base = self.ring.resp(slot)
-        self.ring.u32[(base + R.RESP_ERROR_CODE) // 4] = error
-        self.ring.u32[(base + R.RESP_FINISH_REASON) // 4] = reason
+        resp = self.ring.response_fields(slot)
+        resp["error_code"] = error
+        resp["finish_reason"] = reason
         self._produced.pop(slot, None)
         self._capacity.pop(slot, None)
 
     def beat(self) -> None:
         self._beats += 1
-        self.ring.u64[R.HDR_HEARTBEAT // 8] = self._beats
+        self.ring.u64[R.HDR_HEARTBEAT // 8] = self._beats  # every iteration: a word, not a view
 
     def set_state(self, state: R.EngineState) -> None:
-        self.ring.u32[R.HDR_ENGINE_STATE // 4] = state
+        self.ring.header["engine_state"] = state
 
     def set_stats(self, free_kv_blocks: int, total_kv_blocks: int, running: int, waiting: int) -> None:
-        u32 = self.ring.u32
-        u32[R.HDR_FREE_KV_BLOCKS // 4] = free_kv_blocks
-        u32[R.HDR_TOTAL_KV_BLOCKS // 4] = total_kv_blocks
-        u32[R.HDR_RUNNING // 4] = running
-        u32[R.HDR_WAITING // 4] = waiting
+        hdr = self.ring.header
+        hdr["free_kv_blocks"], hdr["total_kv_blocks"] = free_kv_blocks, total_kv_blocks
+        hdr["running"], hdr["waiting"] = running, waiting

@@ -3,8 +3,6 @@ cancels them, polls new tokens (`TokenUpdate`) and releases slots; it writes onl
 """
 from __future__ import annotations
 
-import math
-import struct
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,16 +20,6 @@ _NO_ERROR = ErrorCode.NONE
 # u32 word offsets within a slot's response, for `ShmProducer.poll`
 _W_FINISH, _W_PRODUCED, _W_CONSUMED = R.RESP_FINISH_REASON // 4, R.RESP_PRODUCED // 4, R.RESP_CONSUMED // 4
 _W_PROMPT_LEN, _W_ERROR_CODE, _W_TOKENS = R.RESP_PROMPT_LEN // 4, R.RESP_ERROR_CODE // 4, R.RESP_TOKENS // 4
-# A request's fixed fields, REQ_REQUEST_ID .. REQ_NUM_LOGPROBS (protocols/ring.py), packed in one write.
-_REQ_FIELDS = struct.Struct("<QIIffifQIII4xQfffII")
-assert _REQ_FIELDS.size == R.REQ_NUM_LOGPROBS + 4 - R.REQ_REQUEST_ID
-_U64 = (1 << 64) - 1
-_F32_MAX = 3.4028234663852886e38
-
-
-def _f32(value: float) -> float:
-    """A float as a f32 word holds it (what numpy's cast gives): beyond f32's range, infinity."""
-    return value if -_F32_MAX <= value <= _F32_MAX or value != value else math.copysign(math.inf, value)
 
 
 @dataclass(slots=True)
@@ -88,18 +76,17 @@ class ShmProducer:
 
     def _adopt(self, slot: int) -> None:
         """On attach, a slot an earlier producer left unfinished is cancelled and reclaimed later."""
-        seq = int(self.ring.u64[self.ring.req(slot) // 8])
+        req = self.ring.request_fields(slot)
+        seq = int(req["seq"])
         if seq == 0 or self._finished_seq(slot) == seq:
             self._free.append(slot)
             return
         self._active[slot] = _Outstanding(seq=seq, consumed=0)
-        self.ring.u64[(self.ring.req(slot) + R.REQ_CANCEL_SEQ) // 8] = seq
+        req["cancel_seq"] = seq
 
     def _finished_seq(self, slot: int) -> int:
-        base = self.ring.resp(slot)
-        if self.ring.u32[(base + R.RESP_FINISH_REASON) // 4] == FinishReason.NONE:
-            return 0
-        return int(self.ring.u64[(base + R.RESP_SEQ) // 8])
+        resp = self.ring.response_fields(slot)
+        return 0 if resp["finish_reason"] == FinishReason.NONE else int(resp["seq"])
 
     @property
     def free_slots(self) -> int:
@@ -166,11 +153,7 @@ class ShmProducer:
 
     def _write_request(self, slot: int, spec: RequestSpec) -> None:
         ring, base = self.ring, self.ring.req(slot)
-        _REQ_FIELDS.pack_into(
-            self._bytes, base + R.REQ_REQUEST_ID, spec.request_id & _U64, len(spec.prompt_ids), spec.max_tokens,
-            _f32(spec.temperature), _f32(spec.top_p), spec.top_k, _f32(spec.min_p), (spec.seed or 0) & _U64,
-            spec.flags, spec.priority, len(spec.stop_ids), 0, _f32(spec.presence_penalty),
-            _f32(spec.frequency_penalty), _f32(spec.repetition_penalty), len(spec.logit_bias), spec.num_logprobs or 0)
+        R.REQUEST_HEAD.pack_into(self._bytes, base + R.REQ_REQUEST_ID, *R.request_head(spec))  # one write
         if spec.logit_bias:
             ids0, n = ring.bias(slot) // 4, len(spec.logit_bias)
             vals0 = (ring.bias(slot) + self.geometry.logit_bias_bytes // 2) // 4  # ids, then biases
@@ -189,7 +172,7 @@ class ShmProducer:
         """Ask the engine to stop this request; it still reports a finish, after which `release`."""
         out = self._active.get(slot)
         if out is not None and not out.finished:
-            self.ring.u64[(self.ring.req(slot) + R.REQ_CANCEL_SEQ) // 8] = out.seq
+            self.ring.request_fields(slot)["cancel_seq"] = out.seq
 
     def poll(self, slot: int) -> TokenUpdate:
         """Tokens the engine produced since the last poll; frees their room in the output buffer."""
@@ -276,8 +259,8 @@ class ShmProducer:
 
     def token_times_ns(self, slot: int) -> tuple[int, int]:
         """Engine timestamps (first token, last token) of the slot's current request."""
-        base = self.ring.resp(slot)
-        return int(self.ring.u64[(base + R.RESP_FIRST_TOKEN_NS) // 8]), int(self.ring.u64[(base + R.RESP_LAST_TOKEN_NS) // 8])
+        resp = self.ring.response_fields(slot)
+        return int(resp["first_token_ns"]), int(resp["last_token_ns"])
 
     def release(self, slot: int) -> None:
         """Return a finished slot to the free list. Releasing an unfinished slot is a bug.

@@ -27,10 +27,10 @@ from typing import ClassVar, Sequence
 
 import dataclasses
 
-from .ring import (FINGERPRINT_BYTES, FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, EngineState, ErrorCode,
-                   FinishReason, RequestSpec, RingGeometry, TokenLogprob)
+from .ring import (FINGERPRINT_BYTES, REQUEST_HEAD, REQUEST_HEAD_NAMES, EngineState, ErrorCode, FinishReason,
+                   RequestSpec, RingGeometry, TokenLogprob, request_head, spec_from_head)
 
-WIRE_VERSION = 2  # 2: ring version 2 (penalties, logit bias, logprobs)
+WIRE_VERSION = 3  # 2: ring version 2 (penalties, logit bias, logprobs); 3: Submit carries the ring's request head
 _GEOMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(RingGeometry))
 WIRE_MAGIC = 0x4B4E_494C  # b"LINK"
 MAX_FRAME_BYTES = 16 << 20  # a frame larger than this is a protocol error, not an allocation
@@ -74,38 +74,33 @@ class Hello:
 
 @dataclass(frozen=True)
 class Submit:
-    """gateway -> agent: write this request into `slot` and queue it (the ring's `submit`)."""
+    """gateway -> agent: write this request into `slot` and queue it (the ring's `submit`). The body is the
+    slot, the ring's fixed request fields as the slot holds them (`ring.REQUEST_HEAD`), then the stop ids,
+    the prompt and the logit bias (ids, then biases)."""
 
     TYPE: ClassVar[int] = 2
     slot: int
     spec: RequestSpec
-    _HEAD: ClassVar = struct.Struct("<IQIffifQIIIIfffII")
+    _SLOT: ClassVar = struct.Struct("<I")
 
     def pack(self) -> bytes:
         s = self.spec
-        head = self._HEAD.pack(self.slot, s.request_id & (2**64 - 1), s.max_tokens, s.temperature, s.top_p,
-                               s.top_k, s.min_p, (s.seed or 0) & (2**64 - 1), s.flags, s.priority,
-                               len(s.stop_ids), len(s.prompt_ids), s.presence_penalty, s.frequency_penalty,
-                               s.repetition_penalty, len(s.logit_bias), s.num_logprobs or 0)
+        head = self._SLOT.pack(self.slot) + REQUEST_HEAD.pack(*request_head(s))
         bias_ids, biases = [t for t, _ in s.logit_bias], [b for _, b in s.logit_bias]
         return head + _i32s(s.stop_ids) + _i32s(s.prompt_ids) + _i32s(bias_ids) + _f32s(biases)
 
     @classmethod
     def unpack(cls, body: bytes) -> Submit:
-        (slot, request_id, max_tokens, temperature, top_p, top_k, min_p, seed, flags, priority, n_stop,
-         n_prompt, presence, frequency, repetition, n_bias, num_logprobs) = cls._HEAD.unpack_from(body)
-        offset = cls._HEAD.size
+        (slot,) = cls._SLOT.unpack_from(body)
+        head = REQUEST_HEAD.unpack_from(body, cls._SLOT.size)
+        n = dict(zip(REQUEST_HEAD_NAMES, head))
+        n_stop, n_prompt, n_bias = n["num_stop_ids"], n["prompt_len"], n["num_logit_bias"]
+        offset = cls._SLOT.size + REQUEST_HEAD.size
         stop_ids = _read_i32s(body, offset, n_stop)
         prompt_ids = _read_i32s(body, offset + 4 * n_stop, n_prompt)
         offset += 4 * (n_stop + n_prompt)
-        bias = tuple(zip(_read_i32s(body, offset, n_bias), _read_f32s(body, offset + 4 * n_bias, n_bias)))
-        spec = RequestSpec(request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens,
-                           temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                           seed=seed if flags & FLAG_HAS_SEED else None, stop_ids=stop_ids,
-                           ignore_eos=bool(flags & FLAG_IGNORE_EOS), priority=priority,
-                           presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
-                           logit_bias=bias, num_logprobs=num_logprobs if flags & FLAG_LOGPROBS else None)
-        return cls(slot, spec)
+        bias = zip(_read_i32s(body, offset, n_bias), _read_f32s(body, offset + 4 * n_bias, n_bias))
+        return cls(slot, spec_from_head(head, prompt_ids, stop_ids, bias))
 
 
 @dataclass(frozen=True)

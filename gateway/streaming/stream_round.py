@@ -28,36 +28,17 @@ from protocols import ring as R
 from protocols.native_build import cached_build, find_compiler
 
 from .. import env
+from .stream_round_layout import BackReason, SrRing, SrTaken, SrTap
 
 
 log = logging.getLogger("blink.gateway.stream_round")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "stream_round.c"
+LAYOUT_HEADER = SOURCE.parent / "stream_round_layout.h"  # generated, as is .stream_round_layout
 FLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror")
 NO_BUDGET = (1 << 32) - 1
-# Why C handed a stream back (SR_BACK_* in the C source), for logs and tests.
-BACK_REASONS = ("none", "finish", "seq", "token", "utf8", "budget", "size", "again", "error", "partial")
-
-
-class _Ring(ctypes.Structure):
-    _fields_ = [("ring", ctypes.c_void_p), ("responses_offset", ctypes.c_uint64),
-                ("response_bytes", ctypes.c_uint32), ("num_slots", ctypes.c_uint32),
-                ("off_seq", ctypes.c_uint32), ("off_produced", ctypes.c_uint32), ("off_finish", ctypes.c_uint32),
-                ("off_consumed", ctypes.c_uint32), ("off_tokens", ctypes.c_uint32),
-                ("max_output_len", ctypes.c_uint32), ("piece_offsets", ctypes.c_void_p),
-                ("piece_bytes", ctypes.c_void_p), ("vocab_size", ctypes.c_uint32), ("_pad", ctypes.c_uint32)]
-
-
-class _Taken(ctypes.Structure):
-    _fields_ = [("consumed", ctypes.c_int32), ("num_tokens", ctypes.c_int32), ("num_pending", ctypes.c_int32),
-                ("unsent_len", ctypes.c_int32), ("reason", ctypes.c_int32), ("_pad", ctypes.c_int32),
-                ("last_token_ns", ctypes.c_int64), ("bytes_sent", ctypes.c_uint64), ("pending", ctypes.c_uint8 * 4)]
-
-
-class _Tap(ctypes.Structure):
-    _fields_ = [("times_ns", ctypes.c_void_p), ("ends", ctypes.c_void_p), ("bytes", ctypes.c_void_p),
-                ("cap_entries", ctypes.c_uint64), ("cap_bytes", ctypes.c_uint64),
-                ("num_entries", ctypes.c_uint64), ("num_bytes", ctypes.c_uint64)]
+# Why C handed a stream back (SR_BACK_*), for logs and tests.
+BACK_REASONS = tuple(reason.name.lower() for reason in BackReason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,19 +75,20 @@ def load() -> ctypes.CDLL | None:
         log.warning("no C compiler (set CC or install gcc): streams take the Python path only")
         return None
     try:
-        lib = ctypes.CDLL(str(cached_build("stream_round", (SOURCE,), [cc, *FLAGS, str(SOURCE)], cache_dir())), use_errno=True)
+        lib = ctypes.CDLL(str(cached_build("stream_round", (SOURCE, LAYOUT_HEADER), [cc, *FLAGS, str(SOURCE)],
+                                           cache_dir())), use_errno=True)
     except (RuntimeError, OSError) as exc:
         log.warning("the native stream round did not build (%s): streams take the Python path only", exc)
         return None
     p, u32, i32, i64, u64 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
     sigs = {
-        "sr_create": (p, [ctypes.POINTER(_Ring)]),
+        "sr_create": (p, [ctypes.POINTER(SrRing)]),
         "sr_destroy": (None, [p]),
         "sr_set_tap": (None, [p, p]),
         "sr_template_bytes": (u32, []),
         "sr_enable": (ctypes.c_int, [p, u32, ctypes.c_int, u64, u32, u32, u32, u32, u32, ctypes.c_char_p, u32,
                                      ctypes.c_char_p, u32, ctypes.c_char_p, u32]),
-        "sr_take_back": (ctypes.c_int, [p, u32, ctypes.POINTER(_Taken), p]),
+        "sr_take_back": (ctypes.c_int, [p, u32, ctypes.POINTER(SrTaken), p]),
         "sr_round": (i32, [p, p, i32, i64, p, p]),
     }
     for name, (restype, argtypes) in sigs.items():
@@ -140,10 +122,12 @@ class StreamRound:
         """`ring_buf`: [total_bytes] uint8, the ring's shared memory (`ShmRing.buf`); close this before the ring."""
         self._lib, self.table = lib, table  # the table's arrays must outlive the state that points at them
         self._ring_buf = ring_buf
-        spec = _Ring(ring_buf.ctypes.data, geometry.responses_offset, geometry.response_bytes, geometry.num_slots,
-                     R.RESP_SEQ, R.RESP_PRODUCED, R.RESP_FINISH_REASON, R.RESP_CONSUMED, R.RESP_TOKENS,
-                     geometry.max_output_len, table.offsets.ctypes.data, table.data.ctypes.data,
-                     table.vocab_size, 0)
+        spec = SrRing(ring=ring_buf.ctypes.data, responses_offset=geometry.responses_offset,
+                      response_bytes=geometry.response_bytes, num_slots=geometry.num_slots, off_seq=R.RESP_SEQ,
+                      off_produced=R.RESP_PRODUCED, off_finish=R.RESP_FINISH_REASON, off_consumed=R.RESP_CONSUMED,
+                      off_tokens=R.RESP_TOKENS, max_output_len=geometry.max_output_len,
+                      piece_offsets=table.offsets.ctypes.data, piece_bytes=table.data.ctypes.data,
+                      vocab_size=table.vocab_size)
         self._state = lib.sr_create(ctypes.byref(spec))
         if not self._state:
             raise MemoryError("sr_create failed")
@@ -151,7 +135,7 @@ class StreamRound:
         self._stats = np.zeros(2, dtype=np.uint64)
         self._out_p, self._stats_p = self._out.ctypes.data, self._stats.ctypes.data
         self._round = lib.sr_round
-        self._taken = _Taken()
+        self._taken = SrTaken()
         self.template_bytes = lib.sr_template_bytes()
         self._tap: tuple | None = None
         self._slots, self._slots_array, self._slots_p = None, None, 0  # the last `round`'s list, its array, address
@@ -196,7 +180,8 @@ class StreamRound:
         """Benchmarks: record each chunk C sends (`bench/gateway_probe.py`), up to these limits."""
         times, ends, data = (np.zeros(max_chunks, dtype=np.int64), np.zeros(max_chunks, dtype=np.int64),
                              np.zeros(max_bytes, dtype=np.uint8))
-        tap = _Tap(times.ctypes.data, ends.ctypes.data, data.ctypes.data, max_chunks, max_bytes, 0, 0)
+        tap = SrTap(times_ns=times.ctypes.data, ends=ends.ctypes.data, bytes=data.ctypes.data, cap_entries=max_chunks,
+                    cap_bytes=max_bytes)
         self._tap = (tap, times, ends, data)
         self._lib.sr_set_tap(self._state, ctypes.byref(tap))
 

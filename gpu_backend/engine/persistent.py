@@ -49,12 +49,16 @@ class PersistentEngine:
     """`run()` launches the loop and watches it until `stop_event` is set; `num_blocks` as the other engines."""
 
     def __init__(self, runner: GpuRunner, model_cfg: ModelConfig, ring: ShmRing, config: EngineConfig,
-                 context_len: int, watch_interval_s: float = 1.0, stale_after_s: float = 2.0):
+                 context_len: int, watch_interval_s: float = 1.0, stale_after_s: float = 2.0,
+                 loop_options: native.LoopOptions | None = None):
+        """`loop_options`: how the loop is built (default: `LoopOptions.from_env()`, the product's unless a
+        BLINK_LOOP_* variable says otherwise); options for measuring load the bench build of the library."""
         if not runner.config.use_graphs or not runner.keep_graphs:
             raise ValueError("the persistent loop runs the runner's bucket graphs: build it with graphs kept")
         self.runner, self.ring, self.geometry, self.context_len = runner, ring, ring.geometry, context_len
         self.watch_interval_s, self.stale_after_s = watch_interval_s, stale_after_s
-        self.lib = native.load()
+        self.loop_options = native.LoopOptions.from_env() if loop_options is None else loop_options
+        self.lib = native.load(bench=self.loop_options.needs_bench_build)
         self.num_blocks = runner.num_blocks
         g, dev, rc = ring.geometry, runner.device, runner.config
         sched = NativeScheduler(
@@ -157,8 +161,7 @@ class PersistentEngine:
             sched_mem=self.sched_state.data_ptr(), step_buf=runner.buffer_sets[0].dev.data_ptr(),
             step_buf_alt=runner.buffer_sets[1].dev.data_ptr(),
             sampled=runner.tokens_dev.data_ptr(), ctl=ctl_dev.value, clock_offset_ns=self._clock_offset_ns(),
-            sq_head=int(hdr.u64[R.HDR_SQ_HEAD // 8]), beats=hdr.heartbeat,
-            generated=int(hdr.u64[R.HDR_GENERATED_TOKENS // 8]),
+            sq_head=int(hdr.header["sq_head"]), beats=hdr.heartbeat, generated=int(hdr.header["generated_tokens"]),
             **{name: t.data_ptr() for name, t in sc.items()})
         children = [graphs[(bucket, greedy)].raw_cuda_graph()  # branch 2 * (buffer * buckets + i) + greedy
                     for graphs in runner.set_graphs for bucket in runner.buckets for greedy in (False, True)]
@@ -171,8 +174,9 @@ class PersistentEngine:
         sampler_array = (ctypes.c_void_p * len(samplers))(*[g.raw_cuda_graph() for g in samplers])
         torch.cuda.synchronize(runner.device)  # every set-up copy done before the loop reads its state
         t0 = time.perf_counter()
-        native.check(self.lib.blink_loop_create(ctypes.byref(args), child_array, sampler_array, len(children),
-                                                ctypes.byref(self._loop)), "building the loop graph")
+        options = self.loop_options.to_struct()
+        native.check(self.lib.blink_loop_create(ctypes.byref(args), ctypes.byref(options), child_array, sampler_array,
+                                                len(children), ctypes.byref(self._loop)), "building the loop graph")
         del samplers
         self.smem_bytes = self.lib.blink_loop_smem_bytes(self._loop)
         self.take_linked = self.lib.blink_loop_take_linked(self._loop)
@@ -202,7 +206,7 @@ class PersistentEngine:
         while not self.stop_event.wait(self.watch_interval_s):
             status = self.lib.blink_loop_poll(self._loop)
             if status != 1:
-                self.failed = (f"the GPU loop ended on its own (internal error {self.ctl.error})" if status == 0
+                self.failed = (f"the GPU loop ended on its own ({native.fault_message(self.ctl.error)})" if status == 0
                                else f"the GPU loop failed: cudaError {status}")
                 log.error("%s; failing the requests in flight and stopping", self.failed)
                 return
@@ -227,7 +231,7 @@ class PersistentEngine:
             if status not in (0, 1):
                 self.failed = f"the GPU loop failed while stopping: cudaError {status}"
         if self.ctl is not None:
-            self.final_ctl = {name: getattr(self.ctl, name) for name, _ in native.LoopCtl._fields_ if name != "_pad"}
+            self.final_ctl = native.ctl_values(self.ctl)
         if running:
             log.error("the GPU loop did not stop within %.0f s; leaving it to the process exit", timeout_s)
         died = self.failed is not None
@@ -248,10 +252,8 @@ class PersistentEngine:
         ring = self.ring
         if died:
             for slot in range(self.geometry.num_slots):
-                req, resp = ring.req(slot), ring.resp(slot)
-                seq = int(ring.u64[req // 8])
-                if (seq and int(ring.u64[(resp + R.RESP_SEQ) // 8]) == seq
-                        and int(ring.u32[(resp + R.RESP_FINISH_REASON) // 4]) == FinishReason.NONE):
+                seq, resp = int(ring.request_fields(slot)["seq"]), ring.response_fields(slot)
+                if seq and int(resp["seq"]) == seq and int(resp["finish_reason"]) == FinishReason.NONE:
                     consumer.finish(slot, FinishReason.ERROR, ErrorCode.INTERNAL)
         for taken in consumer.take_new():
             consumer.finish(taken.slot, FinishReason.ERROR, ErrorCode.ENGINE_STOPPING)

@@ -16,44 +16,16 @@ import numpy as np
 
 from gpu_backend.engine.scheduler import SchedulerConfig
 from kernels import sched_host
+from kernels.sched_layout import MAX_BUCKETS, MAX_EOS, SCHED_ARRAYS, SchedConfig, SchedHeader, SeqStatus
+from protocols.layout.views import shape_of
 from protocols.ring import ErrorCode, FinishReason, RequestSpec
 
-MAX_EOS, MAX_BUCKETS = 8, 32  # BLINK_SCHED_MAX_EOS, BLINK_SCHED_MAX_BUCKETS
-SLOT_FREE = 2  # BLINK_SEQ_FINISHED: a finished slot is a free slot
-_i32 = ctypes.c_int32
+SLOT_FREE = SeqStatus.FINISHED  # a finished slot is a free slot
+_Config, _Header = SchedConfig, SchedHeader  # blink_sched_config, blink_sched_header (kernels/sched_decl.py)
 
 
-class _Config(ctypes.Structure):  # blink_sched_config
-    _fields_ = [("max_slots", _i32), ("num_blocks", _i32), ("block_size", _i32), ("context_len", _i32),
-                ("budget", _i32), ("max_num_seqs", _i32), ("max_stop_ids", _i32), ("num_eos", _i32),
-                ("eos_ids", _i32 * MAX_EOS), ("step_max_tokens", _i32), ("step_max_seqs", _i32),
-                ("num_buckets", _i32), ("buckets", _i32 * MAX_BUCKETS)]
-
-
-class _Header(ctypes.Structure):  # blink_sched_header
-    _fields_ = [("cfg", _Config), ("next_arrival", ctypes.c_int64)] + [
-        (n, _i32) for n in ("free_head", "num_free", "num_running", "num_waiting", "num_entries", "num_preempted",
-                            "num_new", "num_finished", "bucket", "num_tokens", "num_sampled", "all_greedy",
-                            "spec_mode", "spec_tainted")]
-
-
-_ARRAYS = [  # blink_sched's pointers after `h`, in order: (name, dtype, shape key)
-    ("status", np.int32, "n"), ("prompt_len", np.int32, "n"), ("num_tokens", np.int32, "n"),
-    ("num_computed", np.int32, "n"), ("num_table", np.int32, "n"), ("num_preemptions", np.int32, "n"),
-    ("priority", np.int64, "n"), ("arrival", np.int64, "n"), ("max_tokens", np.int64, "n"),
-    ("ignore_eos", np.int32, "n"), ("num_stop", np.int32, "n"), ("stop_ids", np.int32, "n,stop"),
-    ("temperature", np.float32, "n"), ("top_p", np.float32, "n"), ("min_p", np.float32, "n"),
-    ("top_k", np.int32, "n"), ("seed", np.uint64, "n"), ("block_table", np.int32, "n,mb"),
-    ("tokens", np.int32, "n,ctx"), ("scheduled", np.uint8, "n"), ("free_blocks", np.int32, "blocks"),
-    ("running", np.int32, "n"), ("waiting", np.int32, "n"), ("entry_slot", np.int32, "n"),
-    ("entry_q_len", np.int32, "n"), ("entry_samples", np.int32, "n"), ("entry_start", np.int32, "n"),
-    ("entry_q_start", np.int32, "n+1"), ("preempted", np.int32, "n"), ("new_slot", np.int32, "n"),
-    ("new_token", np.int32, "n"), ("fin_slot", np.int32, "n"), ("fin_reason", np.int32, "n"),
-]
-
-
-class _Bound(ctypes.Structure):  # blink_sched
-    _fields_ = [("h", ctypes.c_void_p)] + [(name, ctypes.c_void_p) for name, _, _ in _ARRAYS]
+class _Bound(ctypes.Structure):  # blink_sched: the header's address, then each carved array's, in list order
+    _fields_ = [("h", ctypes.c_void_p)] + [(name, ctypes.c_void_p) for name, _, _ in SCHED_ARRAYS]
 
 
 @dataclass(frozen=True)
@@ -101,11 +73,10 @@ class NativeScheduler:
     def _views(self, n: int, blocks: int, mb: int, ctx: int) -> dict[str, np.ndarray]:
         bound = _Bound()
         self.lib.blink_sched_host_bind(self._mem, ctypes.byref(bound))
-        dims = {"n": (n,), "n,stop": (n, self.max_stop_ids), "n,mb": (n, mb), "n,ctx": (n, ctx),
-                "blocks": (blocks,), "n+1": (n + 1,)}
+        dims = {"N": n, "STOP": self.max_stop_ids, "MB": mb, "CTX": ctx, "BLOCKS": blocks}
         views = {}
-        for name, dtype, key in _ARRAYS:
-            shape = dims[key]
+        for name, dtype, declared in SCHED_ARRAYS:
+            shape = shape_of(declared, dims)
             nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
             raw = (ctypes.c_uint8 * nbytes).from_address(getattr(bound, name))
             views[name] = np.frombuffer(raw, dtype=dtype).reshape(shape)

@@ -2,7 +2,8 @@
 
 One step's inputs live in one fixed byte buffer (`StepBuffers`), pinned on the host and mirrored on the
 device, so that a graph captured over it serves every batch of its bucket. The GPU-resident loop fills the
-device copy itself with the same layout (`blink_step_layout` in kernels/csrc/include/blink_sched.h).
+device copy itself with the same layout (declared once in kernels/step_decl.py; `blink_step_layout` in
+kernels/csrc/include/blink_sched.h).
 No device work here beyond allocating the two copies.
 """
 from __future__ import annotations
@@ -13,9 +14,14 @@ import numpy as np
 import torch
 
 from gpu_backend.engine.scheduler import Batch
+from kernels.step_layout import STEP_ALIGN, STEP_ARRAYS
+from protocols.layout.views import carve
 
 if TYPE_CHECKING:
     from gpu_backend.engine.gpu_runner import GpuRunnerConfig
+
+
+_TORCH_DTYPES = {"<i4": torch.int32, "<i8": torch.int64, "<f4": torch.float32}
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
@@ -37,30 +43,16 @@ def bucket_for(num_tokens: int, buckets: tuple[int, ...]) -> int:
 class StepBuffers:
     """One step's inputs as a single byte buffer, pinned on the host and mirrored on the device.
 
-    Fields (T = max tokens, S = max sequences, MB = blocks per sequence), in this order so that a step
-    copies only the prefix it uses (the block tables come last, copied for the live rows only):
-      input_ids [T] i32, positions [T] i64, slot_mapping [T] i64 (-1: padding), seq_ids [T] i32 (-1),
-      sample_rows [S] i64, temperature [S] f32, top_k [S] i32, top_p [S] f32, min_p [S] f32,
-      seeds [S] i64, sample_pos [S] i64, q_start [S+1] i32, ctx_lens [S] i32, num_seqs [1] i32,
-      block_tables [S, MB] i32.
+    Fields (T = max tokens, S = max sequences, MB = blocks per sequence): kernels/step_decl.py, in an
+    order such that a step copies only the prefix it uses (the block tables come last, copied for the
+    live rows only).
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
-        t, s = max_tokens, max_seqs
-        spec = [("input_ids", torch.int32, (t,)), ("positions", torch.int64, (t,)),
-                ("slot_mapping", torch.int64, (t,)), ("seq_ids", torch.int32, (t,)),
-                ("sample_rows", torch.int64, (s,)), ("temperature", torch.float32, (s,)),
-                ("top_k", torch.int32, (s,)), ("top_p", torch.float32, (s,)), ("min_p", torch.float32, (s,)),
-                ("seeds", torch.int64, (s,)), ("sample_pos", torch.int64, (s,)),
-                ("q_start", torch.int32, (s + 1,)), ("ctx_lens", torch.int32, (s,)),
-                ("num_seqs", torch.int32, (1,)), ("block_tables", torch.int32, (s, max_blocks))]
-        self.offsets: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
-        off = 0
-        for name, dtype, shape in spec:
-            off = -(-off // 8) * 8
-            self.offsets[name] = (off, dtype, shape)
-            off += int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        self.num_bytes = -(-off // 8) * 8
+        # the arrays of kernels/step_decl.py (the C fill's layout too), placed by the same rule
+        placed, self.num_bytes = carve(STEP_ARRAYS, {"T": max_tokens, "S": max_seqs, "MB": max_blocks}, STEP_ALIGN)
+        self.offsets: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {
+            name: (off, _TORCH_DTYPES[dtype.str], shape) for name, (off, dtype, shape) in placed.items()}
         self.max_blocks = max_blocks
         self.host = torch.zeros(self.num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.dev = torch.zeros(self.num_bytes, dtype=torch.uint8, device=device)

@@ -23,7 +23,10 @@
 // So between two bucket graphs there is only the take kernel's last stores and the start of a graph launched
 // beforehand, not the scheduler nor the launch call. A step that would preempt, or finds new requests queued
 // after the speculation looked, takes the full path: the serial scheduler's decisions on the real state.
-// (BLINK_LOOP_ASYNC=0, for measuring: the take waits for the tokens and a stop token also takes the full path.)
+// (LoopOptions(async_take=False), for measuring: the take waits for the tokens and a stop token also takes the
+// full path.) How the loop is built is a blink_loop_options (kernels/persistent_loop.py, LoopOptions, which
+// reads the environment); the benchmark probes are compiled only with -DBLINK_BENCH_PROBES
+// (blink_loop_bench.cuh). The library's calls return 0 or blink_loop_error * 1000 + cudaError_t.
 // The loop ends when a graph launches nothing (shutdown) and the host sees its stream end.
 // Why device graph launch and not a WHILE node over SWITCH/IF nodes (the earlier loop): the gap it leaves
 // between two graphs, measured by bench/loop_mechanism.cu (DESIGN.md "The GPU-resident loop").
@@ -42,7 +45,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "blink_graph_measure.cuh"
 #include "blink_loop.cuh"  // and blink_loop_ext.cuh
 #include "blink_loop_spec.cuh"
 #include "blink_sched_par.cuh"
@@ -121,7 +123,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
     uint8_t* buf = step_buf_of(a, next_buf);
     const int32_t bucket = blink_fill_prologue_par(&s, buf, x.par);
     if (bucket < 0) {  // cannot happen with a budget <= the largest bucket; stop loudly rather than hang
-      if (threadIdx.x == 0) st_v(&a->ctl->error, 1u);
+      if (threadIdx.x == 0) st_v(&a->ctl->error, (uint32_t)BLINK_LOOP_FAULT_NO_BUCKET_GRAPH);
       shut_down(a, &s, BLINK_ERROR_INTERNAL);
     } else {
       blink_fill_token_rows(&s, buf, threadIdx.x, blockDim.x);
@@ -173,43 +175,20 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_publish(blink_l
 
 __global__ void read_globaltimer(uint64_t* out) { *out = now_ns(); }
 
-// For measuring (BLINK_LOOP_STAMPS=1, bench/loop_ab.py --stamps): where in a step the loop's graph runs slower
-// than the same graph replayed bare. One-thread kernels after the model graph's nodes at fractions 0, 1/7 .. 1
-// of its nodes (capture order) sum, over the steps of one bucket, the time from point 0 to each point.
-#define BLINK_STAMP_POINTS 8
-__device__ unsigned long long g_stamp_sum[BLINK_STAMP_POINTS], g_stamp_count[BLINK_STAMP_POINTS], g_stamp_t0;
-__device__ int32_t g_stamp_bucket = -1;  // only the graphs of this bucket count (-1: none)
-__device__ unsigned long long g_stamp_khz_sum, g_stamp_khz_count;  // the SM clock, sampled at point 0
 
-__global__ void bench_stamp(uint32_t point, int32_t bucket) {
-  if (bucket != *(volatile int32_t*)&g_stamp_bucket) return;
-  const unsigned long long t = now_ns();
-  if (point == 0) {
-    g_stamp_t0 = t;
-    const long long c0 = clock64();  // this SM's clock over 2 us of %globaltimer (32 ns ticks)
-    unsigned long long t1;
-    do t1 = now_ns(); while (t1 - t < 2000);
-    atomicAdd(&g_stamp_khz_sum, (unsigned long long)(clock64() - c0) * 1000000ull / (t1 - t));
-    atomicAdd(&g_stamp_khz_count, 1ull);
-    return;
-  }
-  const unsigned long long t0 = *(volatile unsigned long long*)&g_stamp_t0;
-  if (t0 == 0 || t < t0) return;  // counting began in this step after its point 0
-  atomicAdd(&g_stamp_sum[point], t - t0);
-  atomicAdd(&g_stamp_count[point], 1ull);
-}
+#define BLINK_TRY(call, code)                                  \
+  do {                                                         \
+    cudaError_t e_ = (call);                                   \
+    if (e_ != cudaSuccess) return (int)(code) * 1000 + (int)e_; \
+  } while (0)
+#define BLINK_FAIL(code) ((int)(code) * 1000)  // a failure that is not a CUDA call's
 
-// For measuring (BLINK_LOOP_SPINNER_NS, bench/loop_ab.py): one block that holds an SM for `ns` beside the graph.
-__global__ void bench_spinner(uint64_t ns) {
-  const uint64_t t0 = now_ns();
-  while (now_ns() - t0 < ns) __nanosleep(200);
-}
+#ifdef BLINK_BENCH_PROBES
+#include "blink_loop_bench.cuh"
+#endif
 
-// For measuring (bench/gpu_host.py): the loop's mechanism with no scheduling in it (the graph relaunches
-// itself until `left` runs out).
-__global__ void bench_countdown(uint32_t* left) {
-  if (--*left != 0) cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
-}
+static_assert(sizeof(((blink_loop_args*)nullptr)->eos_ids) == sizeof(int32_t) * BLINK_SCHED_MAX_EOS,
+              "blink_loop_args.eos_ids holds the scheduler's eos ids");
 
 // ---- host side: build, launch, watch ----------------------------------------------------------------------
 struct blink_loop {
@@ -247,118 +226,282 @@ static cudaGraphNode_t node_before_tail(cudaGraph_t g, size_t tail) {
   free(nodes);
   return found;
 }
-
-// A kernel node of one block of `threads` threads running `func(args)`, after `deps` (the measuring kernels'
-// and the mechanism's replay).
-static cudaError_t add_one_block(cudaGraphNode_t* out, cudaGraph_t g, const cudaGraphNode_t* deps, size_t num_deps,
-                                 void* func, void** args, unsigned threads) {
-  cudaKernelNodeParams k = {};
-  k.gridDim = dim3(1);
-  k.blockDim = dim3(threads);
-  k.kernelParams = args;
-  k.func = func;
-  return cudaGraphAddKernelNode(out, g, deps, num_deps, &k);
+// ---- blink_loop_create, step by step ----------------------------------------------------------------------
+// Options that need the benchmark probes are refused by the product build.
+static int check_options(const blink_loop_options* o) {
+#ifndef BLINK_BENCH_PROBES
+  if (o->stamps || o->spinner_ns || o->plain_edges) return BLINK_FAIL(BLINK_LOOP_E_NEEDS_BENCH_BUILD);
+#else
+  (void)o;
+#endif
+  return 0;
 }
 
-// 2 n node handles and n edge records (the caller frees both), or neither (false).
-static bool alloc_lists(size_t n, cudaGraphNode_t** nodes, cudaGraphEdgeData** edges) {
-  *nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * 2 * n);
-  *edges = (cudaGraphEdgeData*)malloc(sizeof(cudaGraphEdgeData) * n);
-  if (*nodes && *edges) return true;
-  free(*nodes);
-  free(*edges);
-  return false;
+static int create_handles(blink_loop* L, uint32_t num_branches) {
+  BLINK_TRY(cudaStreamCreateWithFlags(&L->stream, cudaStreamNonBlocking), BLINK_LOOP_E_STREAM);
+  BLINK_TRY(cudaGraphCreate(&L->graph, 0), BLINK_LOOP_E_STREAM);
+  L->num_branches = num_branches;
+  L->graphs = (cudaGraph_t*)calloc(num_branches, sizeof(cudaGraph_t));
+  L->execs = (cudaGraphExec_t*)calloc(num_branches, sizeof(cudaGraphExec_t));
+  return L->graphs && L->execs ? 0 : BLINK_FAIL(BLINK_LOOP_E_HOST_ALLOC);
 }
 
-// The stamp kernels (bench_stamp) after the first `model_nodes` nodes of `child`'s graph (the captured ones,
-// before anything the loop added), for `bucket`. Each goes into the chain: between its node and that node's
-// dependents (a leaf may be started late; in the chain each adds a kernel boundary to the step, the same in
-// the loop's graphs and in the bare replay it is compared with).
-static cudaError_t add_stamps(cudaGraphNode_t child, int32_t bucket, size_t model_nodes) {
-  cudaGraph_t g;
-  size_t n = 0;
-  cudaError_t err = cudaGraphChildGraphNodeGetGraph(child, &g);
-  if (err == cudaSuccess) err = cudaGraphGetNodes(g, nullptr, &n);
-  if (err != cudaSuccess || n == 0 || model_nodes == 0 || model_nodes > n) return err;
-  cudaGraphNode_t* nodes;
-  cudaGraphEdgeData* edges;
-  if (!alloc_lists(n, &nodes, &edges)) return cudaErrorMemoryAllocation;
-  cudaGraphNode_t* after = nodes + n;  // a node's dependents (at most n)
-  err = cudaGraphGetNodes(g, nodes, &n);
-  for (uint32_t point = 0; point < BLINK_STAMP_POINTS && err == cudaSuccess; ++point) {
-    void* args[] = {&point, &bucket};
-    // the node at that fraction, or the first after it whose outgoing edges are all plain ones (a stamp in a
-    // programmatic edge would take away the overlap it gives)
-    size_t i = (size_t)((double)point / (BLINK_STAMP_POINTS - 1) * (double)(model_nodes - 1)), count = 0;
-    for (; i < model_nodes && err == cudaSuccess; ++i) {
-      count = n;
-      err = cudaGraphNodeGetDependentNodes(nodes[i], after, edges, &count);
-      bool plain = true;
-      for (size_t j = 0; j < count; ++j) plain = plain && edges[j].type == cudaGraphDependencyTypeDefault;
-      if (plain) break;
-    }
-    if (err != cudaSuccess || i == model_nodes) break;
-    cudaGraphNode_t stamp, at = nodes[i];
-    for (size_t j = 0; j < count && err == cudaSuccess; ++j)
-      err = cudaGraphRemoveDependencies(g, &at, &after[j], &edges[j], 1);
-    if (err == cudaSuccess) err = add_one_block(&stamp, g, &at, 1, (void*)bench_stamp, args, 1);
-    for (size_t j = 0; j < count && err == cudaSuccess; ++j)
-      err = cudaGraphAddDependencies(g, &stamp, &after[j], &edges[j], 1);
+// The scheduler's hot prefix goes to shared memory when it fits, with the per-slot scratch after it.
+static int place_state(blink_loop* L, blink_loop_args* args, const blink_loop_options* o, blink_sched_header* hdr) {
+  BLINK_TRY(cudaMemcpy(hdr, args->sched_mem, sizeof(*hdr), cudaMemcpyDeviceToHost), BLINK_LOOP_E_SCHED_STATE);
+  blink_sched sizing;
+  blink_sched_bind_split(&sizing, nullptr, nullptr, &hdr->cfg, &args->hot_bytes);
+  const uint64_t smem = args->hot_bytes + 29ull * args->num_slots + 16;  // room, order, par (5), cancel
+  int device = 0, smem_max = 0;
+  BLINK_TRY(cudaGetDevice(&device), BLINK_LOOP_E_SHARED_MEMORY);
+  BLINK_TRY(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), BLINK_LOOP_E_SHARED_MEMORY);
+  args->smem_bytes = smem + 1024 <= (uint64_t)smem_max ? (uint32_t)smem : 0;  // leave room for the static part
+  if (!o->smem) args->smem_bytes = 0;  // (measuring) the state stays in global memory
+  L->smem_bytes = args->smem_bytes;
+  if (!args->smem_bytes) return 0;
+  BLINK_TRY(cudaFuncSetAttribute(blink_loop_step, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)args->smem_bytes),
+            BLINK_LOOP_E_SHARED_MEMORY);
+  BLINK_TRY(cudaFuncSetAttribute(blink_loop_spec, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)args->smem_bytes),
+            BLINK_LOOP_E_SHARED_MEMORY);
+  return 0;
+}
+
+// The speculation: a second copy of the hot state, per-row and deferred-error lists; the cold arrays'
+// addresses from the same carving the kernels use; the loop's own words from zero.
+static int prepare_speculation(blink_loop* L, blink_loop_args* args, const blink_sched_header* hdr,
+                               const blink_loop_options* o) {
+  blink_sched carve;
+  blink_sched_bind_split(&carve, args->sched_mem, args->sched_mem + args->hot_bytes, &hdr->cfg, nullptr);
+  args->tokens = carve.tokens;
+  args->stop_ids = carve.stop_ids;
+  BLINK_TRY(cudaMalloc(&L->owned[0], args->hot_bytes), BLINK_LOOP_E_SPEC_BUFFERS);
+  BLINK_TRY(cudaMemcpy(L->owned[0], args->sched_mem, args->hot_bytes, cudaMemcpyDeviceToDevice), BLINK_LOOP_E_SPEC_BUFFERS);
+  BLINK_TRY(cudaMalloc(&L->owned[1], sizeof(spec_row) * (uint64_t)hdr->cfg.step_max_seqs), BLINK_LOOP_E_SPEC_BUFFERS);
+  BLINK_TRY(cudaMalloc(&L->owned[2], sizeof(int32_t) * (uint64_t)args->num_slots), BLINK_LOOP_E_SPEC_BUFFERS);
+  BLINK_TRY(cudaMalloc(&L->owned[3], sizeof(int32_t) * (uint64_t)args->num_slots), BLINK_LOOP_E_SPEC_BUFFERS);
+  args->hot_alt = (uint8_t*)L->owned[0];
+  args->rows = (spec_row*)L->owned[1];
+  args->err_slot = (int32_t*)L->owned[2];
+  args->err_code = (int32_t*)L->owned[3];
+  args->new_token_offset = (uint64_t)((uint8_t*)carve.new_token - (uint8_t*)carve.h);
+  args->sq_head_alt = args->sq_head;
+  args->spec_tail = 0;
+  args->cur = args->buf = args->spec_ok = args->spec_branch = args->spec_rows = args->num_err = args->exiting = 0;
+  // spec_tail_check off (measuring only): new requests wait for the next speculation
+  args->check_tail = o->spec_tail_check ? 1u : 0u;
+  // blink_loop_take launches the next bucket graph before the step's tokens come (a stop token then costs
+  // the stopped sequence one dropped row in the next step; blink_loop_spec.cuh): 2.2 us less per step at
+  // batch 1 (bench/loop_ab.py). async_take off (measuring) waits for the tokens first.
+  args->async_take = o->async_take ? 1u : 0u;
+  args->num_eos = (uint32_t)hdr->cfg.num_eos;
+  for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) args->eos_ids[i] = hdr->cfg.eos_ids[i];
+  return 0;
+}
+
+// The sampling extensions' host copy (*has_ext: args->ext is set), and the branch count they and the buckets imply.
+static int check_branches(const blink_loop_args* args, const blink_sched_header* hdr, uint32_t num_branches,
+                          blink_loop_ext* ext_host, int* has_ext) {
+  *has_ext = ext_read(args, ext_host);
+  if (*has_ext < 0) return BLINK_FAIL(BLINK_LOOP_E_EXT);
+  if (num_branches != ext_num_branches(*has_ext ? ext_host : nullptr, (uint32_t)hdr->cfg.num_buckets) ||
+      !args->step_buf_alt)
+    return BLINK_FAIL(BLINK_LOOP_E_BRANCH_COUNT);
+  return 0;
+}
+
+static int upload_args(blink_loop* L, const blink_loop_args* args, const blink_sched_header* hdr) {
+  // every row's token is awaited by blink_loop_take: -1 until the graph writes it (int64: 0xff bytes)
+  BLINK_TRY(cudaMemset(args->sampled, 0xff, sizeof(int64_t) * (uint64_t)hdr->cfg.step_max_seqs), BLINK_LOOP_E_ARGS_UPLOAD);
+  BLINK_TRY(cudaMalloc(&L->dev_args, sizeof(blink_loop_args)), BLINK_LOOP_E_ARGS_UPLOAD);
+  BLINK_TRY(cudaMemcpy(L->dev_args, args, sizeof(blink_loop_args), cudaMemcpyHostToDevice), BLINK_LOOP_E_ARGS_UPLOAD);
+  return 0;
+}
+
+// What every branch is built with: the full step kernel's parameters (the side kernels' template), the side
+// kernels' node priority, the instantiation flags.
+struct branch_plan {
+  blink_loop* L;
+  const blink_loop_options* opt;
+  const blink_sched_header* hdr;
+  const blink_loop_ext* ext;  // host copy, or nullptr: no extended branches
+  cudaKernelNodeParams k;
+  cudaKernelNodeAttrValue priority;
+  unsigned long long flags;
+};
+
+static int add_step_node(branch_plan* p, void** kernel_args) {
+  p->k = {};
+  p->k.gridDim = dim3(1);
+  p->k.blockDim = dim3(BLINK_LOOP_THREADS);
+  p->k.kernelParams = kernel_args;
+  p->k.func = (void*)blink_loop_step;
+  p->k.sharedMemBytes = p->L->smem_bytes;
+  cudaGraphNode_t step_node;
+  BLINK_TRY(cudaGraphAddKernelNode(&step_node, p->L->graph, nullptr, 0, &p->k), BLINK_LOOP_E_STEP_NODE);
+  return 0;
+}
+
+// Beside the bucket graph, publish, spec and take go first whenever an SM frees up (spec_priority off leaves
+// them at the default priority, for measuring).
+static int plan_priority(branch_plan* p) {
+  p->priority = {};
+  p->flags = cudaGraphInstantiateFlagDeviceLaunch | (p->opt->spec_priority ? cudaGraphInstantiateFlagUseNodePriority : 0);
+  if (!p->opt->spec_priority) return 0;
+  int least = 0, greatest = 0;
+  BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest), BLINK_LOOP_E_PRIORITY);
+  p->priority.priority = greatest;
+  return 0;
+}
+
+// The take kernel after the graph's logits: in an extended branch (children[i] is its LOGITS graph) after the
+// POST graph, whose logprobs read the sampled tokens that the take kernel sets back to -1 (so an extended step
+// pays its launch; plain steps do not); else after the node captured just before the sampler's nodes.
+static int add_take(const branch_plan& p, uint32_t i, cudaGraph_t g, cudaGraphNode_t child, cudaGraph_t sampler,
+                    cudaGraphNode_t* take) {
+  cudaGraph_t inner = g;
+  cudaGraphNode_t start_after = nullptr;
+  if (i >= 4u * (uint32_t)p.hdr->cfg.num_buckets) {
+    BLINK_TRY(ext_finish_branch(p.ext, p.L->dev_args, g, child, i, &p.hdr->cfg, &start_after), BLINK_LOOP_E_EXT);
+  } else {
+    size_t sampler_nodes = 0;
+    BLINK_TRY(cudaGraphChildGraphNodeGetGraph(child, &inner), BLINK_LOOP_E_BRANCH_GRAPH);
+    BLINK_TRY(cudaGraphGetNodes(sampler, nullptr, &sampler_nodes), BLINK_LOOP_E_BRANCH_GRAPH);
+    start_after = node_before_tail(inner, sampler_nodes);
   }
+  p.L->take_linked += start_after != nullptr;
+  cudaKernelNodeParams t = p.k;
+  t.func = (void*)blink_loop_take;
+  t.blockDim = dim3(BLINK_LOOP_TAKE_THREADS);
+  t.sharedMemBytes = 0;
+  BLINK_TRY(cudaGraphAddKernelNode(take, inner, start_after ? &start_after : nullptr, start_after ? 1 : 0, &t),
+            BLINK_LOOP_E_BRANCH_GRAPH);
+  return 0;
+}
+
+// (measuring: spec_at) the model graph's node at fraction f of its nodes in capture order.
+static int node_at_fraction(cudaGraph_t model, double f, cudaGraphNode_t* node) {
+  size_t n = 0;
+  BLINK_TRY(cudaGraphGetNodes(model, nullptr, &n), BLINK_LOOP_E_BRANCH_GRAPH);
+  cudaGraphNode_t* nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * n);
+  const cudaError_t got = nodes ? cudaGraphGetNodes(model, nodes, &n) : cudaErrorMemoryAllocation;
+  if (got == cudaSuccess && n) *node = nodes[(size_t)((f > 1 ? 1.0 : f) * (double)(n - 1))];
   free(nodes);
-  free(edges);
-  return err;
+  BLINK_TRY(got, BLINK_LOOP_E_BRANCH_GRAPH);
+  return 0;
 }
 
-
-// The switches read at build time, all for measuring (bench/loop_ab.py): BLINK_LOOP_SPEC_TAIL_CHECK=0,
-// BLINK_LOOP_SPEC_PRIORITY=0, BLINK_LOOP_SIDE_ROOT=1, BLINK_LOOP_SMEM=0, BLINK_LOOP_SPEC_AT=<fraction>,
-// BLINK_LOOP_SPINNER_NS=<ns>, BLINK_LOOP_ASYNC=0, BLINK_LOOP_STAMPS=1, BLINK_LOOP_PLAIN_EDGES=1 (each explained
-// where it is read).
-static bool env_is(const char* name, const char* value) {
-  const char* v = getenv(name);
-  return v && strcmp(v, value) == 0;
+// publish -> spec start after the model graph's first node, inside it: a second root node costs about 1.1 us
+// between two graphs (bench/loop_mechanism.cu; side_root keeps them a root, for measuring).
+static int add_side(const branch_plan& p, cudaGraph_t g, cudaGraphNode_t child, cudaGraphNode_t* publish,
+                    cudaGraphNode_t* spec) {
+  cudaGraph_t model;
+  BLINK_TRY(cudaGraphChildGraphNodeGetGraph(child, &model), BLINK_LOOP_E_BRANCH_GRAPH);
+  cudaGraphNode_t root = nullptr;
+  size_t num_roots = 1;  // the first root (a PyTorch capture on one stream has one)
+  if (p.opt->side_root || cudaGraphGetRootNodes(model, &root, &num_roots) != cudaSuccess || num_roots == 0) root = nullptr;
+  if (root && p.opt->spec_at >= 0) {
+    const int rc = node_at_fraction(model, p.opt->spec_at, &root);
+    if (rc) return rc;
+  }
+#ifdef BLINK_BENCH_PROBES
+  if (root && p.opt->spinner_ns) BLINK_TRY(add_spinner(model, root, p.opt->spinner_ns), BLINK_LOOP_E_PROBES);
+#endif
+  cudaKernelNodeParams side = p.k;
+  side.func = (void*)blink_loop_publish;
+  side.sharedMemBytes = 0;
+  BLINK_TRY(cudaGraphAddKernelNode(publish, root ? model : g, root ? &root : nullptr, root ? 1 : 0, &side),
+            BLINK_LOOP_E_BRANCH_GRAPH);
+  side.func = (void*)blink_loop_spec;
+  side.sharedMemBytes = p.L->smem_bytes;
+  BLINK_TRY(cudaGraphAddKernelNode(spec, root ? model : g, publish, 1, &side), BLINK_LOOP_E_BRANCH_GRAPH);
+  return 0;
 }
 
-#define BLINK_TRY(call, code)               \
-  do {                                      \
-    cudaError_t e_ = (call);                \
-    if (e_ != cudaSuccess) return (code) * 1000 + (int)e_; \
-  } while (0)
+// Branch i: the bucket graph `child_graph` as a child node, its take kernel after the logits, publish -> spec
+// beside it; instantiated for device launch and uploaded.
+static int build_branch(const branch_plan& p, uint32_t i, cudaGraph_t child_graph, cudaGraph_t sampler) {
+  blink_loop* L = p.L;
+  cudaGraph_t g;
+  cudaGraphNode_t child, take, publish_node, spec_node;
+  BLINK_TRY(cudaGraphCreate(&g, 0), BLINK_LOOP_E_BRANCH_GRAPH);
+  L->graphs[i] = g;
+  BLINK_TRY(cudaGraphAddChildGraphNode(&child, g, nullptr, 0, child_graph), BLINK_LOOP_E_BRANCH_GRAPH);
+#ifdef BLINK_BENCH_PROBES
+  size_t model_nodes = 0;  // the captured graph's own nodes come first in its node list
+  if (p.opt->stamps) BLINK_TRY(cudaGraphGetNodes(child_graph, nullptr, &model_nodes), BLINK_LOOP_E_PROBES);
+  if (p.opt->plain_edges) BLINK_TRY(blink_plain_edges(child), BLINK_LOOP_E_PROBES);
+#endif
+  int rc = add_take(p, i, g, child, sampler, &take);
+  if (!rc) rc = add_side(p, g, child, &publish_node, &spec_node);
+  if (rc) return rc;
+  if (p.opt->spec_priority)
+    for (cudaGraphNode_t n : {take, publish_node, spec_node})
+      BLINK_TRY(cudaGraphKernelNodeSetAttribute(n, cudaKernelNodeAttributePriority, &p.priority), BLINK_LOOP_E_PRIORITY);
+#ifdef BLINK_BENCH_PROBES
+  const uint32_t nb = (uint32_t)p.hdr->cfg.num_buckets;
+  if (p.opt->stamps && i < 4u * nb)  // bench_stamp after the model's nodes
+    BLINK_TRY(add_stamps(child, p.hdr->cfg.buckets[(i / 2) % nb], model_nodes), BLINK_LOOP_E_PROBES);
+#endif
+  BLINK_TRY(cudaGraphInstantiateWithFlags(&L->execs[i], g, p.flags), BLINK_LOOP_E_INSTANTIATE);
+  BLINK_TRY(cudaGraphUpload(L->execs[i], L->stream), BLINK_LOOP_E_UPLOAD);
+  return 0;
+}
+
+// The full step's graph instantiated, every graph handle where the kernels find them, the arguments final.
+static int finish_graphs(blink_loop* L, blink_loop_args* args) {
+  BLINK_TRY(cudaGraphInstantiateWithFlags(&L->exec, L->graph, cudaGraphInstantiateFlagDeviceLaunch), BLINK_LOOP_E_INSTANTIATE);
+  BLINK_TRY(cudaGraphUpload(L->exec, L->stream), BLINK_LOOP_E_UPLOAD);
+  BLINK_TRY(cudaMalloc(&L->dev_execs, sizeof(cudaGraphExec_t) * L->num_branches), BLINK_LOOP_E_UPLOAD);
+  BLINK_TRY(cudaMemcpy(L->dev_execs, L->execs, sizeof(cudaGraphExec_t) * L->num_branches, cudaMemcpyHostToDevice),
+            BLINK_LOOP_E_UPLOAD);
+  args->full_exec = L->exec;
+  args->branch_execs = L->dev_execs;
+  BLINK_TRY(cudaMemcpy(L->dev_args, args, sizeof(blink_loop_args), cudaMemcpyHostToDevice), BLINK_LOOP_E_ARGS_UPLOAD);
+  BLINK_TRY(cudaStreamSynchronize(L->stream), BLINK_LOOP_E_UPLOAD);
+  return 0;
+}
 
 extern "C" {
 
 uint64_t blink_loop_args_bytes() { return sizeof(blink_loop_args); }
 uint64_t blink_loop_ctl_bytes() { return sizeof(blink_loop_ctl); }
 uint64_t blink_loop_ext_bytes() { return sizeof(blink_loop_ext); }
+uint64_t blink_loop_options_bytes() { return sizeof(blink_loop_options); }
+uint32_t blink_loop_has_bench_probes() {
+#ifdef BLINK_BENCH_PROBES
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // Pin and map host memory (the ring's mmap) for the GPU; *dev_out is its device address.
 int blink_loop_register(void* host, uint64_t bytes, void** dev_out) {
-  BLINK_TRY(cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable), 1);
-  BLINK_TRY(cudaHostGetDevicePointer(dev_out, host, 0), 2);
+  BLINK_TRY(cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable), BLINK_LOOP_E_CUDA);
+  BLINK_TRY(cudaHostGetDevicePointer(dev_out, host, 0), BLINK_LOOP_E_CUDA);
   return 0;
 }
 
 int blink_loop_unregister(void* host) {
-  BLINK_TRY(cudaHostUnregister(host), 1);
+  BLINK_TRY(cudaHostUnregister(host), BLINK_LOOP_E_CUDA);
   return 0;
 }
 
 // The control block: pinned, mapped host memory (zeroed).
 int blink_loop_alloc_ctl(void** host_out, void** dev_out) {
-  BLINK_TRY(cudaHostAlloc(host_out, sizeof(blink_loop_ctl), cudaHostAllocMapped), 1);
+  BLINK_TRY(cudaHostAlloc(host_out, sizeof(blink_loop_ctl), cudaHostAllocMapped), BLINK_LOOP_E_CUDA);
   memset(*host_out, 0, sizeof(blink_loop_ctl));
-  BLINK_TRY(cudaHostGetDevicePointer(dev_out, *host_out, 0), 2);
+  BLINK_TRY(cudaHostGetDevicePointer(dev_out, *host_out, 0), BLINK_LOOP_E_CUDA);
   return 0;
 }
 
 // CLOCK_MONOTONIC minus %globaltimer: the caller brackets this call with two clock reads.
 int blink_loop_read_globaltimer(uint64_t* out) {
   uint64_t* dev = nullptr;
-  BLINK_TRY(cudaMalloc(&dev, sizeof(uint64_t)), 1);
+  BLINK_TRY(cudaMalloc(&dev, sizeof(uint64_t)), BLINK_LOOP_E_CUDA);
   read_globaltimer<<<1, 1>>>(dev);
-  BLINK_TRY(cudaMemcpy(out, dev, sizeof(uint64_t), cudaMemcpyDeviceToHost), 2);
-  BLINK_TRY(cudaFree(dev), 3);
+  BLINK_TRY(cudaMemcpy(out, dev, sizeof(uint64_t), cudaMemcpyDeviceToHost), BLINK_LOOP_E_CUDA);
+  BLINK_TRY(cudaFree(dev), BLINK_LOOP_E_CUDA);
   return 0;
 }
 
@@ -366,175 +509,32 @@ int blink_loop_read_globaltimer(uint64_t* out) {
 // bucket i over step buffer b (step_buf, step_buf_alt), sampled (g = 0) or greedy (g = 1); with the sampling
 // extensions (args->ext) then branch 4 * num_buckets + 2 * (b * num_buckets + i) + g: that bucket's LOGITS
 // graph, to which blink_loop_ext.cuh adds the adjust kernel and the POST graph), with `args`
-// (host copy; its handles and the speculation's buffers are filled here) copied to device memory.
+// (host copy; its handles and the speculation's buffers are filled here) copied to device memory, as `opt` says.
 // `samplers[i]` (i < 4 * num_buckets): the sampling part of children[i] captured alone (its node count says
 // where the logits are done: blink_loop_take starts there; in an extended branch, after the POST graph).
-int blink_loop_create(const blink_loop_args* args_in, void* const* children, void* const* samplers,
-                      uint32_t num_branches, blink_loop** out) {
+int blink_loop_create(const blink_loop_args* args_in, const blink_loop_options* opt, void* const* children,
+                      void* const* samplers, uint32_t num_branches, blink_loop** out) {
+  int rc = check_options(opt);
+  if (rc) return rc;
   blink_loop* L = new blink_loop();
   blink_loop_args args = *args_in;
   args.num_branches = num_branches;
-  BLINK_TRY(cudaStreamCreateWithFlags(&L->stream, cudaStreamNonBlocking), 1);
-  BLINK_TRY(cudaGraphCreate(&L->graph, 0), 2);
-  L->num_branches = num_branches;
-  L->graphs = (cudaGraph_t*)calloc(num_branches, sizeof(cudaGraph_t));
-  L->execs = (cudaGraphExec_t*)calloc(num_branches, sizeof(cudaGraphExec_t));
-  if (!L->graphs || !L->execs) return 3 * 1000;
-  // the scheduler's hot prefix goes to shared memory when it fits, with the per-slot scratch after it
   blink_sched_header hdr;
-  BLINK_TRY(cudaMemcpy(&hdr, args.sched_mem, sizeof(hdr), cudaMemcpyDeviceToHost), 15);
-  blink_sched sizing;
-  blink_sched_bind_split(&sizing, nullptr, nullptr, &hdr.cfg, &args.hot_bytes);
-  const uint64_t smem = args.hot_bytes + 29ull * args.num_slots + 16;  // room, order, par (5), cancel
-  int device = 0, smem_max = 0;
-  BLINK_TRY(cudaGetDevice(&device), 16);
-  BLINK_TRY(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), 17);
-  args.smem_bytes = smem + 1024 <= (uint64_t)smem_max ? (uint32_t)smem : 0;  // leave room for the static part
-  if (env_is("BLINK_LOOP_SMEM", "0")) args.smem_bytes = 0;  // (measuring) the state stays in global memory
-  if (args.smem_bytes)
-    BLINK_TRY(cudaFuncSetAttribute(blink_loop_step, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)args.smem_bytes), 18);
-  L->smem_bytes = args.smem_bytes;
-  if (args.smem_bytes)
-    BLINK_TRY(cudaFuncSetAttribute(blink_loop_spec, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)args.smem_bytes), 19);
-  // the speculation: a second copy of the hot state, per-row and deferred-error lists; the cold arrays'
-  // addresses from the same carving the kernels use
-  blink_sched carve;
-  blink_sched_bind_split(&carve, args.sched_mem, args.sched_mem + args.hot_bytes, &hdr.cfg, nullptr);
-  args.tokens = carve.tokens;
-  args.stop_ids = carve.stop_ids;
-  BLINK_TRY(cudaMalloc(&L->owned[0], args.hot_bytes), 20);
-  BLINK_TRY(cudaMemcpy(L->owned[0], args.sched_mem, args.hot_bytes, cudaMemcpyDeviceToDevice), 21);
-  BLINK_TRY(cudaMalloc(&L->owned[1], sizeof(spec_row) * (uint64_t)hdr.cfg.step_max_seqs), 22);
-  BLINK_TRY(cudaMalloc(&L->owned[2], sizeof(int32_t) * (uint64_t)args.num_slots), 23);
-  BLINK_TRY(cudaMalloc(&L->owned[3], sizeof(int32_t) * (uint64_t)args.num_slots), 24);
-  args.hot_alt = (uint8_t*)L->owned[0];
-  args.rows = (spec_row*)L->owned[1];
-  args.err_slot = (int32_t*)L->owned[2];
-  args.err_code = (int32_t*)L->owned[3];
-  args.new_token_offset = (uint64_t)((uint8_t*)carve.new_token - (uint8_t*)carve.h);
-  args.sq_head_alt = args.sq_head;
-  args.spec_tail = 0;
-  args.cur = args.buf = args.spec_ok = args.spec_branch = args.spec_rows = args.num_err = args.exiting = 0;
-  // BLINK_LOOP_SPEC_TAIL_CHECK=0 (for measuring only): new requests wait for the next speculation
-  args.check_tail = !env_is("BLINK_LOOP_SPEC_TAIL_CHECK", "0");
-  // blink_loop_take launches the next bucket graph before the step's tokens come (a stop token then costs
-  // the stopped sequence one dropped row in the next step; blink_loop_spec.cuh): 2.2 us less per step at
-  // batch 1 (bench/loop_ab.py). BLINK_LOOP_ASYNC=0 (measuring) waits for the tokens first.
-  args.async_take = !env_is("BLINK_LOOP_ASYNC", "0");
-  args.num_eos = (uint32_t)hdr.cfg.num_eos;
-  for (int i = 0; i < BLINK_SCHED_MAX_EOS; ++i) args.eos_ids[i] = hdr.cfg.eos_ids[i];
   blink_loop_ext ext_host;
-  const int has_ext = ext_read(&args, &ext_host);
-  if (has_ext < 0) return 30 * 1000;
-  if (num_branches != ext_num_branches(has_ext ? &ext_host : nullptr, (uint32_t)hdr.cfg.num_buckets) ||
-      !args.step_buf_alt)
-    return 25 * 1000;
-  // every row's token is awaited by blink_loop_take: -1 until the graph writes it (int64: 0xff bytes)
-  BLINK_TRY(cudaMemset(args.sampled, 0xff, sizeof(int64_t) * (uint64_t)hdr.cfg.step_max_seqs), 31);
-  BLINK_TRY(cudaMalloc(&L->dev_args, sizeof(blink_loop_args)), 6);
-  BLINK_TRY(cudaMemcpy(L->dev_args, &args, sizeof(blink_loop_args), cudaMemcpyHostToDevice), 7);
-
+  int has_ext = 0;
+  branch_plan plan = {L, opt, &hdr, nullptr, {}, {}, 0};
   void* kernel_args[] = {&L->dev_args};
-  cudaKernelNodeParams k = {};
-  k.gridDim = dim3(1);
-  k.blockDim = dim3(BLINK_LOOP_THREADS);
-  k.kernelParams = kernel_args;
-  k.func = (void*)blink_loop_step;
-  k.sharedMemBytes = args.smem_bytes;
-  cudaGraphNode_t step_node;
-  BLINK_TRY(cudaGraphAddKernelNode(&step_node, L->graph, nullptr, 0, &k), 8);
-  // beside the bucket graph, publish, spec and take go first whenever an SM frees up
-  // (BLINK_LOOP_SPEC_PRIORITY=0 leaves them at the default priority, for measuring)
-  const bool prioritize = !env_is("BLINK_LOOP_SPEC_PRIORITY", "0");
-  cudaKernelNodeAttrValue priority = {};
-  if (prioritize) {
-    int least = 0, greatest = 0;
-    BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest), 27);
-    priority.priority = greatest;
-  }
-  const bool side_root = env_is("BLINK_LOOP_SIDE_ROOT", "1");
-  const bool stamps = env_is("BLINK_LOOP_STAMPS", "1");
-  const unsigned long long flags =
-      cudaGraphInstantiateFlagDeviceLaunch | (prioritize ? cudaGraphInstantiateFlagUseNodePriority : 0);
+  if ((rc = create_handles(L, num_branches)) || (rc = place_state(L, &args, opt, &hdr)) ||
+      (rc = prepare_speculation(L, &args, &hdr, opt)) ||
+      (rc = check_branches(&args, &hdr, num_branches, &ext_host, &has_ext)) || (rc = upload_args(L, &args, &hdr)) ||
+      (rc = add_step_node(&plan, kernel_args)) || (rc = plan_priority(&plan)))
+    return rc;
+  plan.ext = has_ext ? &ext_host : nullptr;
+  const uint32_t plain = 4u * (uint32_t)hdr.cfg.num_buckets;
   L->take_linked = 0;
-  for (uint32_t i = 0; i < num_branches; ++i) {  // each branch: the bucket graph, its take kernel after the logits
-    cudaGraph_t g, inner;
-    cudaGraphNode_t child, take, publish_node, spec_node;
-    size_t sampler_nodes = 0;
-    BLINK_TRY(cudaGraphCreate(&g, 0), 9);
-    L->graphs[i] = g;
-    BLINK_TRY(cudaGraphAddChildGraphNode(&child, g, nullptr, 0, (cudaGraph_t)children[i]), 10);
-    size_t model_nodes = 0;  // the captured graph's own nodes come first in its node list
-    if (stamps) BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)children[i], nullptr, &model_nodes), 47);
-    if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(blink_plain_edges(child), 49);
-    cudaGraphNode_t start_after = nullptr;
-    if (i >= 4u * (uint32_t)hdr.cfg.num_buckets) {  // an extended branch: children[i] is its LOGITS graph
-      // the take kernel after the POST graph: its logprobs read the sampled tokens, which the take kernel
-      // sets back to -1 (so an extended step pays its launch; plain steps do not)
-      BLINK_TRY(ext_finish_branch(&ext_host, L->dev_args, g, child, i, &hdr.cfg, &start_after), 37);
-      inner = g;
-    } else {
-      BLINK_TRY(cudaGraphChildGraphNodeGetGraph(child, &inner), 35);
-      BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)samplers[i], nullptr, &sampler_nodes), 36);
-      start_after = node_before_tail(inner, sampler_nodes);
-    }
-    L->take_linked += start_after != nullptr;
-    cudaKernelNodeParams t = k;
-    t.func = (void*)blink_loop_take;
-    t.blockDim = dim3(BLINK_LOOP_TAKE_THREADS);
-    t.sharedMemBytes = 0;
-    BLINK_TRY(cudaGraphAddKernelNode(&take, inner, start_after ? &start_after : nullptr, start_after ? 1 : 0, &t), 33);
-    // publish -> spec start after the model graph's first node, inside it: a second root node costs about
-    // 1.1 us between two graphs (bench/loop_mechanism.cu; BLINK_LOOP_SIDE_ROOT=1 keeps them a root, for measuring)
-    cudaGraph_t model;
-    BLINK_TRY(cudaGraphChildGraphNodeGetGraph(child, &model), 43);
-    cudaGraphNode_t root = nullptr;
-    size_t num_roots = 1;  // the first root (a PyTorch capture on one stream has one)
-    if (side_root || cudaGraphGetRootNodes(model, &root, &num_roots) != cudaSuccess || num_roots == 0) root = nullptr;
-    // BLINK_LOOP_SPEC_AT=f (measuring): publish -> spec after the model graph's node at fraction f of its
-    // nodes in capture order, not after its first node
-    if (root && getenv("BLINK_LOOP_SPEC_AT")) {
-      size_t n = 0;
-      BLINK_TRY(cudaGraphGetNodes(model, nullptr, &n), 44);
-      cudaGraphNode_t* nodes = (cudaGraphNode_t*)malloc(sizeof(cudaGraphNode_t) * n);
-      const cudaError_t got = nodes ? cudaGraphGetNodes(model, nodes, &n) : cudaErrorMemoryAllocation;
-      const double f = atof(getenv("BLINK_LOOP_SPEC_AT"));
-      if (got == cudaSuccess && n) root = nodes[(size_t)((f < 0 ? 0.0 : f > 1 ? 1.0 : f) * (double)(n - 1))];
-      free(nodes);
-      BLINK_TRY(got, 45);
-    }
-    // BLINK_LOOP_SPINNER_NS=ns (measuring): one more block beside the graph, after the same node, holding an
-    // SM for that long (what a resident block costs the graph, apart from the spec kernel's work)
-    if (root && getenv("BLINK_LOOP_SPINNER_NS")) {
-      uint64_t spin_ns = strtoull(getenv("BLINK_LOOP_SPINNER_NS"), nullptr, 10);
-      void* spin_args[] = {&spin_ns};
-      cudaGraphNode_t spin_node;
-      BLINK_TRY(add_one_block(&spin_node, model, &root, 1, (void*)bench_spinner, spin_args, 64), 46);
-    }
-    cudaKernelNodeParams side = k;
-    side.func = (void*)blink_loop_publish;
-    side.sharedMemBytes = 0;
-    BLINK_TRY(cudaGraphAddKernelNode(&publish_node, root ? model : g, root ? &root : nullptr, root ? 1 : 0, &side), 11);
-    side.func = (void*)blink_loop_spec;
-    side.sharedMemBytes = args.smem_bytes;
-    BLINK_TRY(cudaGraphAddKernelNode(&spec_node, root ? model : g, &publish_node, 1, &side), 26);
-    if (prioritize)
-      for (cudaGraphNode_t n : {take, publish_node, spec_node})
-        BLINK_TRY(cudaGraphKernelNodeSetAttribute(n, cudaKernelNodeAttributePriority, &priority), 34);
-    if (stamps && i < 4u * (uint32_t)hdr.cfg.num_buckets)  // (measuring) bench_stamp after the model's nodes
-      BLINK_TRY(add_stamps(child, hdr.cfg.buckets[(i / 2) % (uint32_t)hdr.cfg.num_buckets], model_nodes), 48);
-    BLINK_TRY(cudaGraphInstantiateWithFlags(&L->execs[i], g, flags), 12);
-    BLINK_TRY(cudaGraphUpload(L->execs[i], L->stream), 13);
-  }
-  BLINK_TRY(cudaGraphInstantiateWithFlags(&L->exec, L->graph, cudaGraphInstantiateFlagDeviceLaunch), 38);
-  BLINK_TRY(cudaGraphUpload(L->exec, L->stream), 39);
-  // the handles where the kernels find them
-  BLINK_TRY(cudaMalloc(&L->dev_execs, sizeof(cudaGraphExec_t) * num_branches), 40);
-  BLINK_TRY(cudaMemcpy(L->dev_execs, L->execs, sizeof(cudaGraphExec_t) * num_branches, cudaMemcpyHostToDevice), 41);
-  args.full_exec = L->exec;
-  args.branch_execs = L->dev_execs;
-  BLINK_TRY(cudaMemcpy(L->dev_args, &args, sizeof(blink_loop_args), cudaMemcpyHostToDevice), 42);
-  BLINK_TRY(cudaStreamSynchronize(L->stream), 14);
+  for (uint32_t i = 0; i < num_branches && !rc; ++i)
+    rc = build_branch(plan, i, (cudaGraph_t)children[i], i < plain ? (cudaGraph_t)samplers[i] : nullptr);
+  if (rc || (rc = finish_graphs(L, &args))) return rc;
   *out = L;
   return 0;
 }
@@ -543,75 +543,7 @@ uint32_t blink_loop_smem_bytes(const blink_loop* L) { return L->smem_bytes; }
 uint32_t blink_loop_take_linked(const blink_loop* L) { return L->take_linked; }
 
 int blink_loop_launch(blink_loop* L) {
-  BLINK_TRY(cudaGraphLaunch(L->exec, L->stream), 1);
-  return 0;
-}
-
-// For measuring (bench/gpu_host.py, bench/loop_ab.py): the graph `child` replayed `iterations` times; *ns_out: GPU
-// time per iteration (CUDA events). mode 0: as the loop runs a step -- a graph of the child and a one-thread
-// kernel after it that tail-launches the graph again, launched once (the loop's mechanism with no scheduling
-// in it). mode 1: the child inside a graph instantiated as the loop's bucket graphs are (device-launchable,
-// node priorities honoured), launched from the host back to back (the bare replay with the loop's
-// instantiation, so that a comparison separates the loop's work from how its graphs are instantiated).
-// Each part of that on its own, launched from the host back to back: mode 2, the child node in a plain
-// graph; mode 3, device-launchable (no node priorities). mode 4: mode 0 instantiated as the loop's graphs
-// (node priorities honoured, the relaunching kernel at the greatest priority, as the take kernel is).
-// stamp_bucket >= 0: with the stamp kernels of that bucket (BLINK_LOOP_STAMPS).
-int blink_loop_bench_mechanism(void* child, uint32_t iterations, uint32_t mode, int32_t stamp_bucket, double* ns_out) {
-  cudaStream_t stream;
-  cudaGraph_t graph;
-  uint32_t* left = nullptr;
-  BLINK_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), 1);
-  BLINK_TRY(cudaMalloc(&left, sizeof(uint32_t)), 2);
-  BLINK_TRY(cudaGraphCreate(&graph, 0), 3);
-  cudaGraphNode_t count_node, child_node;
-  BLINK_TRY(cudaGraphAddChildGraphNode(&child_node, graph, nullptr, 0, (cudaGraph_t)child), 4);
-  size_t model_nodes = 0;
-  BLINK_TRY(cudaGraphGetNodes((cudaGraph_t)child, nullptr, &model_nodes), 20);
-  // (the same order as blink_loop_create's)
-  if (env_is("BLINK_LOOP_PLAIN_EDGES", "1")) BLINK_TRY(blink_plain_edges(child_node), 22);
-  if (stamp_bucket >= 0) BLINK_TRY(add_stamps(child_node, stamp_bucket, model_nodes), 21);
-  void* kernel_args[] = {&left};
-  const bool relaunched = mode == 0 || mode == 4, prioritized = mode == 1 || mode == 4;
-  if (relaunched) BLINK_TRY(add_one_block(&count_node, graph, &child_node, 1, (void*)bench_countdown, kernel_args, 1), 5);
-  if (mode == 4) {
-    int least = 0;
-    cudaKernelNodeAttrValue priority = {};
-    BLINK_TRY(cudaDeviceGetStreamPriorityRange(&least, &priority.priority), 23);
-    BLINK_TRY(cudaGraphKernelNodeSetAttribute(count_node, cudaKernelNodeAttributePriority, &priority), 24);
-  }
-  const unsigned long long flags = (mode == 2 ? 0 : cudaGraphInstantiateFlagDeviceLaunch) |
-                                   (prioritized ? cudaGraphInstantiateFlagUseNodePriority : 0);
-  BLINK_TRY(blink_time_graph(graph, flags, stream, left, iterations, relaunched, ns_out), 10);
-  cudaGraphDestroy(graph);
-  cudaFree(left);
-  cudaStreamDestroy(stream);
-  return 0;
-}
-
-// For measuring (BLINK_LOOP_STAMPS): on = 1 zeroes the stamp sums and counts the steps of graphs of `bucket`
-// from now; on = 0 stops counting and writes mean_ns_out[BLINK_STAMP_POINTS + 1] (point 0 -> each point, ns;
-// mean_ns_out[0] gets the number of steps counted, the last entry the mean SM clock in MHz).
-int blink_loop_stamps(int32_t bucket, uint32_t on, double* mean_ns_out) {
-  unsigned long long sum[BLINK_STAMP_POINTS] = {}, count[BLINK_STAMP_POINTS] = {}, khz = 0, khz_n = 0;
-  const int32_t none = -1;
-  if (on) {
-    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_sum, sum, sizeof(sum)), 1);
-    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_count, count, sizeof(count)), 2);
-    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_khz_sum, &khz, sizeof(khz)), 8);
-    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_khz_count, &khz, sizeof(khz)), 9);
-    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_t0, count, sizeof(count[0])), 7);  // 0: no point 0 seen yet
-    BLINK_TRY(cudaMemcpyToSymbol(g_stamp_bucket, &bucket, sizeof(bucket)), 3);
-    return 0;
-  }
-  BLINK_TRY(cudaMemcpyToSymbol(g_stamp_bucket, &none, sizeof(none)), 4);
-  BLINK_TRY(cudaMemcpyFromSymbol(sum, g_stamp_sum, sizeof(sum)), 5);
-  BLINK_TRY(cudaMemcpyFromSymbol(count, g_stamp_count, sizeof(count)), 6);
-  BLINK_TRY(cudaMemcpyFromSymbol(&khz, g_stamp_khz_sum, sizeof(khz)), 10);
-  BLINK_TRY(cudaMemcpyFromSymbol(&khz_n, g_stamp_khz_count, sizeof(khz_n)), 11);
-  for (int p = 0; p < BLINK_STAMP_POINTS; ++p) mean_ns_out[p] = count[p] ? (double)sum[p] / (double)count[p] : 0.0;
-  mean_ns_out[0] = (double)count[BLINK_STAMP_POINTS - 1];
-  mean_ns_out[BLINK_STAMP_POINTS] = khz_n ? (double)khz / (double)khz_n / 1e3 : 0.0;
+  BLINK_TRY(cudaGraphLaunch(L->exec, L->stream), BLINK_LOOP_E_CUDA);
   return 0;
 }
 
@@ -624,18 +556,18 @@ int blink_loop_poll(blink_loop* L) {
 }
 
 int blink_loop_destroy(blink_loop* L) {
-  BLINK_TRY(cudaGraphExecDestroy(L->exec), 1);
-  BLINK_TRY(cudaGraphDestroy(L->graph), 2);
+  BLINK_TRY(cudaGraphExecDestroy(L->exec), BLINK_LOOP_E_CUDA);
+  BLINK_TRY(cudaGraphDestroy(L->graph), BLINK_LOOP_E_CUDA);
   for (uint32_t i = 0; i < L->num_branches; ++i) {
-    if (L->execs[i]) BLINK_TRY(cudaGraphExecDestroy(L->execs[i]), 6);
-    if (L->graphs[i]) BLINK_TRY(cudaGraphDestroy(L->graphs[i]), 7);
+    if (L->execs[i]) BLINK_TRY(cudaGraphExecDestroy(L->execs[i]), BLINK_LOOP_E_CUDA);
+    if (L->graphs[i]) BLINK_TRY(cudaGraphDestroy(L->graphs[i]), BLINK_LOOP_E_CUDA);
   }
   free(L->execs);
   free(L->graphs);
-  BLINK_TRY(cudaFree(L->dev_execs), 8);
-  BLINK_TRY(cudaFree(L->dev_args), 3);
-  BLINK_TRY(cudaStreamDestroy(L->stream), 4);
-  for (void* p : L->owned) BLINK_TRY(cudaFree(p), 5);
+  BLINK_TRY(cudaFree(L->dev_execs), BLINK_LOOP_E_CUDA);
+  BLINK_TRY(cudaFree(L->dev_args), BLINK_LOOP_E_CUDA);
+  BLINK_TRY(cudaStreamDestroy(L->stream), BLINK_LOOP_E_CUDA);
+  for (void* p : L->owned) BLINK_TRY(cudaFree(p), BLINK_LOOP_E_CUDA);
   delete L;
   return 0;
 }

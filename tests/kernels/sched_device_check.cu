@@ -105,7 +105,7 @@ static void run(const blink_sched_config& c, int num_steps, int arrival_odds) {
   kSlots = c.max_slots;
   Pair p;
   p.mem_bytes = blink_sched_bind(&p.host, 0, &c);
-  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  uint64_t offs[BLINK_STEP_NUM_ARRAYS];
   p.buf_bytes = blink_step_layout(c.step_max_tokens, c.step_max_seqs, blink_max_blocks_per_seq(&c), offs);
   p.host_mem.assign(p.mem_bytes / 8, 0);
   p.host_buf.assign(p.buf_bytes / 8, 0);

@@ -90,3 +90,33 @@ def test_version_1_offsets_did_not_move():
 def test_magic_and_version_match(c_layout):
     assert c_layout["magic"] == R.RING_MAGIC
     assert c_layout["version"] == R.RING_VERSION
+
+
+def test_every_ring_field_names_its_one_writer():
+    from protocols.layout import Struct
+    from protocols.ring_decl import LAYOUT
+
+    for struct in (i for i in LAYOUT.items if isinstance(i, Struct)):
+        for f in struct.fields:
+            assert f.writer in ("creator", "engine", "gateway"), f"{struct.c_name}.{f.name}: writer {f.writer!r}"
+
+
+def test_the_request_head_is_the_slot_bytes_the_producer_writes():
+    """One struct format, derived from the declaration, for the shm producer's write and the tcp Submit."""
+    assert R.REQUEST_HEAD.format == "<QIIffifQIIIxxxxQfffII"
+    assert R.REQUEST_HEAD.size == R.REQ_NUM_LOGPROBS + 4 - R.REQ_REQUEST_ID
+    spec = R.RequestSpec(request_id=7, prompt_ids=(1, 2, 3), max_tokens=9, temperature=0.5, seed=11, stop_ids=(4,),
+                         presence_penalty=0.25, logit_bias=((5, 1.5),), num_logprobs=2, priority=1)
+    head = R.REQUEST_HEAD.unpack(R.REQUEST_HEAD.pack(*R.request_head(spec)))
+    assert R.spec_from_head(head, spec.prompt_ids, spec.stop_ids, spec.logit_bias) == spec
+    assert dict(zip(R.REQUEST_HEAD_NAMES, head))["cancel_seq"] == 0  # written as 0 with a new request
+
+
+def test_header_fields_read_and_write_through_the_generated_dtype():
+    import numpy as np
+
+    g = R.RingGeometry(num_slots=3, max_prompt_len=17, max_output_len=5, max_stop_ids=3)
+    buf = np.zeros(g.total_bytes, dtype=np.uint8)
+    R.write_header(buf, g, "fp-1")
+    assert R.geometry_from_header(buf) == g and R.read_fingerprint(buf) == "fp-1"
+    assert int(buf[R.HDR_REQUEST_BYTES:R.HDR_REQUEST_BYTES + 4].view(np.uint32)[0]) == g.request_bytes

@@ -32,19 +32,10 @@
 #define SR_MAX_TEXT_BYTES 16384 /* an update's text bytes; more go back to Python */
 #define SR_SCRATCH_BYTES (6 * SR_MAX_TEXT_BYTES + SR_TEMPLATE_BYTES + 64) /* size line, quotes, CRLF */
 
-/* What the Python side fills once per ring (offsets from protocols/ring.py). */
-typedef struct {
-    uint8_t *ring;              /* the mapping's first byte */
-    uint64_t responses_offset;  /* bytes */
-    uint32_t response_bytes;
-    uint32_t num_slots;
-    uint32_t off_seq, off_produced, off_finish, off_consumed, off_tokens;
-    uint32_t max_output_len;    /* tokens a response holds (a circular buffer) */
-    const uint32_t *piece_offsets;  /* [vocab_size + 1] into piece_bytes */
-    const uint8_t *piece_bytes;
-    uint32_t vocab_size;
-    uint32_t _pad;
-} sr_ring;
+/* sr_ring (what the Python side fills once per ring), sr_taken (a stream's state as it goes back to Python),
+ * sr_tap (a benchmark's tap) and the SR_BACK_* reasons: generated from gateway/stream_round_decl.py
+ * (`python -m protocols.layout.gen`), as is their Python side (gateway/streaming/stream_round_layout.py). */
+#include "stream_round_layout.h"
 
 /* A stream's state while C delivers it; the same fields go back to Python in `sr_taken`. */
 typedef struct {
@@ -66,23 +57,6 @@ typedef struct {
     uint32_t reason;      /* why it was handed back (SR_BACK_*) */
     uint8_t templ[SR_TEMPLATE_BYTES]; /* "data: " + head, then tail + "\n\n" */
 } sr_slot;
-
-typedef struct {
-    int32_t consumed, num_tokens, num_pending, unsent_len, reason, _pad;
-    int64_t last_token_ns;
-    uint64_t bytes_sent;
-    uint8_t pending[4];
-} sr_taken;
-
-enum { SR_BACK_NONE, SR_BACK_FINISH, SR_BACK_SEQ, SR_BACK_TOKEN, SR_BACK_UTF8, SR_BACK_BUDGET, SR_BACK_SIZE,
-       SR_BACK_AGAIN, SR_BACK_ERROR, SR_BACK_PARTIAL };
-
-/* A benchmark's tap: each chunk's send time (CLOCK_MONOTONIC ns) and bytes (bench/gateway_probe.py). */
-typedef struct {
-    int64_t *times_ns, *ends;
-    uint8_t *bytes;
-    uint64_t cap_entries, cap_bytes, num_entries, num_bytes;
-} sr_tap;
 
 typedef struct {
     sr_ring ring;

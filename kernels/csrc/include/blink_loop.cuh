@@ -14,38 +14,11 @@
 #define BLINK_LOOP_THREADS 256
 #define BLINK_LOOP_IDLE_SLEEP_MAX_NS 2000u
 #define BLINK_LOOP_IDLE_BEAT_NS 1000000ull  // heartbeat while idle: every 1 ms
-// ErrorCode values of protocols/ring.py beyond the scheduler's own (blink_sched_error)
-#define BLINK_ERROR_ENGINE_STOPPING 4u
-#define BLINK_ERROR_INTERNAL 5u
+// ErrorCode values beyond the scheduler's own (blink_sched_error): enum blink_error_code, blink_ring_layout.h
 
-struct blink_loop_counters {
-  uint64_t iterations;       // loop kernel runs
-  uint64_t steps;            // model steps
-  uint64_t tokens;           // tokens published
-  uint64_t busy_ns;          // sum over back-to-back steps of commit-to-commit time
-  uint64_t busy_steps;
-  uint64_t sched_ns;         // sum over steps of the loop kernel's time (commit, admission, schedule, fill)
-  uint64_t idle_polls;
-  uint64_t commit_ns;        // parts of sched_ns: copy-in + applying the sampled tokens,
-  uint64_t schedule_ns;      // ring poll + admission + scheduling (of the last attempt),
-  uint64_t fill_ns;          // step buffer fill + picking the graph
-  uint64_t spec_hits;        // steps whose speculation was taken
-  uint64_t spec_misses;      // speculations dropped (a stop token, new requests, a preemption, nothing to run)
-  uint64_t spec_ns;          // the spec kernel's time (beside the bucket graph)
-  uint64_t gap_ns;           // sum over taken speculations: the graph's tokens seen -> the next step's kernels
-  uint64_t gap_steps;        //   start (the publish kernel's start, launched with the next bucket graph)
-};
-
-// Shared with the host (pinned, mapped): the host writes `stop`; the loop only stores the rest (a read of
-// host memory is a PCIe round trip, so the loop keeps its counters in device memory and mirrors them).
-struct blink_loop_ctl {
-  uint32_t stop;             // host: 1 = fail what is in flight, leave the loop
-  uint32_t exited;           // loop: 1 once the last iteration ran
-  blink_loop_counters c;
-  uint32_t error;            // nonzero: the loop stopped on an internal error (1: a bucket it has no graph
-                             // for, 2: a device graph launch failed)
-  uint32_t _pad;
-};
+// blink_loop_counters, blink_loop_ctl (shared with the host: pinned, mapped), blink_loop_options,
+// blink_loop_ext and blink_loop_args: generated from kernels/loop_decl.py (`python -m protocols.layout.gen`).
+#include "blink_loop_layout.h"
 
 // What blink_loop_take needs about sampled row j of the running step to accept the speculation: where its
 // token goes in the history and in the speculated step buffer, and how to tell a stop token.
@@ -56,64 +29,6 @@ struct spec_row {
   int32_t num_stop;                       // the slot's stop ids (0: only EOS can stop it)
   int32_t ignore_eos;
 };
-
-struct blink_loop_ext;  // blink_loop_ext.cuh
-
-// Everything the kernels need, in device memory (written once by the host before the launch).
-struct blink_loop_args {
-  uint8_t* ring;                          // device address of the ring
-  uint64_t sq_offset, requests_offset, responses_offset, request_bytes, response_bytes, prompt_offset;
-  uint32_t num_slots, max_prompt_len, max_output_len, max_stop_ids;
-  uint8_t* sched_mem;                     // blink_sched state (device)
-  uint64_t hot_bytes;                     // its hot prefix (blink_sched_bind_split), set by blink_loop_create
-  uint32_t smem_bytes;                    // 0: the hot prefix does not fit in shared memory, use it in place
-  uint32_t _pad0;
-  uint8_t* step_buf;                      // step_buffers.StepBuffers.dev
-  int64_t* sampled;                       // gpu_runner.tokens_dev: the graphs' sampled tokens (-1: not yet)
-  int32_t* sampled32;                     // [max_seqs] scratch
-  uint64_t* slot_seq;                     // [num_slots] the request seq a slot serves
-  uint32_t* slot_produced;                // [num_slots] tokens published (the response's `produced`)
-  int32_t* room;                          // [num_slots] scratch (when not in shared memory)
-  int32_t* order;                         // [num_slots] scratch of blink_sched_schedule (idem)
-  uint8_t* cancel;                        // [num_slots] scratch (idem)
-  int32_t* par;                           // [5 * num_slots] scratch of blink_sched_par.cuh (idem)
-  blink_loop_ctl* ctl;                    // device address of the mapped control block
-  cudaGraphExec_t full_exec;              // the full step's graph (blink_loop_step), launchable from the device
-  cudaGraphExec_t* branch_execs;          // [num_branches] the bucket graphs' (device memory)
-  uint32_t num_branches;
-  uint32_t check_tail;                    // 1: new requests queued after the speculation looked drop it
-  int64_t clock_offset_ns;                // CLOCK_MONOTONIC = %globaltimer + offset (response timestamps)
-  // the loop's own words (device memory, read and written only by the kernels)
-  uint64_t sq_head, beats, generated, last_commit_ns;
-  uint64_t ready_ns;                      // a taken speculation's tokens seen (for the gap counter)
-  uint64_t take_wait_ns;                  // the take kernel's last wait for tokens (its tail reads stop before)
-  blink_loop_counters c;
-  // speculation and the second step buffer; the pointers are set by blink_loop_create
-  uint8_t* step_buf_alt;                  // the step buffer of the branches b = 1 (step_buf: b = 0)
-  uint8_t* hot_alt;                       // the second copy of the scheduler's hot prefix
-  int32_t* tokens;                        // the scheduler's token history (cold, shared by both copies)
-  int32_t* stop_ids;                      // its stop ids (cold, shared)
-  spec_row* rows;                             // [max_seqs] per sampled row of the running step (spec kernel)
-  int32_t* err_slot;                      // [num_slots] admission errors the speculation found (deferred)
-  int32_t* err_code;
-  uint64_t new_token_offset;              // new_token's byte offset in a hot copy (where placeholders go)
-  uint64_t sq_head_alt;                   // the speculated state's submission head
-  uint64_t spec_tail;                     // the submission tail the speculation saw
-  uint32_t cur;                           // which hot copy is the real state (0: sched_mem, 1: hot_alt)
-  uint32_t buf;                           // the step buffer of the step that runs now
-  uint32_t spec_ok;                       // 1: the other copy holds step n+1, filled into the other buffer
-  uint32_t spec_branch;                   // its bucket graph (branch_of)
-  uint32_t spec_rows;                     // sampled rows of the running step
-  uint32_t num_err;                       // deferred admission errors, published with the accepted step
-  uint32_t exiting;                       // the loop is ending: nothing more to speculate
-  uint32_t num_eos;
-  uint32_t spec_done;                     // 1: the spec kernel of this iteration is done (blink_loop_take waits)
-  uint32_t async_take;                    // 1: blink_loop_take launches the next step before its tokens come
-                                          // (0: BLINK_LOOP_ASYNC=0; blink_loop_spec.cuh)
-  int32_t eos_ids[BLINK_SCHED_MAX_EOS];
-  blink_loop_ext* ext;                    // the sampling extensions (blink_loop_ext.cuh), 0: off
-};
-
 
 // ---- memory access to the ring ------------------------------------------------------------------------
 template <typename T>
@@ -428,7 +343,7 @@ __device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
 // ctl->error, and fails what is in flight).
 __device__ __forceinline__ void launch_next(blink_loop_args* a, cudaGraphExec_t next) {
   if (cudaGraphLaunch(next, cudaStreamGraphTailLaunch) != cudaSuccess) {
-    st_v(&a->ctl->error, 2u);
+    st_v(&a->ctl->error, (uint32_t)BLINK_LOOP_FAULT_GRAPH_LAUNCH);
     end_loop(a);
   }
 }

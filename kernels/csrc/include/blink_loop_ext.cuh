@@ -32,34 +32,8 @@
 #define BLINK_EXT_LOGPROBS 8u
 #define BLINK_EXT_SEEN 0x80000000u  // scratch: the token occurs in the prompt (repetition penalty)
 
-struct blink_loop_ext {
-  // set by the host
-  float* logits;                // [S, V] float32: the LOGITS graphs' output, adjusted in place
-  uint32_t* scratch;            // [S, V] zero between steps
-  const float* lp_chosen;       // [2, S] per step buffer: the POST graphs' logprob of each row's token
-  const int32_t* lp_ids;        // [2, S, lp_k] its best lp_k alternatives, descending
-  const float* lp_vals;         // [2, S, lp_k]
-  void* const* post_graphs;     // host memory: [4 * num_buckets] cudaGraph_t, the plain branches' order
-  uint32_t* flags;              // [N] per slot, at admission: BLINK_EXT_* bits
-  int32_t* num_logprobs;        // [N]
-  int32_t* prompt_len;          // [N]
-  int32_t* num_bias;            // [N]
-  int32_t* capacity;            // [N] tokens the slot may run ahead of the gateway's reads
-  float* penalties;             // [N, 3] presence, frequency, repetition
-  int32_t* bias_ids;            // [N, max_bias]
-  float* bias_vals;             // [N, max_bias]
-  int32_t* row_slot;            // [2, S] per step buffer: sampled row -> slot when it uses an extension, else -1
-  int32_t* slot_row;            // [2, N] per step buffer: slot -> its sampled row
-  uint64_t bias_offset, bias_bytes;                       // the ring's logit-bias areas
-  uint64_t lp_offset, lp_bytes, lp_ids_offset, lp_top_offset;  // its logprob areas
-  uint64_t off_sample_rows, off_seq_ids, off_sample_pos;  // step buffer fields (input_ids at 0)
-  uint32_t vocab, max_rows, lp_k, max_bias, window, max_logprobs, num_buckets, context_len;
-  // the loop's words
-  uint32_t num_rows[2];         // sampled rows of the step in buffer b
-  uint32_t extended[2];         // 1: that step runs its extended branch
-  uint32_t pub_buf;             // the buffer of the step whose tokens the next publish writes
-  uint32_t _pad;
-};
+// struct blink_loop_ext (the per-slot and per-buffer tables above, the ring's areas, the loop's words):
+// blink_loop_layout.h, generated from kernels/loop_decl.py.
 
 // ---- admission -------------------------------------------------------------------------------------------
 // All threads, after the prompt copy: the request's logit bias, ring -> device.

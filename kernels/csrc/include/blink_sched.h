@@ -21,72 +21,22 @@
 #define BLINK_HD static inline
 #endif
 
-#define BLINK_SCHED_MAX_EOS 8
-#define BLINK_SCHED_MAX_BUCKETS 32
-#define BLINK_STEP_NUM_FIELDS 15
+// The config and header structs, the slot statuses, the error codes and the carved arrays (X-macro lists, hot
+// then cold) are generated from kernels/sched_decl.py, the step buffer's arrays from kernels/step_decl.py
+// (`python -m protocols.layout.gen`); gpu_backend/engine/sched_native.py and step_buffers.py read the same.
+// STOPPING (the GPU loop's asynchronous take only, blink_loop_spec.cuh): the sequence sampled a stop token
+// after step n+1, which holds it, was launched; its finish is published, and the next update drops its row of
+// step n+1 and frees it. The host engines never set it.
+#include "blink_sched_layout.h"
+#include "blink_step_layout.h"
 
-// FINISHED: slot free. STOPPING (the GPU loop's asynchronous take only, blink_loop_spec.cuh): the sequence
-// sampled a stop token after step n+1, which holds it, was launched; its finish is published, and the next
-// update drops its row of step n+1 and frees it. The host engines never set it.
-enum blink_seq_status { BLINK_SEQ_WAITING = 0, BLINK_SEQ_RUNNING = 1, BLINK_SEQ_FINISHED = 2, BLINK_SEQ_STOPPING = 3 };
-enum blink_sched_error { BLINK_ERR_NONE = 0, BLINK_ERR_PROMPT_TOO_LONG = 1, BLINK_ERR_INVALID_PARAMS = 2,
-                         BLINK_ERR_NO_KV_CAPACITY = 3 };
-// StepBuffers fields, in gpu_runner.py's order (the order fixes the byte offsets)
-enum blink_step_field { BLINK_F_INPUT_IDS, BLINK_F_POSITIONS, BLINK_F_SLOT_MAPPING, BLINK_F_SEQ_IDS,
-                        BLINK_F_SAMPLE_ROWS, BLINK_F_TEMPERATURE, BLINK_F_TOP_K, BLINK_F_TOP_P, BLINK_F_MIN_P,
-                        BLINK_F_SEEDS, BLINK_F_SAMPLE_POS, BLINK_F_Q_START, BLINK_F_CTX_LENS, BLINK_F_NUM_SEQS,
-                        BLINK_F_BLOCK_TABLES };
-
-typedef struct blink_sched_config {
-  int32_t max_slots;           // ring slots: sequence state is indexed by slot
-  int32_t num_blocks;
-  int32_t block_size;
-  int32_t context_len;         // prompt + generated tokens a sequence may hold
-  int32_t budget;              // max_num_batched_tokens
-  int32_t max_num_seqs;        // running sequences at most
-  int32_t max_stop_ids;
-  int32_t num_eos;
-  int32_t eos_ids[BLINK_SCHED_MAX_EOS];
-  // the step buffer the bucket graphs read (step_buffers.StepBuffers)
-  int32_t step_max_tokens;     // T
-  int32_t step_max_seqs;       // S (GpuRunnerConfig.max_num_seqs: a bucket's graph has min(bucket, S) rows)
-  int32_t num_buckets;
-  int32_t buckets[BLINK_SCHED_MAX_BUCKETS];
-} blink_sched_config;
-
-typedef struct blink_sched_header {
-  blink_sched_config cfg;
-  int64_t next_arrival;
-  int32_t free_head, num_free;  // free blocks: a FIFO ring (the reference's deque: pop left, push right)
-  int32_t num_running, num_waiting;
-  int32_t num_entries, num_preempted;
-  int32_t num_new, num_finished;
-  int32_t bucket, num_tokens, num_sampled, all_greedy;
-  // speculation (the GPU loop schedules step n+1 while step n runs, on a copy of this header and the
-  // per-slot arrays; the large arrays are shared): in spec_mode nothing is preempted -- a step that would
-  // need it sets spec_tainted and the loop schedules that step again from the real state
-  int32_t spec_mode, spec_tainted;
-} blink_sched_header;
-
+// The state's arrays, bound into one buffer by blink_sched_bind_split (shapes: blink_sched_layout.h).
 typedef struct blink_sched {
   blink_sched_header* h;
-  // per slot
-  int32_t *status, *prompt_len, *num_tokens, *num_computed, *num_table, *num_preemptions;
-  int64_t *priority, *arrival, *max_tokens;
-  int32_t *ignore_eos, *num_stop, *stop_ids;     // stop_ids [slots, max_stop_ids]
-  float *temperature, *top_p, *min_p;
-  int32_t* top_k;
-  uint64_t* seed;
-  int32_t* block_table;                          // [slots, max_blocks_per_seq]
-  int32_t* tokens;                               // [slots, context_len]: prompt + generated
-  uint8_t* scheduled;                            // [slots] scratch of one step
-  // shared
-  int32_t* free_blocks;                          // [num_blocks]
-  int32_t *running, *waiting;                    // [slots] slot ids, in the reference's list order
-  // one step's batch
-  int32_t *entry_slot, *entry_q_len, *entry_samples, *entry_start, *entry_q_start;  // [slots (+1)]
-  int32_t* preempted;                            // [slots]
-  int32_t *new_slot, *new_token, *fin_slot, *fin_reason;  // update's results [slots]
+#define BLINK_SCHED_POINTER(NAME, name, type, count) type* name;
+  BLINK_SCHED_HOT_ARRAYS(BLINK_SCHED_POINTER)
+  BLINK_SCHED_COLD_ARRAYS(BLINK_SCHED_POINTER)
+#undef BLINK_SCHED_POINTER
 } blink_sched;
 
 BLINK_HD int32_t blink_max_blocks_per_seq(const blink_sched_config* c) {
@@ -104,26 +54,16 @@ BLINK_HD uint64_t blink_sched_bind_split(blink_sched* s, void* hot, void* cold, 
                                          uint64_t* hot_bytes) {
   uint8_t* base = (uint8_t*)hot;
   uint64_t off = blink_align8(sizeof(blink_sched_header));
-  const uint64_t n = (uint64_t)c->max_slots, mb = (uint64_t)blink_max_blocks_per_seq(c);
-#define BLINK_CARVE(field, type, count) \
-  s->field = (type*)(base + off); off = blink_align8(off + sizeof(type) * (uint64_t)(count));
+  // the dimensions the generated lists count in
+  const uint64_t N = (uint64_t)c->max_slots, STOP = (uint64_t)c->max_stop_ids, MB = (uint64_t)blink_max_blocks_per_seq(c),
+                 CTX = (uint64_t)c->context_len, BLOCKS = (uint64_t)c->num_blocks;
+#define BLINK_CARVE(NAME, field, type, count) \
+  s->field = (type*)(base + off); off = blink_align8(off + sizeof(type) * (count));
   s->h = (blink_sched_header*)base;
-  BLINK_CARVE(status, int32_t, n) BLINK_CARVE(prompt_len, int32_t, n) BLINK_CARVE(num_tokens, int32_t, n)
-  BLINK_CARVE(num_computed, int32_t, n) BLINK_CARVE(num_table, int32_t, n) BLINK_CARVE(num_preemptions, int32_t, n)
-  BLINK_CARVE(priority, int64_t, n) BLINK_CARVE(arrival, int64_t, n) BLINK_CARVE(max_tokens, int64_t, n)
-  BLINK_CARVE(ignore_eos, int32_t, n) BLINK_CARVE(num_stop, int32_t, n)
-  BLINK_CARVE(temperature, float, n) BLINK_CARVE(top_p, float, n) BLINK_CARVE(min_p, float, n)
-  BLINK_CARVE(top_k, int32_t, n) BLINK_CARVE(seed, uint64_t, n) BLINK_CARVE(scheduled, uint8_t, n)
-  BLINK_CARVE(running, int32_t, n) BLINK_CARVE(waiting, int32_t, n)
-  BLINK_CARVE(entry_slot, int32_t, n) BLINK_CARVE(entry_q_len, int32_t, n) BLINK_CARVE(entry_samples, int32_t, n)
-  BLINK_CARVE(entry_start, int32_t, n) BLINK_CARVE(entry_q_start, int32_t, n + 1) BLINK_CARVE(preempted, int32_t, n)
-  BLINK_CARVE(new_slot, int32_t, n) BLINK_CARVE(new_token, int32_t, n)
-  BLINK_CARVE(fin_slot, int32_t, n) BLINK_CARVE(fin_reason, int32_t, n)
+  BLINK_SCHED_HOT_ARRAYS(BLINK_CARVE)
   if (hot_bytes) *hot_bytes = off;
   if (cold) base = (uint8_t*)cold - off;  // cold offsets continue where the hot prefix ends
-  BLINK_CARVE(stop_ids, int32_t, n * (uint64_t)c->max_stop_ids)
-  BLINK_CARVE(block_table, int32_t, n * mb) BLINK_CARVE(tokens, int32_t, n * (uint64_t)c->context_len)
-  BLINK_CARVE(free_blocks, int32_t, c->num_blocks)
+  BLINK_SCHED_COLD_ARRAYS(BLINK_CARVE)
 #undef BLINK_CARVE
   return off;
 }
@@ -392,20 +332,17 @@ BLINK_HD int32_t blink_sched_schedule(blink_sched* s, const int32_t* room, int32
 }
 
 // ---- the step buffer (step_buffers.StepBuffers / fill_step) -------------------------------------------------
-BLINK_HD int32_t blink_step_field_size(int32_t field) {
-  const int32_t eight = (1 << BLINK_F_POSITIONS) | (1 << BLINK_F_SLOT_MAPPING) | (1 << BLINK_F_SAMPLE_ROWS) |
-                        (1 << BLINK_F_SEEDS) | (1 << BLINK_F_SAMPLE_POS);
-  return (eight >> field) & 1 ? 8 : 4;
-}
-
 // Byte offsets of the fields (T tokens, S sequences, MB blocks per sequence); returns the total bytes.
 BLINK_HD uint64_t blink_step_layout(int32_t t, int32_t s, int32_t mb, uint64_t* offsets) {
-  const int64_t counts[BLINK_STEP_NUM_FIELDS] = {t, t, t, t, s, s, s, s, s, s, s, s + 1, s, 1, (int64_t)s * mb};
+  const uint64_t T = (uint64_t)t, S = (uint64_t)s, MB = (uint64_t)mb;  // the generated list counts in these
+#define BLINK_STEP_BYTES(NAME, name, type, count) sizeof(type) * (count),
+  const uint64_t bytes[BLINK_STEP_NUM_ARRAYS] = {BLINK_STEP_ARRAYS(BLINK_STEP_BYTES)};
+#undef BLINK_STEP_BYTES
   uint64_t off = 0;
-  for (int32_t f = 0; f < BLINK_STEP_NUM_FIELDS; ++f) {
+  for (int32_t f = 0; f < BLINK_STEP_NUM_ARRAYS; ++f) {
     off = blink_align8(off);
     offsets[f] = off;
-    off += (uint64_t)counts[f] * (uint64_t)blink_step_field_size(f);
+    off += bytes[f];
   }
   return blink_align8(off);
 }
@@ -434,7 +371,7 @@ BLINK_HD int blink_fill_sample_row(const blink_sched* s, uint8_t* buf, const uin
 BLINK_HD int32_t blink_fill_prologue(blink_sched* s, uint8_t* buf) {
   blink_sched_header* h = s->h;
   const blink_sched_config* c = &h->cfg;
-  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  uint64_t offs[BLINK_STEP_NUM_ARRAYS];
   blink_step_layout(c->step_max_tokens, c->step_max_seqs, blink_max_blocks_per_seq(c), offs);
   int32_t* q_start = BLINK_FIELD(buf, offs, BLINK_F_Q_START, int32_t);
   int64_t* rows = BLINK_FIELD(buf, offs, BLINK_F_SAMPLE_ROWS, int64_t);
@@ -477,7 +414,7 @@ BLINK_HD void blink_fill_token_rows(const blink_sched* s, uint8_t* buf, int32_t 
   const blink_sched_header* h = s->h;
   const blink_sched_config* c = &h->cfg;
   const int32_t mb = blink_max_blocks_per_seq(c), bs = c->block_size;
-  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  uint64_t offs[BLINK_STEP_NUM_ARRAYS];
   blink_step_layout(c->step_max_tokens, c->step_max_seqs, mb, offs);
   for (int32_t i = tid; i < h->bucket; i += nthreads) {
     int32_t id = 0, seq_id = -1;
@@ -501,7 +438,7 @@ BLINK_HD void blink_fill_block_tables(const blink_sched* s, uint8_t* buf, int32_
   const blink_sched_header* h = s->h;
   const blink_sched_config* c = &h->cfg;
   const int32_t mb = blink_max_blocks_per_seq(c);
-  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  uint64_t offs[BLINK_STEP_NUM_ARRAYS];
   blink_step_layout(c->step_max_tokens, c->step_max_seqs, mb, offs);
   // the [entries, MB] rectangle, flattened, in runs of 8 cells per thread: the 8 loads are issued before
   // any store (a load may not pass a store to memory that could alias it), so a thread waits for one

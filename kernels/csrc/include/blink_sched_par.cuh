@@ -207,7 +207,7 @@ __device__ inline int32_t blink_fill_prologue_par(blink_sched* s, uint8_t* buf, 
   blink_sched_header* h = s->h;
   const blink_sched_config* c = &h->cfg;
   const int32_t n = h->num_entries, slots = c->max_slots;
-  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  uint64_t offs[BLINK_STEP_NUM_ARRAYS];
   blink_step_layout(c->step_max_tokens, c->step_max_seqs, blink_max_blocks_per_seq(c), offs);
   int32_t* q_start = BLINK_FIELD(buf, offs, BLINK_F_Q_START, int32_t);
   int64_t* rows = BLINK_FIELD(buf, offs, BLINK_F_SAMPLE_ROWS, int64_t);
@@ -254,7 +254,7 @@ __device__ inline void blink_fill_block_tables_par(const blink_sched* s, uint8_t
   const blink_sched_header* h = s->h;
   const blink_sched_config* c = &h->cfg;
   const int32_t n = h->num_entries, mb = blink_max_blocks_per_seq(c);
-  uint64_t offs[BLINK_STEP_NUM_FIELDS];
+  uint64_t offs[BLINK_STEP_NUM_ARRAYS];
   blink_step_layout(c->step_max_tokens, c->step_max_seqs, mb, offs);
   int32_t* tables = BLINK_FIELD(buf, offs, BLINK_F_BLOCK_TABLES, int32_t);
   int32_t* first = scratch;  // entry e's first cell; every entry holds at least one block
