@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from gpu_backend.engine.sampler import LogitAdjustments, PromptCache, SamplingRow, token_logprobs, top_logprobs
-from gpu_backend.engine.scheduler import Batch
-from gpu_backend.engine.step_buffers import StepBuffers, fill_step, token_buckets
+from gpu_backend.engine.sched_native import StepGeometry
+from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers, token_buckets
 from gpu_backend.models import ModelConfig, allocate_kv_cache
 from gpu_backend.models.rope import rope_inv_freq
 from protocols.ring import TokenLogprob
@@ -413,46 +413,45 @@ class GpuRunner:
         self.bufs.upload(num_seqs)
 
     # ---- per step, on the host -------------------------------------------------------------------------
-    def fill(self, batch: Batch) -> tuple[int, bool, int]:
-        return fill_step(self.bufs, batch, self.config, self.buckets)
+    @property
+    def step_geometry(self) -> StepGeometry:
+        """The step buffer the graphs were captured over, for the scheduler's fill."""
+        return StepGeometry(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.buckets)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> list[int]:
-        """Tokens sampled for the entries with `samples`, in batch order; `last_logprobs` for the rows that
-        asked (empty when none did). Without `sampling_extensions` the engine loop has refused such rows."""
-        bucket, greedy, num_sampled = self.fill(batch)
-        self.bufs.upload(len(batch.entries))
+    def run(self, step: ScheduledStep) -> list[int]:
+        """Tokens sampled for the step's sampled rows, in row order; `last_logprobs` for the rows that asked
+        (empty when none did). The step is already in the pinned step buffer (`bufs.host`, the scheduler's C
+        fill). Without `sampling_extensions` the engine loop has refused such rows."""
+        self.bufs.upload(step.num_seqs)
         self.last_logprobs = []
-        if self.sampling_extensions and any(e.samples and e.seq.spec.uses_sampling_extensions
-                                            for e in batch.entries):
-            rows = self._prompts.rows([e.seq for e in batch.entries if e.samples])
-            self.last_logprobs = self._step_extended(bucket, greedy, rows)
+        if self.sampling_extensions and any(s.spec.uses_sampling_extensions for s in step.sampled):
+            rows = self._prompts.rows(step.sampled)
+            self.last_logprobs = self._step_extended(step.bucket, step.all_greedy, rows)
         elif self.config.use_graphs:
-            self.graphs[(bucket, greedy)].replay()
+            self.graphs[(step.bucket, step.all_greedy)].replay()
         else:
-            self._step(bucket, greedy)
+            self._step(step.bucket, step.all_greedy)
         self.tokens_host.copy_(self.tokens_dev, non_blocking=True)
         self._done.record()
         self._done.synchronize()
-        return self.tokens_host[:num_sampled].tolist()
+        return self.tokens_host[:step.num_sampled].tolist()
 
     @torch.inference_mode()
-    def logits(self, batch: Batch) -> torch.Tensor:
+    def logits(self, step: ScheduledStep) -> torch.Tensor:
         """Eager step returning float32 logits for every fed token, [num_tokens, V] (teacher-forcing tests)."""
-        bucket, _, _ = self.fill(batch)
-        self.bufs.upload(len(batch.entries))
-        x, residual = self._layers(bucket)
-        n = sum(e.q_len for e in batch.entries)
+        self.bufs.upload(step.num_seqs)
+        x, residual = self._layers(step.bucket)
+        n = step.num_tokens
         return self._head(x[:n], residual[:n])
 
     @torch.inference_mode()
-    def sampled_logits(self, batch: Batch) -> torch.Tensor:
+    def sampled_logits(self, step: ScheduledStep) -> torch.Tensor:
         """Eager step returning the sampled rows' float32 logits [num_sampled, V] as the LOGITS graph computes
         them, before bias and penalties (tests hold the extensions against the sampler's math on these)."""
-        bucket, _, num_sampled = self.fill(batch)
-        self.bufs.upload(len(batch.entries))
-        self._step(bucket, LOGITS)
-        return self.logits_dev[:num_sampled].clone()
+        self.bufs.upload(step.num_seqs)
+        self._step(step.bucket, LOGITS)
+        return self.logits_dev[:step.num_sampled].clone()
 
 
 def _probe_rows(num_rows: int) -> list[SamplingRow]:

@@ -33,8 +33,7 @@ import torch
 
 from gpu_backend.engine.gpu_runner import LOGITS, LOOP_LOGPROBS, POST, POST_GREEDY, GpuRunner
 from gpu_backend.engine.loop import EngineConfig
-from gpu_backend.engine.sched_native import NativeScheduler, StepGeometry, _Header
-from gpu_backend.engine.scheduler import SchedulerConfig
+from gpu_backend.engine.sched_native import NativeScheduler, SchedulerConfig, _Header
 from gpu_backend.models import ModelConfig
 from kernels import persistent_loop as native
 from protocols import ring as R
@@ -60,8 +59,7 @@ class PersistentEngine:
         sched = NativeScheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, context_len,
                             tuple(model_cfg.eos_token_ids)),
-            runner.num_blocks, rc.block_size, g.num_slots, g.max_stop_ids,
-            StepGeometry(rc.max_num_batched_tokens, rc.max_num_seqs, runner.buckets))
+            runner.num_blocks, rc.block_size, g.num_slots, g.max_stop_ids, runner.step_geometry)
         self.sched_state = torch.from_numpy(sched.state.view(np.uint8)).to(dev)
         n = g.num_slots
         self._scratch = dict(
