@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from blink.bench.results import commit  # noqa: E402
 from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig  # noqa: E402
+from gpu_backend.engine.graph_variant import GraphVariant  # noqa: E402
 from gpu_backend.engine.loop import EngineConfig, EngineLoop  # noqa: E402
 from gpu_backend.engine.persistent import PersistentEngine  # noqa: E402
 from gpu_backend.models import load_model  # noqa: E402
@@ -80,7 +81,7 @@ def _graph_for(runner: GpuRunner, batch: Batch) -> torch.cuda.CUDAGraph:
     """`batch` written into the runner's step buffer; the bucket graph that runs it."""
     step = step_of(runner, batch)
     runner.bufs.upload(step.num_seqs)
-    return runner.graphs[(step.bucket, step.all_greedy)]
+    return runner.graphs[(step.bucket, GraphVariant.sampling(step.all_greedy))]
 
 
 def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
@@ -262,7 +263,7 @@ def profile(runner: GpuRunner, batch: Batch) -> None:
     from torch.profiler import profile as torch_profile
 
     step = step_of(runner, batch)
-    bucket, greedy = step.bucket, step.all_greedy
+    bucket, greedy = step.bucket, GraphVariant.sampling(step.all_greedy)
     runner.bufs.upload(step.num_seqs)
     with torch.inference_mode():
         runner._step(bucket, greedy)

@@ -2,8 +2,9 @@
 
 A runner turns one scheduled step into one sampled token per sampled row; the loop (`engine/loop.py`) is
 the same for every mode, and so is the step: the scheduler's C fill writes it into this runner's step
-buffer (`StepBuffers`, host memory only here), the very layout the GPU runner's graphs read. Attention's
-plan is built here, per step, on the host: fine on the CPU, and exactly what the GPU runners must not do.
+buffer (`StepBuffers`, host memory only here), the very layout the GPU runner's graphs read. So is the
+model: `models/llama_forward.decoder_layers`, here with the torch ops. Attention's plan is built here, per
+step, on the host: fine on the CPU, and exactly what the GPU runners must not do.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from gpu_backend.engine.sampler import PromptCache, sample_step
 from gpu_backend.engine.sched_native import StepGeometry
 from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers, token_buckets
 from gpu_backend.models import AttnBatch, ModelConfig, allocate_kv_cache
+from gpu_backend.models.llama_forward import decoder_layers, lm_head_logits
+from gpu_backend.models.torch_ops import TorchOps
 from protocols.ring import TokenLogprob
 
 
@@ -22,7 +25,7 @@ class CpuRunner:
 
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, num_blocks: int, block_size: int, *,
                  context_len: int, max_num_batched_tokens: int, max_num_seqs: int):
-        self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
+        self.model, self.cfg, self.block_size, self.num_blocks = model, model_cfg, block_size, num_blocks
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] float32, cpu
         self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, block_size, torch.float32, "cpu")
         max_seqs = min(max_num_seqs, max_num_batched_tokens)  # a sequence feeds at least one token a step
@@ -38,14 +41,15 @@ class CpuRunner:
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> list[int]:
         """Tokens sampled for the step's sampled rows, in row order."""
-        h, n = self.bufs.h, step.num_tokens
-        hidden = self.model(torch.from_numpy(h["input_ids"][:n]).long(), torch.from_numpy(h["positions"][:n]),
-                            self._attn_batch(step), self.kv_cache)
+        h, n, w = self.bufs.h, step.num_tokens, self.model.decoder_weights()
+        ops = TorchOps(self._attn_batch(step), torch.from_numpy(h["positions"][:n]), self.model.rotary, self.kv_cache,
+                       self.cfg.head_dim ** -0.5, w.embed.dtype)
+        x, residual = decoder_layers(ops, w, self.cfg, torch.from_numpy(h["input_ids"][:n]).long())  # [n, hidden]
         self.last_logprobs = []
         if not step.num_sampled:
             return []
         rows = torch.from_numpy(h["sample_rows"][: step.num_sampled])
-        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, V] float32
+        logits = lm_head_logits(ops, w, self.cfg, x[rows], residual[rows])  # [num_sampled, V] float32
         tokens, self.last_logprobs = sample_step(logits, self._prompts.rows(step.sampled))
         return tokens
 

@@ -51,14 +51,14 @@ class Engine:
     """An EngineLoop on a fresh ring, stepped by hand, with a producer on the gateway's side."""
 
     def __init__(self, model, num_blocks: int = 64, budget: int = 16, max_seqs: int = 4, block_size: int = 4,
-                 eos: tuple[int, ...] | None = None):
+                 eos: tuple[int, ...] | None = None, runner_cls=CpuRunner):
         self.cfg, m = model
         if eos is not None:
             self.cfg = dataclasses.replace(self.cfg, eos_token_ids=eos)
         self.ring = create_ring(f"blink-engine-test-{os.getpid()}-{next(_rings)}", RingGeometry(8, CONTEXT_LEN, 64),
                                 "test")
         self.prod = RingProducer(attach_ring(self.ring.name))
-        self.runner = CpuRunner(m, self.cfg, num_blocks, block_size, context_len=CONTEXT_LEN,
+        self.runner = runner_cls(m, self.cfg, num_blocks, block_size, context_len=CONTEXT_LEN,
                                 max_num_batched_tokens=budget, max_num_seqs=max_seqs)
         self.loop = EngineLoop(self.runner, self.cfg, RingConsumer(self.ring),
                                EngineConfig(block_size=block_size, max_num_batched_tokens=budget,
@@ -219,3 +219,27 @@ def test_no_product_module_imports_the_reference_scheduler():
             bad = [n for n in names if "reference_scheduler" in n or n == "gpu_backend.engine.scheduler"
                    or n.startswith("tests")]
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_both_runners_call_the_one_forward(model, engine, monkeypatch):
+    """The CPU runner goes through llama_forward.decoder_layers (spied); the GPU runner's module calls the
+    same function and defines no layer loop of its own (read from its source: no GPU here)."""
+    from gpu_backend.engine import cpu_runner, gpu_runner
+    from gpu_backend.models import llama_forward
+
+    calls = []
+    real = llama_forward.decoder_layers
+    monkeypatch.setattr(cpu_runner, "decoder_layers", lambda *a: calls.append(a[1]) or real(*a))
+    e = engine()
+    e.submit(RequestSpec(0, _prompts(1, model[0].vocab_size)[0], 3, temperature=0.0, ignore_eos=True))
+    e.run_until_done()
+    assert len(calls) == e.loop.steps and all(w is calls[0] for w in calls)
+    tree = ast.parse(Path(gpu_runner.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                and n.module == "gpu_backend.models.llama_forward" for a in n.names}
+    assert {"decoder_layers", "lm_head_logits", "fuse_weights"} <= imported
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert {"decoder_layers", "lm_head_logits"} <= called
+    # the layer sequence is not written a second time: no loop over the layers in the GPU runner
+    loops = [ast.unparse(n.iter) for n in ast.walk(tree) if isinstance(n, ast.For)]
+    assert not [it for it in loops if "layers" in it], loops

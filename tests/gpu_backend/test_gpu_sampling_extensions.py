@@ -22,7 +22,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")]
 
 from test_gpu_runner import _drive, _peaky_model, _runner  # noqa: E402
-from gpu_backend.engine.gpu_runner import LOGITS  # noqa: E402
+from gpu_backend.engine.graph_variant import GraphVariant  # noqa: E402
 from gpu_backend.engine.sampler import apply_penalties, sampling_row, token_logprobs  # noqa: E402
 from reference_scheduler import Batch, ScheduledSeq, Sequence, step_of  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
@@ -114,7 +114,8 @@ def test_extensions_match_the_sampler_math_on_the_same_logits(runner, seed):
 
 def test_each_bucket_has_a_logits_graph_beside_its_two_sampling_graphs(runner):
     if runner.config.use_graphs:
-        assert set(runner.graphs) == {(b, g) for b in runner.buckets for g in (False, True, LOGITS)}
+        assert set(runner.graphs) == {(b, g) for b in runner.buckets
+                                      for g in (GraphVariant.SAMPLE, GraphVariant.GREEDY, GraphVariant.LOGITS)}
         print(f"\n{len(runner.graphs)} graphs captured in {runner.capture_s:.2f} s")
 
 
