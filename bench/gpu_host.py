@@ -37,14 +37,15 @@ sys.path.insert(0, str(ROOT))
 
 from blink.bench.results import commit  # noqa: E402
 from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig  # noqa: E402
+from gpu_backend.engine.graph_variant import GraphVariant  # noqa: E402
 from gpu_backend.engine.loop import EngineConfig, EngineLoop  # noqa: E402
 from gpu_backend.engine.persistent import PersistentEngine  # noqa: E402
-from gpu_backend.engine.scheduler import Batch, ScheduledSeq, Sequence  # noqa: E402
 from gpu_backend.models import load_model  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec, RingGeometry  # noqa: E402
 from protocols.shm import attach_ring, create_ring  # noqa: E402
 from protocols.shm_consumer import RingConsumer  # noqa: E402
 from protocols.shm_producer import ShmProducer  # noqa: E402
+from tests.gpu_backend.reference_scheduler import Batch, ScheduledSeq, Sequence, step_of  # noqa: E402
 
 
 def copy_gbps() -> float:
@@ -78,9 +79,9 @@ def decode_batch(runner: GpuRunner, batch_size: int, ctx_len: int) -> Batch:
 
 def _graph_for(runner: GpuRunner, batch: Batch) -> torch.cuda.CUDAGraph:
     """`batch` written into the runner's step buffer; the bucket graph that runs it."""
-    bucket, greedy, _ = runner.fill(batch)
-    runner.bufs.upload(len(batch.entries))
-    return runner.graphs[(bucket, greedy)]
+    step = step_of(runner, batch)
+    runner.bufs.upload(step.num_seqs)
+    return runner.graphs[(step.bucket, GraphVariant.sampling(step.all_greedy))]
 
 
 def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
@@ -173,10 +174,12 @@ def host_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, decode
         live, produced = set(slots), 0
         step_s, cpu_s, decode_steps, tokens_in_decode, ctx = [], 0.0, 0, 0, []
         while live:
-            decoding = all(s.num_computed == len(s.token_ids) - 1 for s in loop.scheduler.running) and \
-                len(loop.scheduler.running) == batch_size
+            sched = loop.scheduler
+            num_tokens = sched.a["num_tokens"][sched.running]
+            decoding = len(num_tokens) == batch_size and bool(
+                (sched.a["num_computed"][sched.running] == num_tokens - 1).all())
             if decoding:
-                ctx.append(statistics.mean(len(s.token_ids) for s in loop.scheduler.running))
+                ctx.append(float(num_tokens.mean()))
             w0, c0 = time.perf_counter(), time.thread_time()
             loop.step()
             w1, c1 = time.perf_counter(), time.thread_time()
@@ -260,8 +263,9 @@ def profile(runner: GpuRunner, batch: Batch) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    bucket, greedy, _ = runner.fill(batch)
-    runner.bufs.upload(len(batch.entries))
+    step = step_of(runner, batch)
+    bucket, greedy = step.bucket, GraphVariant.sampling(step.all_greedy)
+    runner.bufs.upload(step.num_seqs)
     with torch.inference_mode():
         runner._step(bucket, greedy)
         torch.cuda.synchronize()

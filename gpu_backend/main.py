@@ -123,7 +123,9 @@ def _make_runner(args, model, cfg, config, context_len: int):
     if args.mode == "cpu":
         from gpu_backend.engine.cpu_runner import CpuRunner
 
-        return CpuRunner(model, cfg, config.num_blocks_for(cfg, context_len), config.block_size)
+        return CpuRunner(model, cfg, config.num_blocks_for(cfg, context_len), config.block_size,
+                         context_len=context_len, max_num_batched_tokens=config.max_num_batched_tokens,
+                         max_num_seqs=config.max_num_seqs)
     from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig
 
     runner = GpuRunner(model, cfg, GpuRunnerConfig(

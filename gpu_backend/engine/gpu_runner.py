@@ -8,10 +8,12 @@ host's work per step is: fill the pinned twin of the buffer, one copy, one repla
 GPU-resident loop (`engine/persistent.py`) fills the same buffer from the device and launches the same
 graphs as children of its own.
 
-Per layer: fused residual add + RMSNorm -> qkv GEMM -> RoPE fused with the KV-cache write -> paged
-attention (mixed prefill/decode, one launch) -> o GEMM -> add + RMSNorm -> gate_up GEMM -> SwiGLU ->
-down GEMM. Then the final norm, the LM head over the sampled rows only, and sampling (argmax for
-all-greedy steps; the full sampler otherwise: two graphs per bucket, the host picks one).
+The model is the one forward both runners call (`models/llama_forward.decoder_layers`), here with the
+Triton kernels over the step buffer (`engine/gpu_ops.TritonOps`). Per layer: fused residual add + RMSNorm
+-> qkv GEMM -> RoPE fused with the KV-cache write -> paged attention (mixed prefill/decode, one launch) ->
+o GEMM -> add + RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM. Then the final norm, the LM head over the
+sampled rows only, and sampling (argmax for all-greedy steps; the full sampler otherwise: two graphs per
+bucket, the host picks one). What each captured graph runs is its `GraphVariant` (engine/graph_variant.py).
 
 The sampling extensions (logit bias, repetition/frequency/presence penalties, logprobs) take a third path,
 only in steps where some sampled row asks for one: a third graph per bucket (`LOGITS`) stops at the LM
@@ -47,21 +49,21 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from gpu_backend.engine.gpu_ops import TritonOps
+from gpu_backend.engine.graph_variant import GraphVariant
 from gpu_backend.engine.sampler import LogitAdjustments, PromptCache, SamplingRow, token_logprobs, top_logprobs
-from gpu_backend.engine.scheduler import Batch
-from gpu_backend.engine.step_buffers import StepBuffers, fill_step, token_buckets
+from gpu_backend.engine.sched_native import StepGeometry
+from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers, token_buckets
 from gpu_backend.models import ModelConfig, allocate_kv_cache
+from gpu_backend.models.llama_forward import decoder_layers, fuse_weights, lm_head_logits
 from gpu_backend.models.rope import rope_inv_freq
 from protocols.ring import TokenLogprob
 
 log = logging.getLogger("blink.gpu_runner")
 
 _GiB = 1 << 30
-LOGITS = "logits"  # the graph variant that stops at the logits: graphs[(bucket, LOGITS)]
-POST = "post"  # the persistent loop's: sampling and logprobs over logits_dev, after its adjust kernel
-POST_GREEDY = "post_greedy"  # the same for steps whose rows are all greedy (argmax, as the plain graphs)
+LOGITS, POST, POST_GREEDY = GraphVariant.LOGITS, GraphVariant.POST, GraphVariant.POST_GREEDY
 LOOP_LOGPROBS = 20  # alternatives per row that POST computes (OpenAI's top_logprobs limit)
 
 
@@ -97,41 +99,6 @@ class GpuRunnerConfig:
         return min(bucket, self.max_num_seqs)
 
 
-class GpuWeights:
-    """The model's tensors in the layout the step wants: fused qkv and gate_up, bf16, on the device."""
-
-    def __init__(self, model: torch.nn.Module, cfg: ModelConfig):
-        self.embed = model.model.embed_tokens.weight                     # [V, hidden]
-        self.lm_head = model.lm_head.weight                              # [V, hidden]
-        self.final_norm = model.model.norm.weight
-        self.layers = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if hasattr(attn, "q_norm"):
-                raise ValueError("the GPU runner does not support per-head q/k norms (Qwen3) yet; use --mode cpu")
-            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            bias = (torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-                    if attn.q_proj.bias is not None else None)
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            # the fused copies replace the originals, so peak memory grows by one layer only
-            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                lin.weight = None
-            self.layers.append(dict(in_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=bias,
-                                    o=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
-                                    gate_up=gate_up, down=mlp.down_proj.weight))
-
-    @property
-    def num_bytes(self) -> int:
-        seen, total = set(), 0
-        tensors = [self.embed, self.lm_head, self.final_norm] + [t for layer in self.layers for t in layer.values()
-                                                                  if t is not None]
-        for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
-
-
 class GpuRunner:
     """`run(batch)` -> sampled tokens; everything the GPU needs is allocated and captured in __init__."""
 
@@ -152,8 +119,9 @@ class GpuRunner:
         self.dtype = next(model.parameters()).dtype
         if self.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"the GPU runner needs bf16 or fp16 weights, got {self.dtype}")
-        self.weights = GpuWeights(model, cfg)
-        self.scale = cfg.head_dim ** -0.5
+        if cfg.qk_norm:
+            raise ValueError("the GPU runner does not support per-head q/k norms (Qwen3) yet; use --mode cpu")
+        self.weights = fuse_weights(model)  # q/k/v and gate/up fused; the model's Linear weights become views
         self.buckets = token_buckets(config.max_num_batched_tokens)
         self.buffer_sets = [StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                         config.max_blocks_per_seq, self.device) for _ in range(1 + keep_graphs)]
@@ -182,7 +150,7 @@ class GpuRunner:
         self._done = torch.cuda.Event()
         self.num_blocks = self._size_kv_cache()
         self.kv_cache = allocate_kv_cache(cfg, self.num_blocks, config.block_size, self.dtype, self.device)
-        self.graphs: dict[tuple[int, bool | str], torch.cuda.CUDAGraph] = {}  # (bucket, greedy or LOGITS)
+        self.graphs: dict[tuple[int, GraphVariant], torch.cuda.CUDAGraph] = {}
         self.set_graphs = [self.graphs] + [{} for _ in self.buffer_sets[1:]]  # graphs over each step buffer
         self.capture_s = self._capture(progress) if config.use_graphs else 0.0
 
@@ -204,7 +172,7 @@ class GpuRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         bucket, seqs = self.buckets[-1], self.config.seqs_in(self.buckets[-1])
         self._fill_dummy(bucket, seqs)
-        self._step(bucket, greedy=False)
+        self._step(bucket, GraphVariant.SAMPLE)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - probe.numel() * probe.element_size()
         if self.sampling_extensions:
@@ -242,26 +210,28 @@ class GpuRunner:
         return peak
 
     # ---- the step ------------------------------------------------------------------------------------
-    def _step(self, num_tokens: int, greedy: bool | str) -> None:
-        """The whole model step for a bucket of `num_tokens` (captured as a graph); writes tokens_dev, or
-        for `greedy` = LOGITS stops at the sampled rows' logits and writes logits_dev; `greedy` = POST is the
-        part after them (the persistent loop's extended branch)."""
+    def _step(self, num_tokens: int, variant: GraphVariant) -> None:
+        """The part of a model step for a bucket of `num_tokens` that `variant` names (what its graph
+        captures): the whole step into tokens_dev (SAMPLE, GREEDY), the whole step up to the sampled rows'
+        logits into logits_dev (LOGITS), or the part after them (POST, POST_GREEDY: the persistent loop's
+        extended branch)."""
         s = self.config.seqs_in(num_tokens)
-        if greedy in (POST, POST_GREEDY):
-            self._post(s, greedy == POST_GREEDY)
+        if variant in (POST, POST_GREEDY):
+            self._post(s, variant is POST_GREEDY)
             return
         logits = self._sampled_logits(num_tokens)                             # [s, V] float32
-        if greedy == LOGITS:
+        if variant is LOGITS:
             self.logits_dev[:s].copy_(logits)
         else:
-            self._sample(logits, greedy)
+            self._sample(logits, variant is GraphVariant.GREEDY)
 
     def _sampled_logits(self, num_tokens: int) -> torch.Tensor:
         """Every layer, then the head over the sampled rows: [seqs_in(num_tokens), V] float32."""
         d, s = self.bufs.d, self.config.seqs_in(num_tokens)
-        x, residual = self._layers(num_tokens)
+        ops = self._ops(num_tokens)
+        x, residual = decoder_layers(ops, self.weights, self.cfg, d["input_ids"][:num_tokens])
         rows = torch.index_select(x, 0, d["sample_rows"][:s])                 # [s, hidden], before the last add
-        return self._head(rows, torch.index_select(residual, 0, d["sample_rows"][:s]))
+        return lm_head_logits(ops, self.weights, self.cfg, rows, torch.index_select(residual, 0, d["sample_rows"][:s]))
 
     def _sample(self, logits: torch.Tensor, greedy: bool) -> None:
         """[s, V] float32 -> tokens_dev[:s]: argmax when every row is greedy, else the full sampler."""
@@ -305,69 +275,37 @@ class GpuRunner:
         self._sample(logits, greedy)
         return token_logprobs(logits, rows, self.tokens_dev[:len(rows)])
 
-    def _layers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer over the bucket's tokens. Returns (last MLP output, residual), [t, hidden]."""
-        k, d, w, c = self._k, self.bufs.d, self.weights, self.cfg
-        t, s = num_tokens, self.config.seqs_in(num_tokens)
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        h = F.embedding(d["input_ids"][:t], w.embed)                          # [t, hidden]
-        residual, x = h, None
-        attn_out = torch.empty((t, c.num_heads, c.head_dim), dtype=self.dtype, device=self.device)
-        # few query tiles: split the keys finer so more programs share the KV reads (a batch-1 step
-        # has one tile per KV head); many tiles fill the GPU on their own
-        split_keys = 64 if t <= 32 else 256
-        for i, layer in enumerate(w.layers):
-            if x is None:
-                x = k["rmsnorm"](h, layer["in_norm"], c.rms_norm_eps)
-            else:
-                x, residual = k["add_rmsnorm"](x, residual, layer["in_norm"], c.rms_norm_eps)
-            qkv = self._linear("qkv", x, layer["qkv"], layer["qkv_bias"])    # [t, q + 2 kv]
-            q = qkv[:, :q_size].unflatten(1, (c.num_heads, c.head_dim))
-            kk = qkv[:, q_size:q_size + kv_size].unflatten(1, (c.num_kv_heads, c.head_dim))
-            v = qkv[:, q_size + kv_size:].unflatten(1, (c.num_kv_heads, c.head_dim))
-            cache = self.kv_cache[i]
-            k["rope_kv"](q, kk, v, d["positions"][:t], self.cos, self.sin, d["slot_mapping"][:t], cache)
-            k["attn"](q, cache, d["seq_ids"][:t], d["q_start"][:s + 1], d["ctx_lens"][:s], d["block_tables"][:s],
-                      d["num_seqs"], self.scale, out=attn_out, split_keys=split_keys)
-            x = self._linear("o", attn_out.flatten(1), layer["o"])
-            x, residual = k["add_rmsnorm"](x, residual, layer["post_norm"], c.rms_norm_eps)
-            x = self._linear("down", k["swiglu"](self._linear("gate_up", x, layer["gate_up"])), layer["down"])
-        return x, residual
-
-    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        config = self._gemv.get(name) if x.shape[0] == 1 else None
-        if config is not None:
-            return self._k["gemv"](x, weight, bias, config=config)
-        return F.linear(x, weight, bias)
-
-    def _head(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Final add + norm and the LM head: [n, hidden] rows -> [n, V] float32 logits."""
-        normed, _ = self._k["add_rmsnorm"](x, residual, self.weights.final_norm, self.cfg.rms_norm_eps)
-        return self._linear("lm_head", normed, self.weights.lm_head).float()
+    def _ops(self, num_tokens: int) -> TritonOps:
+        """The Triton kernels bound to the current step buffer for a bucket of `num_tokens`."""
+        c = self.cfg
+        attn_out = torch.empty((num_tokens, c.num_heads, c.head_dim), dtype=self.dtype, device=self.device)
+        return TritonOps(self._k, self.bufs.d, num_tokens, self.config.seqs_in(num_tokens), (self.cos, self.sin),
+                         self.kv_cache, attn_out, c.head_dim ** -0.5, self._gemv)
 
     @torch.inference_mode()
     def _capture(self, progress: bool) -> float:
-        """Capture (bucket, greedy) graphs over each step buffer, and with the extensions (bucket, LOGITS) ones
-        (and for the persistent loop (bucket, POST) ones), largest first, sharing one memory pool."""
+        """Capture (bucket, SAMPLE/GREEDY) graphs over each step buffer, and with the extensions (bucket, LOGITS)
+        ones (and for the persistent loop (bucket, POST/POST_GREEDY) ones), largest first, sharing one memory
+        pool."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        variants = (False, True) + ((LOGITS,) if self.sampling_extensions else ()) \
+        variants = (GraphVariant.SAMPLE, GraphVariant.GREEDY) + ((LOGITS,) if self.sampling_extensions else ()) \
             + ((POST, POST_GREEDY) if self.loop_logprobs is not None else ())
         keys = [(i, b, g) for i in range(len(self.buffer_sets)) for b in reversed(self.buckets) for g in variants]
         stream = torch.cuda.Stream(self.device)
-        for index, bucket, greedy in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, unit="graph"):
+        for index, bucket, variant in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, unit="graph"):
             self.bufs, self._set = self.buffer_sets[index], index
             self._fill_dummy(bucket, self.config.seqs_in(bucket))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._step(bucket, greedy)                                    # compiles, warms cuBLAS
+                self._step(bucket, variant)                                   # compiles, warms cuBLAS
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graphs)
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._step(bucket, greedy)
-            self.set_graphs[index][(bucket, greedy)] = graph
+                self._step(bucket, variant)
+            self.set_graphs[index][(bucket, variant)] = graph
         self.bufs, self._set = self.buffer_sets[0], 0
         torch.cuda.synchronize(self.device)
         log.info("captured %d graphs (buckets %s, %d step buffers) in %.1f s", len(keys), self.buckets,
@@ -376,7 +314,7 @@ class GpuRunner:
 
     @torch.inference_mode()
     def sampler_graphs(self) -> list[torch.cuda.CUDAGraph]:
-        """The sampling part of each kept (bucket, greedy) graph captured alone, in the order the persistent
+        """The sampling part of each kept (bucket, SAMPLE/GREEDY) graph captured alone, in the order the persistent
         loop lists its branches (step buffer, bucket, greedy). The loop counts their nodes to find where a
         step graph's logits are done (it waits for the tokens from there, not from the graph's start).
         Captured over the first step buffer only: the other buffer's graphs have the same nodes. Dropped
@@ -413,46 +351,46 @@ class GpuRunner:
         self.bufs.upload(num_seqs)
 
     # ---- per step, on the host -------------------------------------------------------------------------
-    def fill(self, batch: Batch) -> tuple[int, bool, int]:
-        return fill_step(self.bufs, batch, self.config, self.buckets)
+    @property
+    def step_geometry(self) -> StepGeometry:
+        """The step buffer the graphs were captured over, for the scheduler's fill."""
+        return StepGeometry(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.buckets)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> list[int]:
-        """Tokens sampled for the entries with `samples`, in batch order; `last_logprobs` for the rows that
-        asked (empty when none did). Without `sampling_extensions` the engine loop has refused such rows."""
-        bucket, greedy, num_sampled = self.fill(batch)
-        self.bufs.upload(len(batch.entries))
+    def run(self, step: ScheduledStep) -> list[int]:
+        """Tokens sampled for the step's sampled rows, in row order; `last_logprobs` for the rows that asked
+        (empty when none did). The step is already in the pinned step buffer (`bufs.host`, the scheduler's C
+        fill). Without `sampling_extensions` the engine loop has refused such rows."""
+        self.bufs.upload(step.num_seqs)
         self.last_logprobs = []
-        if self.sampling_extensions and any(e.samples and e.seq.spec.uses_sampling_extensions
-                                            for e in batch.entries):
-            rows = self._prompts.rows([e.seq for e in batch.entries if e.samples])
-            self.last_logprobs = self._step_extended(bucket, greedy, rows)
+        if self.sampling_extensions and any(s.spec.uses_sampling_extensions for s in step.sampled):
+            rows = self._prompts.rows(step.sampled)
+            self.last_logprobs = self._step_extended(step.bucket, step.all_greedy, rows)
         elif self.config.use_graphs:
-            self.graphs[(bucket, greedy)].replay()
+            self.graphs[(step.bucket, GraphVariant.sampling(step.all_greedy))].replay()
         else:
-            self._step(bucket, greedy)
+            self._step(step.bucket, GraphVariant.sampling(step.all_greedy))
         self.tokens_host.copy_(self.tokens_dev, non_blocking=True)
         self._done.record()
         self._done.synchronize()
-        return self.tokens_host[:num_sampled].tolist()
+        return self.tokens_host[:step.num_sampled].tolist()
 
     @torch.inference_mode()
-    def logits(self, batch: Batch) -> torch.Tensor:
+    def logits(self, step: ScheduledStep) -> torch.Tensor:
         """Eager step returning float32 logits for every fed token, [num_tokens, V] (teacher-forcing tests)."""
-        bucket, _, _ = self.fill(batch)
-        self.bufs.upload(len(batch.entries))
-        x, residual = self._layers(bucket)
-        n = sum(e.q_len for e in batch.entries)
-        return self._head(x[:n], residual[:n])
+        self.bufs.upload(step.num_seqs)
+        ops = self._ops(step.bucket)
+        x, residual = decoder_layers(ops, self.weights, self.cfg, self.bufs.d["input_ids"][:step.bucket])
+        n = step.num_tokens
+        return lm_head_logits(ops, self.weights, self.cfg, x[:n], residual[:n])
 
     @torch.inference_mode()
-    def sampled_logits(self, batch: Batch) -> torch.Tensor:
+    def sampled_logits(self, step: ScheduledStep) -> torch.Tensor:
         """Eager step returning the sampled rows' float32 logits [num_sampled, V] as the LOGITS graph computes
         them, before bias and penalties (tests hold the extensions against the sampler's math on these)."""
-        bucket, _, num_sampled = self.fill(batch)
-        self.bufs.upload(len(batch.entries))
-        self._step(bucket, LOGITS)
-        return self.logits_dev[:num_sampled].clone()
+        self.bufs.upload(step.num_seqs)
+        self._step(step.bucket, LOGITS)
+        return self.logits_dev[:step.num_sampled].clone()
 
 
 def _probe_rows(num_rows: int) -> list[SamplingRow]:

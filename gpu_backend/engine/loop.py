@@ -1,11 +1,14 @@
 """The engine loop, the same in every host-driven mode: `schedule()` -> `runner.run()` -> `postprocess()`.
 
-Between steps it takes new requests from the ring, honours cancels, and bumps the heartbeat. The model
-side is a runner: `CpuRunner` (torch on the CPU, `engine/cpu_runner.py`) or `GpuRunner` (bucketed CUDA
-graphs, `engine/gpu_runner.py`, the `host` mode). A runner has `num_blocks` and `run(batch) -> tokens`.
-A runner with `sampling_extensions` set (both of these; not a GpuRunner built for the persistent loop)
-applies penalties and logit bias and computes logprobs, and keeps `last_logprobs` of its last run (per
-sampled entry, or empty when none asked); the loop refuses such requests (INVALID_PARAMS) for the others.
+The scheduler is the native one (`engine/sched_native.py`: the C++ step the GPU-resident loop runs, built
+for the host), and it fills the runner's step buffer with the one C fill. Between steps the loop takes new
+requests from the ring, honours cancels, and bumps the heartbeat. The model side is a runner: `CpuRunner`
+(torch on the CPU, `engine/cpu_runner.py`) or `GpuRunner` (bucketed CUDA graphs, `engine/gpu_runner.py`,
+the `host` mode). A runner has `num_blocks`, `bufs` (its `StepBuffers`), `step_geometry`, and
+`run(step) -> tokens`. A runner with `sampling_extensions` set (both of these; not a GpuRunner built for the
+persistent loop) applies penalties and logit bias and computes logprobs, and keeps `last_logprobs` of its
+last run (per sampled row, or empty when none asked); the loop refuses such requests (INVALID_PARAMS) for
+the others.
 """
 from __future__ import annotations
 
@@ -16,9 +19,12 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpu_backend.engine.scheduler import Batch, BlockManager, Finished, Scheduler, SchedulerConfig
+import numpy as np
+
+from gpu_backend.engine.sched_native import NativeScheduler, SchedulerConfig, StepGeometry
+from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers
 from gpu_backend.models import ModelConfig
-from protocols.ring import EngineState, ErrorCode, FinishReason, TokenLogprob
+from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, TokenLogprob
 from protocols.shm_consumer import RingConsumer, TakenRequest
 
 log = logging.getLogger("blink.engine")
@@ -45,21 +51,45 @@ class EngineConfig:
 class Runner(Protocol):
     num_blocks: int
     sampling_extensions: bool  # penalties, logit bias, logprobs; then also `last_logprobs`
+    bufs: StepBuffers  # the step buffer the loop fills before `run`
+    step_geometry: StepGeometry
 
-    def run(self, batch: Batch) -> list[int]:
-        """One token per entry with `samples`, in batch order."""
+    def run(self, step: ScheduledStep) -> list[int]:
+        """One token per sampled row, in row order."""
+
+
+class LiveSeq:
+    """A request the scheduler holds, by ring slot; its tokens are read from the native state."""
+
+    __slots__ = ("slot", "seq", "spec", "rng_seed", "prompt_len", "_sched")
+
+    def __init__(self, taken: TakenRequest, rng_seed: int, sched: NativeScheduler):
+        self.slot, self.seq, self.spec, self.rng_seed = taken.slot, taken.seq, taken.spec, rng_seed
+        self.prompt_len, self._sched = len(taken.spec.prompt_ids), sched
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self._sched.tokens(self.slot)  # [num_tokens] int32 view of the live state
 
 
 class EngineLoop:
     def __init__(self, runner: Runner, model_cfg: ModelConfig, consumer: RingConsumer,
                  config: EngineConfig, context_len: int):
         self.runner, self.model_cfg, self.consumer, self.config = runner, model_cfg, consumer, config
-        self.blocks = BlockManager(runner.num_blocks, config.block_size)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, context_len,
+        geometry = consumer.ring.geometry
+        step = runner.step_geometry
+        if config.max_num_batched_tokens > step.buckets[-1]:
+            raise ValueError(f"max_num_batched_tokens {config.max_num_batched_tokens} is over the runner's "
+                             f"largest bucket {step.buckets[-1]}")
+        self.scheduler = NativeScheduler(
+            SchedulerConfig(config.max_num_batched_tokens, min(config.max_num_seqs, step.max_seqs), context_len,
                             tuple(model_cfg.eos_token_ids)),
-            self.blocks,
-        )
+            runner.num_blocks, config.block_size, geometry.num_slots, geometry.max_stop_ids, step)
+        if self.scheduler.step_bytes > runner.bufs.num_bytes:
+            raise ValueError(f"the runner's step buffer ({runner.bufs.num_bytes} bytes) is smaller than the "
+                             f"scheduler's layout ({self.scheduler.step_bytes}): context_len or block_size differ")
+        self.live: dict[int, LiveSeq] = {}  # slot -> request, waiting or running
+        self._room = np.zeros(geometry.num_slots, dtype=np.int32)  # [slots] int32, host
         self.extensions = runner.sampling_extensions  # penalties, logit bias, logprobs
         self.stop_event = threading.Event()
         self.failed: str | None = None  # the engines' common face: why the engine ended on its own (never, here)
@@ -82,56 +112,76 @@ class EngineLoop:
         self.consumer.beat()
         self._admit(self.consumer.take_new())
         self._apply_cancels()
-        batch = self.scheduler.schedule(room=lambda s: self.consumer.room(s.slot))
-        if batch:
-            tokens = self.runner.run(batch)
-            sampling = [e.seq for e in batch.entries if e.samples]
+        step = self._schedule()
+        if step is not None:
+            tokens = self.runner.run(step)
             logprobs = self.runner.last_logprobs if self.extensions else ()
-            self._postprocess(batch, {id(seq): tok for seq, tok in zip(sampling, tokens)},
-                              {id(seq): lp for seq, lp in zip(sampling, logprobs) if lp is not None})
+            self._postprocess(tokens, {s.slot: lp for s, lp in zip(step.sampled, logprobs) if lp is not None})
             self.steps += 1
         self._publish_stats()
-        return bool(batch)
+        return step is not None
 
     def _admit(self, taken: list[TakenRequest]) -> None:
         for t in taken:
-            error = self.scheduler.check(t.spec)
-            if error is ErrorCode.NONE and t.spec.uses_sampling_extensions and not self.extensions:
-                error = ErrorCode.INVALID_PARAMS
+            error = self._admission_error(t.spec)
             if error is not ErrorCode.NONE:
                 self.consumer.finish(t.slot, FinishReason.ERROR, error)
                 continue
             seed = t.spec.seed if t.spec.seed is not None else int.from_bytes(os.urandom(8), "little")
-            self.scheduler.add(t.slot, t.seq, t.spec, seed)
+            self.scheduler.add(t.slot, t.spec, seed)
+            self.live[t.slot] = LiveSeq(t, seed, self.scheduler)
+
+    def _admission_error(self, spec: RequestSpec) -> ErrorCode:
+        error = self.scheduler.check(spec)
+        if error is ErrorCode.NONE and spec.uses_sampling_extensions and not self.extensions:
+            return ErrorCode.INVALID_PARAMS
+        return error
 
     def _apply_cancels(self) -> None:
-        for seq in self.scheduler.all_sequences():
-            if self.consumer.cancelled(seq.slot, seq.seq):
-                self._report(self.scheduler.finish(seq, FinishReason.CANCELLED))
+        for slot, live in list(self.live.items()):
+            if self.consumer.cancelled(slot, live.seq):
+                self._finish(slot, FinishReason.CANCELLED)
+
+    def _schedule(self) -> ScheduledStep | None:
+        """Choose the step and fill the runner's step buffer with it; None when nothing can run."""
+        room = self._room
+        for slot in self.live:
+            room[slot] = self.consumer.room(slot)
+        entries = self.scheduler.schedule(room)
+        if not entries:
+            return None
+        bucket = self.scheduler.fill(self.runner.bufs.host_bytes)
+        h = self.scheduler.h
+        sampled = tuple(self.live[e.slot] for e in entries if e.samples)
+        return ScheduledStep(bucket, h.num_tokens, len(entries), h.num_sampled, bool(h.all_greedy), sampled)
 
     # ---- results -----------------------------------------------------------------------------------
-    def _postprocess(self, batch: Batch, sampled: dict[int, int], logprobs: dict[int, TokenLogprob]) -> None:
-        new_tokens, finished = self.scheduler.update(batch, sampled)
+    def _postprocess(self, tokens: list[int], logprobs: dict[int, TokenLogprob]) -> None:
+        new_tokens, finished = self.scheduler.update(tokens)
         now_ns = time.monotonic_ns()
-        for seq, token in new_tokens:
-            entry = logprobs.get(id(seq))
-            self.consumer.publish(seq.slot, [token], now_ns, None if entry is None else [entry])
-        for done in finished:
-            self._report(done)
+        for slot, token in new_tokens:
+            entry = logprobs.get(slot)
+            self.consumer.publish(slot, [token], now_ns, None if entry is None else [entry])
+        for slot, reason in finished:  # their blocks are already free
+            del self.live[slot]
+            self.consumer.finish(slot, reason)
 
-    def _report(self, done: Finished) -> None:
-        self.consumer.finish(done.seq.slot, done.reason, done.error)
+    def _finish(self, slot: int, reason: FinishReason, error: ErrorCode = ErrorCode.NONE) -> None:
+        """End the request in `slot` now (cancel, shutdown): its blocks are freed, the ring is told."""
+        self.scheduler.finish(slot)
+        del self.live[slot]
+        self.consumer.finish(slot, reason, error)
 
     def _publish_stats(self) -> None:
         s = self.scheduler
-        self.consumer.set_stats(self.blocks.num_free, self.blocks.num_blocks, len(s.running), len(s.waiting))
+        self.consumer.set_stats(s.num_free, s.num_blocks, s.num_running, s.num_waiting)
 
     def shutdown(self) -> None:
         """Report every unfinished request as failed (never dropped silently), then mark STOPPED."""
         self.consumer.set_state(EngineState.STOPPING)
         for t in self.consumer.take_new():
             self.consumer.finish(t.slot, FinishReason.ERROR, ErrorCode.ENGINE_STOPPING)
-        for seq in self.scheduler.all_sequences():
-            self._report(self.scheduler.finish(seq, FinishReason.ERROR, ErrorCode.ENGINE_STOPPING))
+        for slot in list(self.live):
+            self._finish(slot, FinishReason.ERROR, ErrorCode.ENGINE_STOPPING)
         self._publish_stats()
         self.consumer.set_state(EngineState.STOPPED)

@@ -31,10 +31,10 @@ import time
 import numpy as np
 import torch
 
-from gpu_backend.engine.gpu_runner import LOGITS, LOOP_LOGPROBS, POST, POST_GREEDY, GpuRunner
+from gpu_backend.engine.gpu_runner import LOOP_LOGPROBS, GpuRunner
+from gpu_backend.engine.graph_variant import GraphVariant
 from gpu_backend.engine.loop import EngineConfig
-from gpu_backend.engine.sched_native import NativeScheduler, StepGeometry, _Header
-from gpu_backend.engine.scheduler import SchedulerConfig
+from gpu_backend.engine.sched_native import NativeScheduler, SchedulerConfig, _Header
 from gpu_backend.models import ModelConfig
 from kernels import persistent_loop as native
 from protocols import ring as R
@@ -64,8 +64,7 @@ class PersistentEngine:
         sched = NativeScheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, context_len,
                             tuple(model_cfg.eos_token_ids)),
-            runner.num_blocks, rc.block_size, g.num_slots, g.max_stop_ids,
-            StepGeometry(rc.max_num_batched_tokens, rc.max_num_seqs, runner.buckets))
+            runner.num_blocks, rc.block_size, g.num_slots, g.max_stop_ids, runner.step_geometry)
         self.sched_state = torch.from_numpy(sched.state.view(np.uint8)).to(dev)
         n = g.num_slots
         self._scratch = dict(
@@ -107,7 +106,7 @@ class PersistentEngine:
     def _ext_args(self) -> int:
         """blink_loop_ext in device memory (kept in self._ext); returns its address."""
         g, runner, t = self.geometry, self.runner, self._ext
-        posts = [runner.set_graphs[b][(bucket, POST_GREEDY if greedy else POST)].raw_cuda_graph()
+        posts = [runner.set_graphs[b][(bucket, GraphVariant.post(greedy))].raw_cuda_graph()
                  for b in range(2) for bucket in runner.buckets for greedy in (False, True)]
         self._post_array = (ctypes.c_void_p * len(posts))(*posts)  # read by blink_loop_create, on the host
         lp, offs = runner.loop_logprobs, runner.buffer_sets[0].offsets
@@ -163,11 +162,11 @@ class PersistentEngine:
             sampled=runner.tokens_dev.data_ptr(), ctl=ctl_dev.value, clock_offset_ns=self._clock_offset_ns(),
             sq_head=int(hdr.header["sq_head"]), beats=hdr.heartbeat, generated=int(hdr.header["generated_tokens"]),
             **{name: t.data_ptr() for name, t in sc.items()})
-        children = [graphs[(bucket, greedy)].raw_cuda_graph()  # branch 2 * (buffer * buckets + i) + greedy
+        children = [graphs[(bucket, GraphVariant.sampling(greedy))].raw_cuda_graph()  # branch 2 * (buffer * buckets + i) + greedy
                     for graphs in runner.set_graphs for bucket in runner.buckets for greedy in (False, True)]
         if self._ext is not None:  # then the extended branches, 4 * buckets + a plain one's: LOGITS graph first
             args.ext = self._ext_args()
-            children += [graphs[(bucket, LOGITS)].raw_cuda_graph() for graphs in runner.set_graphs
+            children += [graphs[(bucket, GraphVariant.LOGITS)].raw_cuda_graph() for graphs in runner.set_graphs
                          for bucket in runner.buckets for _ in (False, True)]
         child_array = (ctypes.c_void_p * len(children))(*children)
         samplers = runner.sampler_graphs()  # same order: where each graph's logits are done

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from protocols.ring import TokenLogprob
-
-if TYPE_CHECKING:
-    from gpu_backend.engine import scheduler
+from protocols.ring import RequestSpec, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -44,6 +41,20 @@ def uniforms(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         key = splitmix64(seeds.astype(np.uint64)) ^ (positions.astype(np.uint64) * np.uint64(_GOLDEN))
     return (splitmix64(key) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+class SampledSeq(Protocol):
+    """A sequence whose next token a step samples: what the sampler reads of it."""
+
+    slot: int
+    seq: int  # the ring submission number
+    spec: RequestSpec
+    rng_seed: int  # sampling is keyed by (rng_seed, position)
+    prompt_len: int
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """Prompt + generated so far (a list or an int array)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,7 @@ class SamplingRow:
                     or self.repetition_penalty != 1.0)
 
 
-def sampling_row(seq: scheduler.Sequence, prompt_ids: np.ndarray | None = None) -> SamplingRow:
+def sampling_row(seq: SampledSeq, prompt_ids: np.ndarray | None = None) -> SamplingRow:
     """The sampling parameters of `seq`'s next token (position = its index in prompt + output), with only
     the history its penalties read: the prompt for repetition (`prompt_ids` when given, a copy of it), the
     output for any penalty."""
@@ -95,7 +106,7 @@ class PromptCache:
     def __init__(self) -> None:
         self._arrays: dict[tuple[int, int], np.ndarray] = {}  # (slot, ring submission number) -> prompt ids
 
-    def rows(self, seqs: list[scheduler.Sequence]) -> list[SamplingRow]:
+    def rows(self, seqs: Sequence[SampledSeq]) -> list[SamplingRow]:
         kept: dict[tuple[int, int], np.ndarray] = {}
         for seq in seqs:
             if seq.spec.repetition_penalty != 1.0:
@@ -187,9 +198,9 @@ def _index_pairs(histories: list[tuple[Sequence[int], ...]], vocab: int) -> tupl
 
 
 def _int64(ids: Sequence[int]) -> np.ndarray:
-    """An int64 array of `ids` (an int64 array passes through)."""
-    if isinstance(ids, np.ndarray) and ids.dtype == np.int64:
-        return ids
+    """An int64 array of `ids` (an int64 array passes through; other arrays are converted, a copy)."""
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.int64, copy=False)
     return np.fromiter(ids, dtype=np.int64, count=len(ids))
 
 

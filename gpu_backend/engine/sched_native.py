@@ -1,11 +1,12 @@
-"""The native scheduler: `kernels/csrc/include/blink_sched.h`, the very code the GPU-resident loop runs,
-built for the host (`kernels/sched_host.py`) and driven through ctypes. No torch, no device memory.
+"""The scheduler every engine runs: `kernels/csrc/include/blink_sched.h`, the very code the GPU-resident
+loop runs, built for the host (`kernels/sched_host.py`) and driven through ctypes by the `cpu` and `host`
+engines (`engine/loop.py`). No torch, no device memory.
 
-It makes the same decisions as the reference (`engine/scheduler.py`), with state in the device loop's
-shapes: sequences indexed by ring slot, fixed arrays in one buffer (`state`, a numpy array here, device
-memory in the loop). `tests/gpu_backend/test_sched_native.py` diffs the two step by step.
-The one interface difference: sequences are named by slot, and `update` takes the sampled tokens as a
-list in entry order (what the runner returns), not a dict keyed by sequence.
+State is in the device loop's shapes: sequences indexed by ring slot, fixed arrays in one buffer (`state`,
+a numpy array here, device memory in the loop). A plain-Python twin lives in the tests
+(`tests/gpu_backend/reference_scheduler.py`); `tests/gpu_backend/test_sched_native.py` diffs the two step by
+step. Sequences are named by slot, and `update` takes the sampled tokens as a list in entry order (what the
+runner returns).
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_backend.engine.scheduler import SchedulerConfig
 from kernels import sched_host
 from kernels.sched_layout import MAX_BUCKETS, MAX_EOS, SCHED_ARRAYS, SchedConfig, SchedHeader, SeqStatus
 from protocols.layout.views import shape_of
@@ -22,6 +22,25 @@ from protocols.ring import ErrorCode, FinishReason, RequestSpec
 
 SLOT_FREE = SeqStatus.FINISHED  # a finished slot is a free slot
 _Config, _Header = SchedConfig, SchedHeader  # blink_sched_config, blink_sched_header (kernels/sched_decl.py)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 256  # per-step token budget
+    max_num_seqs: int = 64  # running sequences at most
+    context_len: int = 2048  # prompt + generated tokens a sequence may hold
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.context_len < 2:
+            raise ValueError(f"invalid scheduler limits: {self}")
+
+
+def penalties_error(spec: RequestSpec) -> ErrorCode:
+    """INVALID_PARAMS for penalties out of range (the sampler reads them; the scheduling step does not)."""
+    ok = (0 < spec.repetition_penalty < float("inf") and abs(spec.presence_penalty) <= 2
+          and abs(spec.frequency_penalty) <= 2)
+    return ErrorCode.NONE if ok else ErrorCode.INVALID_PARAMS
 
 
 class _Bound(ctypes.Structure):  # blink_sched: the header's address, then each carved array's, in list order
@@ -65,6 +84,9 @@ class NativeScheduler:
         self.h = _Header.from_address(self._mem)
         self.a = self._views(max_slots, num_blocks, -(-config.context_len // block_size), config.context_len)
         self._scratch = np.zeros(max_slots, dtype=np.int32)
+        offsets = np.zeros(15, dtype=np.uint64)  # BLINK_STEP_NUM_FIELDS
+        self.step_bytes = self.lib.blink_sched_step_layout(step.max_tokens, step.max_seqs, self.a["block_table"].shape[1],
+                                                           offsets.ctypes.data)
 
     @property
     def _mem(self) -> int:
@@ -84,8 +106,10 @@ class NativeScheduler:
 
     # ---- admission -------------------------------------------------------------------------------
     def check(self, spec: RequestSpec) -> ErrorCode:
-        return ErrorCode(self.lib.blink_sched_host_check(self._mem, len(spec.prompt_ids), spec.max_tokens,
-                                                         spec.temperature, spec.top_p, spec.top_k, spec.min_p))
+        """Why a request can never run, or NONE."""
+        error = ErrorCode(self.lib.blink_sched_host_check(self._mem, len(spec.prompt_ids), spec.max_tokens,
+                                                          spec.temperature, spec.top_p, spec.top_k, spec.min_p))
+        return error if error is not ErrorCode.NONE else penalties_error(spec)
 
     def add(self, slot: int, spec: RequestSpec, rng_seed: int) -> None:
         if not 0 <= slot < self.max_slots or self.a["status"][slot] != SLOT_FREE:
@@ -119,8 +143,8 @@ class NativeScheduler:
 
     def fill(self, buf: np.ndarray, nthreads: int = 1) -> int:
         """Write the step into `buf` (a StepBuffers byte buffer); returns the bucket."""
-        if buf.dtype != np.uint8 or not buf.flags.c_contiguous:
-            raise ValueError("buf must be a contiguous uint8 array")
+        if buf.dtype != np.uint8 or not buf.flags.c_contiguous or buf.nbytes < self.step_bytes:
+            raise ValueError(f"buf must be a contiguous uint8 array of at least {self.step_bytes} bytes")
         return self.lib.blink_sched_host_fill(self._mem, buf.ctypes.data, nthreads)
 
     def update(self, sampled: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, FinishReason]]]:
@@ -139,6 +163,18 @@ class NativeScheduler:
     def num_free(self) -> int:
         return self.h.num_free
 
+    @property
+    def num_blocks(self) -> int:
+        return self.h.cfg.num_blocks
+
+    @property
+    def num_running(self) -> int:
+        return self.h.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.h.num_waiting
+
     def free_list(self) -> list[int]:
         nb, head = self.h.cfg.num_blocks, self.h.free_head
         return [int(self.a["free_blocks"][(head + k) % nb]) for k in range(self.h.num_free)]
@@ -155,4 +191,8 @@ class NativeScheduler:
         return self.a["block_table"][slot, : self.a["num_table"][slot]].tolist()
 
     def token_ids(self, slot: int) -> list[int]:
-        return self.a["tokens"][slot, : self.a["num_tokens"][slot]].tolist()
+        return self.tokens(slot).tolist()
+
+    def tokens(self, slot: int) -> np.ndarray:
+        """[num_tokens] int32: prompt + generated, a view of the live state (valid until the slot is reused)."""
+        return self.a["tokens"][slot, : self.a["num_tokens"][slot]]

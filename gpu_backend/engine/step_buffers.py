@@ -1,24 +1,25 @@
-"""The step buffer the bucket graphs read, and how a host-scheduled step fills it (`fill_step`).
+"""The step buffer every runner reads, and `ScheduledStep`, what a runner is told about one filled step.
 
 One step's inputs live in one fixed byte buffer (`StepBuffers`), pinned on the host and mirrored on the
-device, so that a graph captured over it serves every batch of its bucket. The GPU-resident loop fills the
-device copy itself with the same layout (declared once in kernels/step_decl.py; `blink_step_layout` in
-kernels/csrc/include/blink_sched.h).
+device, so that a graph captured over it serves every batch of its bucket. It is filled by the one C fill
+(`blink_fill_*` in kernels/csrc/include/blink_sched.h): on the host by `NativeScheduler.fill` for the `cpu`
+and `host` engines, on the device by the GPU-resident loop, with the one layout declared in
+kernels/step_decl.py (generated: kernels/step_layout.py, blink_step_layout.h).
 No device work here beyond allocating the two copies.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from gpu_backend.engine.scheduler import Batch
 from kernels.step_layout import STEP_ALIGN, STEP_ARRAYS
 from protocols.layout.views import carve
 
 if TYPE_CHECKING:
-    from gpu_backend.engine.gpu_runner import GpuRunnerConfig
+    from gpu_backend.engine.sampler import SampledSeq
 
 
 _TORCH_DTYPES = {"<i4": torch.int32, "<i8": torch.int64, "<f4": torch.float32}
@@ -55,7 +56,10 @@ class StepBuffers:
             name: (off, _TORCH_DTYPES[dtype.str], shape) for name, (off, dtype, shape) in placed.items()}
         self.max_blocks = max_blocks
         self.host = torch.zeros(self.num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self.dev = torch.zeros(self.num_bytes, dtype=torch.uint8, device=device)
+        # [num_bytes] uint8: what NativeScheduler.fill writes (a view of the pinned buffer)
+        self.host_bytes = self.host.numpy()
+        # a CPU runner reads the host buffer itself: no second copy
+        self.dev = self.host if device.type == "cpu" else torch.zeros(self.num_bytes, dtype=torch.uint8, device=device)
         self.h = {n: self._np(n) for n in self.offsets}           # numpy views of the pinned buffer
         self.d = {n: self._view(self.dev, n) for n in self.offsets}  # device views the graphs read
 
@@ -69,62 +73,23 @@ class StepBuffers:
 
     def upload(self, num_seqs: int) -> None:
         """Copy the used prefix (block tables of `num_seqs` rows) to the device, asynchronously."""
+        if self.dev is self.host:
+            return
         end = self.offsets["block_tables"][0] + 4 * num_seqs * self.max_blocks
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
 
 
-def fill_step(bufs: StepBuffers, batch: Batch, config: GpuRunnerConfig, buckets: tuple[int, ...]) -> tuple[int, bool, int]:
-    """Write `batch` into the pinned buffer (padding rows: seq id and KV slot -1).
+@dataclass(frozen=True)
+class ScheduledStep:
+    """One step, already written into the runner's step buffer (`StepBuffers.host`) by the C fill.
 
-    Returns (bucket, every sampled row greedy, number of sampled rows); sampled row r is entry order.
-    Built as Python lists, then one numpy store per field: per-entry numpy calls cost more than the
-    arithmetic at a few hundred sequences.
-    """
-    h, bs = bufs.h, config.block_size
-    ids, pos, slots, seq_ids, q_start, ctx = [], [], [], [], [], []
-    rows, temp, top_k, top_p, min_p, seeds, sample_pos = [], [], [], [], [], [], []
-    all_greedy = True
-    for i, entry in enumerate(batch.entries):
-        seq, start, q_len = entry.seq, entry.seq.num_computed, entry.q_len
-        table = seq.block_table
-        q_start.append(len(ids))
-        if q_len == 1:
-            ids.append(seq.token_ids[start])
-            pos.append(start)
-            slots.append(table[start // bs] * bs + start % bs)
-            seq_ids.append(i)
-        else:
-            span = range(start, start + q_len)
-            ids += seq.token_ids[start: start + q_len]
-            pos += span
-            slots += [table[p // bs] * bs + p % bs for p in span]
-            seq_ids += [i] * q_len
-        ctx.append(start + q_len)
-        h["block_tables"][i, : len(table)] = table
-        if entry.samples:
-            spec = seq.spec
-            rows.append(len(ids) - 1)
-            temp.append(spec.temperature)
-            top_k.append(spec.top_k)
-            top_p.append(spec.top_p)
-            min_p.append(spec.min_p)
-            seeds.append(seq.rng_seed)
-            sample_pos.append(len(seq.token_ids))
-            all_greedy = all_greedy and (spec.temperature <= 0.0 or spec.top_k == 1)
-    n, num_seqs, num_sampled = len(ids), len(batch.entries), len(rows)
-    bucket = bucket_for(n, buckets)
-    pad = bucket - n
-    h["input_ids"][:bucket] = ids + [0] * pad
-    h["positions"][:bucket] = pos + [0] * pad
-    h["slot_mapping"][:bucket] = slots + [-1] * pad
-    h["seq_ids"][:bucket] = seq_ids + [-1] * pad
-    s = config.seqs_in(bucket)
-    h["q_start"][: s + 1] = q_start + [n] * (s + 1 - num_seqs)
-    h["ctx_lens"][:num_seqs] = ctx
-    h["num_seqs"][0] = num_seqs
-    h["sample_rows"][:s] = rows + [0] * (s - num_sampled)
-    for name, values in (("temperature", temp), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
-                         ("sample_pos", sample_pos)):
-        h[name][:num_sampled] = values
-    h["seeds"].view(np.uint64)[:num_sampled] = seeds
-    return bucket, all_greedy, num_sampled
+    Token rows [0, num_tokens) are real, [num_tokens, bucket) padding; sequence rows [0, num_seqs) in entry
+    order; sampled rows [0, num_sampled) in entry order, `sampled` naming their sequences (the sampler's
+    extensions read their parameters and history)."""
+
+    bucket: int
+    num_tokens: int
+    num_seqs: int
+    num_sampled: int
+    all_greedy: bool  # every sampled row is greedy: the argmax graph serves the step
+    sampled: tuple[SampledSeq, ...]

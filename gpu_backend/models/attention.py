@@ -76,6 +76,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Att
     Returns [T, num_heads, D].
     """
     write_kv(layer_cache, k, v, plan.slot_mapping)
+    return attend(q, k, v, plan, layer_cache, scale)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttnPlan, layer_cache: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Attention over a cache that already holds this step's K/V (`write_kv`); k, v are those new rows
+    (a whole-context prefill chunk reads them instead of the cache). Returns [T, num_heads, D]."""
     out = torch.empty_like(q)
     if plan.decode is not None:
         _decode_attention(q, out, plan.decode, layer_cache, scale)

@@ -1,18 +1,20 @@
 """Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache.
 
 Parameter names equal Hugging Face's (`model.layers.{i}.self_attn.q_proj.weight`, `lm_head.weight`, ...),
-so a Hugging Face state dict loads with `load_state_dict`.
+so a Hugging Face state dict loads with `load_state_dict`. The modules hold the parameters; the forward is
+`llama_forward.decoder_layers`, the one both runners call, here with the torch ops (`torch_ops.TorchOps`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttnBatch, AttnPlan, paged_attention
+from .attention import AttnBatch
 from .config import ModelConfig
-from .rope import RotaryEmbedding, apply_rope
+from .llama_forward import DecoderWeights, decoder_layers, fuse_weights
+from .rope import RotaryEmbedding
+from .torch_ops import TorchOps, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +24,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
-        normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps)   # as HF: normalise in float32
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -41,17 +40,6 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, plan: AttnPlan, layer_cache) -> torch.Tensor:
-        # x: [T, hidden]; layer_cache: [2, NB, BS, KVH, D]
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))      # [T, H, D]
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))   # [T, KVH, D]
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, plan, layer_cache, self.scale)         # [T, H, D]
-        return self.o_proj(out.flatten(-2))
-
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -59,9 +47,6 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -71,10 +56,6 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
-
-    def forward(self, h, cos, sin, plan: AttnPlan, layer_cache) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, plan, layer_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaBackbone(nn.Module):
@@ -107,16 +88,28 @@ class LlamaModel(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] int64; kv_cache: [L, 2, NB, BS, KVH, D] -> hidden [T, hidden]
         (final norm applied). Writes the new tokens' K/V into kv_cache."""
-        h = self.model.embed_tokens(input_ids)                               # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)                   # [T, 1, D/2]
-        plan = AttnPlan.build(batch, kv_cache.shape[3], input_ids.shape[0], h.device, h.dtype)
-        for layer, layer_cache in zip(self.model.layers, kv_cache):
-            h = layer(h, cos, sin, plan, layer_cache)
-        return self.model.norm(h)
+        w = self.decoder_weights()
+        ops = TorchOps(batch, positions, self.rotary, kv_cache, self.cfg.head_dim ** -0.5, w.embed.dtype)
+        x, residual = decoder_layers(ops, w, self.cfg, input_ids)
+        return ops.add_rmsnorm(x, residual, w.final_norm, self.cfg.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""
         return self.lm_head(hidden).float()
+
+    def decoder_weights(self) -> DecoderWeights:
+        """The fused weights `decoder_layers` reads, made again whenever a parameter was replaced or
+        changed in place since (`.to()`, `load_state_dict`, `transpose_linear_storage_`)."""
+        stamp = self._weights_stamp()
+        cached = self.__dict__.get("_fused")
+        if cached is None or cached[0] != stamp:
+            with torch.inference_mode(False):  # parameters must stay editable outside inference mode
+                fused = fuse_weights(self)
+            self.__dict__["_fused"] = (self._weights_stamp(), fused)
+        return self.__dict__["_fused"][1]
+
+    def _weights_stamp(self) -> tuple:
+        return tuple((id(p), p.data_ptr(), p._version) for p in self.parameters())
 
 
 def transpose_linear_storage_(model: nn.Module) -> None:

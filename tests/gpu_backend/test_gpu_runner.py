@@ -20,12 +20,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from conftest_models import hf_reference, ours_from, tiny_cfg  # noqa: E402
 from gpu_backend.engine.cpu_runner import CpuRunner  # noqa: E402
 from gpu_backend.engine.loop import EngineConfig, EngineLoop  # noqa: E402
-from gpu_backend.engine.scheduler import Batch, ScheduledSeq, Sequence  # noqa: E402
 from gpu_backend.models import LlamaModel, preset_config  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec, RingGeometry  # noqa: E402
 from protocols.shm import attach_ring, create_ring  # noqa: E402
 from protocols.shm_consumer import RingConsumer  # noqa: E402
 from protocols.shm_producer import ShmProducer  # noqa: E402
+from reference_scheduler import Batch, ScheduledSeq, Sequence, step_of  # noqa: E402
 
 
 def _runner(model, cfg, **kw):
@@ -71,7 +71,7 @@ def test_teacher_forced_logits_match_transformers_llama_3_2_1b():
     got = {id(a): [], id(b): []}
     for qa, qb in plan:
         entries = [ScheduledSeq(s, q, True) for s, q in ((a, qa), (b, qb)) if q]
-        logits = runner.logits(Batch(entries))
+        logits = runner.logits(step_of(runner, Batch(entries)))
         for e, part in zip(entries, logits.split([e.q_len for e in entries])):
             got[id(e.seq)].append(part)
             e.seq.num_computed += e.q_len
@@ -151,7 +151,9 @@ def _specs():
 
 def test_host_engine_gives_the_cpu_engines_tokens_for_the_same_seeds():
     cfg, model = _peaky_model()
-    cpu_tokens, cpu_fin, _ = _drive(CpuRunner(copy.deepcopy(model).float(), cfg, 96, 16), cfg, _specs())
+    cpu_runner = CpuRunner(copy.deepcopy(model).float(), cfg, 96, 16, context_len=512, max_num_batched_tokens=64,
+                           max_num_seqs=8)
+    cpu_tokens, cpu_fin, _ = _drive(cpu_runner, cfg, _specs())
     gpu_model = model.to(device="cuda", dtype=torch.bfloat16)
     gpu_tokens, gpu_fin, _ = _drive(_runner(gpu_model, cfg, max_num_batched_tokens=64), cfg, _specs())
     assert cpu_fin == gpu_fin == [FinishReason.LENGTH] * 4
@@ -182,5 +184,5 @@ def test_cancel_mid_generation_returns_every_block():
     tokens, fins, loop = _drive(runner, cfg, specs, steps_before_cancel=12, cancel=(0, 2))
     assert fins[0] == fins[2] == FinishReason.CANCELLED and fins[1] == fins[3] == FinishReason.LENGTH
     assert 0 < len(tokens[0]) < 200 and len(tokens[1]) == 200
-    assert loop.blocks.num_free == start_free
+    assert loop.scheduler.num_free == start_free
     assert loop.final_stats["free_kv_blocks"] == start_free

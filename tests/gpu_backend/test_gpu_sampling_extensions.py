@@ -22,9 +22,9 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")]
 
 from test_gpu_runner import _drive, _peaky_model, _runner  # noqa: E402
-from gpu_backend.engine.gpu_runner import LOGITS  # noqa: E402
+from gpu_backend.engine.graph_variant import GraphVariant  # noqa: E402
 from gpu_backend.engine.sampler import apply_penalties, sampling_row, token_logprobs  # noqa: E402
-from gpu_backend.engine.scheduler import Batch, ScheduledSeq, Sequence  # noqa: E402
+from reference_scheduler import Batch, ScheduledSeq, Sequence, step_of  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
 
 VOCAB = 512
@@ -56,6 +56,11 @@ def _batch(specs: list[RequestSpec], seed: int = 0) -> Batch:
                        prompt_len=len(spec.prompt_ids), block_table=[i])
         entries.append(ScheduledSeq(seq, len(ids), True))
     return Batch(entries)
+
+
+def _run(runner, batch: Batch) -> list[int]:
+    """The runner's step over a hand-built batch, its step buffer filled by the reference fill."""
+    return runner.run(step_of(runner, batch))
 
 
 def _specs(seed: int = 0) -> list[RequestSpec]:
@@ -90,7 +95,7 @@ def test_extensions_match_the_sampler_math_on_the_same_logits(runner, seed):
     batch = _batch(_specs(seed), seed)
     from kernels import sampling
 
-    logits = runner.sampled_logits(batch).cpu()
+    logits = runner.sampled_logits(step_of(runner, batch)).cpu()
     rows = [sampling_row(e.seq) for e in batch.entries]
     adjusted = apply_penalties(logits, rows)  # the sampler's math, on the CPU
 
@@ -100,7 +105,7 @@ def test_extensions_match_the_sampler_math_on_the_same_logits(runner, seed):
                                   column("top_p", torch.float32), column("min_p", torch.float32),
                                   column("seed", torch.int64), column("position", torch.int64)).tolist()
     want_lps = token_logprobs(adjusted, rows, want_tokens)
-    tokens = runner.run(batch)
+    tokens = _run(runner, batch)
     assert tokens == want_tokens
     assert len(runner.last_logprobs) == len(tokens)
     for got, want in zip(runner.last_logprobs, want_lps):
@@ -109,15 +114,16 @@ def test_extensions_match_the_sampler_math_on_the_same_logits(runner, seed):
 
 def test_each_bucket_has_a_logits_graph_beside_its_two_sampling_graphs(runner):
     if runner.config.use_graphs:
-        assert set(runner.graphs) == {(b, g) for b in runner.buckets for g in (False, True, LOGITS)}
+        assert set(runner.graphs) == {(b, g) for b in runner.buckets
+                                      for g in (GraphVariant.SAMPLE, GraphVariant.GREEDY, GraphVariant.LOGITS)}
         print(f"\n{len(runner.graphs)} graphs captured in {runner.capture_s:.2f} s")
 
 
 def test_plain_rows_get_the_tokens_of_a_step_without_extensions(runner):
     specs = _specs(2)
-    mixed = runner.run(_batch(specs, 2))
+    mixed = _run(runner, _batch(specs, 2))
     assert runner.last_logprobs[0] is None and runner.last_logprobs[1] is not None
-    plain = runner.run(_batch([dataclasses.replace(s, **PLAIN) for s in specs], 2))
+    plain = _run(runner, _batch([dataclasses.replace(s, **PLAIN) for s in specs], 2))
     assert runner.last_logprobs == []
     # rows 0 and 5 have no extensions; row 1 (seeded, sampled) only asks for logprobs
     assert [mixed[i] for i in (0, 1, 5)] == [plain[i] for i in (0, 1, 5)]
@@ -126,9 +132,9 @@ def test_plain_rows_get_the_tokens_of_a_step_without_extensions(runner):
 def test_logit_bias_forces_and_bans_tokens(runner):
     specs = [RequestSpec(i, [3 + i, 40, 41, 42], 4, temperature=t, seed=i, logit_bias=((17, 100.0),))
              for i, t in enumerate((0.0, 1.0, 1.5))]
-    assert runner.run(_batch(specs)) == [17, 17, 17]
-    free = runner.run(_batch([dataclasses.replace(s, **PLAIN) for s in specs[:1]]))[0]
-    banned = runner.run(_batch([dataclasses.replace(specs[0], logit_bias=((free, -100.0),))]))[0]
+    assert _run(runner, _batch(specs)) == [17, 17, 17]
+    free = _run(runner, _batch([dataclasses.replace(s, **PLAIN) for s in specs[:1]]))[0]
+    banned = _run(runner, _batch([dataclasses.replace(specs[0], logit_bias=((free, -100.0),))]))[0]
     assert banned != free
 
 
@@ -157,7 +163,7 @@ def test_kv_sizing_sets_memory_aside_for_the_extensions():
         blocks[extensions] = runner.num_blocks
         if extensions:
             spec = RequestSpec(0, [5, 6, 7], 4, temperature=0.0, repetition_penalty=1.3, num_logprobs=20)
-            assert len(runner.run(_batch([spec]))) == 1 and len(runner.last_logprobs[0].top) == 20
+            assert len(_run(runner, _batch([spec]))) == 1 and len(runner.last_logprobs[0].top) == 20
         del runner
         torch.cuda.empty_cache()
     print(f"\nKV blocks at 20% of the GPU: {blocks[False]} without the extensions, {blocks[True]} with them")

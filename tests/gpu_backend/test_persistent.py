@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from test_gpu_runner import _drive, _peaky_model, _specs  # noqa: E402
 from gpu_backend.engine.loop import EngineConfig  # noqa: E402
+from gpu_backend.engine.graph_variant import GraphVariant  # noqa: E402
 from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry  # noqa: E402
 from protocols.shm import attach_ring, create_ring  # noqa: E402
 from protocols.shm_producer import ShmProducer  # noqa: E402
@@ -232,7 +233,7 @@ def test_prompt_longer_than_the_context_is_refused_and_others_run(served):
 def test_sampling_extensions_are_refused_and_others_run(served):
     cfg, model = _peaky_model()
     runner = _runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
-    assert all(isinstance(greedy, bool) for _, greedy in runner.graphs)  # no LOGITS graphs: never used here
+    assert {v for _, v in runner.graphs} == {GraphVariant.SAMPLE, GraphVariant.GREEDY}  # no LOGITS graphs: never used here
     assert runner.logits_dev is None and not runner.sampling_extensions
     s = served(runner, cfg)
     s.engine.start()

@@ -226,8 +226,8 @@ def test_a_slot_freed_by_the_asynchronous_take_serves_its_next_request_cleanly(s
 
 
 def test_the_loop_runner_has_extended_graphs_over_both_step_buffers(runner_cfg):
-    from gpu_backend.engine.gpu_runner import LOGITS, POST, POST_GREEDY
+    from gpu_backend.engine.graph_variant import GraphVariant
 
     runner, _ = runner_cfg
     for graphs in runner.set_graphs:
-        assert set(graphs) == {(b, g) for b in runner.buckets for g in (False, True, LOGITS, POST, POST_GREEDY)}
+        assert set(graphs) == {(b, g) for b in runner.buckets for g in GraphVariant}

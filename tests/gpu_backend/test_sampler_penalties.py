@@ -9,7 +9,7 @@ import torch
 
 from gpu_backend.engine.sampler import (LogitAdjustments, PromptCache, SamplingRow, apply_penalties, sample,
                                        sample_step, sampling_row, token_logprobs)
-from gpu_backend.engine.scheduler import Sequence
+from reference_scheduler import Sequence
 from protocols.ring import RequestSpec
 
 VOCAB = 64

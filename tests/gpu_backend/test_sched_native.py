@@ -1,15 +1,15 @@
-"""The C++ scheduler (kernels/csrc/include/blink_sched.h, host build) against the Python reference
-(engine/scheduler.py) on randomized request traces: arrivals, cancels, sampled tokens (EOS and stop ids
+"""The C++ scheduler (kernels/csrc/include/blink_sched.h, host build; what every engine runs) against the
+Python reference (tests/gpu_backend/reference_scheduler.py) on randomized request traces: arrivals, cancels, sampled tokens (EOS and stop ids
 included), small block pools that force preemption, full output buffers. Step by step: the same batch
 entries (slot, q_len, samples), the same preemptions, the same published tokens and finishes, the same
 block tables, free list (block ids and order) and queue order; every block back in the pool at the end.
-A second pass fills the step buffer from both (step_buffers.fill_step) and compares it byte for byte."""
+A second pass fills the step buffer from both (the reference's fill_step) and compares it byte for byte."""
 import random
 
 import numpy as np
 import pytest
 
-from gpu_backend.engine.scheduler import BlockManager, Scheduler, SchedulerConfig
+from reference_scheduler import BlockManager, Scheduler, SchedulerConfig, fill_step
 from kernels import sched_host
 from protocols.ring import ErrorCode, RequestSpec
 
@@ -190,7 +190,7 @@ class StepFiller:
         if not batch:
             return
         self.bufs.host.zero_()
-        bucket, greedy, num_sampled = self.gr.fill_step(self.bufs, batch, self.runner_cfg, self.buckets)
+        bucket, greedy, num_sampled = fill_step(self.bufs, batch, self.runner_cfg, self.buckets)
         mine = np.zeros(self.bufs.num_bytes, np.uint8)
         assert nat.fill(mine, nthreads=rng.choice([1, 3, 32])) == bucket
         assert (nat.h.all_greedy, nat.h.num_sampled) == (greedy, num_sampled)

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from gpu_backend.engine.scheduler import BlockManager, Scheduler, SchedulerConfig, Status
+from reference_scheduler import BlockManager, Scheduler, SchedulerConfig, Status
 from protocols.ring import ErrorCode, FinishReason, RequestSpec
 
 EOS = 0

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from gpu_backend.engine.gpu_runner import GpuRunnerConfig
-from gpu_backend.engine.step_buffers import StepBuffers, bucket_for, fill_step, token_buckets
-from gpu_backend.engine.scheduler import BlockManager, Scheduler, SchedulerConfig
+from gpu_backend.engine.step_buffers import StepBuffers, bucket_for, token_buckets
+from reference_scheduler import BlockManager, Scheduler, SchedulerConfig, fill_step
 from protocols.ring import RequestSpec
 
 

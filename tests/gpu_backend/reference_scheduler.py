@@ -1,12 +1,11 @@
-"""The scheduler: continuous batching over a paged KV cache. Plain Python, no torch, no device memory.
+"""The reference scheduler and step fill: continuous batching over a paged KV cache, in plain Python.
 
-This is the *reference* scheduler. The `cpu` engine runs it directly; the `host` engine will run it to
-fill a bucket graph's static tensors; the GPU-resident loop implements the same rules in CUDA and is
-diff-tested against this file on recorded request traces (same inputs -> same batch, step by step).
-We chose a reference-and-diff-test over one C++ source compiled twice because the rules were still
-moving: Python keeps them readable and testable in CI, and a step-by-step trace is all the GPU version
-needs to be checked against. The state is kept in the shapes the GPU version uses (block tables of int
-ids, a free list, per-sequence counters), so the translation is mechanical.
+A test oracle, not product code: every engine runs the native scheduler (kernels/csrc/include/blink_sched.h
+through gpu_backend/engine/sched_native.py, and the same header inside the GPU-resident loop).
+`test_sched_native.py` diffs the two on randomized request traces (same inputs -> same batch, step by
+step) and the step buffers they fill byte for byte. GPU tests that hand-build a batch fill a runner's step
+buffer with `step_of` here. The state is kept in the shapes the native version uses (block tables of int
+ids, a free list, per-sequence counters), so a rule reads the same in both.
 
 Rules (DESIGN.md, "Scheduling on the GPU"):
 - one step = one flat batch of at most `max_num_batched_tokens` tokens: decode tokens first, then
@@ -27,7 +26,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+import numpy as np
+
+from gpu_backend.engine.sched_native import SchedulerConfig, penalties_error
+from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers, bucket_for
 from protocols.ring import ErrorCode, FinishReason, RequestSpec
+
+__all__ = ["SchedulerConfig", "Scheduler", "BlockManager", "Batch", "ScheduledSeq", "Sequence", "Status",
+           "Finished", "fill_step", "step_of"]
 
 
 class Status(enum.Enum):
@@ -97,18 +103,6 @@ class BlockManager:
         seq.block_table = []
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 256  # per-step token budget
-    max_num_seqs: int = 64  # running sequences at most
-    context_len: int = 2048  # prompt + generated tokens a sequence may hold
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.context_len < 2:
-            raise ValueError(f"invalid scheduler limits: {self}")
-
-
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -152,7 +146,7 @@ class Scheduler:
             return ErrorCode.PROMPT_TOO_LONG
         if spec.temperature < 0 or not 0 < spec.top_p <= 1 or spec.top_k < 0 or not 0 <= spec.min_p <= 1:
             return ErrorCode.INVALID_PARAMS
-        if not (0 < spec.repetition_penalty < float("inf") and abs(spec.presence_penalty) <= 2 and abs(spec.frequency_penalty) <= 2):
+        if penalties_error(spec) is not ErrorCode.NONE:
             return ErrorCode.INVALID_PARAMS
         if self.blocks.blocks_for(self._final_len(spec)) > self.blocks.num_blocks:
             return ErrorCode.NO_KV_CAPACITY
@@ -295,3 +289,69 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
         return Finished(seq, reason, error)
+
+
+# ---- the step buffer ----------------------------------------------------------------------------------
+def fill_step(bufs: StepBuffers, batch: Batch, config, buckets: tuple[int, ...]) -> tuple[int, bool, int]:
+    """Write `batch` into the pinned buffer (padding rows: seq id and KV slot -1); `config` has `block_size`
+    and `seqs_in(bucket)` (a GpuRunnerConfig).
+
+    Returns (bucket, every sampled row greedy, number of sampled rows); sampled row r is entry order.
+    Built as Python lists, then one numpy store per field: per-entry numpy calls cost more than the
+    arithmetic at a few hundred sequences.
+    """
+    h, bs = bufs.h, config.block_size
+    ids, pos, slots, seq_ids, q_start, ctx = [], [], [], [], [], []
+    rows, temp, top_k, top_p, min_p, seeds, sample_pos = [], [], [], [], [], [], []
+    all_greedy = True
+    for i, entry in enumerate(batch.entries):
+        seq, start, q_len = entry.seq, entry.seq.num_computed, entry.q_len
+        table = seq.block_table
+        q_start.append(len(ids))
+        if q_len == 1:
+            ids.append(seq.token_ids[start])
+            pos.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+            seq_ids.append(i)
+        else:
+            span = range(start, start + q_len)
+            ids += seq.token_ids[start: start + q_len]
+            pos += span
+            slots += [table[p // bs] * bs + p % bs for p in span]
+            seq_ids += [i] * q_len
+        ctx.append(start + q_len)
+        h["block_tables"][i, : len(table)] = table
+        if entry.samples:
+            spec = seq.spec
+            rows.append(len(ids) - 1)
+            temp.append(spec.temperature)
+            top_k.append(spec.top_k)
+            top_p.append(spec.top_p)
+            min_p.append(spec.min_p)
+            seeds.append(seq.rng_seed)
+            sample_pos.append(len(seq.token_ids))
+            all_greedy = all_greedy and (spec.temperature <= 0.0 or spec.top_k == 1)
+    n, num_seqs, num_sampled = len(ids), len(batch.entries), len(rows)
+    bucket = bucket_for(n, buckets)
+    pad = bucket - n
+    h["input_ids"][:bucket] = ids + [0] * pad
+    h["positions"][:bucket] = pos + [0] * pad
+    h["slot_mapping"][:bucket] = slots + [-1] * pad
+    h["seq_ids"][:bucket] = seq_ids + [-1] * pad
+    s = config.seqs_in(bucket)
+    h["q_start"][: s + 1] = q_start + [n] * (s + 1 - num_seqs)
+    h["ctx_lens"][:num_seqs] = ctx
+    h["num_seqs"][0] = num_seqs
+    h["sample_rows"][:s] = rows + [0] * (s - num_sampled)
+    for name, values in (("temperature", temp), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
+                         ("sample_pos", sample_pos)):
+        h[name][:num_sampled] = values
+    h["seeds"].view(np.uint64)[:num_sampled] = seeds
+    return bucket, all_greedy, num_sampled
+
+
+def step_of(runner, batch: Batch) -> ScheduledStep:
+    """Fill `runner.bufs` (a GpuRunner's) with a hand-built `batch` and describe it as the engine loop would."""
+    bucket, greedy, num_sampled = fill_step(runner.bufs, batch, runner.config, runner.buckets)
+    sampled = tuple(e.seq for e in batch.entries if e.samples)
+    return ScheduledStep(bucket, batch.num_tokens, len(batch.entries), num_sampled, greedy, sampled)

@@ -1,0 +1,50 @@
+"""`DecoderOps` on the GPU: the Triton kernels (kernels/), bound to one step buffer's device views.
+
+Everything a kernel reads about the step (positions, KV slots, sequence ids, query offsets, context
+lengths, block tables) comes from `StepBuffers.d`, so the same ops captured in a CUDA graph serve every
+batch of the bucket. Built by `GpuRunner` per bucket (eagerly, or while capturing that bucket's graph).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TritonOps:
+    def __init__(self, kernels: dict, step: dict[str, torch.Tensor], num_tokens: int, num_seqs: int,
+                 rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, attn_out: torch.Tensor,
+                 scale: float, gemv: dict[str, tuple[int, int, int]]):
+        # step: StepBuffers.d (device views); rope: cos, sin [context_len, D/2] float32; attn_out: [t, H, D]
+        self.k, self.d, self.t, self.s = kernels, step, num_tokens, num_seqs
+        self.cos, self.sin = rope
+        self.kv_cache, self.attn_out, self.scale, self.gemv = kv_cache, attn_out, scale, gemv
+        # few query tiles: split the keys finer so more programs share the KV reads (a batch-1 step
+        # has one tile per KV head); many tiles fill the GPU on their own
+        self.split_keys = 64 if num_tokens <= 32 else 256
+
+    def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        config = self.gemv.get(name) if x.shape[0] == 1 else None
+        if config is not None:
+            return self.k["gemv"](x, weight, bias, config=config)
+        return F.linear(x, weight, bias)
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.k["rmsnorm"](x, weight, eps)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k["add_rmsnorm"](x, residual, weight, eps)
+
+    def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        d, t = self.d, self.t
+        self.k["rope_kv"](q, k, v, d["positions"][:t], self.cos, self.sin, d["slot_mapping"][:t], self.kv_cache[layer])
+        return q  # rotated in place; the rotated k lives in the cache only
+
+    def attention(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        d, t, s = self.d, self.t, self.s
+        self.k["attn"](q, self.kv_cache[layer], d["seq_ids"][:t], d["q_start"][:s + 1], d["ctx_lens"][:s],
+                       d["block_tables"][:s], d["num_seqs"], self.scale, out=self.attn_out, split_keys=self.split_keys)
+        return self.attn_out
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.k["swiglu"](gate_up)

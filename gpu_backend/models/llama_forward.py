@@ -1,0 +1,147 @@
+"""The Llama-family forward, written once: both runners call `decoder_layers` and `lm_head_logits`.
+
+The layer sequence lives here; the kernels are pluggable (`DecoderOps`): torch reference ops on the CPU
+(`models/torch_ops.py`, the `cpu` engine and `LlamaModel.forward`), Triton kernels over the step buffer on
+the GPU (`engine/gpu_ops.py`, run eagerly or captured into bucketed CUDA graphs by `engine/gpu_runner.py`).
+Per layer: (residual add +) RMSNorm -> qkv GEMM -> [per-head q/k norm] -> RoPE fused with the KV-cache
+write -> paged attention -> o GEMM -> add + RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM; the last
+layer's residual add is fused into the final norm of the head.
+
+Weights come as `DecoderWeights`: q/k/v and gate/up fused into one GEMM each (`fuse_weights`), the model's
+own Linear weights left as views of the fused tensors, so names and state_dict stay Hugging Face's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    in_norm: torch.Tensor                 # [hidden]
+    qkv: torch.Tensor                     # [q + 2 kv, hidden]
+    qkv_bias: torch.Tensor | None         # [q + 2 kv] (Qwen2)
+    q_norm: torch.Tensor | None           # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None
+    o: torch.Tensor                       # [hidden, q]
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor                 # [2 I, hidden]
+    down: torch.Tensor                    # [hidden, I]
+
+
+@dataclass
+class DecoderWeights:
+    embed: torch.Tensor                   # [V, hidden]
+    lm_head: torch.Tensor                 # [V, hidden]
+    final_norm: torch.Tensor
+    layers: list[LayerWeights]
+
+    @property
+    def num_bytes(self) -> int:
+        seen, total = set(), 0
+        tensors = [self.embed, self.lm_head, self.final_norm] + [
+            t for layer in self.layers for t in vars(layer).values() if t is not None]
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+class DecoderOps(Protocol):
+    """One device's kernels for one step, bound to that step's inputs (positions, KV slots, attention
+    metadata, the KV cache). Shapes: x [T, hidden]; q [T, H, D]; k, v [T, KVH, D]."""
+
+    def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias); `name` ("qkv", "o", "gate_up", "down", "lm_head") picks a kernel per shape."""
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(residual + x), residual + x)."""
+
+    def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        """Rotate q and k by their positions; write k and v into layer `layer`'s cache. Returns rotated q."""
+
+    def attention(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """Each token over its sequence's cached context (causal): [T, H, D]."""
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 I] -> silu(gate) * up, [T, I]."""
+
+
+def decoder_layers(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig,
+                   input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decoder layer over the step's tokens. Returns (last MLP output, residual), [T, hidden] each:
+    their sum is the hidden state (the head fuses the add into its norm)."""
+    eps = cfg.rms_norm_eps
+    h = F.embedding(input_ids, w.embed)                                       # [T, hidden]
+    residual, x = h, None
+    for i, layer in enumerate(w.layers):
+        if x is None:
+            x = ops.rmsnorm(h, layer.in_norm, eps)
+        else:
+            x, residual = ops.add_rmsnorm(x, residual, layer.in_norm, eps)
+        x = _attention_block(ops, layer, cfg, x, i)
+        x, residual = ops.add_rmsnorm(x, residual, layer.post_norm, eps)
+        x = ops.linear("down", ops.swiglu(ops.linear("gate_up", x, layer.gate_up)), layer.down)
+    return x, residual
+
+
+def _attention_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: torch.Tensor, i: int) -> torch.Tensor:
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv = ops.linear("qkv", x, layer.qkv, layer.qkv_bias)                    # [T, q + 2 kv]
+    q = qkv[:, :q_size].unflatten(1, (cfg.num_heads, cfg.head_dim))
+    k = qkv[:, q_size:q_size + kv_size].unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
+    v = qkv[:, q_size + kv_size:].unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
+    if layer.q_norm is not None:
+        q, k = ops.rmsnorm(q, layer.q_norm, cfg.rms_norm_eps), ops.rmsnorm(k, layer.k_norm, cfg.rms_norm_eps)
+    q = ops.rope_kv(q, k, v, i)
+    return ops.linear("o", ops.attention(q, i).flatten(1), layer.o)
+
+
+def lm_head_logits(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig, x: torch.Tensor,
+                   residual: torch.Tensor) -> torch.Tensor:
+    """Final add + norm and the LM head over some rows of (x, residual): [n, hidden] -> [n, V] float32."""
+    normed, _ = ops.add_rmsnorm(x, residual, w.final_norm, cfg.rms_norm_eps)
+    return ops.linear("lm_head", normed, w.lm_head).float()
+
+
+@torch.no_grad()
+def fuse_weights(model: nn.Module) -> DecoderWeights:
+    """The model's weights for `decoder_layers`, q/k/v and gate/up fused (one layer's copy at a time, so
+    peak memory grows by one layer). The fused tensor keeps the originals' storage order (the CPU keeps
+    Linear weights as [in, out] buffers for MKL, `transpose_linear_storage_`); the originals become views
+    of it, so nothing is held twice and the model's state_dict is unchanged."""
+    layers = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) if attn.q_proj.bias is not None else None
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else (None, None)
+        layers.append(LayerWeights(layer.input_layernorm.weight, qkv, bias, *norms, attn.o_proj.weight,
+                                   layer.post_attention_layernorm.weight, _fuse([mlp.gate_proj, mlp.up_proj]),
+                                   mlp.down_proj.weight))
+    return DecoderWeights(model.model.embed_tokens.weight, model.lm_head.weight, model.model.norm.weight, layers)
+
+
+def _fuse(linears: list[nn.Linear]) -> torch.Tensor:
+    """One [sum out, in] weight for `linears` (contiguous, or an [in, sum out] buffer's transpose when the
+    originals are stored so); each Linear's weight becomes a view of its rows."""
+    weights = [lin.weight.data for lin in linears]
+    if all(w.t().is_contiguous() for w in weights) and not all(w.is_contiguous() for w in weights):
+        fused = torch.cat([w.t() for w in weights], dim=1).t()
+    else:
+        fused = torch.cat(weights)
+    start = 0
+    for lin, w in zip(linears, weights):
+        lin.weight.data = fused[start:start + w.shape[0]]
+        start += w.shape[0]
+    return fused
