@@ -11,6 +11,10 @@ The scheduling step of the GPU-resident loop is C++ (`csrc/include/blink_sched.h
 `sched_host` builds its host library with the C++ compiler on first use (no triton, no torch) for
 `gpu_backend/engine/sched_native.py`.
 
+The structs the loop, the scheduler and the step buffer share with Python are declared once
+(`loop_decl.py`, `sched_decl.py`, `step_decl.py`); `python -m protocols.layout.gen` writes their
+`*_layout.py` views and `csrc/include/blink_*_layout.h` headers.
+
 Modules import triton; import them only where it is installed. `device_check.sh` runs the GPU tests and
 a timing table on a GPU host; `python -m kernels.compile_check` compiles everything for sm_90 without one.
 """

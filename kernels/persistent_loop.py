@@ -1,5 +1,5 @@
-"""Loader of the GPU-resident loop (`csrc/persistent_loop.cu` over `blink_loop.cuh`, `blink_loop_spec.cuh`,
-`blink_loop_ext.cuh`, `blink_sched.h` and `blink_ring.h`):
+"""Loader of the GPU-resident loop (`csrc/persistent_loop.cu` over `blink_loop.cuh`, `blink_loop_build.cuh`,
+`blink_loop_spec.cuh`, `blink_loop_ext.cuh`, `blink_sched.h` and `blink_ring.h`):
 compiled with nvcc for sm_90 on first use, cached by a hash of the sources, loaded with ctypes.
 
 `LoopArgs`, `LoopCtl`, `LoopExt` and the options struct are generated from `kernels/loop_decl.py` (as is
@@ -28,8 +28,9 @@ __all__ = ["ARCH", "COUNTERS", "MAX_EOS", "LoopArgs", "LoopCtl", "LoopError", "L
 
 _INCLUDE = CSRC / "include"
 SOURCES = (CSRC / "persistent_loop.cu", *(_INCLUDE / name for name in (
-    "blink_loop.cuh", "blink_loop_spec.cuh", "blink_loop_ext.cuh", "blink_loop_layout.h", "blink_sched.h",
-    "blink_sched_layout.h", "blink_step_layout.h", "blink_sched_par.cuh", "blink_ring.h", "blink_ring_layout.h")))
+    "blink_loop.cuh", "blink_loop_build.cuh", "blink_loop_spec.cuh", "blink_loop_ext.cuh", "blink_loop_layout.h",
+    "blink_sched.h", "blink_sched_layout.h", "blink_step_layout.h", "blink_sched_par.cuh", "blink_ring.h",
+    "blink_ring_layout.h")))
 BENCH_SOURCES = (_INCLUDE / "blink_loop_bench.cuh", _INCLUDE / "blink_graph_measure.cuh")
 ARCH = os.environ.get("BLINK_CUDA_ARCH", "sm_90")
 _u32, _u64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
@@ -127,10 +128,14 @@ def build(bench: bool = False) -> Path:
     return cached_build("persistent_loop", SOURCES, argv)
 
 
-@functools.cache
 def load(bench: bool = False) -> ctypes.CDLL:
     """The loop's library (`bench`: the build with the benchmark probes), its functions typed and its
-    structs' sizes checked against the generated ctypes views."""
+    structs' sizes checked against the generated ctypes views; loaded once per kind."""
+    return _load(bool(bench))
+
+
+@functools.cache
+def _load(bench: bool) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build(bench)))
     i32, pp = ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p)
     sigs = {

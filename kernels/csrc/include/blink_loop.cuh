@@ -1,6 +1,6 @@
 // The GPU-resident loop's state and its side of the ring, for kernels/csrc/persistent_loop.cu (device
-// code; the file's head explains the loop). The arguments every kernel reads, the counters mirrored to the
-// host, the ring's memory order (payload first, the validating word last with a release store at system
+// code; the file's head explains the loop). The arguments every kernel reads and the counters mirrored to the
+// host (their structs generated: blink_loop_layout.h), the ring's memory order (payload first, the validating word last with a release store at system
 // scope), publishing, admission, the look at the ring, shutdown.
 #ifndef BLINK_LOOP_CUH
 #define BLINK_LOOP_CUH
