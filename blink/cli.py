@@ -19,6 +19,7 @@ from gateway import env as gateway_env
 
 # gpu_backend is imported inside the backend commands only: `blink gateway` runs on hosts without the
 # backend's dependencies (torch), and must not load them.
+BACKEND_PACKAGES = ("torch", "safetensors", "gguf", "tqdm", "triton")  # pyproject's `backend` extra, as imported
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -129,7 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=gateway_env.LOG_LEVEL.get(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if argv[:1] == ["gateway"]:
         return _gateway(argv[1:])
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ModuleNotFoundError as exc:  # a gateway-only install (`pip install 'blink-serve[gateway]'`)
+        if (exc.name or "").partition(".")[0] not in BACKEND_PACKAGES:
+            raise
+        print(f"blink: this install has only the gateway; the other commands need the backend's packages "
+              f"(no module {exc.name!r}): pip install 'blink-serve[backend]'", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
     if args.command == "backend":

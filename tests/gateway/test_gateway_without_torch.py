@@ -40,9 +40,9 @@ sys.meta_path.insert(0, NotInstalled())
 """
 
 
-def without_backend_packages(log: Path, code: str) -> list[str]:
-    """`python -I -c` argv running `code` after the prelude."""
-    prelude = PRELUDE.format(root=str(ROOT), blocked=NOT_ON_A_GATEWAY_HOST, log=str(log))
+def without_backend_packages(log: Path, code: str, blocked: tuple[str, ...] = NOT_ON_A_GATEWAY_HOST) -> list[str]:
+    """`python -I -c` argv running `code` after the prelude, with `blocked` packages unimportable."""
+    prelude = PRELUDE.format(root=str(ROOT), blocked=blocked, log=str(log))
     return [sys.executable, "-I", "-c", prelude + code]
 
 
@@ -95,3 +95,12 @@ def test_the_gateway_serves_without_the_backend_packages(entry, echo_backend, pi
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     assert not log.exists(), f"{entry} imported what a gateway host does not have:\n{log.read_text()}"
+
+
+def test_a_backend_command_on_a_gateway_only_install_says_what_to_install(tmp_path):
+    code = "from blink.cli import main\nsys.exit(main(['backend', '--help']))\n"
+    installed_code = tuple(p for p in NOT_ON_A_GATEWAY_HOST if p not in ("gpu_backend", "kernels"))  # pip installs all
+    proc = subprocess.run(without_backend_packages(tmp_path / "blocked.txt", code, installed_code),
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'blink-serve[backend]'" in proc.stderr and "Traceback" not in proc.stderr
