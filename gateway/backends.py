@@ -149,6 +149,9 @@ class Backend:
         loop = asyncio.get_running_loop()
         reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s)
         info = BackendInfo.from_reply(addr, reply)
+        if config.expect_ring is not None and info.ring_name != config.expect_ring:
+            raise BackendConnectError(f"backend {addr} serves ring {info.ring_name!r}, not {config.expect_ring!r} "
+                                      f"(--expect-ring): another instance holds that control address")
         producer = await connect_transport(info, config)
         log.info("backend %s: model %s, %s engine, %s transport, ring %s (%d slots), context %d", addr,
                  info.model_name, info.engine_mode, info.transport, info.ring_name, info.geometry.num_slots,

@@ -18,6 +18,9 @@ class GatewayConfig:
     port: int = 8000
     grpc_port: int = 50052  # the gRPC inference API (protocols/inference.proto); 0 turns it off
     backend_addrs: tuple[str, ...] = ("127.0.0.1:50051",)  # control-plane gRPC addresses
+    # The ring the one backend must announce (`blink serve` sets the name its backend created): a control
+    # address answered by another instance's backend is refused instead of adopted. None: any ring.
+    expect_ring: str | None = None
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
     admin_keys: frozenset[str] = field(default_factory=frozenset)  # plain admin keys (--admin-key)
     keys_file: str | None = None  # hashed client/admin keys with limits (gateway/keys.py)
@@ -87,6 +90,8 @@ class GatewayConfig:
             raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
         if not self.backend_addrs:
             raise ValueError("at least one backend address is needed")
+        if self.expect_ring is not None and len(self.backend_addrs) != 1:
+            raise ValueError(f"expect_ring names the ring of one backend; {len(self.backend_addrs)} are configured")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:

@@ -226,7 +226,8 @@ class GrpcServer:
         try:
             self.port = self.server.add_insecure_port(addr)
         except RuntimeError as exc:
-            raise OSError(f"cannot listen for gRPC on {addr}: {exc}") from None
+            raise OSError(f"cannot listen for gRPC on {addr}: the port is taken or the address is not this "
+                          f"host's; choose another with --grpc-port or BLINK_GRPC_PORT (0 turns the gRPC API off)") from None
         await self.server.start()
         await self._update_health()
         self._watcher = asyncio.create_task(self._watch_backends(), name="grpc health")

@@ -172,10 +172,11 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
         # reuse_port: the workers of `--workers N` share the port; the kernel spreads connections.
         await web.TCPSite(runner, config.host, config.port, reuse_port=config.workers > 1,
                           backlog=LISTEN_BACKLOG).start()
-    except OSError:
+    except OSError as exc:
         if grpc_server is not None:
             await grpc_server.close(0)
-        raise
+        raise OSError(exc.errno, f"cannot listen for HTTP on {config.host}:{config.port}: {exc.strerror or exc}; "
+                                 f"choose another port with --port (or BLINK_GATEWAY_PORT)") from None
     server = GatewayServer(config, runner, pool, grpc_server, state)
     server.keys_watcher = asyncio.create_task(watch_keys_file(state), name="keys file")
     if not state.keys.auth_enabled:
