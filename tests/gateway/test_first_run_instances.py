@@ -64,25 +64,58 @@ class Instance:
                 self.proc.kill()
 
 
-@pytest.mark.slow
-def test_two_instances_serve_their_own_requests_concurrently():
+ADMIN_KEY = "first-run-admin-" + os.urandom(4).hex()
+
+
+@pytest.fixture(scope="module")
+def two_instances():
+    """The first instance alone (its greedy answer then), then a second beside it with --admin-key."""
     first = Instance()
     try:
         first.wait()
         alone = first.greedy()
-        second = Instance()
+        second = Instance("--admin-key", ADMIN_KEY)
         try:
             second.wait()
-            controls = first.control(), second.control()
-            assert controls[0] != controls[1]
-            assert _describe(controls[0]).ring_name != _describe(controls[1]).ring_name
-            with ThreadPoolExecutor(4) as pool:
-                answers = list(pool.map(lambda inst: inst.greedy(), [first, second, first, second]))
-            assert answers == [alone] * 4
+            yield first, second, alone
         finally:
             second.stop()
     finally:
         first.stop()
+
+
+@pytest.mark.slow
+def test_two_instances_serve_their_own_requests_concurrently(two_instances):
+    first, second, alone = two_instances
+    controls = first.control(), second.control()
+    assert controls[0] != controls[1]
+    assert _describe(controls[0]).ring_name != _describe(controls[1]).ring_name
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda inst: inst.greedy(), [first, second, first, second]))
+    assert answers == [alone] * 4
+
+
+def blinkctl(*args: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("BLINK_URL", "BLINK_ADMIN_KEY")}
+    return subprocess.run([sys.executable, "-m", "blink.ctl", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**environ, **env})
+
+
+@pytest.mark.slow
+def test_serve_admin_key_opens_the_admin_api_and_blinkctl_takes_the_v1_url(two_instances):
+    first, second, _ = two_instances
+    done = blinkctl("status", BLINK_URL=second.url + "/v1", BLINK_ADMIN_KEY=ADMIN_KEY)
+    assert done.returncode == 0, done.stderr
+    assert second.control() in done.stdout and "requests in flight" in done.stdout
+    done = blinkctl("status", "--url", first.url + "/v1/", "--admin-key", ADMIN_KEY)
+    assert done.returncode == 1
+    assert "403" in done.stderr and "blink serve --admin-key" in done.stderr and "BLINK_ADMIN_KEY" in done.stderr
+
+
+def test_blinkctl_without_a_key_says_so():
+    done = blinkctl("status", "--url", f"http://127.0.0.1:{free_port()}")  # nothing listens: no call is made
+    assert done.returncode == 2
+    assert "no admin key given" in done.stderr and "BLINK_ADMIN_KEY" in done.stderr
 
 
 def _listening_socket(host: str = "127.0.0.1") -> socket.socket:
