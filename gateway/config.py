@@ -33,7 +33,9 @@ class GatewayConfig:
     # whole body within body_timeout_s of its head; otherwise it is closed (the body with a 408 first).
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
-    default_max_tokens: int | None = None  # None: whatever the context leaves after the prompt
+    # For requests that set no max_tokens, on every endpoint. None: the API's own default (completions
+    # and gRPC 16, as OpenAI and vLLM; chat what the context leaves after the prompt, as vLLM).
+    default_max_tokens: int | None = None
     slot_wait_s: float = 30.0  # how long a request waits for a free ring slot before a 503
     connect_timeout_s: float = 300.0  # how long startup waits for a backend to answer Describe
     # Poller sleep while requests are in flight. Event-loop timers tick in whole milliseconds: under

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,7 +23,8 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import Field
 
 from protocols import inference_pb2, inference_pb2_grpc
-from protocols.openai import MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from protocols.openai import (COMPLETION_DEFAULT_MAX_TOKENS, MAX_TOP_LOGPROBS, ChatCompletionRequest,
+                              CompletionRequest, TokenizeRequest)
 from protocols.ring import TokenLogprob
 
 from .auth import client_principal
@@ -44,6 +45,9 @@ _STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNA
                  413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
                  503: grpc.StatusCode.UNAVAILABLE}
 _CODE_STATUSES = {"no_kv_capacity": grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Generate without max_tokens, whatever its input: /v1/completions' default (a call nobody bounds must not
+# run to the end of the context). protocols/inference.proto documents it.
+GRPC_DEFAULT_MAX_TOKENS = COMPLETION_DEFAULT_MAX_TOKENS
 _SAMPLING_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
                       "frequency_penalty", "repetition_penalty")
 # Chat carries gRPC's `logprobs` count as top_logprobs: errors name the field as sent here.
@@ -69,6 +73,12 @@ class _CompletionRequest(CompletionRequest):
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
+class _ChatRequest(ChatCompletionRequest):
+    """Chat messages over gRPC: a bounded default output as for every gRPC input (HTTP chat's is the context)."""
+
+    default_max_tokens: ClassVar[int | None] = GRPC_DEFAULT_MAX_TOKENS
+
+
 def _messages(chat: inference_pb2.ChatMessages) -> list[dict]:
     return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})} for m in chat.messages]
 
@@ -88,7 +98,7 @@ def generate_request(request: inference_pb2.GenerateRequest) -> tuple[ChatComple
         if request.HasField("logprobs"):
             body.update(logprobs=True, top_logprobs=request.logprobs)
         body["messages"] = _messages(request.messages)
-        return parse(ChatCompletionRequest, _json(body), _CHAT_RENAMES), "messages"
+        return parse(_ChatRequest, _json(body), _CHAT_RENAMES), "messages"
     if request.HasField("logprobs"):
         body["logprobs"] = request.logprobs
     if which == "prompt":

@@ -58,7 +58,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="answer 408 and close when a request body takes longer than this to arrive "
                    "(default 30; also BLINK_BODY_TIMEOUT)")
     p.add_argument("--default-max-tokens", type=int,
-                   help="output budget when a request sets none (default: what the context leaves)")
+                   help="output budget of a request that sets no max_tokens, on every endpoint (default: "
+                   "16 for /v1/completions and gRPC Generate, as OpenAI; for chat what the context leaves)")
     p.add_argument("--connect-timeout", type=float, dest="connect_timeout_s",
                    help="seconds to wait for each backend's Describe at start-up (default 300)")
     p.add_argument("--log-level", default="INFO")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -19,6 +19,7 @@ MAX_N = 128  # choices per request (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # completions (OpenAI's limit)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
 # Sampling parameters the engine applies (the gateway asks whether the backend's engine mode can).
 ENGINE_SAMPLING_PARAMS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
 
@@ -68,6 +69,10 @@ LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], F
 
 class SamplingFields(_Request):
     """Fields common to chat and text completions. `None` means "use the default"."""
+
+    # The output budget of a request that sets none (unless the operator set --default-max-tokens);
+    # None: what the context leaves after the prompt. Capped by that room either way.
+    default_max_tokens: ClassVar[int | None] = None
 
     model: str
     max_tokens: PositiveInt | None = None
@@ -149,6 +154,8 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingFields):
+    default_max_tokens: ClassVar[int | None] = COMPLETION_DEFAULT_MAX_TOKENS
+
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
     echo: bool | None = None
