@@ -59,3 +59,27 @@ def test_grpc_default_is_capped_by_the_context(stub, auth, harness):
     ids = [70] * (harness.context_len - 3)
     (choice,) = reassemble(generate(stub, auth, model=harness.model, prompt_token_ids=pb.TokenIds(ids=ids)))
     assert len(choice.token_ids) == 3 and choice.finish_reason == "length"
+
+
+# ---------------------------------------------------------------- item 3: GET /v1/models/{id}
+
+
+def test_models_retrieve(client, harness):
+    card = client.models.retrieve(harness.model)
+    assert card.id == harness.model and card.object == "model" and card.owned_by == "blink"
+    assert card.model_extra["max_model_len"] == harness.context_len
+    assert card.model_dump() == next(m for m in client.models.list().data if m.id == harness.model).model_dump()
+
+
+@pytest.mark.parametrize("model_id", ["gpt-9", "org/no-such-model"])
+def test_models_retrieve_unknown_is_model_not_found(client, harness, model_id):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve(model_id)
+    error = info.value.body
+    assert error["code"] == "model_not_found" and error["param"] == "model" and error["type"] == "invalid_request_error"
+    assert model_id in error["message"] and harness.model in error["message"]
+
+
+def test_models_retrieve_needs_the_key(harness):
+    status, body = harness.get(f"/v1/models/{harness.model}", key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
