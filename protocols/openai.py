@@ -24,6 +24,28 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI
 ENGINE_SAMPLING_PARAMS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
 
 
+# Request fields of OpenAI's API or vLLM's extensions that this server does not honour: a request that sets one
+# to anything but a value it honours as it is (listed; None is "not sent") gets a 400 naming the field
+# (docs/api-fields.md lists them, and the fields accepted and ignored because they change nothing).
+REFUSED_FIELDS: dict[str, tuple] = {
+    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "prompt_embeds": (None,),
+}
+REFUSED_CHAT_FIELDS: dict[str, tuple] = {
+    **REFUSED_FIELDS, "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "audio": (None,), "modalities": (None, ["text"]),
+    "web_search_options": (None,), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,), "echo": (None, False),
+    "add_special_tokens": (None, False),
+}
+REFUSED_COMPLETION_FIELDS: dict[str, tuple] = {**REFUSED_FIELDS, "add_special_tokens": (None, True)}
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")  # OpenAI's; only "text" is honoured
+
+
 class InvalidRequest(ValueError):
     """A request body that does not fit the schema; `param` names the field (None for the whole body)."""
 
@@ -44,6 +66,10 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ResponseFormat(_Request):
+    type: str
+
+
 class TextPart(_Request):
     type: Literal["text"]
     text: str
@@ -53,6 +79,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # refused (no tool calling): see ChatCompletionRequest.check
+    function_call: Any = None  # the legacy form of tool_calls: refused likewise
 
     def text(self) -> str:
         """Content as one string: text parts joined, as text-only chat templates expect."""
@@ -68,7 +96,13 @@ LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], F
 
 
 class SamplingFields(_Request):
-    """Fields common to chat and text completions. `None` means "use the default"."""
+    """Fields common to chat and text completions. `None` means "use the default".
+
+    Unknown fields are kept (`model_extra`) so that `check` can refuse those of `refused_fields` that
+    would change the output; the rest pass, ignored, as vLLM lets them."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    refused_fields: ClassVar[dict[str, tuple]] = REFUSED_FIELDS
 
     # The output budget of a request that sets none (unless the operator set --default-max-tokens);
     # None: what the context leaves after the prompt. Capped by that room either way.
@@ -94,12 +128,27 @@ class SamplingFields(_Request):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=1e6)] | None = None  # vLLM's: > 1 discourages repeats
     logit_bias: LogitBias | None = None  # token id (a decimal string) -> bias added to its logit
+    response_format: ResponseFormat | None = None  # only {"type": "text"}, until structured outputs land
 
     def check(self) -> None:
+        self._check_response_format()
+        for name, value in (self.model_extra or {}).items():
+            if name in self.refused_fields:
+                _refuse_unless(name, value, self.refused_fields[name])
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit() and int(key) <= INT32_MAX):
                 raise InvalidRequest(f"invalid key {key!r} in 'logit_bias': keys are token ids, "
                                      f"as decimal strings", "logit_bias")
+
+    def _check_response_format(self) -> None:
+        kind = self.response_format.type if self.response_format else "text"
+        if kind not in RESPONSE_FORMAT_TYPES:
+            raise InvalidRequest(f"invalid value for 'response_format.type': {_short(kind)}; OpenAI's types are "
+                                 f"{', '.join(map(json.dumps, RESPONSE_FORMAT_TYPES))}", "response_format.type")
+        if kind != "text":
+            raise InvalidRequest(f"'response_format' of type {_short(kind)} is not supported by this server yet "
+                                 f"(no structured outputs): send {{\"type\": \"text\"}} or leave it out",
+                                 "response_format")
 
     @property
     def logit_bias_ids(self) -> list[tuple[int, float]]:
@@ -133,11 +182,16 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
+    refused_fields: ClassVar[dict[str, tuple]] = REFUSED_CHAT_FIELDS
 
     def check(self) -> None:
         super().check()
-        _refuse_unless_default(self, tools=[])
+        for i, message in enumerate(self.messages):
+            for name in ("tool_calls", "function_call"):
+                if getattr(message, name):
+                    raise InvalidRequest(f"'messages[{i}].{name}' is not supported by this server (no tool "
+                                         f"calling): send the assistant's turn as text content",
+                                         f"messages[{i}].{name}")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
 
@@ -155,6 +209,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 class CompletionRequest(SamplingFields):
     default_max_tokens: ClassVar[int | None] = COMPLETION_DEFAULT_MAX_TOKENS
+    refused_fields: ClassVar[dict[str, tuple]] = REFUSED_COMPLETION_FIELDS
 
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
@@ -211,10 +266,27 @@ class DetokenizeRequest(_Request):
 
 def _refuse_unless_default(req: _Request, **defaults: Any) -> None:
     for name, default in defaults.items():
-        value = getattr(req, name)
-        if value is not None and value != default:
-            raise InvalidRequest(f"'{name}' = {value!r} is not supported by this server "
-                                 f"(only {default!r})", name)
+        _refuse_unless(name, getattr(req, name), (None, default))
+
+
+def _refuse_unless(name: str, value: Any, honoured: tuple) -> None:
+    """A 400 naming `name` unless `value` is one of `honoured` (None: not sent)."""
+    # 1 == True in Python: a bool must match a bool
+    if value is None or any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in honoured):
+        return
+    allowed = " or ".join(json.dumps(ok) for ok in honoured if ok is not None)  # as the client writes them
+    raise InvalidRequest(f"'{name}' is not supported by this server: got {_short(value)}; only "
+                         f"{allowed + ' or ' if allowed else ''}leaving it out is honoured", name)
+
+
+def _short(value: Any) -> str:
+    """A value as an error message may quote it: never a whole array or object sent by the client."""
+    if isinstance(value, list):
+        return f"a list of {len(value)} item{'s' * (len(value) != 1)}"
+    if isinstance(value, dict):
+        return "an object"
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # ---------------------------------------------------------------- responses

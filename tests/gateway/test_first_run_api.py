@@ -83,3 +83,71 @@ def test_models_retrieve_unknown_is_model_not_found(client, harness, model_id):
 def test_models_retrieve_needs_the_key(harness):
     status, body = harness.get(f"/v1/models/{harness.model}", key=None)
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
+# ---------------------------------------------------------------- item 5: refuse what is not honoured
+
+
+def _chat(client, harness, **kw):
+    messages = kw.pop("messages", [{"role": "user", "content": "hello"}])
+    return client.chat.completions.create(model=harness.model, messages=messages, max_tokens=3, **kw)
+
+
+def _refused(call, param: str) -> dict:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    error = info.value.body
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert param in error["message"]
+    return error
+
+
+@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
+def test_structured_response_formats_are_refused_until_they_land(client, harness, kind):
+    fmt = {"type": kind, **({"json_schema": {"name": "x", "schema": {"type": "object"}}} if kind == "json_schema" else {})}
+    error = _refused(lambda: _chat(client, harness, response_format=fmt), "response_format")
+    assert kind in error["message"] and "not supported" in error["message"]
+    _refused(lambda: client.completions.create(model=harness.model, prompt="hi", max_tokens=3,
+                                               extra_body={"response_format": fmt}), "response_format")
+
+
+def test_a_bogus_response_format_is_refused(client, harness):
+    error = _refused(lambda: _chat(client, harness, response_format={"type": "bogus"}), "response_format.type")
+    assert "bogus" in error["message"] and "json_schema" in error["message"]
+
+
+def test_response_format_text_is_honoured(client, harness):
+    r = _chat(client, harness, response_format={"type": "text"})
+    assert r.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
+    ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice"),
+    ({"extra_body": {"include_stop_str_in_output": True}}, "include_stop_str_in_output"),
+])
+def test_fields_that_would_change_the_output_are_refused(client, harness, kw, param):
+    _refused(lambda: _chat(client, harness, **kw), param)
+
+
+def test_assistant_tool_calls_in_the_history_are_refused(client, harness):
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    error = _refused(lambda: _chat(client, harness, messages=messages), "messages[1].tool_calls")
+    assert "tool calling" in error["message"]
+
+
+def test_completion_fields_that_would_change_the_output_are_refused(client, harness):
+    _refused(lambda: client.completions.create(model=harness.model, prompt="hi", max_tokens=3,
+                                               extra_body={"add_special_tokens": False}), "add_special_tokens")
+
+
+def test_fields_that_change_nothing_pass(client, harness):
+    r = _chat(client, harness, tool_choice="none", parallel_tool_calls=False, store=False, metadata={"a": "b"},
+              service_tier="auto", extra_body={"skip_special_tokens": True, "some_future_field": 1})
+    assert r.choices[0].finish_reason in ("stop", "length")
