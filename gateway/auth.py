@@ -75,6 +75,8 @@ def auth_middleware(keys: KeyStore | frozenset[str]) -> Callable:
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable]):
+        if request.match_info.http_exception is not None:  # no such route (or method): its 404/405, key or not
+            return await handler(request)
         header = request.headers.get("Authorization")
         if request.path.startswith(ADMIN_PREFIX):
             request[PRINCIPAL] = admin_principal(header, keys)

@@ -19,7 +19,8 @@ from typing import Annotated, ClassVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from google.protobuf import descriptor_pb2, descriptor_pool
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from pydantic import Field
 
 from protocols import inference_pb2, inference_pb2_grpc
@@ -213,6 +214,43 @@ def _logprob(texts: TokenTexts, token_id: int, logprob: float) -> inference_pb2.
 
 # ---------------------------------------------------------------- the server
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _reflection_v1_handler(names: tuple[str, ...]) -> grpc.GenericRpcHandler:
+    """Server reflection v1 (what grpcurl and current clients ask first) beside v1alpha.
+
+    grpcio-reflection ships v1alpha only. v1 is the same protocol under another package (every message and
+    field number alike), so v1alpha's servicer answers it; its descriptor, the v1alpha file renamed, goes
+    into the default pool so that reflection can describe the v1 service too."""
+    _add_reflection_v1_descriptor()
+    servicer = reflection.aio.ReflectionServicer(names)
+    info = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    return grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": info})
+
+
+def _add_reflection_v1_descriptor() -> None:
+    pool = descriptor_pool.Default()
+    old, new = reflection_pb2.DESCRIPTOR.package, REFLECTION_V1.rsplit(".", 1)[0]
+    name = reflection_pb2.DESCRIPTOR.name.replace("v1alpha", "v1")
+    try:
+        pool.FindFileByName(name)
+        return  # another gateway in this process added it
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto.FromString(reflection_pb2.DESCRIPTOR.serialized_pb)
+    proto.name, proto.package = name, new
+    for message in proto.message_type:
+        for f in message.field:
+            if f.type_name:  # set only where it is: setting "" marks it present
+                f.type_name = f.type_name.replace(f".{old}.", f".{new}.")
+    for method in proto.service[0].method:
+        method.input_type = method.input_type.replace(f".{old}.", f".{new}.")
+        method.output_type = method.output_type.replace(f".{old}.", f".{new}.")
+    pool.AddSerializedFile(proto.SerializeToString())
+
 
 class GrpcServer:
     """The inference service, grpc.health.v1 (SERVING while some backend makes progress) and reflection."""
@@ -227,7 +265,9 @@ class GrpcServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), self.server)
+        names = (SERVICE_NAME, health_name, reflection.SERVICE_NAME, REFLECTION_V1)
+        reflection.enable_server_reflection(names, self.server)
+        self.server.add_generic_rpc_handlers((_reflection_v1_handler(names),))
         self.port = 0
         self._watcher: asyncio.Task | None = None
 

@@ -75,12 +75,33 @@ class TextPart(_Request):
     text: str
 
 
+# Content parts of other media, by OpenAI's (and vLLM's) type names: parsed only to be refused by name.
+MEDIA_PARTS = {"image_url": "images are", "input_image": "images are", "image": "images are",
+               "input_audio": "audio is", "audio_url": "audio is", "video_url": "video is", "file": "files are",
+               "input_file": "files are"}
+
+
+class MediaPart(_Request):
+    type: Literal[tuple(MEDIA_PARTS)]  # type: ignore[valid-type]
+
+
+ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None  # refused (no tool calling): see ChatCompletionRequest.check
     function_call: Any = None  # the legacy form of tool_calls: refused likewise
+
+    def check_media(self, index: int) -> None:
+        """Refuse a part of another medium than text, naming it: the models served here read text only."""
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if isinstance(part, MediaPart):
+                raise InvalidRequest(f"'messages[{index}].content[{j}]' is an {part.type!r} part: "
+                                     f"{MEDIA_PARTS[part.type]} not supported, this server takes text only",
+                                     f"messages[{index}].content[{j}]")
 
     def text(self) -> str:
         """Content as one string: text parts joined, as text-only chat templates expect."""
@@ -187,6 +208,7 @@ class ChatCompletionRequest(SamplingFields):
     def check(self) -> None:
         super().check()
         for i, message in enumerate(self.messages):
+            message.check_media(i)
             for name in ("tool_calls", "function_call"):
                 if getattr(message, name):
                     raise InvalidRequest(f"'messages[{i}].{name}' is not supported by this server (no tool "
@@ -254,6 +276,8 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
     def check(self) -> None:
+        for i, message in enumerate(self.messages or ()):
+            message.check_media(i)
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("send exactly one of 'prompt' or 'messages'",
                                  "prompt" if self.prompt is None else "messages")

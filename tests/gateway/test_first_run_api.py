@@ -4,6 +4,10 @@ until max_tokens, so lengths are known in advance)."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import time
+
 import grpc
 import openai
 import pytest
@@ -11,6 +15,7 @@ import pytest
 from grpc_helpers import generate, reassemble
 from protocols import inference_pb2 as pb
 from protocols import inference_pb2_grpc
+from tests.conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +156,85 @@ def test_fields_that_change_nothing_pass(client, harness):
     r = _chat(client, harness, tool_choice="none", parallel_tool_calls=False, store=False, metadata={"a": "b"},
               service_tier="auto", extra_body={"skip_special_tokens": True, "some_future_field": 1})
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+# ---------------------------------------------------------------- item 8: error messages
+
+
+def test_the_tools_refusal_does_not_echo_the_tools(client, harness):
+    tools = [{"type": "function", "function": {"name": "lookup_secret_weather", "description": "x" * 500,
+                                                "parameters": {"type": "object", "properties": {}}}}]
+    error = _refused(lambda: _chat(client, harness, tools=tools), "tools")
+    assert "lookup_secret_weather" not in error["message"] and len(error["message"]) < 200
+
+
+@pytest.mark.parametrize("part, says", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "images are not supported"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "audio is not supported"),
+])
+def test_media_content_parts_say_what_is_not_supported(client, harness, part, says):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]
+    error = _refused(lambda: _chat(client, harness, messages=messages), "messages[0].content[1]")
+    assert says in error["message"] and "valid string" not in error["message"]
+
+
+def test_the_request_log_says_no_token_instead_of_ttft_none(harness, caplog):
+    from tests.gateway.conftest import ERROR_TOKEN
+    error_id = harness.tokenizer.token_to_id(ERROR_TOKEN)
+    with caplog.at_level(logging.INFO, logger="blink.gateway.requests"):
+        status, _ = harness.post("/v1/completions", {"model": harness.model, "prompt": [error_id, 0], "max_tokens": 4})
+        assert status >= 500
+        deadline = time.monotonic() + 5
+        while not [r for r in caplog.records if "finish" in r.getMessage()] and time.monotonic() < deadline:
+            time.sleep(0.02)
+    lines = [r.getMessage() for r in caplog.records if "finish" in r.getMessage()]
+    assert lines and all("None" not in line for line in lines) and "no token" in lines[-1]
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/nope"), ("POST", "/v1/chat/complete"), ("GET", "/admin/nope")])
+def test_an_unknown_route_is_404_with_or_without_a_key(harness, method, path):
+    for key in (None, "default"):
+        status, body = harness.get(path, key=key) if method == "GET" else harness.post(path, {}, key=key)
+        assert status == 404 and body["error"]["code"] == "not_found" and path in body["error"]["message"]
+
+
+def test_a_known_route_without_a_key_is_still_401(harness):
+    status, body = harness.get("/v1/models", key=None)
+    assert status == 401
+
+
+def _reflect(channel, package: str, request) -> list:
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb  # v1 has the same messages, field for field
+    call = channel.stream_stream(f"/{package}.ServerReflection/ServerReflectionInfo",
+                                 request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+                                 response_deserializer=rpb.ServerReflectionResponse.FromString)
+    return list(call(iter([request]), timeout=10))
+
+
+@pytest.mark.parametrize("package", ["grpc.reflection.v1", "grpc.reflection.v1alpha"])
+def test_grpc_reflection_v1_and_v1alpha(harness, package):
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+    with grpc.insecure_channel(harness.grpc_addr) as channel:
+        (listing,) = _reflect(channel, package, rpb.ServerReflectionRequest(list_services=""))
+        names = {s.name for s in listing.list_services_response.service}
+        assert {"blink.inference.v1.Inference", "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection"} <= names
+        for symbol, method in (("blink.inference.v1.Inference", "Generate"),
+                               ("grpc.reflection.v1.ServerReflection", "ServerReflectionInfo")):
+            (reply,) = _reflect(channel, package, rpb.ServerReflectionRequest(file_containing_symbol=symbol))
+            files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                     for b in reply.file_descriptor_response.file_descriptor_proto]
+            assert method in {m.name for f in files for s in f.service for m in s.method}
+
+
+def test_first_setup_says_what_pip_installs(tmp_path):
+    """`make serve` on a fresh clone: a line before each install step (pip itself runs with -q)."""
+    dry = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path}/venv"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    lines = dry.stdout.splitlines()
+    installs = [i for i, line in enumerate(lines) if "-m pip install" in line or "-m blink.cli model demo" in line]
+    assert len(installs) == 4
+    for i in installs:
+        assert lines[i - 1].startswith("echo ") and "blink set-up" in lines[i - 1], lines[i - 1]
+    assert "torch" in lines[installs[1] - 1] and "dependencies" in lines[installs[2] - 1]
