@@ -184,6 +184,16 @@ class Backend:
         return self._producer.engine_stats()
 
     @property
+    def has_work(self) -> bool:
+        """Requests in flight here or waiting for a slot: what the heartbeat must move for."""
+        return bool(self._requests or self._waiters)
+
+    @property
+    def stopping(self) -> bool:
+        """The engine announced its shutdown: a heartbeat that stands still then is no stall."""
+        return self._producer.engine_state in (EngineState.STOPPING, EngineState.STOPPED)
+
+    @property
     def ejected(self) -> bool:
         """Ejected for a stuck heartbeat, and it has not moved since (re-admitted the moment it does)."""
         return self._ejected_at is not None and self.heartbeat == self._ejected_at
@@ -414,7 +424,7 @@ class Backend:
     def _check_heartbeat(self) -> None:
         beat, since = self._beat
         now, current = time.monotonic(), self.heartbeat
-        if current != beat:
+        if current != beat or self.stopping:  # stopping: it ends its requests itself
             self._beat = (current, now)
             if self.stalled:
                 log.warning("backend %s: heartbeat moves again", self.info.addr)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 ENV_PREFIX = "BLINK_"
 MiB = 1 << 20
+# Seconds of an unchanged heartbeat, with work pending, before ejection; per engine mode (see GatewayConfig).
+HEARTBEAT_TIMEOUTS_S = {"persistent": 1.0, "host": 3.0, "cpu": 10.0, "default": 5.0}
 ROUTING_POLICIES = ("least_outstanding_tokens", "most_free_kv", "prefix_affinity")  # gateway/route.py
 
 
@@ -65,6 +67,11 @@ class GatewayConfig:
     gc_full_growth_blocks: int = 1_000_000
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
     stall_timeout_s: float = 60.0  # heartbeat unchanged this long with requests in flight: fail them
+    # Heartbeat unchanged this long while the backend has work (requests in flight or waiting for a slot):
+    # ejected from routing until it moves (gateway/pool.py). Per engine mode: a GPU loop beats every few
+    # microseconds, while a cpu engine computes on cores it shares and one step on a busy host can take
+    # seconds. "default" covers other modes. heartbeat_timeout_s, when set, is one value for every mode.
+    heartbeat_timeouts_s: Mapping[str, float] = field(default_factory=lambda: dict(HEARTBEAT_TIMEOUTS_S))
     tcp_idle_timeout_s: float = 3.0  # tcp transport: no frame from the agent this long = connection lost
     rdma_device: str | None = None  # rdma transport: local device name (None: the first one)
     tokenizer_threads: int = 2
@@ -77,7 +84,7 @@ class GatewayConfig:
     # Many backends (gateway/pool.py, gateway/route.py).
     config_file: str | None = None  # YAML file of backends and settings, read again on SIGHUP
     routing: str = "least_outstanding_tokens"  # or most_free_kv, prefix_affinity
-    heartbeat_timeout_s: float = 1.0  # heartbeat unchanged this long: no new work goes to the backend
+    heartbeat_timeout_s: float | None = None  # every mode's heartbeat_timeouts_s at once (None: per mode)
     health_check_s: float = 0.2  # how often the pool looks at heartbeats (ejection within timeout + this)
     probe_interval_s: float = 0.5  # how often the pool asks each backend's control plane whether it lives
     affinity_prefix_len: int = 64  # prefix_affinity: leading prompt tokens hashed (in whole 16-token blocks)
@@ -113,8 +120,18 @@ class GatewayConfig:
                              f"{self.gc_freeze_s:g} and {self.gc_full_growth_blocks}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
-        if min(self.heartbeat_timeout_s, self.health_check_s, self.probe_interval_s) <= 0:
-            raise ValueError("heartbeat_timeout_s, health_check_s and probe_interval_s must be positive")
+        timeouts = [*self.heartbeat_timeouts_s.values(), *([self.heartbeat_timeout_s] if self.heartbeat_timeout_s
+                                                            is not None else [])]
+        if min(*timeouts, self.health_check_s, self.probe_interval_s) <= 0:
+            raise ValueError("heartbeat timeouts, health_check_s and probe_interval_s must be positive")
+        if "default" not in self.heartbeat_timeouts_s:
+            raise ValueError("heartbeat_timeouts_s needs a 'default' entry (for modes it does not name)")
+
+    def heartbeat_timeout_for(self, engine_mode: str) -> float:
+        """How long a backend of `engine_mode` with work may leave its heartbeat unchanged before ejection."""
+        if self.heartbeat_timeout_s is not None:
+            return self.heartbeat_timeout_s
+        return self.heartbeat_timeouts_s.get(engine_mode, self.heartbeat_timeouts_s["default"])
 
     @property
     def auth_enabled(self) -> bool:

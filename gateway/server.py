@@ -127,6 +127,7 @@ class GatewayServer:
         """Both front ends let open streams finish (up to shutdown_timeout_s, together), then the backends go."""
         if self.keys_watcher is not None:
             self.keys_watcher.cancel()
+        self.pool.stop_watching()  # backends stopping beside the gateway (Ctrl-C reaches both) are no stall
         closing = [self.runner.cleanup()]
         if self.grpc_server is not None:
             closing.append(self.grpc_server.close(self.config.shutdown_timeout_s))
