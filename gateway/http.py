@@ -55,8 +55,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     async def make_format(choices: Choices) -> CompletionFormat:
         texts = choices.tokenizer.token_texts if req.num_logprobs is not None else None
-        prompt = req.prompt_text_or_ids
-        echo = "" if not req.echo else prompt if isinstance(prompt, str) else await choices.tokenizer.decode(prompt)
+        echoes = [p if isinstance(p, str) else await choices.tokenizer.decode(p) for p in req.prompts] \
+            if req.echo else [""]
+        # choice i * n + j is prompt i's
+        echo = echoes[0] if len(echoes) == 1 else [e for e in echoes for _ in range(req.n)]
         return CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, texts, echo)
     return await _generate(request, req, make_format, arrival_s)
 

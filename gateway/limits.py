@@ -38,7 +38,8 @@ def max_tokens_for(prompt_len: int, requested: int | None, info: BackendInfo, pr
     context_len = info.context_len
     prompt_limit = min(context_len - 1, info.geometry.max_prompt_len)
     if prompt_len > prompt_limit:
-        raise bad_request(f"the prompt is {prompt_len} tokens, over this model's limit of {prompt_limit} "
+        which = f"{prompt_param}: " if "[" in prompt_param else ""  # one prompt of a batch: which one
+        raise bad_request(f"{which}the prompt is {prompt_len} tokens, over this model's limit of {prompt_limit} "
                           f"(context length {context_len}, at least one token is generated)",
                           prompt_param, CONTEXT_CODE)
     room = context_len - prompt_len

@@ -19,6 +19,7 @@ MAX_N = 128  # choices per request (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # completions (OpenAI's limit)
+MAX_PROMPTS = 2048  # prompts in one /v1/completions batch (OpenAI's limit); the ring's slots bound prompts x n
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
 # Sampling parameters the engine applies (the gateway asks whether the backend's engine mode can).
 ENGINE_SAMPLING_PARAMS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
@@ -233,8 +234,9 @@ class CompletionRequest(SamplingFields):
     default_max_tokens: ClassVar[int | None] = COMPLETION_DEFAULT_MAX_TOKENS
     refused_fields: ClassVar[dict[str, tuple]] = REFUSED_COMPLETION_FIELDS
 
-    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] \
-        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    # One prompt (text or token ids), or a batch of them: one choice per prompt and n, index prompt_i * n + j.
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] \
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     echo: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     best_of: int | None = None
@@ -243,8 +245,10 @@ class CompletionRequest(SamplingFields):
     def check(self) -> None:
         super().check()
         _refuse_unless_default(self, best_of=1, suffix="")
-        if self.prompt_text_or_ids == "":
-            raise InvalidRequest("'prompt' must not be empty", "prompt")
+        for i, prompt in enumerate(self.prompts):
+            if prompt == "":
+                param = f"prompt[{i}]" if self.is_batch else "prompt"
+                raise InvalidRequest(f"'{param}' must not be empty", param)
         if self.echo and self.logprobs is not None:
             raise InvalidRequest("'echo' with 'logprobs' is not supported: the engine does not compute the "
                                  "prompt tokens' logprobs; send one or the other", "echo")
@@ -258,12 +262,22 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
     @property
-    def prompt_text_or_ids(self) -> str | list[int]:
-        """The single prompt: a string or a list of token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt, each a string or a list of token ids."""
         p = self.prompt
         if isinstance(p, str) or isinstance(p[0], int):
-            return p
-        return p[0]
+            return [p]
+        return list(p)
+
+    @property
+    def is_batch(self) -> bool:
+        """The prompt is a list of prompts (even of one): errors name each as prompt[i]."""
+        return isinstance(self.prompt, list) and not isinstance(self.prompt[0], int)
+
+    @property
+    def prompt_text_or_ids(self) -> str | list[int]:
+        """The first prompt (the only one unless `is_batch`): a string or a list of token ids."""
+        return self.prompts[0]
 
 
 class TokenizeRequest(_Request):

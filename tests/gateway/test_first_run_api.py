@@ -238,3 +238,62 @@ def test_first_setup_says_what_pip_installs(tmp_path):
     for i in installs:
         assert lines[i - 1].startswith("echo ") and "blink set-up" in lines[i - 1], lines[i - 1]
     assert "torch" in lines[installs[1] - 1] and "dependencies" in lines[installs[2] - 1]
+
+
+# ---------------------------------------------------------------- item 4: batch prompts on /v1/completions
+
+PROMPTS = ["hello world", "the quick brown fox", "stop here please"]
+
+
+def _alone(client, harness, prompt, **kw):
+    r = client.completions.create(model=harness.model, prompt=prompt, max_tokens=5, **kw)
+    return r.choices[0].text, r.usage
+
+
+def test_a_batch_of_text_prompts_gives_n_choices_each_indexed_as_openai(client, harness):
+    r = client.completions.create(model=harness.model, prompt=PROMPTS[:2], max_tokens=5, n=2, seed=7)
+    assert [c.index for c in r.choices] == list(range(4))  # the harness's ring has 4 slots
+    alone = [_alone(client, harness, p, seed=7) for p in PROMPTS[:2]]
+    for c in r.choices:
+        assert c.text == alone[c.index // 2][0]  # index = prompt_i * n + j
+    assert r.usage.prompt_tokens == sum(u.prompt_tokens for _, u in alone)
+    assert r.usage.completion_tokens == 4 * 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_a_streamed_batch_of_token_id_prompts(client, harness):
+    prompts = [harness.tokenizer.encode(p).ids for p in PROMPTS[:2]]
+    chunks = list(client.completions.create(model=harness.model, prompt=prompts, max_tokens=4, n=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts, finishes = {}, {}
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert sorted(texts) == [0, 1, 2, 3] and finishes == {i: "length" for i in range(4)}
+    for index, text in texts.items():
+        ids = prompts[index // 2]
+        assert text == harness.tokenizer.decode([ids[k % len(ids)] for k in range(4)])
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == sum(map(len, prompts)) and usage.completion_tokens == 16
+
+
+def test_a_batch_echoes_each_choice_its_own_prompt(client, harness):
+    r = client.completions.create(model=harness.model, prompt=PROMPTS[:2], max_tokens=2, echo=True)
+    assert [c.text[:len(p)] for c, p in zip(r.choices, PROMPTS)] == PROMPTS[:2]
+
+
+@pytest.mark.parametrize("prompt, n, param", [
+    (["a", "", "b"], 1, "prompt[1]"),
+    (["a", "zq" * 200], 1, "prompt[1]"),  # over the context
+    (["a", "b", "c"], 2, "prompt"),  # 6 choices, 4 ring slots
+    ([[5, 6], [10**6]], 1, "prompt[1]"),
+])
+def test_a_bad_batch_names_the_prompt(client, harness, prompt, n, param):
+    _refused(lambda: client.completions.create(model=harness.model, prompt=prompt, max_tokens=2, n=n), param)
+
+
+def test_a_batch_of_one_is_a_batch(client, harness):
+    r = client.completions.create(model=harness.model, prompt=["hello world"], max_tokens=3)
+    assert len(r.choices) == 1 and r.choices[0].text == _alone(client, harness, "hello world")[0][:len(r.choices[0].text)]
