@@ -186,3 +186,16 @@ def test_the_gateway_refuses_a_backend_that_announces_another_ring(ring_and_desc
 def test_expect_ring_names_one_backend():
     with pytest.raises(ValueError, match="expect_ring"):
         GatewayConfig(backend_addrs=("a:1", "b:2"), expect_ring="blink-1")
+
+
+@pytest.mark.parametrize("flag", ["--port", "--grpc-port"])
+def test_a_gateway_on_a_taken_port_fails_naming_port_and_flag(echo_backend, flag):
+    control, _, _ = echo_backend
+    with _listening_socket() as taken:
+        port = taken.getsockname()[1]
+        ports = {"--port": str(free_port()), "--grpc-port": str(free_port()), flag: str(port)}
+        done = subprocess.run([sys.executable, "-m", "gateway", "--backend", control, "--connect-timeout", "10",
+                               *(x for kv in ports.items() for x in kv)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"127.0.0.1:{port}" in done.stderr and flag in done.stderr and "Traceback" not in done.stderr
