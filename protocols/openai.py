@@ -65,6 +65,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool | None = None  # vLLM's usage in every chunk: refused (SamplingFields.check)
 
 
 class ResponseFormat(_Request):
@@ -154,6 +155,9 @@ class SamplingFields(_Request):
 
     def check(self) -> None:
         self._check_response_format()
+        if self.stream_options is not None:
+            _refuse_unless("stream_options.continuous_usage_stats", self.stream_options.continuous_usage_stats,
+                           (None, False))
         for name, value in (self.model_extra or {}).items():
             if name in self.refused_fields:
                 _refuse_unless(name, value, self.refused_fields[name])

@@ -133,6 +133,8 @@ def test_response_format_text_is_honoured(client, harness):
     ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
     ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice"),
     ({"extra_body": {"include_stop_str_in_output": True}}, "include_stop_str_in_output"),
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
 ])
 def test_fields_that_would_change_the_output_are_refused(client, harness, kw, param):
     _refused(lambda: _chat(client, harness, **kw), param)
