@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response schemas (pydantic v2), shared vocabulary of the public API.
 
-Requests are strict about types (a string where a number belongs is an error, as OpenAI does) and
-ignore unknown fields. `parse_request` turns a raw body into a model or an `InvalidRequest` whose
+Requests are strict about types (a string where a number belongs is an error, as OpenAI does); unknown
+fields pass, ignored, except those that would change the output, which are refused by name
+(`REFUSED_FIELDS`; docs/api-fields.md). `parse_request` turns a raw body into a model or an `InvalidRequest` whose
 `param` names the offending field (`messages[0].content`, `max_tokens`).
 """
 
@@ -13,6 +14,9 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .openai_fields import (MEDIA_PARTS, REFUSED_CHAT_FIELDS, REFUSED_COMPLETION_FIELDS, REFUSED_FIELDS,
+                            RESPONSE_FORMAT_TYPES, refusal_message, short_value)
+
 MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1  # top_k and token ids travel as int32 in the ring
 MAX_N = 128  # choices per request (OpenAI's limit)
@@ -23,28 +27,6 @@ MAX_PROMPTS = 2048  # prompts in one /v1/completions batch (OpenAI's limit); the
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
 # Sampling parameters the engine applies (the gateway asks whether the backend's engine mode can).
 ENGINE_SAMPLING_PARAMS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
-
-
-# Request fields of OpenAI's API or vLLM's extensions that this server does not honour: a request that sets one
-# to anything but a value it honours as it is (listed; None is "not sent") gets a 400 naming the field
-# (docs/api-fields.md lists them, and the fields accepted and ignored because they change nothing).
-REFUSED_FIELDS: dict[str, tuple] = {
-    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
-    "length_penalty": (None, 1.0), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "prompt_embeds": (None,),
-}
-REFUSED_CHAT_FIELDS: dict[str, tuple] = {
-    **REFUSED_FIELDS, "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "audio": (None,), "modalities": (None, ["text"]),
-    "web_search_options": (None,), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
-    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,), "echo": (None, False),
-    "add_special_tokens": (None, False),
-}
-REFUSED_COMPLETION_FIELDS: dict[str, tuple] = {**REFUSED_FIELDS, "add_special_tokens": (None, True)}
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")  # OpenAI's; only "text" is honoured
 
 
 class InvalidRequest(ValueError):
@@ -75,12 +57,6 @@ class ResponseFormat(_Request):
 class TextPart(_Request):
     type: Literal["text"]
     text: str
-
-
-# Content parts of other media, by OpenAI's (and vLLM's) type names: parsed only to be refused by name.
-MEDIA_PARTS = {"image_url": "images are", "input_image": "images are", "image": "images are",
-               "input_audio": "audio is", "audio_url": "audio is", "video_url": "video is", "file": "files are",
-               "input_file": "files are"}
 
 
 class MediaPart(_Request):
@@ -169,10 +145,10 @@ class SamplingFields(_Request):
     def _check_response_format(self) -> None:
         kind = self.response_format.type if self.response_format else "text"
         if kind not in RESPONSE_FORMAT_TYPES:
-            raise InvalidRequest(f"invalid value for 'response_format.type': {_short(kind)}; OpenAI's types are "
+            raise InvalidRequest(f"invalid value for 'response_format.type': {short_value(kind)}; OpenAI's types are "
                                  f"{', '.join(map(json.dumps, RESPONSE_FORMAT_TYPES))}", "response_format.type")
         if kind != "text":
-            raise InvalidRequest(f"'response_format' of type {_short(kind)} is not supported by this server yet "
+            raise InvalidRequest(f"'response_format' of type {short_value(kind)} is not supported by this server yet "
                                  f"(no structured outputs): send {{\"type\": \"text\"}} or leave it out",
                                  "response_format")
 
@@ -313,22 +289,8 @@ def _refuse_unless_default(req: _Request, **defaults: Any) -> None:
 
 def _refuse_unless(name: str, value: Any, honoured: tuple) -> None:
     """A 400 naming `name` unless `value` is one of `honoured` (None: not sent)."""
-    # 1 == True in Python: a bool must match a bool
-    if value is None or any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in honoured):
-        return
-    allowed = " or ".join(json.dumps(ok) for ok in honoured if ok is not None)  # as the client writes them
-    raise InvalidRequest(f"'{name}' is not supported by this server: got {_short(value)}; only "
-                         f"{allowed + ' or ' if allowed else ''}leaving it out is honoured", name)
-
-
-def _short(value: Any) -> str:
-    """A value as an error message may quote it: never a whole array or object sent by the client."""
-    if isinstance(value, list):
-        return f"a list of {len(value)} item{'s' * (len(value) != 1)}"
-    if isinstance(value, dict):
-        return "an object"
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    if (message := refusal_message(name, value, honoured)) is not None:
+        raise InvalidRequest(message, name)
 
 
 # ---------------------------------------------------------------- responses
