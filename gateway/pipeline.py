@@ -113,6 +113,13 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
     check_engine_modes(req, [b.info for b in backends])
     prompt_len = sum(len(spec.prompt_ids) for spec in specs)
     admission.charge(prompt_len)
+    return await _submit_choices(state, req, specs, arrival_s), prompt_len
+
+
+async def _submit_choices(state: GatewayState, req: GenerateRequest, specs: list[RequestSpec],
+                          arrival_s: float) -> list[Generation]:
+    """n generations per spec (seeds seed, seed+1, ... when it has one), in that order; none left if one fails."""
+    tokenizer = state.tokenizers[req.model]
     gens: list[Generation] = []
     try:
         for spec in specs:
@@ -129,7 +136,7 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
         for gen in gens:  # nothing leaks: the choices already submitted are cancelled
             gen.close()
         raise
-    return gens, prompt_len
+    return gens
 
 
 class Failover:
