@@ -275,9 +275,10 @@ class GrpcServer:
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             self.port = self.server.add_insecure_port(addr)
-        except RuntimeError as exc:
+        except RuntimeError:  # grpc's "Failed to bind"
             raise OSError(f"cannot listen for gRPC on {addr}: the port is taken or the address is not this "
-                          f"host's; choose another with --grpc-port or BLINK_GRPC_PORT (0 turns the gRPC API off)") from None
+                          f"host's; choose another with --grpc-port or BLINK_GRPC_PORT (0 turns the gRPC API "
+                          f"off)") from None
         await self.server.start()
         await self._update_health()
         self._watcher = asyncio.create_task(self._watch_backends(), name="grpc health")

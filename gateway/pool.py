@@ -4,8 +4,9 @@ drop the dead, drain, and reload the list from the config file (SIGHUP).
 Health, every `health_check_s`: a backend with work pending whose heartbeat stays unchanged for its engine
 mode's timeout (`GatewayConfig.heartbeat_timeout_for`) is ejected from routing (its requests with no token
 yet move to another backend, when one exists; its streams go on); the heartbeat moving again, or no work
-left, re-admits it. An idle backend, or one whose engine announced its shutdown, is never ejected. Every `probe_interval_s` the control plane of each backend
-whose heartbeat has not moved since the last look is asked for its health: refused while the heartbeat
+left, re-admits it. An idle backend, or one whose engine announced its shutdown, is never ejected.
+Every `probe_interval_s` the control plane of each backend whose heartbeat has not moved since the last
+look is asked for its health: refused while the heartbeat
 stands still means the process is gone, and every request there fails (those with no token yet are
 retried elsewhere by `Generation`). A moving heartbeat needs no RPC: the backend's CPU stays idle.
 """
