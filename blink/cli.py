@@ -37,12 +37,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Start a backend and a gateway, wait until the API answers, stop both together."""
-    key = os.environ.get("BLINK_API_KEY") or secrets.token_urlsafe(24)
-    if not os.environ.get("BLINK_API_KEY"):
-        print(f"BLINK_API_KEY not set; generated API key: {key}", flush=True)
-    env = {**os.environ, "BLINK_API_KEY": key}
-    if args.admin_key:  # by the environment: a key on a command line shows in `ps`
-        env["BLINK_ADMIN_KEY"] = args.admin_key
+    env = _serve_env(args)
     grpc_port = args.grpc_port if args.grpc_port is not None else int(env.get("BLINK_GRPC_PORT") or 50052)
     if taken := _taken_ports(args, grpc_port):
         print(f"blink serve: {taken}", file=sys.stderr)
@@ -61,13 +56,26 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stopping.append(True))
     try:
         if _wait_ready(f"http://{args.host}:{args.port}/health", procs, args.ready_timeout, stopping):
-            print(f"blink serving the OpenAI API on http://{args.host}:{args.port}/v1", flush=True)
+            grpc_api = f"gRPC API on {args.host}:{grpc_port}, " if grpc_port else ""
+            print(f"blink serving the OpenAI API on http://{args.host}:{args.port}/v1 ({grpc_api}backend control "
+                  f"plane on {control})", flush=True)
         while not stopping and all(p.poll() is None for p in procs):
             time.sleep(0.2)
     finally:
         _stop_all([gateway, backend])
     failed = [p.returncode for p in procs if p.returncode not in (0, -signal.SIGTERM, None)]
     return 0 if stopping or not failed else 1
+
+
+def _serve_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's environment: the API key (generated and printed if none is set), the admin key."""
+    key = os.environ.get("BLINK_API_KEY") or secrets.token_urlsafe(24)
+    if not os.environ.get("BLINK_API_KEY"):
+        print(f"BLINK_API_KEY not set; generated API key: {key}", flush=True)
+    env = {**os.environ, "BLINK_API_KEY": key}
+    if args.admin_key:  # by the environment: a key on a command line shows in `ps`
+        env["BLINK_ADMIN_KEY"] = args.admin_key
+    return env
 
 
 def _taken_ports(args: argparse.Namespace, grpc_port: int) -> str:
