@@ -120,8 +120,7 @@ class GatewayConfig:
                              f"{self.gc_freeze_s:g} and {self.gc_full_growth_blocks}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
-        timeouts = [*self.heartbeat_timeouts_s.values(), *([self.heartbeat_timeout_s] if self.heartbeat_timeout_s
-                                                            is not None else [])]
+        timeouts = [*self.heartbeat_timeouts_s.values()] + [t for t in (self.heartbeat_timeout_s,) if t is not None]
         if min(*timeouts, self.health_check_s, self.probe_interval_s) <= 0:
             raise ValueError("heartbeat timeouts, health_check_s and probe_interval_s must be positive")
         if "default" not in self.heartbeat_timeouts_s:
