@@ -3,7 +3,8 @@
     blinkctl [--url URL] [--admin-key KEY] status | backends | drain ADDR | undrain ADDR | reload | gc
     blinkctl keys list | add NAME [--role R] [--rpm N] [--tpm N] [--max-streams N] [--max-tokens N] | remove NAME
 
-The URL defaults to BLINK_URL or http://127.0.0.1:8000, the key to BLINK_ADMIN_KEY. `keys --file FILE`
+The URL defaults to BLINK_URL or http://127.0.0.1:8000 (the OpenAI base URL, ending in /v1, works too),
+the key to BLINK_ADMIN_KEY (without one, blinkctl says so and exits 2). `keys --file FILE`
 edits a keys file directly instead (no gateway needed; running gateways re-read it when it changes).
 """
 from __future__ import annotations
@@ -25,8 +26,11 @@ class AdminError(RuntimeError):
 
 def call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
     """One admin API call; the parsed JSON reply. Raises AdminError with the gateway's message."""
-    url = (args.url or os.environ.get("BLINK_URL") or DEFAULT_URL).rstrip("/") + path
+    url = gateway_root(args.url or os.environ.get("BLINK_URL") or DEFAULT_URL) + path
     key = args.admin_key or os.environ.get("BLINK_ADMIN_KEY", "")
+    if not key:
+        raise AdminError("no admin key given: pass --admin-key KEY or set BLINK_ADMIN_KEY (the key the gateway "
+                         "was started with: `blink serve --admin-key KEY` or BLINK_ADMIN_KEY)", exit_code=2)
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
@@ -43,9 +47,15 @@ def call(args: argparse.Namespace, method: str, path: str, body: dict | None = N
         raise AdminError(f"cannot reach the gateway at {url}: {exc}", exit_code=2) from None
 
 
+def gateway_root(url: str) -> str:
+    """The gateway's root URL: the OpenAI base URL (`.../v1`) works too, as clients are given it."""
+    url = url.rstrip("/")
+    return url[:-len("/v1")] if url.endswith("/v1") else url
+
+
 def add_admin_commands(sub) -> None:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", help=f"the gateway (default BLINK_URL or {DEFAULT_URL})")
+    common.add_argument("--url", help=f"the gateway, with or without /v1 (default BLINK_URL or {DEFAULT_URL})")
     common.add_argument("--admin-key", help="the admin key (default BLINK_ADMIN_KEY)")
     common.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     common.add_argument("--json", action="store_true", help="print the gateway's JSON reply")

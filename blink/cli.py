@@ -10,6 +10,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,28 +28,42 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--host", default="127.0.0.1", help="gateway address")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="port of the gateway's gRPC API (default BLINK_GRPC_PORT or 50052; 0: off)")
+    p.add_argument("--control-port", type=int, default=0,
+                   help="the backend's control-plane port on 127.0.0.1 (default: a free one, so that instances "
+                        "never meet; --control HOST:PORT sets the whole address)")
+    p.add_argument("--admin-key", default=None, help="key of the gateway's admin API (/admin/, blinkctl); "
+                   "also BLINK_ADMIN_KEY (default: no admin API)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for start-up")
     add_backend_args(p)
+    p.set_defaults(control=None)  # serve's default is a free port (--control-port), not the backend's 50051
 
 
 def serve(args: argparse.Namespace) -> int:
     """Start a backend and a gateway, wait until the API answers, stop both together."""
-    key = gateway_env.API_KEY.get() or secrets.token_urlsafe(24)
-    if not gateway_env.API_KEY.get():
-        print(f"BLINK_API_KEY not set; generated API key: {key}", flush=True)
-    env = {**os.environ, gateway_env.API_KEY.name: key}
-    backend_argv = _backend_argv(args)
+    env = _serve_env(args)
+    grpc_port = args.grpc_port if args.grpc_port is not None else int(env.get(gateway_env.GRPC_PORT.name) or 50052)
+    if taken := _taken_ports(args, grpc_port):
+        print(f"blink serve: {taken}", file=sys.stderr)
+        return 2
+    control = args.control or f"127.0.0.1:{args.control_port or _free_port()}"
     ring = args.ring or f"blink-{os.getpid()}"
-    backend = subprocess.Popen([sys.executable, "-m", "blink.cli", "backend", *backend_argv, "--ring", ring], env=env)
+    backend = subprocess.Popen([sys.executable, "-m", "blink.cli", "backend", *_backend_argv(args), "--ring", ring,
+                                "--control", control], env=env)
+    # --expect-ring: should the control port belong to another instance, the gateway refuses its ring
     gateway = subprocess.Popen([sys.executable, "-m", "blink.cli", "gateway", "--host", args.host,
-                                "--port", str(args.port), "--backend", args.control], env=env)
+                                "--port", str(args.port), "--grpc-port", str(grpc_port), "--backend", control,
+                                "--expect-ring", ring], env=env)
     procs = [backend, gateway]
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
     try:
         if _wait_ready(f"http://{args.host}:{args.port}/health", procs, args.ready_timeout, stopping):
-            print(f"blink serving the OpenAI API on http://{args.host}:{args.port}/v1", flush=True)
+            grpc_api = f"gRPC API on {args.host}:{grpc_port}, " if grpc_port else ""
+            print(f"blink serving the OpenAI API on http://{args.host}:{args.port}/v1 ({grpc_api}backend control "
+                  f"plane on {control})", flush=True)
         while not stopping and all(p.poll() is None for p in procs):
             time.sleep(0.2)
     finally:
@@ -57,8 +72,40 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if stopping or not failed else 1
 
 
+def _serve_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's environment: the API key (generated and printed if none is set), the admin key."""
+    key = gateway_env.API_KEY.get() or secrets.token_urlsafe(24)
+    if not gateway_env.API_KEY.get():
+        print(f"BLINK_API_KEY not set; generated API key: {key}", flush=True)
+    env = {**os.environ, gateway_env.API_KEY.name: key}
+    if args.admin_key:  # by the environment: a key on a command line shows in `ps`
+        env[gateway_env.ADMIN_KEY.name] = args.admin_key
+    return env
+
+
+def _taken_ports(args: argparse.Namespace, grpc_port: int) -> str:
+    """Which listening address of this instance another process holds, naming its flag ('' if none)."""
+    from gpu_backend.main import listen_error, split_address
+
+    wanted = [(args.host, args.port, "--port"), (args.host, grpc_port, "--grpc-port or BLINK_GRPC_PORT")]
+    if args.control:
+        wanted.append((*split_address(args.control), "--control"))
+    elif args.control_port:
+        wanted.append(("127.0.0.1", args.control_port, "--control-port"))
+    for host, port, flag in wanted:
+        if port and (exc := listen_error(host, port)):
+            return f"cannot listen on {host}:{port} ({exc.strerror or exc}): choose another with {flag}"
+    return ""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _backend_argv(args: argparse.Namespace) -> list[str]:
-    """The backend flags of a `serve` invocation that differ from their defaults."""
+    """The backend flags of a `serve` invocation that differ from their defaults (--ring and --control apart)."""
     from gpu_backend.main import add_backend_args
 
     probe = argparse.ArgumentParser(add_help=False)
@@ -66,7 +113,7 @@ def _backend_argv(args: argparse.Namespace) -> list[str]:
     argv = []
     for action in probe._actions:
         value = getattr(args, action.dest, action.default)
-        if action.option_strings and action.dest != "ring" and value != action.default:
+        if action.option_strings and action.dest not in ("ring", "control") and value != action.default:
             argv += [action.option_strings[0], str(value)]
     return argv
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MiB = 1 << 20
+# Seconds of an unchanged heartbeat, with work pending, before ejection; per engine mode (see GatewayConfig).
+HEARTBEAT_TIMEOUTS_S = {"persistent": 1.0, "host": 3.0, "cpu": 10.0, "default": 5.0}
 ROUTING_POLICIES = ("least_outstanding_tokens", "most_free_kv", "prefix_affinity")  # gateway/backends/route.py
 
 
@@ -15,6 +18,9 @@ class GatewayConfig:
     port: int = 8000
     grpc_port: int = 50052  # the gRPC inference API (protocols/inference.proto); 0 turns it off
     backend_addrs: tuple[str, ...] = ("127.0.0.1:50051",)  # control-plane gRPC addresses
+    # The ring the one backend must announce (`blink serve` sets the name its backend created): a control
+    # address answered by another instance's backend is refused instead of adopted. None: any ring.
+    expect_ring: str | None = None
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
     admin_keys: frozenset[str] = field(default_factory=frozenset)  # plain admin keys (--admin-key)
     keys_file: str | None = None  # hashed client/admin keys with limits (gateway/policy/keys.py)
@@ -27,7 +33,9 @@ class GatewayConfig:
     # whole body within body_timeout_s of its head; otherwise it is closed (the body with a 408 first).
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
-    default_max_tokens: int | None = None  # None: whatever the context leaves after the prompt
+    # For requests that set no max_tokens, on every endpoint. None: the API's own default (completions
+    # and gRPC 16, as OpenAI and vLLM; chat what the context leaves after the prompt, as vLLM).
+    default_max_tokens: int | None = None
     slot_wait_s: float = 30.0  # how long a request waits for a free ring slot before a 503
     connect_timeout_s: float = 300.0  # how long startup waits for a backend to answer Describe
     # Poller sleep while requests are in flight. Event-loop timers tick in whole milliseconds: under
@@ -57,6 +65,11 @@ class GatewayConfig:
     gc_full_growth_blocks: int = 1_000_000
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
     stall_timeout_s: float = 60.0  # heartbeat unchanged this long with requests in flight: fail them
+    # Heartbeat unchanged this long while the backend has work (requests in flight or waiting for a slot):
+    # ejected from routing until it moves (gateway/pool.py). Per engine mode: a GPU loop beats every few
+    # microseconds, while a cpu engine computes on cores it shares and one step on a busy host can take
+    # seconds. "default" covers other modes. heartbeat_timeout_s, when set, is one value for every mode.
+    heartbeat_timeouts_s: Mapping[str, float] = field(default_factory=lambda: dict(HEARTBEAT_TIMEOUTS_S))
     tcp_idle_timeout_s: float = 3.0  # tcp transport: no frame from the agent this long = connection lost
     rdma_device: str | None = None  # rdma transport: local device name (None: the first one)
     tokenizer_threads: int = 2
@@ -69,7 +82,7 @@ class GatewayConfig:
     # Many backends (gateway/backends/pool.py, gateway/backends/route.py).
     config_file: str | None = None  # YAML file of backends and settings, read again on SIGHUP
     routing: str = "least_outstanding_tokens"  # or most_free_kv, prefix_affinity
-    heartbeat_timeout_s: float = 1.0  # heartbeat unchanged this long: no new work goes to the backend
+    heartbeat_timeout_s: float | None = None  # every mode's heartbeat_timeouts_s at once (None: per mode)
     health_check_s: float = 0.2  # how often the pool looks at heartbeats (ejection within timeout + this)
     probe_interval_s: float = 0.5  # how often the pool asks each backend's control plane whether it lives
     affinity_prefix_len: int = 64  # prefix_affinity: leading prompt tokens hashed (in whole 16-token blocks)
@@ -84,6 +97,8 @@ class GatewayConfig:
             raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
         if not self.backend_addrs:
             raise ValueError("at least one backend address is needed")
+        if self.expect_ring is not None and len(self.backend_addrs) != 1:
+            raise ValueError(f"expect_ring names the ring of one backend; {len(self.backend_addrs)} are configured")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
@@ -103,8 +118,17 @@ class GatewayConfig:
                              f"{self.gc_freeze_s:g} and {self.gc_full_growth_blocks}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
-        if min(self.heartbeat_timeout_s, self.health_check_s, self.probe_interval_s) <= 0:
-            raise ValueError("heartbeat_timeout_s, health_check_s and probe_interval_s must be positive")
+        timeouts = [*self.heartbeat_timeouts_s.values()] + [t for t in (self.heartbeat_timeout_s,) if t is not None]
+        if min(*timeouts, self.health_check_s, self.probe_interval_s) <= 0:
+            raise ValueError("heartbeat timeouts, health_check_s and probe_interval_s must be positive")
+        if "default" not in self.heartbeat_timeouts_s:
+            raise ValueError("heartbeat_timeouts_s needs a 'default' entry (for modes it does not name)")
+
+    def heartbeat_timeout_for(self, engine_mode: str) -> float:
+        """How long a backend of `engine_mode` with work may leave its heartbeat unchanged before ejection."""
+        if self.heartbeat_timeout_s is not None:
+            return self.heartbeat_timeout_s
+        return self.heartbeat_timeouts_s.get(engine_mode, self.heartbeat_timeouts_s["default"])
 
     @property
     def auth_enabled(self) -> bool:

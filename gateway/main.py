@@ -30,6 +30,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "(default least_outstanding_tokens)")
     p.add_argument("--backend", action="append", dest="backends", metavar="HOST:PORT",
                    help="a backend's control-plane address; repeat for several (default 127.0.0.1:50051)")
+    p.add_argument("--expect-ring", metavar="NAME",
+                   help="refuse the backend unless its Describe names this ring (`blink serve` sets it, so that "
+                   "a gateway never adopts another instance's backend); needs exactly one --backend")
     p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
                    help="accepted API key; repeat for several (also BLINK_API_KEY, comma-separated)")
     p.add_argument("--admin-key", action="append", dest="admin_keys", metavar="KEY",
@@ -56,7 +59,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="answer 408 and close when a request body takes longer than this to arrive "
                    "(default 30; also BLINK_BODY_TIMEOUT)")
     p.add_argument("--default-max-tokens", type=int,
-                   help="output budget when a request sets none (default: what the context leaves)")
+                   help="output budget of a request that sets no max_tokens, on every endpoint (default: "
+                   "16 for /v1/completions and gRPC Generate, as OpenAI; for chat what the context leaves)")
     p.add_argument("--connect-timeout", type=float, dest="connect_timeout_s",
                    help="seconds to wait for each backend's Describe at start-up (default 300)")
     p.add_argument("--log-level", default="INFO")
@@ -76,7 +80,7 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
              "body_timeout_s": args.body_timeout_s,
              "default_max_tokens": args.default_max_tokens, "config_file": args.config_file,
              "routing": args.routing, "connect_timeout_s": args.connect_timeout_s,
-             "backend_addrs": tuple(args.backends) if args.backends else None,
+             "backend_addrs": tuple(args.backends) if args.backends else None, "expect_ring": args.expect_ring,
              "api_keys": frozenset(args.api_keys) if args.api_keys else None,
              "admin_keys": frozenset(args.admin_keys) if args.admin_keys else None,
              "keys_file": args.keys_file, "workers": args.workers, "worker_index": args.worker_index,

@@ -128,6 +128,7 @@ class GatewayServer:
         """Both front ends let open streams finish (up to shutdown_timeout_s, together), then the backends go."""
         if self.keys_watcher is not None:
             self.keys_watcher.cancel()
+        self.pool.stop_watching()  # backends stopping beside the gateway (Ctrl-C reaches both) are no stall
         closing = [self.runner.cleanup()]
         if self.grpc_server is not None:
             closing.append(self.grpc_server.close(self.config.shutdown_timeout_s))
@@ -173,10 +174,11 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
         # reuse_port: the workers of `--workers N` share the port; the kernel spreads connections.
         await web.TCPSite(runner, config.host, config.port, reuse_port=config.workers > 1,
                           backlog=LISTEN_BACKLOG).start()
-    except OSError:
+    except OSError as exc:
         if grpc_server is not None:
             await grpc_server.close(0)
-        raise
+        raise OSError(exc.errno, f"cannot listen for HTTP on {config.host}:{config.port}: {exc.strerror or exc}; "
+                                 f"choose another port with --port (or BLINK_GATEWAY_PORT)") from None
     server = GatewayServer(config, runner, pool, grpc_server, state)
     server.keys_watcher = asyncio.create_task(watch_keys_file(state), name="keys file")
     if not state.keys.auth_enabled:

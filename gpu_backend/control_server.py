@@ -75,13 +75,19 @@ class ControlServer:
 
     def __init__(self, address: str, desc: Description, ring: ShmRing, stale_after_s: float = 2.0, rdma=None):
         self.watch = HeartbeatWatch(ring, stale_after_s)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        # grpc sets SO_REUSEPORT by default: a second backend on the port would share it and take half of
+        # its connections. Off, a taken port fails here.
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
         control_pb2_grpc.add_ControlServicer_to_server(ControlService(desc, ring, self.watch, rdma), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(address)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind": the port is taken or the address is not local
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"control plane could not bind {address}")
+            raise OSError(f"the control plane cannot listen on {address}: the port is taken or the address "
+                          f"is not this host's")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._mirror_health, name="health", daemon=True)
 

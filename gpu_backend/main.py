@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="Hugging Face folder, random:<preset>, or 'demo' (default)")
     p.add_argument("--model-name", default=None, help="name clients pass as 'model' (default: the folder name)")
     p.add_argument("--ring", default=None, help="shared-memory ring name (default: blink-<pid>)")
-    p.add_argument("--control", default="127.0.0.1:50051", help="control-plane gRPC address")
+    p.add_argument("--control", default="127.0.0.1:50051", help="control-plane gRPC address (HOST:PORT)")
     p.add_argument("--context-len", type=int, default=0, help="tokens per sequence (default: the model's, at most 8192)")
     p.add_argument("--num-slots", type=int, default=256, help="ring slots: requests in flight at most")
     p.add_argument("--max-output-len", type=int, default=1024, help="per-slot response buffer, in tokens")
@@ -53,7 +54,34 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdma-gid-index", type=int, default=0, help="rdma transport: GID table index (RoCE v2: often 3)")
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """HOST:PORT (or [V6]:PORT) -> (host, port)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def listen_error(host: str, port: int) -> OSError | None:
+    """Why nothing could listen on host:port now (taken, or not this host's address), or None.
+
+    SO_REUSEADDR so that connections of an earlier server in TIME_WAIT do not count; a listener (with
+    or without SO_REUSEPORT, which this probe does not set) still does."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen(1)
+        except OSError as exc:
+            return exc
+    return None
+
+
 def run_backend(args: argparse.Namespace) -> int:
+    host, port = split_address(args.control)
+    if port and (exc := listen_error(host, port)):  # before the model loads: fail in a second, not a minute
+        log.error("the control plane cannot listen on %s (%s); choose another address with --control",
+                  args.control, exc.strerror or exc)
+        return 2
     if args.mode == "persistent":
         # a spinning loop kernel and lazy module loading can deadlock: load every kernel up front
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
@@ -100,11 +128,18 @@ def run_backend(args: argparse.Namespace) -> int:
                        sampling_extensions=getattr(runner, "sampling_extensions", True))
     rdma = _export_rdma(ring, args) if args.transport == "rdma" else None
     agent = _start_agent(ring.name, args.listen, engine.stop_event) if args.transport == "tcp" else None
-    control = ControlServer(args.control, desc, ring, rdma=rdma)
+    try:
+        control = ControlServer(args.control, desc, ring, rdma=rdma)
+    except OSError as exc:  # taken since the check above
+        log.error("%s; choose another address with --control", exc)
+        if agent is not None:
+            agent.terminate()
+        ring.close()
+        return 2
     control.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: engine.stop_event.set())
-    print(f"backend ready: model={name} mode={args.mode} ring={ring.name} control={args.control} "
+    print(f"backend ready: model={name} mode={args.mode} ring={ring.name} control={host}:{control.port} "
           f"kv_blocks={runner.num_blocks}", file=sys.stderr, flush=True)
     try:
         engine.run()

@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response schemas (pydantic v2), shared vocabulary of the public API.
 
-Requests are strict about types (a string where a number belongs is an error, as OpenAI does) and
-ignore unknown fields. `parse_request` turns a raw body into a model or an `InvalidRequest` whose
+Requests are strict about types (a string where a number belongs is an error, as OpenAI does); unknown
+fields pass, ignored, except those that would change the output, which are refused by name
+(`REFUSED_FIELDS`; docs/api-fields.md). `parse_request` turns a raw body into a model or an `InvalidRequest` whose
 `param` names the offending field (`messages[0].content`, `max_tokens`).
 """
 
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .openai_fields import (MEDIA_PARTS, REFUSED_CHAT_FIELDS, REFUSED_COMPLETION_FIELDS, REFUSED_FIELDS,
+                            RESPONSE_FORMAT_TYPES, refusal_message, short_value)
 
 MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1  # top_k and token ids travel as int32 in the ring
@@ -19,6 +23,8 @@ MAX_N = 128  # choices per request (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # completions (OpenAI's limit)
+MAX_PROMPTS = 2048  # prompts in one /v1/completions batch (OpenAI's limit); the ring's slots bound prompts x n
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
 # Sampling parameters the engine applies (the gateway asks whether the backend's engine mode can).
 ENGINE_SAMPLING_PARAMS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
 
@@ -41,6 +47,11 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool | None = None  # vLLM's usage in every chunk: refused (SamplingFields.check)
+
+
+class ResponseFormat(_Request):
+    type: str
 
 
 class TextPart(_Request):
@@ -48,10 +59,27 @@ class TextPart(_Request):
     text: str
 
 
+class MediaPart(_Request):
+    type: Literal[tuple(MEDIA_PARTS)]  # type: ignore[valid-type]
+
+
+ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # refused (no tool calling): see ChatCompletionRequest.check
+    function_call: Any = None  # the legacy form of tool_calls: refused likewise
+
+    def check_media(self, index: int) -> None:
+        """Refuse a part of another medium than text, naming it: the models served here read text only."""
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if isinstance(part, MediaPart):
+                raise InvalidRequest(f"'messages[{index}].content[{j}]' is an {part.type!r} part: "
+                                     f"{MEDIA_PARTS[part.type]} not supported, this server takes text only",
+                                     f"messages[{index}].content[{j}]")
 
     def text(self) -> str:
         """Content as one string: text parts joined, as text-only chat templates expect."""
@@ -67,7 +95,17 @@ LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], F
 
 
 class SamplingFields(_Request):
-    """Fields common to chat and text completions. `None` means "use the default"."""
+    """Fields common to chat and text completions. `None` means "use the default".
+
+    Unknown fields are kept (`model_extra`) so that `check` can refuse those of `refused_fields` that
+    would change the output; the rest pass, ignored, as vLLM lets them."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    refused_fields: ClassVar[dict[str, tuple]] = REFUSED_FIELDS
+
+    # The output budget of a request that sets none (unless the operator set --default-max-tokens);
+    # None: what the context leaves after the prompt. Capped by that room either way.
+    default_max_tokens: ClassVar[int | None] = None
 
     model: str
     max_tokens: PositiveInt | None = None
@@ -89,12 +127,30 @@ class SamplingFields(_Request):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=1e6)] | None = None  # vLLM's: > 1 discourages repeats
     logit_bias: LogitBias | None = None  # token id (a decimal string) -> bias added to its logit
+    response_format: ResponseFormat | None = None  # only {"type": "text"}, until structured outputs land
 
     def check(self) -> None:
+        self._check_response_format()
+        if self.stream_options is not None:
+            _refuse_unless("stream_options.continuous_usage_stats", self.stream_options.continuous_usage_stats,
+                           (None, False))
+        for name, value in (self.model_extra or {}).items():
+            if name in self.refused_fields:
+                _refuse_unless(name, value, self.refused_fields[name])
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit() and int(key) <= INT32_MAX):
                 raise InvalidRequest(f"invalid key {key!r} in 'logit_bias': keys are token ids, "
                                      f"as decimal strings", "logit_bias")
+
+    def _check_response_format(self) -> None:
+        kind = self.response_format.type if self.response_format else "text"
+        if kind not in RESPONSE_FORMAT_TYPES:
+            raise InvalidRequest(f"invalid value for 'response_format.type': {short_value(kind)}; OpenAI's types are "
+                                 f"{', '.join(map(json.dumps, RESPONSE_FORMAT_TYPES))}", "response_format.type")
+        if kind != "text":
+            raise InvalidRequest(f"'response_format' of type {short_value(kind)} is not supported by this server yet "
+                                 f"(no structured outputs): send {{\"type\": \"text\"}} or leave it out",
+                                 "response_format")
 
     @property
     def logit_bias_ids(self) -> list[tuple[int, float]]:
@@ -128,11 +184,17 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
+    refused_fields: ClassVar[dict[str, tuple]] = REFUSED_CHAT_FIELDS
 
     def check(self) -> None:
         super().check()
-        _refuse_unless_default(self, tools=[])
+        for i, message in enumerate(self.messages):
+            message.check_media(i)
+            for name in ("tool_calls", "function_call"):
+                if getattr(message, name):
+                    raise InvalidRequest(f"'messages[{i}].{name}' is not supported by this server (no tool "
+                                         f"calling): send the assistant's turn as text content",
+                                         f"messages[{i}].{name}")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
 
@@ -149,8 +211,12 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] \
-        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    default_max_tokens: ClassVar[int | None] = COMPLETION_DEFAULT_MAX_TOKENS
+    refused_fields: ClassVar[dict[str, tuple]] = REFUSED_COMPLETION_FIELDS
+
+    # One prompt (text or token ids), or a batch of them: one choice per prompt and n, index prompt_i * n + j.
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] \
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     echo: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     best_of: int | None = None
@@ -159,8 +225,10 @@ class CompletionRequest(SamplingFields):
     def check(self) -> None:
         super().check()
         _refuse_unless_default(self, best_of=1, suffix="")
-        if self.prompt_text_or_ids == "":
-            raise InvalidRequest("'prompt' must not be empty", "prompt")
+        for i, prompt in enumerate(self.prompts):
+            if prompt == "":
+                param = f"prompt[{i}]" if self.is_batch else "prompt"
+                raise InvalidRequest(f"'{param}' must not be empty", param)
         if self.echo and self.logprobs is not None:
             raise InvalidRequest("'echo' with 'logprobs' is not supported: the engine does not compute the "
                                  "prompt tokens' logprobs; send one or the other", "echo")
@@ -174,12 +242,22 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
     @property
-    def prompt_text_or_ids(self) -> str | list[int]:
-        """The single prompt: a string or a list of token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt, each a string or a list of token ids."""
         p = self.prompt
         if isinstance(p, str) or isinstance(p[0], int):
-            return p
-        return p[0]
+            return [p]
+        return list(p)
+
+    @property
+    def is_batch(self) -> bool:
+        """The prompt is a list of prompts (even of one): errors name each as prompt[i]."""
+        return isinstance(self.prompt, list) and not isinstance(self.prompt[0], int)
+
+    @property
+    def prompt_text_or_ids(self) -> str | list[int]:
+        """The first prompt (the only one unless `is_batch`): a string or a list of token ids."""
+        return self.prompts[0]
 
 
 class TokenizeRequest(_Request):
@@ -192,6 +270,8 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
     def check(self) -> None:
+        for i, message in enumerate(self.messages or ()):
+            message.check_media(i)
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("send exactly one of 'prompt' or 'messages'",
                                  "prompt" if self.prompt is None else "messages")
@@ -204,10 +284,13 @@ class DetokenizeRequest(_Request):
 
 def _refuse_unless_default(req: _Request, **defaults: Any) -> None:
     for name, default in defaults.items():
-        value = getattr(req, name)
-        if value is not None and value != default:
-            raise InvalidRequest(f"'{name}' = {value!r} is not supported by this server "
-                                 f"(only {default!r})", name)
+        _refuse_unless(name, getattr(req, name), (None, default))
+
+
+def _refuse_unless(name: str, value: Any, honoured: tuple) -> None:
+    """A 400 naming `name` unless `value` is one of `honoured` (None: not sent)."""
+    if (message := refusal_message(name, value, honoured)) is not None:
+        raise InvalidRequest(message, name)
 
 
 # ---------------------------------------------------------------- responses

@@ -170,7 +170,9 @@ class CompletionFormat:
     """text_completion objects, streamed as the same object with a piece of text each. With `echo`,
     each choice's text starts with the prompt (its first streamed chunk carries it)."""
 
-    def __init__(self, response_id: str, model: str, texts: TokenTexts | None = None, echo: str = ""):
+    def __init__(self, response_id: str, model: str, texts: TokenTexts | None = None,
+                 echo: str | Sequence[str] = ""):
+        """`echo`: the prompt every choice starts with, or one per choice (a batch of prompts)."""
         self.id, self.model, self.created = response_id, model, int(time.time())
         self.texts, self.echo = texts, echo
         self._echoed: set[int] = set()
@@ -196,7 +198,7 @@ class CompletionFormat:
               logprobs: Sequence[LogprobItem] = ()) -> Completion:
         if index not in self._echoed:
             self._echoed.add(index)
-            text = self.echo + text
+            text = self._echo(index) + text
         lps = self._logprobs(logprobs, self._offsets.get(index, 0)) if finish_reason is None else None
         self._offsets[index] = self._offsets.get(index, 0) + len(text)
         return self._make([CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=finish_reason)])
@@ -209,10 +211,13 @@ class CompletionFormat:
         return self._make([], Usage.of(prompt_len, completion_len))
 
     def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int) -> Completion:
-        listed = [CompletionChoice(index=i, text=self.echo + c.text, finish_reason=c.finish_reason,
-                                   logprobs=self._logprobs(c.logprobs, len(self.echo)))
+        listed = [CompletionChoice(index=i, text=self._echo(i) + c.text, finish_reason=c.finish_reason,
+                                   logprobs=self._logprobs(c.logprobs, len(self._echo(i))))
                   for i, c in enumerate(choices)]
         return self._make(listed, Usage.of(prompt_len, completion_len))
+
+    def _echo(self, index: int) -> str:
+        return self.echo if isinstance(self.echo, str) else self.echo[index]
 
     def _make(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)

@@ -15,15 +15,17 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from google.protobuf import descriptor_pb2, descriptor_pool
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from pydantic import Field
 
 from protocols import inference_pb2, inference_pb2_grpc
-from protocols.openai import MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from protocols.openai import (COMPLETION_DEFAULT_MAX_TOKENS, MAX_TOP_LOGPROBS, ChatCompletionRequest,
+                              CompletionRequest, TokenizeRequest)
 from protocols.ring import TokenLogprob
 
 from ..errors import ApiError, bad_request, server_error
@@ -44,6 +46,9 @@ _STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNA
                  413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
                  503: grpc.StatusCode.UNAVAILABLE}
 _CODE_STATUSES = {"no_kv_capacity": grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Generate without max_tokens, whatever its input: /v1/completions' default (a call nobody bounds must not
+# run to the end of the context). protocols/inference.proto documents it.
+GRPC_DEFAULT_MAX_TOKENS = COMPLETION_DEFAULT_MAX_TOKENS
 _SAMPLING_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
                       "frequency_penalty", "repetition_penalty")
 # Chat carries gRPC's `logprobs` count as top_logprobs: errors name the field as sent here.
@@ -69,6 +74,12 @@ class _CompletionRequest(CompletionRequest):
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
+class _ChatRequest(ChatCompletionRequest):
+    """Chat messages over gRPC: a bounded default output as for every gRPC input (HTTP chat's is the context)."""
+
+    default_max_tokens: ClassVar[int | None] = GRPC_DEFAULT_MAX_TOKENS
+
+
 def _messages(chat: inference_pb2.ChatMessages) -> list[dict]:
     return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})} for m in chat.messages]
 
@@ -88,7 +99,7 @@ def generate_request(request: inference_pb2.GenerateRequest) -> tuple[ChatComple
         if request.HasField("logprobs"):
             body.update(logprobs=True, top_logprobs=request.logprobs)
         body["messages"] = _messages(request.messages)
-        return parse(ChatCompletionRequest, _json(body), _CHAT_RENAMES), "messages"
+        return parse(_ChatRequest, _json(body), _CHAT_RENAMES), "messages"
     if request.HasField("logprobs"):
         body["logprobs"] = request.logprobs
     if which == "prompt":
@@ -203,6 +214,43 @@ def _logprob(texts: TokenTexts, token_id: int, logprob: float) -> inference_pb2.
 
 # ---------------------------------------------------------------- the server
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _reflection_v1_handler(names: tuple[str, ...]) -> grpc.GenericRpcHandler:
+    """Server reflection v1 (what grpcurl and current clients ask first) beside v1alpha.
+
+    grpcio-reflection ships v1alpha only. v1 is the same protocol under another package (every message and
+    field number alike), so v1alpha's servicer answers it; its descriptor, the v1alpha file renamed, goes
+    into the default pool so that reflection can describe the v1 service too."""
+    _add_reflection_v1_descriptor()
+    servicer = reflection.aio.ReflectionServicer(names)
+    info = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    return grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": info})
+
+
+def _add_reflection_v1_descriptor() -> None:
+    pool = descriptor_pool.Default()
+    old, new = reflection_pb2.DESCRIPTOR.package, REFLECTION_V1.rsplit(".", 1)[0]
+    name = reflection_pb2.DESCRIPTOR.name.replace("v1alpha", "v1")
+    try:
+        pool.FindFileByName(name)
+        return  # another gateway in this process added it
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto.FromString(reflection_pb2.DESCRIPTOR.serialized_pb)
+    proto.name, proto.package = name, new
+    for message in proto.message_type:
+        for f in message.field:
+            if f.type_name:  # set only where it is: setting "" marks it present
+                f.type_name = f.type_name.replace(f".{old}.", f".{new}.")
+    for method in proto.service[0].method:
+        method.input_type = method.input_type.replace(f".{old}.", f".{new}.")
+        method.output_type = method.output_type.replace(f".{old}.", f".{new}.")
+    pool.AddSerializedFile(proto.SerializeToString())
+
 
 class GrpcServer:
     """The inference service, grpc.health.v1 (SERVING while some backend makes progress) and reflection."""
@@ -217,7 +265,9 @@ class GrpcServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), self.server)
+        names = (SERVICE_NAME, health_name, reflection.SERVICE_NAME, REFLECTION_V1)
+        reflection.enable_server_reflection(names, self.server)
+        self.server.add_generic_rpc_handlers((_reflection_v1_handler(names),))
         self.port = 0
         self._watcher: asyncio.Task | None = None
 
@@ -225,8 +275,10 @@ class GrpcServer:
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             self.port = self.server.add_insecure_port(addr)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen for gRPC on {addr}: {exc}") from None
+        except RuntimeError:  # grpc's "Failed to bind"
+            raise OSError(f"cannot listen for gRPC on {addr}: the port is taken or the address is not this "
+                          f"host's; choose another with --grpc-port or BLINK_GRPC_PORT (0 turns the gRPC API "
+                          f"off)") from None
         await self.server.start()
         await self._update_health()
         self._watcher = asyncio.create_task(self._watch_backends(), name="grpc health")

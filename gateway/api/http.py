@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/tokenize,
+"""OpenAI-compatible HTTP routes: /v1/chat/completions, /v1/completions, /v1/models[/{id}], /v1/tokenize,
 /v1/detokenize; /health and /metrics for operators (no API key)."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model)  # ids may hold '/' (org/name)
     app.router.add_post("/v1/tokenize", tokenize_route)
     app.router.add_post("/v1/detokenize", detokenize_route)
     app.router.add_get("/health", health)
@@ -54,8 +55,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     async def make_format(choices: Choices) -> CompletionFormat:
         texts = choices.tokenizer.token_texts if req.num_logprobs is not None else None
-        prompt = req.prompt_text_or_ids
-        echo = "" if not req.echo else prompt if isinstance(prompt, str) else await choices.tokenizer.decode(prompt)
+        echoes = [p if isinstance(p, str) else await choices.tokenizer.decode(p) for p in req.prompts] \
+            if req.echo else [""]
+        # choice i * n + j is prompt i's
+        echo = echoes[0] if len(echoes) == 1 else [e for e in echoes for _ in range(req.n)]
         return CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, texts, echo)
     return await _generate(request, req, make_format, arrival_s)
 
@@ -72,10 +75,17 @@ async def detokenize_route(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    cards = [ModelCard(id=name, created=state.started,
-                       max_model_len=state.router.backends_for(name)[0].info.context_len)
-             for name in state.router.model_names]
+    cards = [_model_card(state, name) for name in state.router.model_names]
     return _json(ModelList(data=cards).model_dump_json())
+
+
+async def model(request: web.Request) -> web.Response:
+    """One model's card (`client.models.retrieve`); OpenAI's 404 model_not_found for an id served nowhere."""
+    return _json(_model_card(request.app[STATE], request.match_info["model_id"]).model_dump_json())
+
+
+def _model_card(state: GatewayState, name: str) -> ModelCard:
+    return ModelCard(id=name, created=state.started, max_model_len=state.router.backends_for(name)[0].info.context_len)
 
 
 async def health(request: web.Request) -> web.Response:

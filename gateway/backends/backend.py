@@ -72,6 +72,9 @@ class Backend:
         loop = asyncio.get_running_loop()
         reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s)
         info = BackendInfo.from_reply(addr, reply)
+        if config.expect_ring is not None and info.ring_name != config.expect_ring:
+            raise BackendConnectError(f"backend {addr} serves ring {info.ring_name!r}, not {config.expect_ring!r} "
+                                      f"(--expect-ring): another instance holds that control address")
         producer = await connect_transport(info, config)
         log.info("backend %s: model %s, %s engine, %s transport, ring %s (%d slots), context %d", addr,
                  info.model_name, info.engine_mode, info.transport, info.ring_name, info.geometry.num_slots,
@@ -102,6 +105,16 @@ class Backend:
     def engine_stats(self) -> dict[str, int]:
         """What the engine last wrote into the ring header: KV blocks, running and waiting sequences."""
         return self._producer.engine_stats()
+
+    @property
+    def has_work(self) -> bool:
+        """Requests in flight here or waiting for a slot: what the heartbeat must move for."""
+        return bool(self._requests or self._waiters)
+
+    @property
+    def stopping(self) -> bool:
+        """The engine announced its shutdown: a heartbeat that stands still then is no stall."""
+        return self._producer.engine_state in (EngineState.STOPPING, EngineState.STOPPED)
 
     @property
     def ejected(self) -> bool:
@@ -252,7 +265,7 @@ class Backend:
     def check_heartbeat(self) -> None:
         beat, since = self._beat
         now, current = time.monotonic(), self.heartbeat
-        if current != beat:
+        if current != beat or self.stopping:  # stopping: it ends its requests itself
             self._beat = (current, now)
             if self.stalled:
                 log.warning("backend %s: heartbeat moves again", self.info.addr)

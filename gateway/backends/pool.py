@@ -1,10 +1,12 @@
 """The backends a gateway serves from, as they come and go: connect, eject and re-admit on the heartbeat,
 drop the dead, drain, and reload the list from the config file (SIGHUP).
 
-Health, every `health_check_s`: a heartbeat unchanged for `heartbeat_timeout_s` ejects a backend from
-routing (its requests with no token yet move to another backend, when one exists; its streams go on);
-the heartbeat moving again re-admits it. Every `probe_interval_s` the control plane of each backend
-whose heartbeat has not moved since the last look is asked for its health: refused while the heartbeat
+Health, every `health_check_s`: a backend with work pending whose heartbeat stays unchanged for its engine
+mode's timeout (`GatewayConfig.heartbeat_timeout_for`) is ejected from routing (its requests with no token
+yet move to another backend, when one exists; its streams go on); the heartbeat moving again, or no work
+left, re-admits it. An idle backend, or one whose engine announced its shutdown, is never ejected.
+Every `probe_interval_s` the control plane of each backend whose heartbeat has not moved since the last
+look is asked for its health: refused while the heartbeat
 stands still means the process is gone, and every request there fails (those with no token yet are
 retried elsewhere by `Generation`). A moving heartbeat needs no RPC: the backend's CPU stays idle.
 """
@@ -147,17 +149,23 @@ class BackendPool:
                 log.exception("backend health check failed")
 
     def _check_beat(self, backend: Backend, now: float) -> None:
+        """Eject a backend that has work and whose heartbeat stood still for its mode's timeout; re-admit it
+        when the heartbeat moves, or when it has no work left (an idle engine owes no progress)."""
         beat = backend.heartbeat
         seen, since = self._beats.get(backend, (beat, now))
-        if beat != seen:
-            self._beats[backend] = (beat, now)
+        if beat != seen or not backend.has_work or backend.stopping:
+            self._beats[backend] = (beat, now)  # the clock of a stall starts with pending work
             if backend.readmit():
-                log.warning("backend %s: heartbeat moves again; routing to it again", backend.info.addr)
-        elif not backend.ejected and now - since >= self.config.heartbeat_timeout_s:
+                log.info("backend %s: %s; routing to it again", backend.info.addr,
+                         "heartbeat moves again" if beat != seen else "no work left")
+            return
+        timeout_s = self.config.heartbeat_timeout_for(backend.info.engine_mode)
+        if not backend.ejected and now - since >= timeout_s:
             backend.eject()
             moved = self._move_unstarted(backend)
-            log.error("backend %s: heartbeat stuck at %d for %.1f s; ejected from routing (%d requests "
-                      "with no token yet moved elsewhere)", backend.info.addr, beat, now - since, moved)
+            log.warning("backend %s (%s engine): no progress for %.1f s with %d requests pending (heartbeat %d); "
+                        "ejected from routing until it moves (%d with no token yet moved elsewhere)",
+                        backend.info.addr, backend.info.engine_mode, now - since, backend.num_in_flight, beat, moved)
 
     def _move_unstarted(self, backend: Backend) -> int:
         others = [b for b in self.backends if b is not backend and b.healthy and not b.draining
@@ -204,6 +212,11 @@ class BackendPool:
             await self.add(backend, grpc.aio.insecure_channel(addr))
 
     # ---------------------------------------------------------------- lifecycle
+    def stop_watching(self) -> None:
+        """The gateway shuts down: no more ejections or probes (backends stopping beside it are no news)."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+
     def _spawn(self, coro, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)

@@ -60,7 +60,9 @@ def client_principal(header: str | None, keys: KeyStore) -> Principal | None:
 
 def admin_principal(header: str | None, keys: KeyStore) -> Principal:
     if not keys.admin_enabled:
-        raise forbidden("the admin API is off: start the gateway with --admin-key or an admin key in --keys")
+        raise forbidden("the admin API is off: start the gateway with an admin key (`blink serve --admin-key KEY`, "
+                        "`blink gateway --admin-key KEY`, or BLINK_ADMIN_KEY=KEY for either), or with an admin "
+                        "key in its --keys file")
     principal = identify(header, keys)
     if not principal.admin:
         raise forbidden("this key may not call the admin API; use the admin key")
@@ -73,6 +75,8 @@ def auth_middleware(keys: KeyStore | frozenset[str]) -> Callable:
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable]):
+        if request.match_info.http_exception is not None:  # no such route (or method): its 404/405, key or not
+            return await handler(request)
         header = request.headers.get("Authorization")
         if request.path.startswith(ADMIN_PREFIX):
             request[PRINCIPAL] = admin_principal(header, keys)

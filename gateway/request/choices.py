@@ -2,6 +2,7 @@
 
 `n` is fanned out here, in the gateway, so it works in every engine mode: the engine sees n ordinary
 requests (seeds seed, seed+1, ... when the client gave one). The prompt is tokenized and charged once.
+A /v1/completions batch of prompts has n choices per prompt, in index order prompt_i * n + j.
 A choice that fails fails the request; `close` cancels every choice still running in the engine and
 their slots come back as usual (the poller releases each once the engine confirms).
 """
@@ -18,8 +19,9 @@ from .tokenize import TokenizerService
 
 class Choices:
     def __init__(self, gens: list[Generation], tokenizer: TokenizerService,
-                 on_close: Callable[[int], None] | None = None):
+                 on_close: Callable[[int], None] | None = None, prompt_len: int | None = None):
         self.gens = gens
+        self._prompt_len = prompt_len  # every prompt's tokens, once each (a batch has several); None: gens[0]'s
         self.tokenizer = tokenizer  # the model's: token texts for logprobs, the echoed prompt
         self.on_close = on_close  # called once with the completion tokens of every choice (quotas)
         self._remaining = len(gens)
@@ -33,7 +35,8 @@ class Choices:
 
     @property
     def prompt_len(self) -> int:
-        return self.gens[0].prompt_len  # one prompt, counted once in usage
+        """The prompt tokens usage counts: each prompt once, whatever n."""
+        return self.gens[0].prompt_len if self._prompt_len is None else self._prompt_len
 
     @property
     def completion_tokens(self) -> int:

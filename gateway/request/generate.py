@@ -208,6 +208,7 @@ class Generation:
                   "finish_reason": reason, "ttft_ms": ttft_ms,
                   "queue_ms": round((self.handle.submitted_s - self.arrival_s) * 1e3, 1),
                   "e2e_ms": round((end_s - self.arrival_s) * 1e3, 1)}
-        log.info("request %d slot %d: prompt %d, completion %d, finish %s, ttft %s ms, e2e %.1f ms",
+        ttft = "no token" if ttft_ms is None else f"ttft {ttft_ms} ms"  # None: it ended before a first token
+        log.info("request %d slot %d: prompt %d, completion %d, finish %s, %s, e2e %.1f ms",
                  self.request_id, self.handle.slot, self.prompt_len, self.completion_tokens, reason,
-                 ttft_ms, fields["e2e_ms"], extra=fields)
+                 ttft, fields["e2e_ms"], extra=fields)

@@ -38,7 +38,8 @@ def max_tokens_for(prompt_len: int, requested: int | None, info: BackendInfo, pr
     context_len = info.context_len
     prompt_limit = min(context_len - 1, info.geometry.max_prompt_len)
     if prompt_len > prompt_limit:
-        raise bad_request(f"the prompt is {prompt_len} tokens, over this model's limit of {prompt_limit} "
+        which = f"{prompt_param}: " if "[" in prompt_param else ""  # one prompt of a batch: which one
+        raise bad_request(f"{which}the prompt is {prompt_len} tokens, over this model's limit of {prompt_limit} "
                           f"(context length {context_len}, at least one token is generated)",
                           prompt_param, CONTEXT_CODE)
     room = context_len - prompt_len
@@ -56,8 +57,9 @@ def build_spec(request_id: int, req: SamplingFields, prompt_ids: list[int], info
     if not prompt_ids:
         raise bad_request("the prompt is empty after tokenization", prompt_param)
     max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+    # the operator's --default-max-tokens first, then the API's own (16 for completions and gRPC)
     max_tokens = max_tokens_for(len(prompt_ids), req.requested_max_tokens, info, prompt_param, max_param,
-                                default_max_tokens)
+                                default_max_tokens or req.default_max_tokens)
     stop_ids = tuple(check_token_ids(req.stop_token_ids or (), info.vocab_size, "stop_token_ids"))
     if len(stop_ids) > info.geometry.max_stop_ids:
         raise bad_request(f"stop_token_ids holds {len(stop_ids)} ids, at most {info.geometry.max_stop_ids}",

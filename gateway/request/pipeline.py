@@ -64,54 +64,74 @@ async def encode_messages(tokenizer: TokenizerService, messages: Sequence[ChatMe
 
 async def start_generation(state: GatewayState, req: GenerateRequest, prompt_param: str | None = None,
                            arrival_s: float | None = None, principal: Principal | None = None) -> Choices:
-    """Check the key's limits, tokenize, check the context, submit the request's n choices to the
-    backends routing picks (each to another if it fails before the first token). The caller must
-    `close()` the result. Raises ApiError (429 over a key's limits)."""
+    """Check the key's limits, tokenize, check the context, submit the request's choices (n per prompt:
+    a /v1/completions batch has several) to the backends routing picks (each to another if it fails before
+    the first token). The caller must `close()` the result. Raises ApiError (429 over a key's limits)."""
     arrival_s = time.perf_counter() if arrival_s is None else arrival_s
     await state.pacer.turn()
     poll_checkpoint()  # the set-up's turn came in a new pass, after the poller's round, or not
     admission = state.quotas.admit(principal)
     try:
-        gens = await _start(state, req, prompt_param, arrival_s, admission)
+        gens, prompt_len = await _start(state, req, prompt_param, arrival_s, admission)
     except BaseException:
         admission.close()
         raise
     for gen in gens:
         gen.budget_tokens = principal.limits.max_tokens_per_request if principal else None
-    return Choices(gens, state.tokenizers[req.model], on_close=admission.close)
+    return Choices(gens, state.tokenizers[req.model], on_close=admission.close, prompt_len=prompt_len)
+
+
+async def _prompts_ids(tokenizer: TokenizerService, req: GenerateRequest, vocab_size: int,
+                       prompt_param: str) -> list[tuple[list[int], str]]:
+    """Each prompt's token ids and the parameter its errors name (prompt[i] in a batch)."""
+    if isinstance(req, ChatCompletionRequest):
+        return [(await encode_messages(tokenizer, req.messages), prompt_param)]
+    out = []
+    for i, prompt in enumerate(req.prompts):
+        param = f"{prompt_param}[{i}]" if req.is_batch else prompt_param
+        if isinstance(prompt, str):
+            out.append((await tokenizer.encode_prompt(prompt), param))
+        else:
+            out.append((check_token_ids(prompt, vocab_size, param), param))
+    return out
 
 
 async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | None, arrival_s: float,
-                 admission: Admission) -> list[Generation]:
+                 admission: Admission) -> tuple[list[Generation], int]:
+    """The generations in choice-index order (prompt_i * n + j) and the prompts' tokens, each counted once."""
     backends = state.router.backends_for(req.model)
     info = backends[0].info  # backends of one model share its limits
     tokenizer = state.tokenizers[req.model]
-    if isinstance(req, ChatCompletionRequest):
-        prompt_param = prompt_param or "messages"
-        prompt_ids = await encode_messages(tokenizer, req.messages)
-    else:
-        prompt_param = prompt_param or "prompt"
-        prompt = req.prompt_text_or_ids
-        if isinstance(prompt, str):
-            prompt_ids = await tokenizer.encode_prompt(prompt)
-        else:
-            prompt_ids = check_token_ids(prompt, info.vocab_size, prompt_param)
+    prompt_param = prompt_param or ("messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+    prompts = await _prompts_ids(tokenizer, req, info.vocab_size, prompt_param)
     poll_checkpoint()
-    spec = build_spec(next(state.request_ids), req, prompt_ids, info, prompt_param,
-                      state.config.default_max_tokens)
+    specs = [build_spec(next(state.request_ids), req, ids, info, param, state.config.default_max_tokens)
+             for ids, param in prompts]
+    if len(specs) > 1 and len(specs) * req.n > info.geometry.num_slots:  # unread choices would wait on each other
+        raise bad_request(f"{len(specs)} prompts x n={req.n} are {len(specs) * req.n} choices, over this "
+                          f"backend's {info.geometry.num_slots} request slots", prompt_param)
     check_engine_modes(req, [b.info for b in backends])
-    admission.charge(len(prompt_ids))
+    prompt_len = sum(len(spec.prompt_ids) for spec in specs)
+    admission.charge(prompt_len)
+    return await _submit_choices(state, req, specs, arrival_s), prompt_len
+
+
+async def _submit_choices(state: GatewayState, req: GenerateRequest, specs: list[RequestSpec],
+                          arrival_s: float) -> list[Generation]:
+    """n generations per spec (seeds seed, seed+1, ... when it has one), in that order; none left if one fails."""
+    tokenizer = state.tokenizers[req.model]
     gens: list[Generation] = []
     try:
-        for i in range(req.n):
-            choice = spec if spec.seed is None or i == 0 else dataclasses.replace(spec, seed=spec.seed + i)
-            failover = Failover(state.router, req.model, choice, state.metrics)
-            handle = await failover.submit()
-            stream = TextStream(tokenizer.tokenizer, req.stop_strings, prompt_ids, tokenizer.single_texts,
-                                tokenizer.token_pieces)
-            gens.append(Generation(handle, stream, len(prompt_ids), req.model, state.metrics, arrival_s,
-                                   failover=failover))
-            poll_checkpoint()
+        for spec in specs:
+            for i in range(req.n):
+                choice = spec if spec.seed is None or i == 0 else dataclasses.replace(spec, seed=spec.seed + i)
+                failover = Failover(state.router, req.model, choice, state.metrics)
+                handle = await failover.submit()
+                stream = TextStream(tokenizer.tokenizer, req.stop_strings, spec.prompt_ids, tokenizer.single_texts,
+                                    tokenizer.token_pieces)
+                gens.append(Generation(handle, stream, len(spec.prompt_ids), req.model, state.metrics, arrival_s,
+                                       failover=failover))
+                poll_checkpoint()
     except BaseException:
         for gen in gens:  # nothing leaks: the choices already submitted are cancelled
             gen.close()

@@ -106,7 +106,7 @@ CHAT_TYPES = {
     "content-object": chat("messages[0].content", messages=[{"role": "user", "content": {"text": "hi"}}]),
     "content-part-string": chat("messages[0].content", messages=[{"role": "user", "content": ["hi"]}]),
     "content-part-no-type": chat("messages[0].content", messages=[{"role": "user", "content": [{"text": "x"}]}]),
-    "content-part-image": chat("messages[0].content", messages=[
+    "content-part-image": chat("messages[0].content[0]", messages=[
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]),
     "content-part-text-int": chat("messages[0].content", messages=[
         {"role": "user", "content": [{"type": "text", "text": 3}]}]),
@@ -167,13 +167,13 @@ COMPLETION_TYPES = {
     "prompt-object": comp("prompt", prompt={"text": "x"}),
     "prompt-empty-string": comp("prompt", prompt=""),
     "prompt-empty-list": comp("prompt", prompt=[]),
-    "prompt-two-strings": comp("prompt", prompt=["a", "b"]),
+    "prompt-batch-with-an-empty-string": comp("prompt[1]", prompt=["a", ""]),  # a batch is fine, "" is not
     "prompt-mixed-list": comp("prompt", prompt=["a", 1]),
     "prompt-float-ids": comp("prompt", prompt=[1.5, 2.0]),
     "prompt-negative-id": comp("prompt", prompt=[5, -1]),
     "prompt-id-out-of-vocab": comp("prompt", prompt=[5, 10**6]),
     "prompt-id-2-63": comp("prompt", prompt=[2**63]),
-    "prompt-nested-out-of-vocab": comp("prompt", prompt=[[5, 10**6]]),
+    "prompt-nested-out-of-vocab": comp("prompt[0]", prompt=[[5, 10**6]]),  # a batch (of one): its item
     "prompt-too-long": comp("prompt", prompt=[5] * 300),
     "completion-model-int": comp("model", model=1),
     "completion-max_tokens-string": comp("max_tokens", max_tokens="3"),
@@ -276,7 +276,7 @@ HEADERS = {
     "bearer-twice": with_headers({"Authorization": "Bearer Bearer KEY"}, 401, "authentication_error"),
     "auth-before-bad-json": with_headers({"Authorization": "Bearer nope"}, 401, "authentication_error",
                                          body=b"{not json"),
-    "auth-on-unknown-path": Case("/v1/nothing", {}, 401, headers={}, type="authentication_error"),
+    "no-key-on-unknown-path": Case("/v1/nothing", {}, 404, headers={}),  # no route: 404 whether a key came or not
     # JSON is read whatever the Content-Type (curl -d sends form-urlencoded): a bad body is still a 400.
     "form-urlencoded": with_headers({"Authorization": AUTH, "Content-Type": "application/x-www-form-urlencoded"},
                                     400, body=b"model=tiny-echo&prompt=hi"),

@@ -131,10 +131,11 @@ def test_ignore_eos_extension(client, harness):
     assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 30
 
 
-def test_max_tokens_defaults_to_what_the_context_leaves(client, harness):
-    ids = harness.tokenizer.encode("hello").ids
-    resp = client.completions.create(model=harness.model, prompt=ids, extra_body={"ignore_eos": True})
-    assert resp.usage.completion_tokens == harness.context_len - len(ids)
+def test_chat_max_tokens_defaults_to_what_the_context_leaves(client, harness):
+    """Completions default to 16 (tests/gateway/test_first_run_api.py); chat, as vLLM, to the context."""
+    resp = client.chat.completions.create(model=harness.model, messages=[{"role": "user", "content": "hello"}],
+                                          extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == harness.context_len - resp.usage.prompt_tokens
     assert resp.choices[0].finish_reason == "length"
 
 

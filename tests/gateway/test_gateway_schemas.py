@@ -33,6 +33,10 @@ def test_prompt_forms():
     assert parse(CompletionRequest, {**COMP, "prompt": [1, 2, 3]}).prompt_text_or_ids == [1, 2, 3]
     assert parse(CompletionRequest, {**COMP, "prompt": ["one"]}).prompt_text_or_ids == "one"
     assert parse(CompletionRequest, {**COMP, "prompt": [[4, 5]]}).prompt_text_or_ids == [4, 5]
+    batch = parse(CompletionRequest, {**COMP, "prompt": ["one", "two"]})
+    assert batch.prompts == ["one", "two"] and batch.is_batch
+    assert parse(CompletionRequest, {**COMP, "prompt": [[4, 5], [6]]}).prompts == [[4, 5], [6]]
+    assert not parse(CompletionRequest, {**COMP, "prompt": [4, 5]}).is_batch
 
 
 def test_content_parts_and_max_completion_tokens():
@@ -85,7 +89,7 @@ def test_content_parts_and_max_completion_tokens():
     (ChatCompletionRequest, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     (ChatCompletionRequest, {"logit_bias": [1, 2]}, "logit_bias"),
     (CompletionRequest, {"prompt": ""}, "prompt"),
-    (CompletionRequest, {"prompt": ["a", "b"]}, "prompt"),
+    (CompletionRequest, {"prompt": ["a", ""]}, "prompt[1]"),
     (CompletionRequest, {"prompt": [1, -2]}, "prompt"),
     (CompletionRequest, {"prompt": []}, "prompt"),
     (CompletionRequest, {"prompt": 12}, "prompt"),
