@@ -95,12 +95,7 @@ def test_the_circle_finder_finds_a_circle_through_type_hints(tmp_path):
     assert ["p.x", "p.x.Y"] in names and not any("p.z" in n for n in names)
 
 
-# gpu_backend's one circle at the time of writing is a type hint (step_buffers names gpu_runner's config under
-# TYPE_CHECKING); the engine's owners move that config. strict: this fails once the circle is gone, to drop the mark.
-GPU_BACKEND_CIRCLE = pytest.mark.xfail(strict=True, reason="gpu_backend.engine.step_buffers <-> gpu_runner (type hint)")
-
-
-@pytest.mark.parametrize("package", ["gateway", pytest.param("gpu_backend", marks=GPU_BACKEND_CIRCLE)])
+@pytest.mark.parametrize("package", ["gateway", "gpu_backend"])
 def test_no_import_circle(package):
     circle = find_circle(internal_edges(import_graph((package,))))
     assert circle is None, f"import circle in {package}/: {' -> '.join(circle)}"

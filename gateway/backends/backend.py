@@ -109,7 +109,7 @@ class Backend:
     @property
     def has_work(self) -> bool:
         """Requests in flight here or waiting for a slot: what the heartbeat must move for."""
-        return bool(self._requests or self._waiters)
+        return bool(self.poller.requests or self._waiters)
 
     @property
     def stopping(self) -> bool:

@@ -46,7 +46,8 @@ log = logging.getLogger("blink.gateway.backends")
 CHECKPOINTS = (
     ("gateway.server", "error_middleware"),  # aiohttp has parsed a new request and built its object
     ("gateway.request.pipeline", "start_generation"),  # the set-up's turn came (pacing), maybe in a new pass
-    ("gateway.request.pipeline", "_start"),  # after tokenizing; after each choice's submission
+    ("gateway.request.pipeline", "_start"),  # after tokenizing
+    ("gateway.request.pipeline", "_submit_choices"),  # after each choice's submission
     ("gateway.api.http", "_generate"),  # after the output format
     ("gateway.api.http", "_stream"),  # before the response head
     ("gateway.api.sse", "run"),  # before a stream's last write

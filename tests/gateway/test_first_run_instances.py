@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from gateway.backends import BackendConnectError
+from gateway.backends.transports import BackendConnectError
 from gateway.config import GatewayConfig
 from gateway.server import start_gateway
 from gpu_backend.control_server import ControlServer, Description
