@@ -125,6 +125,11 @@ class EngineLoop:
 
     def _admit(self, taken: list[TakenRequest]) -> None:
         for t in taken:
+            if t.slot in self.live:  # the producer reused a live slot: its response area is the new request's now
+                log.warning("slot %d resubmitted while its request %d ran; that request is dropped", t.slot,
+                            self.live[t.slot].seq)
+                self.scheduler.finish(t.slot)
+                del self.live[t.slot]
             error = self._admission_error(t.spec)
             if error is not ErrorCode.NONE:
                 self.consumer.finish(t.slot, FinishReason.ERROR, error)
