@@ -1,4 +1,8 @@
-"""`blink backend`: load a model, create the ring, serve the control plane, run an engine until stopped."""
+"""`blink backend`: load a model, create the ring, serve the control plane, run an engine until stopped.
+
+The flags (and the config file) become one frozen `BackendConfig` (gpu_backend/config.py) here, once; every
+part below gets that, or the engine-level configs derived from it, never the argparse namespace.
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,14 +15,17 @@ import sys
 import threading
 from pathlib import Path
 
+from gpu_backend import env
+from gpu_backend.config import MODES, BackendConfig, ConfigError
 from protocols.ring import RingGeometry
 
 log = logging.getLogger("blink.backend")
 
-MODES = ("cpu", "host", "persistent")
-
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="backend config file (YAML: BackendConfig fields; default $BLINK_BACKEND_CONFIG); "
+                        "flags given here override it")
     p.add_argument("--mode", choices=MODES, default="cpu", help="engine: cpu (torch on the CPU), host, persistent")
     p.add_argument("--model", default="demo", help="Hugging Face folder, random:<preset>, or 'demo' (default)")
     p.add_argument("--model-name", default=None, help="name clients pass as 'model' (default: the folder name)")
@@ -76,61 +83,70 @@ def listen_error(host: str, port: int) -> OSError | None:
     return None
 
 
+def config_from_args(args: argparse.Namespace) -> BackendConfig:
+    """The one BackendConfig of this process: the config file, then the flags that differ from their defaults."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_backend_args(probe)
+    return BackendConfig.from_args(args, probe.parse_args([]))
+
+
 def run_backend(args: argparse.Namespace) -> int:
-    host, port = split_address(args.control)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"blink backend: {exc}", file=sys.stderr)
+        return 2
+    host, port = split_address(config.control)
     if port and (exc := listen_error(host, port)):  # before the model loads: fail in a second, not a minute
         log.error("the control plane cannot listen on %s (%s); choose another address with --control",
-                  args.control, exc.strerror or exc)
+                  config.control, exc.strerror or exc)
         return 2
-    if args.mode == "persistent":
-        # a spinning loop kernel and lazy module loading can deadlock: load every kernel up front
-        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-        os.environ.setdefault("CUDA_MODULE_DATA_LOADING", "EAGER")
+    return serve_backend(config)
+
+
+def serve_backend(config: BackendConfig) -> int:
+    if config.mode == "persistent":
+        env.use_eager_module_loading()
     import torch
 
-    if args.mode != "cpu" and not torch.cuda.is_available():
-        log.error("--mode %s needs a CUDA GPU and none is visible; use --mode cpu", args.mode)
+    if config.device == "cuda" and not torch.cuda.is_available():
+        log.error("--mode %s needs a CUDA GPU and none is visible; use --mode cpu", config.mode)
         return 2
     from gpu_backend.control_server import ControlServer, Description
-    from gpu_backend.engine.loop import EngineConfig, EngineLoop
+    from gpu_backend.engine.loop import EngineLoop
     from gpu_backend.models import load_model, model_fingerprint
     from gpu_backend.models.demo import default_cache_dir, ensure_demo_model
     from gpu_backend.models.random_tokenizer import ensure_random_tokenizer
     from protocols.shm import create_ring
     from protocols.shm_consumer import RingConsumer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = "cpu" if args.mode == "cpu" else "cuda"
-    spec = str(ensure_demo_model()) if args.model == "demo" else args.model
-    cfg, model, model_dir = load_model(spec, device=device, progress=True)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    spec = str(ensure_demo_model()) if config.model == "demo" else config.model
+    cfg, model, model_dir = load_model(spec, device=config.device, progress=True)
     model.eval()
-    context_len = args.context_len or min(cfg.max_position_embeddings, 8192)
+    context_len = config.context_len_for(cfg.max_position_embeddings)
     fingerprint = model_fingerprint(model_dir or cfg)
-    config = EngineConfig(
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
-        max_num_batched_tokens=args.max_num_batched_tokens or (512 if device == "cuda" else 256),
-        max_num_seqs=args.max_num_seqs or (256 if device == "cuda" else 64))
-    runner = _make_runner(args, model, cfg, config, context_len)
-    geometry = RingGeometry(args.num_slots, context_len, args.max_output_len)
-    ring = create_ring(args.ring or f"blink-{os.getpid()}", geometry, fingerprint)
-    if args.mode == "persistent":
+    runner = _make_runner(config, model, cfg, context_len)
+    geometry = RingGeometry(config.num_slots, context_len, config.max_output_len)
+    ring = create_ring(config.ring or f"blink-{os.getpid()}", geometry, fingerprint)
+    if config.mode == "persistent":
         from gpu_backend.engine.persistent import PersistentEngine
 
-        engine = PersistentEngine(runner, cfg, ring, config, context_len)
+        engine = PersistentEngine(runner, cfg, ring, config.engine_config(), context_len)
     else:
-        engine = EngineLoop(runner, cfg, RingConsumer(ring), config, context_len)
-    name = args.model_name or (Path(model_dir).name if model_dir else spec)
+        engine = EngineLoop(runner, cfg, RingConsumer(ring), config.engine_config(), context_len)
+    name = config.model_name or (Path(model_dir).name if model_dir else spec)
     tokenizer_dir = model_dir or ensure_random_tokenizer(cfg, default_cache_dir())
-    endpoint = (args.advertise or args.listen) if args.transport == "tcp" else ""
+    endpoint = (config.advertise or config.listen) if config.transport == "tcp" else ""
     desc = Description(name, str(tokenizer_dir), fingerprint, context_len, cfg.vocab_size,
-                       tuple(cfg.eos_token_ids), args.mode, args.transport, endpoint,
+                       tuple(cfg.eos_token_ids), config.mode, config.transport, endpoint,
                        sampling_extensions=getattr(runner, "sampling_extensions", True))
-    rdma = _export_rdma(ring, args) if args.transport == "rdma" else None
-    agent = _start_agent(ring.name, args.listen, engine.stop_event) if args.transport == "tcp" else None
+    rdma = _export_rdma(ring, config) if config.transport == "rdma" else None
+    agent = _start_agent(ring.name, config.listen, engine.stop_event) if config.transport == "tcp" else None
     try:
-        control = ControlServer(args.control, desc, ring, rdma=rdma)
-    except OSError as exc:  # taken since the check above
+        control = ControlServer(config.control, desc, ring, rdma=rdma)
+    except OSError as exc:  # taken since the check in run_backend
         log.error("%s; choose another address with --control", exc)
         if agent is not None:
             agent.terminate()
@@ -139,7 +155,8 @@ def run_backend(args: argparse.Namespace) -> int:
     control.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: engine.stop_event.set())
-    print(f"backend ready: model={name} mode={args.mode} ring={ring.name} control={host}:{control.port} "
+    host = split_address(config.control)[0]
+    print(f"backend ready: model={name} mode={config.mode} ring={ring.name} control={host}:{control.port} "
           f"kv_blocks={runner.num_blocks}", file=sys.stderr, flush=True)
     try:
         engine.run()
@@ -154,33 +171,29 @@ def run_backend(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_runner(args, model, cfg, config, context_len: int):
-    if args.mode == "cpu":
+def _make_runner(config: BackendConfig, model, cfg, context_len: int):
+    engine = config.engine_config()
+    if config.mode == "cpu":
         from gpu_backend.engine.cpu_runner import CpuRunner
 
-        return CpuRunner(model, cfg, config.num_blocks_for(cfg, context_len), config.block_size,
-                         context_len=context_len, max_num_batched_tokens=config.max_num_batched_tokens,
-                         max_num_seqs=config.max_num_seqs)
-    from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig
+        return CpuRunner(model, cfg, engine.num_blocks_for(cfg, context_len), engine.block_size,
+                         context_len=context_len, max_num_batched_tokens=engine.max_num_batched_tokens,
+                         max_num_seqs=engine.max_num_seqs)
+    from gpu_backend.engine.gpu_runner import GpuRunner
 
-    runner = GpuRunner(model, cfg, GpuRunnerConfig(
-        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-        block_size=config.block_size, context_len=context_len, gpu_memory_fraction=args.gpu_memory_fraction,
-        num_kv_blocks=args.num_kv_blocks, use_graphs=not args.no_graphs or args.mode == "persistent",
-        sampling_extensions=not args.no_sampling_extensions),
-        keep_graphs=args.mode == "persistent")
-    print(f"GPU runner: {runner.num_blocks} KV blocks of {config.block_size} tokens "
+    runner = GpuRunner(model, cfg, config.gpu_runner_config(context_len), keep_graphs=config.mode == "persistent")
+    print(f"GPU runner: {runner.num_blocks} KV blocks of {engine.block_size} tokens "
           f"({runner.num_blocks * runner.kv_block_bytes / 2**30:.1f} GiB), {len(runner.graphs)} graphs "
           f"captured in {runner.capture_s:.1f} s", file=sys.stderr, flush=True)
     return runner
 
 
-def _export_rdma(ring, args: argparse.Namespace):
+def _export_rdma(ring, config: BackendConfig):
     from gpu_backend.rdma_export import export_shm_ring
     from protocols.rdma_verbs import RdmaUnavailable
 
     try:
-        return export_shm_ring(ring, args.rdma_device, args.rdma_gid_index)
+        return export_shm_ring(ring, config.rdma_device, config.rdma_gid_index)
     except RdmaUnavailable as exc:
         ring.close()
         raise SystemExit(f"blink backend: --transport rdma: {exc}")

@@ -81,8 +81,10 @@ class EngineLoop:
         if config.max_num_batched_tokens > step.buckets[-1]:
             raise ValueError(f"max_num_batched_tokens {config.max_num_batched_tokens} is over the runner's "
                              f"largest bucket {step.buckets[-1]}")
+        if min(config.max_num_seqs, config.max_num_batched_tokens) > step.max_seqs:  # a step's entries at most
+            raise ValueError(f"max_num_seqs {config.max_num_seqs} is over the runner's {step.max_seqs} sequence rows")
         self.scheduler = NativeScheduler(
-            SchedulerConfig(config.max_num_batched_tokens, min(config.max_num_seqs, step.max_seqs), context_len,
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, context_len,
                             tuple(model_cfg.eos_token_ids)),
             runner.num_blocks, config.block_size, geometry.num_slots, geometry.max_stop_ids, step)
         if self.scheduler.step_bytes > runner.bufs.num_bytes:
@@ -123,6 +125,11 @@ class EngineLoop:
 
     def _admit(self, taken: list[TakenRequest]) -> None:
         for t in taken:
+            if t.slot in self.live:  # the producer reused a live slot: its response area is the new request's now
+                log.warning("slot %d resubmitted while its request %d ran; that request is dropped", t.slot,
+                            self.live[t.slot].seq)
+                self.scheduler.finish(t.slot)
+                del self.live[t.slot]
             error = self._admission_error(t.spec)
             if error is not ErrorCode.NONE:
                 self.consumer.finish(t.slot, FinishReason.ERROR, error)

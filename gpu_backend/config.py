@@ -1,0 +1,156 @@
+"""The backend's configuration: one frozen dataclass, built once from the flags and the config file.
+
+    blink backend --config backend.yaml --mode host      # flags win over the file
+
+The file (YAML; `--config FILE`, or $BLINK_BACKEND_CONFIG) is a mapping of `BackendConfig` fields, e.g.
+
+    mode: host
+    model: /models/Llama-3.1-8B-Instruct
+    max_num_seqs: 128
+    sampling_extensions: false
+
+A flag given on the command line overrides the file; a flag left at its default does not (so a flag set
+explicitly to its default value cannot undo a file's setting). `gpu_backend/main.py` builds the config
+once and hands it down; the engines get the parts they need (`engine_config`, `gpu_runner_config`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from gpu_backend import env
+
+MODES = ("cpu", "host", "persistent")
+TRANSPORTS = ("shm", "tcp", "rdma")
+# flags that turn a field off (flag dest -> field)
+_NEGATED = {"no_graphs": "use_graphs", "no_sampling_extensions": "sampling_extensions"}
+
+
+class ConfigError(ValueError):
+    """A setting is missing, unknown or out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    mode: str = "cpu"                      # engine: cpu (torch on the CPU), host, persistent
+    model: str = "demo"                    # Hugging Face folder, random:<preset>, or demo
+    model_name: str | None = None          # name clients pass as `model` (default: the folder name)
+    ring: str | None = None                # shared-memory ring name (default: blink-<pid>)
+    control: str = "127.0.0.1:50051"       # control-plane gRPC address
+    context_len: int = 0                   # tokens per sequence; 0: the model's, at most 8192
+    num_slots: int = 256                   # ring slots: requests in flight at most
+    max_output_len: int = 1024             # per-slot response buffer, in tokens
+    block_size: int = 16                   # tokens per KV block
+    kv_cache_mb: int = 1024                # KV cache size (cpu mode)
+    gpu_memory_fraction: float = 0.9       # share of the GPU for weights, activations and KV cache
+    use_graphs: bool = True                # host mode: False runs steps eagerly (debugging)
+    sampling_extensions: bool = True       # penalties, logit_bias, logprobs (host and persistent modes)
+    num_kv_blocks: int = 0                 # KV blocks (overrides kv_cache_mb); 0: derived
+    max_num_batched_tokens: int = 0        # per-step token budget = the largest bucket; 0: 256 cpu, 512 GPU
+    max_num_seqs: int = 0                  # running sequences at most; 0: 64 cpu, 256 GPU
+    threads: int = 0                       # torch CPU threads; 0: all cores
+    transport: str = "shm"                 # how gateways reach the ring: shm, tcp, rdma
+    listen: str = "127.0.0.1:50053"        # tcp: where the agent listens
+    advertise: str | None = None           # tcp: the agent address Describe announces (default: listen)
+    rdma_device: str | None = None         # rdma: device name (default: the first)
+    rdma_gid_index: int = 0                # rdma: GID table index (RoCE v2: often 3)
+    # The persistent loop's knobs (idle sleep, heartbeat interval, ...) are compiled into or read by
+    # kernels/csrc/persistent_loop.cu today; once kernels/persistent_loop.py takes an options struct,
+    # its fields go here and PersistentEngine hands them to blink_loop_create.
+
+    def __post_init__(self) -> None:
+        self._check(self.mode in MODES, "mode", f"{self.mode!r} is not one of {', '.join(MODES)}")
+        self._check(self.transport in TRANSPORTS, "transport", f"{self.transport!r} is not one of {', '.join(TRANSPORTS)}")
+        self._check(0.05 <= self.gpu_memory_fraction <= 0.99, "gpu_memory_fraction",
+                    f"{self.gpu_memory_fraction} is outside 0.05..0.99")
+        for name in ("num_slots", "max_output_len", "block_size", "kv_cache_mb"):
+            self._check(getattr(self, name) >= 1, name, f"{getattr(self, name)} must be at least 1")
+        for name in ("context_len", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "threads", "rdma_gid_index"):
+            self._check(getattr(self, name) >= 0, name, f"{getattr(self, name)} must not be negative")
+        self._check(self.context_len != 1, "context_len", "1 leaves no room for a generated token")
+        self._check(self.mode == "cpu" or self.num_seqs <= self.batched_tokens, "max_num_seqs",
+                    f"{self.num_seqs} is over max_num_batched_tokens {self.batched_tokens}: a GPU step buffer has a "
+                    f"row per sequence and at most one sequence per token")
+
+    @staticmethod
+    def _check(ok: bool, name: str, problem: str) -> None:
+        if not ok:
+            raise ConfigError(f"{name}: {problem}")
+
+    # ---- derived ----------------------------------------------------------------------------------
+    @property
+    def device(self) -> str:
+        return "cpu" if self.mode == "cpu" else "cuda"
+
+    @property
+    def batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or (256 if self.mode == "cpu" else 512)
+
+    @property
+    def num_seqs(self) -> int:
+        if self.max_num_seqs:
+            return self.max_num_seqs
+        return 64 if self.mode == "cpu" else min(256, self.batched_tokens)
+
+    def context_len_for(self, max_position_embeddings: int) -> int:
+        return self.context_len or min(max_position_embeddings, 8192)
+
+    def engine_config(self):
+        from gpu_backend.engine.loop import EngineConfig
+
+        return EngineConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, kv_cache_mb=self.kv_cache_mb,
+                            max_num_batched_tokens=self.batched_tokens, max_num_seqs=self.num_seqs)
+
+    def gpu_runner_config(self, context_len: int):
+        from gpu_backend.engine.gpu_runner import GpuRunnerConfig
+
+        return GpuRunnerConfig(
+            max_num_batched_tokens=self.batched_tokens, max_num_seqs=self.num_seqs, block_size=self.block_size,
+            context_len=context_len, gpu_memory_fraction=self.gpu_memory_fraction, num_kv_blocks=self.num_kv_blocks,
+            use_graphs=self.use_graphs or self.mode == "persistent", sampling_extensions=self.sampling_extensions)
+
+    # ---- building it --------------------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, defaults: argparse.Namespace | None = None) -> BackendConfig:
+        """The file's settings (args.config, else $BLINK_BACKEND_CONFIG), then every flag that differs from
+        its default (`defaults`: the parser's defaults; None: every flag counts)."""
+        path = getattr(args, "config", None) or env.get("BACKEND_CONFIG")
+        settings = read_config_file(path) if path else {}
+        for dest, value in vars(args).items():
+            if dest == "config" or (defaults is not None and getattr(defaults, dest, object()) == value):
+                continue
+            name = _NEGATED.get(dest, dest)
+            if name not in _FIELDS:
+                continue  # other commands' flags (serve's --host, --port) share the namespace
+            settings[name] = (not value) if dest in _NEGATED else value
+        return cls(**settings)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(BackendConfig)}
+
+
+def read_config_file(path: str | Path) -> dict:
+    """`BackendConfig` fields from a YAML mapping; unknown keys and wrong types are named."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read the backend config {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of settings")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown settings {', '.join(map(str, unknown))} (known: {', '.join(_FIELDS)})")
+    for key, value in data.items():
+        want = _FIELDS[key].type
+        kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
+        base = want.split(" |")[0]
+        if value is None and "None" in want:
+            continue
+        ok = isinstance(value, kinds[base]) and not (base in ("int", "float") and isinstance(value, bool))
+        if not ok:
+            raise ConfigError(f"{path}: {key}: {value!r} is not a {base}")
+    return dict(data)

@@ -1,0 +1,52 @@
+"""The backend's environment variables: every one declared and documented here, read through `get`.
+
+One prefix, BLINK_. Nothing else under gpu_backend/ reads os.environ; flags and the config file
+(`gpu_backend/config.py`) are the way to set everything else. (kernels/ sits below gpu_backend/ and reads its
+own build variables, BLINK_CACHE included, with the same meaning; the CLI reads BLINK_LOG_LEVEL.)
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+PREFIX = "BLINK_"
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str  # without the prefix
+    doc: str
+    default: str | None = None
+
+
+VARS = {v.name: v for v in (
+    EnvVar("CACHE", "where the demo model, random-model tokenizers and compiled kernels are cached",
+           "~/.cache/blink"),
+    EnvVar("BACKEND_CONFIG", "the backend's YAML config file when --config is not given (gpu_backend/config.py)"),
+)}
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """BLINK_<name> if set (and not empty), else its declared default. Unknown names are a bug: KeyError."""
+    var = VARS[name]
+    value = (os.environ if environ is None else environ).get(PREFIX + name)
+    return value if value else var.default
+
+
+def cache_dir() -> Path:
+    return Path(get("CACHE")).expanduser()
+
+
+def describe() -> str:
+    """One line per variable, for --help texts and docs."""
+    return "\n".join(f"{PREFIX}{v.name}: {v.doc}" + (f" (default {v.default})" if v.default else "")
+                     for v in VARS.values())
+
+
+def use_eager_module_loading() -> None:
+    """Load every CUDA kernel up front (CUDA's own variables, set for this process and its children): a
+    spinning loop kernel and lazy module loading can deadlock."""
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    os.environ.setdefault("CUDA_MODULE_DATA_LOADING", "EAGER")

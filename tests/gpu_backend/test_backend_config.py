@@ -1,0 +1,96 @@
+"""BackendConfig (flags, config file, validation) and the one registry of the backend's environment variables."""
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_backend import env
+from gpu_backend.config import BackendConfig, ConfigError, read_config_file
+from gpu_backend.main import add_backend_args, config_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_backend_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_flags_become_one_frozen_config(monkeypatch):
+    monkeypatch.delenv("BLINK_BACKEND_CONFIG", raising=False)
+    c = config_from_args(_parse("--mode", "host", "--max-num-seqs", "32", "--no-graphs", "--no-sampling-extensions"))
+    assert (c.mode, c.max_num_seqs, c.use_graphs, c.sampling_extensions) == ("host", 32, False, False)
+    with pytest.raises(AttributeError):
+        c.mode = "cpu"  # frozen
+    gc = c.gpu_runner_config(4096)
+    assert (gc.max_num_batched_tokens, gc.max_num_seqs, gc.use_graphs, gc.context_len) == (512, 32, False, 4096)
+    assert BackendConfig(mode="persistent", use_graphs=False).gpu_runner_config(64).use_graphs  # the loop needs graphs
+
+
+def test_defaults_depend_on_the_mode():
+    cpu, host = BackendConfig(), BackendConfig(mode="host")
+    assert (cpu.batched_tokens, cpu.num_seqs, cpu.device) == (256, 64, "cpu")
+    assert (host.batched_tokens, host.num_seqs, host.device) == (512, 256, "cuda")
+    assert BackendConfig(mode="host", max_num_batched_tokens=128).num_seqs == 128
+    e = cpu.engine_config()
+    assert (e.max_num_batched_tokens, e.max_num_seqs, e.block_size) == (256, 64, 16)
+    assert cpu.context_len_for(32768) == 8192 and BackendConfig(context_len=100).context_len_for(32768) == 100
+
+
+def test_file_then_flags(tmp_path, monkeypatch):
+    path = tmp_path / "backend.yaml"
+    path.write_text("mode: host\nmax_num_seqs: 16\nsampling_extensions: false\nrdma_device: null\n")
+    c = config_from_args(_parse("--config", str(path), "--max-num-seqs", "8"))
+    assert (c.mode, c.max_num_seqs, c.sampling_extensions) == ("host", 8, False)
+    monkeypatch.setenv("BLINK_BACKEND_CONFIG", str(path))
+    assert config_from_args(_parse()).mode == "host"  # the variable names the file when --config does not
+
+
+@pytest.mark.parametrize("text, message", [
+    ("mode: tpu\n", "mode: 'tpu' is not one of cpu, host, persistent"),
+    ("max_num_seqs: many\n", "max_num_seqs: 'many' is not a int"),
+    ("use_graphs: 1\n", "use_graphs: 1 is not a bool"),
+    ("max_num_sequences: 4\n", "unknown settings max_num_sequences"),
+    ("- mode\n", "the top level must be a mapping"),
+    ("gpu_memory_fraction: 1.5\n", "gpu_memory_fraction: 1.5 is outside 0.05..0.99"),
+    ("mode: host\nmax_num_batched_tokens: 8\nmax_num_seqs: 16\n", "max_num_seqs: 16 is over max_num_batched_tokens 8"),
+    ("block_size: 0\n", "block_size: 0 must be at least 1"),
+])
+def test_bad_settings_are_named(tmp_path, text, message):
+    path = tmp_path / "backend.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        BackendConfig(**read_config_file(path))
+
+
+def test_a_bad_config_stops_the_backend_with_a_message(tmp_path):
+    path = tmp_path / "backend.yaml"
+    path.write_text("num_slots: 0\n")
+    run = subprocess.run([sys.executable, "-m", "blink.cli", "backend", "--config", str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "num_slots: 0 must be at least 1" in run.stderr
+
+
+def test_environment_is_read_in_one_place(monkeypatch):
+    """No module under gpu_backend/ but env.py reads os.environ or os.getenv; every variable is documented."""
+    readers = []
+    for path in (ROOT / "gpu_backend").rglob("*.py"):
+        if path.name == "env.py" and path.parent.name == "gpu_backend":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert readers == []
+    assert all(v.doc and v.name.isupper() for v in env.VARS.values())
+    monkeypatch.setenv("BLINK_CACHE", "/tmp/blink-cache-test")
+    assert env.cache_dir() == Path("/tmp/blink-cache-test")
+    monkeypatch.setenv("BLINK_CACHE", "")
+    assert env.cache_dir() == Path("~/.cache/blink").expanduser()
+    with pytest.raises(KeyError):
+        env.get("NOT_DECLARED")
