@@ -259,3 +259,22 @@ def test_a_live_slot_submitted_again_replaces_its_request(model, engine):
     for _ in range(20):
         e.loop.step()
     assert not e.loop.live and e.loop.scheduler.num_free == e.runner.num_blocks
+
+
+def test_penalties_and_logit_bias_read_the_native_token_history(model, engine):
+    """The sampler's extensions get each row's prompt and output from the native state (LiveSeq.token_ids)."""
+    cfg, m = model
+    prompt = _prompts(1, cfg.vocab_size, seed=5)[0]
+    free = greedy_generate(m, [prompt], 6, block_size=4)[0]
+    e = engine()
+    forced = e.submit(RequestSpec(0, prompt, 6, temperature=0.0, ignore_eos=True, logit_bias=((11, 1000.0),),
+                                  repetition_penalty=1.5, frequency_penalty=0.5))
+    banned = e.submit(RequestSpec(1, prompt, 6, temperature=0.0, ignore_eos=True, logit_bias=((free[0], -1000.0),)))
+    # a huge repetition penalty sends every seen token's logit to about 0: greedy then never repeats the
+    # prompt or its own output (the tied, scaled head gives plenty of unseen tokens logits of hundreds)
+    fresh = e.submit(RequestSpec(2, prompt, 6, temperature=0.0, ignore_eos=True, repetition_penalty=1e6))
+    e.run_until_done()
+    assert e.tokens[forced] == [11] * 6
+    assert e.tokens[banned][0] != free[0] and free[0] not in e.tokens[banned]
+    out = e.tokens[fresh]
+    assert len(out) == 6 and all(t not in prompt and t not in out[:i] for i, t in enumerate(out)), (prompt, out)
