@@ -18,6 +18,11 @@ from protocols.ring import EngineState
 from protocols.shm import ShmRing
 
 
+# Seconds without a heartbeat before grpc.health.v1 says NOT_SERVING, per engine mode: a cpu engine's step on a
+# busy host can take seconds, and is no stall (the gateway's ejection rule has the same per-mode shape).
+STALE_AFTER_S = {"persistent": 2.0, "host": 3.0, "cpu": 10.0}
+
+
 class HeartbeatWatch:
     """Tracks when the heartbeat last moved; stale after `stale_after_s` without a change."""
 
@@ -73,7 +78,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
 class ControlServer:
     """gRPC server plus a thread that mirrors the heartbeat into grpc.health.v1 once a second."""
 
-    def __init__(self, address: str, desc: Description, ring: ShmRing, stale_after_s: float = 2.0, rdma=None):
+    def __init__(self, address: str, desc: Description, ring: ShmRing, stale_after_s: float | None = None,
+                 rdma=None):
+        if stale_after_s is None:
+            stale_after_s = STALE_AFTER_S.get(desc.engine_mode, max(STALE_AFTER_S.values()))
         self.watch = HeartbeatWatch(ring, stale_after_s)
         # grpc sets SO_REUSEPORT by default: a second backend on the port would share it and take half of
         # its connections. Off, a taken port fails here.
