@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
+
+from protocols import native_build
+from protocols.native_build import find_compiler
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "sched_host.cpp", *(CSRC / "include" / name for name in (
@@ -23,13 +22,10 @@ FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror")
 
 def host_compiler() -> str | None:
     """$CXX, else the first of g++, c++, clang++ on PATH; None when there is none."""
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+    return find_compiler((os.environ.get("CXX"), "g++", "c++", "clang++"))
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     # the cache gpu_backend/models/demo.py uses ($BLINK_CACHE, else ~/.cache/blink); kernels/ imports no gpu_backend
     return Path(os.environ.get("BLINK_CACHE") or Path.home() / ".cache" / "blink").expanduser() / "kernels"
 
@@ -43,19 +39,8 @@ def build() -> Path:
 
 
 def cached_build(stem: str, sources: tuple[Path, ...], argv: list[str]) -> Path:
-    """Run `argv + ["-o", <lib>]` unless a library built from these exact sources and flags is cached."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(argv).encode())
-    out = _cache_dir() / f"{stem}-{digest.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_so = Path(tmp) / out.name
-        res = subprocess.run([*argv, "-o", str(tmp_so)], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"building {sources[0].name} failed:\n{res.stderr}")
-        os.replace(tmp_so, out)  # atomic: a concurrent build loads either copy
-    return out
+    """`protocols.native_build.cached_build` into the kernels' cache folder."""
+    return native_build.cached_build(stem, sources, argv, cache_dir())
 
 
 @functools.cache

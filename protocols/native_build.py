@@ -1,7 +1,7 @@
 """Shared libraries built from C sources on first use, cached by a hash of their sources and flags.
 
-Used by the gateway's native stream round; a helper that both sides may import (neither may import the
-other's code), with no dependency beyond the standard library."""
+The one such helper: the gateway's native stream round and kernels/ (the host scheduler, the GPU loop) both
+use it (neither side may import the other's code); no dependency beyond the standard library."""
 from __future__ import annotations
 
 import hashlib
