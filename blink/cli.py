@@ -17,6 +17,7 @@ import time
 import urllib.request
 
 from gateway import env as gateway_env
+from protocols.shm import stable_ring_name
 
 # gpu_backend is imported inside the backend commands only: `blink gateway` runs on hosts without the
 # backend's dependencies (torch), and must not load them.
@@ -48,7 +49,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"blink serve: {taken}", file=sys.stderr)
         return 2
     control = args.control or f"127.0.0.1:{args.control_port or _free_port()}"
-    ring = args.ring or f"blink-{os.getpid()}"
+    # A name stable across restarts (the gateway's address, which no other instance can hold while this one
+    # runs): a backend that crashed leaves its ring behind, and the next `serve` on that port reclaims it.
+    ring = args.ring or stable_ring_name(f"{args.host}:{args.port}", prefix="blink-serve")
     backend = subprocess.Popen([sys.executable, "-m", "blink.cli", "backend", *_backend_argv(args), "--ring", ring,
                                 "--control", control], env=env)
     # --expect-ring: should the control port belong to another instance, the gateway refuses its ring

@@ -55,6 +55,18 @@ def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type="server_error", code="service_unavailable")
 
 
+class Overloaded(ApiError):
+    """A request shed under load: a 503 with Retry-After (gRPC: UNAVAILABLE with `retry-after` metadata),
+    counted in `blink:num_requests_shed_total`."""
+
+
+def overloaded(message: str, retry_after_s: float) -> Overloaded:
+    """Every ring slot stayed busy: come back in `retry_after_s` (sent in whole seconds, at least 1)."""
+    retry_after = str(max(1, math.ceil(retry_after_s)))
+    return Overloaded(503, f"{message}; retry after {retry_after} s", type="server_error",
+                      code="service_unavailable", headers={"Retry-After": retry_after})
+
+
 _HTTP_TYPES = {401: "authentication_error", 404: "invalid_request_error", 405: "invalid_request_error",
                413: "invalid_request_error"}
 

@@ -61,6 +61,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--default-max-tokens", type=int,
                    help="output budget of a request that sets no max_tokens, on every endpoint (default: "
                    "16 for /v1/completions and gRPC Generate, as OpenAI; for chat what the context leaves)")
+    p.add_argument("--slot-wait", type=float, dest="slot_wait_s", metavar="SECONDS",
+                   help="how long a request waits for a free ring slot before a 503 with Retry-After (load "
+                   "shedding; default 30; also BLINK_SLOT_WAIT)")
     p.add_argument("--connect-timeout", type=float, dest="connect_timeout_s",
                    help="seconds to wait for each backend's Describe at start-up (default 300)")
     p.add_argument("--log-level", default="INFO")
@@ -77,7 +80,7 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
     fields.update(env)
     flags = {"host": args.host, "port": args.port, "grpc_port": args.grpc_port, "log_format": args.log_format,
              "max_body_bytes": args.max_body_bytes, "header_timeout_s": args.header_timeout_s,
-             "body_timeout_s": args.body_timeout_s,
+             "body_timeout_s": args.body_timeout_s, "slot_wait_s": args.slot_wait_s,
              "default_max_tokens": args.default_max_tokens, "config_file": args.config_file,
              "routing": args.routing, "connect_timeout_s": args.connect_timeout_s,
              "backend_addrs": tuple(args.backends) if args.backends else None, "expect_ring": args.expect_ring,

@@ -15,6 +15,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .errors import Overloaded
+
 if TYPE_CHECKING:
     from .backends.backend import Backend
     from .errors import ApiError
@@ -49,6 +51,9 @@ class Metrics:
                                        MODEL + ["finished_reason"], registry=r)
         self.rejected_requests = Counter("blink:request_rejected", "Requests answered with an error, by "
                                          "reason (the OpenAI error code).", ["reason"], registry=r)
+        self.shed = Counter("blink:num_requests_shed", "Requests answered 503 with Retry-After because every "
+                            "ring slot stayed busy for slot_wait_s (also in blink:request_rejected_total as "
+                            "service_unavailable).", registry=r)
         self.retries = Counter("blink:request_retries", "Requests submitted again to another backend by "
                                "failover, by reason (submit_refused: the backend refused it, e.g. draining, "
                                "dead or out of slots; failed_before_first_token).", MODEL + ["reason"],
@@ -91,6 +96,8 @@ class Metrics:
 
     def rejected(self, err: ApiError) -> None:
         self.rejected_requests.labels(reason_of(err)).inc()
+        if isinstance(err, Overloaded):
+            self.shed.inc()
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

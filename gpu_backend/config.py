@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class BackendConfig:
     mode: str = "cpu"                      # engine: cpu (torch on the CPU), host, persistent
     model: str = "demo"                    # Hugging Face folder, random:<preset>, or demo
     model_name: str | None = None          # name clients pass as `model` (default: the folder name)
-    ring: str | None = None                # shared-memory ring name (default: blink-<pid>)
+    ring: str | None = None                # shared-memory ring name (default: from control, see ring_name)
     control: str = "127.0.0.1:50051"       # control-plane gRPC address
     context_len: int = 0                   # tokens per sequence; 0: the model's, at most 8192
     num_slots: int = 256                   # ring slots: requests in flight at most
@@ -95,6 +96,17 @@ class BackendConfig:
         if self.max_num_seqs:
             return self.max_num_seqs
         return 64 if self.mode == "cpu" else min(256, self.batched_tokens)
+
+    @property
+    def ring_name(self) -> str:
+        """`ring`, else a name stable across restarts derived from the control address (blink-<host>-<port>):
+        a restarted backend then reclaims the ring a crashed one left. Control port 0 (a free one) has no
+        stable name: blink-<pid>."""
+        from protocols.shm import stable_ring_name
+
+        if self.ring:
+            return self.ring
+        return f"blink-{os.getpid()}" if self.control.endswith(":0") else stable_ring_name(self.control)
 
     def context_len_for(self, max_position_embeddings: int) -> int:
         return self.context_len or min(max_position_embeddings, 8192)

@@ -18,6 +18,7 @@ from pathlib import Path
 from gpu_backend import env
 from gpu_backend.config import MODES, BackendConfig, ConfigError
 from protocols.ring import RingGeometry
+from protocols.shm import RingInUseError, check_ring_free, create_ring
 
 log = logging.getLogger("blink.backend")
 
@@ -29,7 +30,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default="cpu", help="engine: cpu (torch on the CPU), host, persistent")
     p.add_argument("--model", default="demo", help="Hugging Face folder, random:<preset>, or 'demo' (default)")
     p.add_argument("--model-name", default=None, help="name clients pass as 'model' (default: the folder name)")
-    p.add_argument("--ring", default=None, help="shared-memory ring name (default: blink-<pid>)")
+    p.add_argument("--ring", default=None, help="shared-memory ring name (default: blink-<host>-<port> of "
+                   "--control, so that a restart reclaims the ring a crashed backend left)")
     p.add_argument("--control", default="127.0.0.1:50051", help="control-plane gRPC address (HOST:PORT)")
     p.add_argument("--context-len", type=int, default=0, help="tokens per sequence (default: the model's, at most 8192)")
     p.add_argument("--num-slots", type=int, default=256, help="ring slots: requests in flight at most")
@@ -101,6 +103,11 @@ def run_backend(args: argparse.Namespace) -> int:
         log.error("the control plane cannot listen on %s (%s); choose another address with --control",
                   config.control, exc.strerror or exc)
         return 2
+    try:
+        check_ring_free(config.ring_name)  # likewise: a live backend's ring is not stale
+    except RingInUseError as exc:
+        log.error("%s", exc)
+        return 2
     return serve_backend(config)
 
 
@@ -117,7 +124,6 @@ def serve_backend(config: BackendConfig) -> int:
     from gpu_backend.models import load_model, model_fingerprint
     from gpu_backend.models.demo import default_cache_dir, ensure_demo_model
     from gpu_backend.models.random_tokenizer import ensure_random_tokenizer
-    from protocols.shm import create_ring
     from protocols.shm_consumer import RingConsumer
 
     if config.threads:
@@ -129,7 +135,11 @@ def serve_backend(config: BackendConfig) -> int:
     fingerprint = model_fingerprint(model_dir or cfg)
     runner = _make_runner(config, model, cfg, context_len)
     geometry = RingGeometry(config.num_slots, context_len, config.max_output_len)
-    ring = create_ring(config.ring or f"blink-{os.getpid()}", geometry, fingerprint)
+    try:
+        ring = create_ring(config.ring_name, geometry, fingerprint)  # removes a crashed predecessor's ring
+    except RingInUseError as exc:
+        log.error("%s", exc)
+        return 2
     if config.mode == "persistent":
         from gpu_backend.engine.persistent import PersistentEngine
 

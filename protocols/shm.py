@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import re
 
 import numpy as np
 
@@ -33,6 +34,10 @@ class RingAttachError(RuntimeError):
     """The named ring does not exist, or its layout is not the one this side expects."""
 
 
+class RingInUseError(RuntimeError):
+    """A live process (another backend) holds the ring of that name: it is not stale and is left alone."""
+
+
 def _path(name: str) -> str:
     if not name or "/" in name:
         raise ValueError(f"ring name {name!r} must be a non-empty name without '/'")
@@ -42,9 +47,10 @@ def _path(name: str) -> str:
 class ShmRing:
     """A mapped ring with typed views. Use `create_ring` / `attach_ring` to get one."""
 
-    def __init__(self, name: str, mm: mmap.mmap, geometry: RingGeometry, owner: bool):
+    def __init__(self, name: str, mm: mmap.mmap, geometry: RingGeometry, owner: bool, lock_fd: int | None = None):
         self.name, self.geometry, self.owner = name, geometry, owner
         self._mm = mm
+        self._lock_fd = lock_fd  # the creator's flock on the ring file: held while it lives (see create_ring)
         self.buf = np.frombuffer(mm, dtype=np.uint8)  # [total_bytes] uint8, shared
         self.u32 = self.buf.view(np.uint32)
         self.u64 = self.buf.view(np.uint64)
@@ -121,23 +127,99 @@ class ShmRing:
         except BufferError:
             pass  # a caller still holds a view; the mapping goes with the process
         if self.owner:
-            unlink_ring(self.name)
+            unlink_ring(self.name)  # before the lock goes: a successor must never find our file unlocked
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def create_ring(name: str, geometry: RingGeometry, fingerprint: str, replace: bool = True) -> ShmRing:
-    """Create (or with `replace`, recreate) a zeroed ring and write its header."""
+    """Create a zeroed ring, write its header, and hold an exclusive flock on its file while this process lives.
+
+    A ring of that name left by a process that died (SIGKILL leaves the file in /dev/shm) is stale: with
+    `replace` it is removed first. One whose creator still lives (its flock is held) raises RingInUseError;
+    so does any existing ring without `replace`. The kernel drops the flock when its holder dies however it
+    dies, which is what makes the lock, not a pid in the header, the test of life."""
     path = _path(name)
-    if replace and os.path.exists(path):
-        os.unlink(path)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    if os.path.exists(path):
+        if not replace:
+            raise RingInUseError(f"a ring named {name!r} already exists in {SHM_DIR}")
+        remove_stale_ring(name)
     try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except FileExistsError:  # another process created it since the check
+        raise RingInUseError(_in_use_message(name, ring_holder(name))) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, geometry.total_bytes)
         mm = mmap.mmap(fd, geometry.total_bytes)
-    finally:
+    except BaseException:
         os.close(fd)
-    ring = ShmRing(name, mm, geometry, owner=True)
+        unlink_ring(name)
+        raise
+    ring = ShmRing(name, mm, geometry, owner=True, lock_fd=fd)
     R.write_header(ring.buf, geometry, fingerprint)
     return ring
+
+
+def ring_holder(name: str) -> int | None:
+    """The pid of the live process that holds the ring `name` (its creator's flock), 0 when a holder exists but
+    /proc/locks does not name it, None when the ring is free or stale (or absent)."""
+    try:
+        fd = os.open(_path(name), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _flock_pid(os.fstat(fd).st_ino)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_ring_free(name: str) -> None:
+    """Raise RingInUseError (naming the ring and the holder's pid) if a live process holds the ring `name`."""
+    holder = ring_holder(name)
+    if holder is not None:
+        raise RingInUseError(_in_use_message(name, holder))
+
+
+def remove_stale_ring(name: str) -> bool:
+    """Unlink the ring `name` if no live process holds it (True if one was removed); RingInUseError if one does."""
+    check_ring_free(name)
+    if not os.path.exists(_path(name)):
+        return False
+    unlink_ring(name)
+    return True
+
+
+def _in_use_message(name: str, holder: int | None) -> str:
+    who = f"process {holder}" if holder else "a live process"
+    return (f"ring {name!r} in {SHM_DIR} is held by {who} (another backend with the same ring name?); "
+            f"stop it, or give this backend another --ring")
+
+
+def _flock_pid(inode: int) -> int:
+    """The pid that /proc/locks names for a FLOCK on `inode` (0 if none is listed)."""
+    try:
+        lines = open("/proc/locks").read().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        fields = line.split()  # e.g. "1: FLOCK ADVISORY WRITE 4242 00:1a:123456 0 EOF"
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+            return int(fields[4])
+    return 0
+
+
+def stable_ring_name(address: str, prefix: str = "blink") -> str:
+    """A ring name derived from a HOST:PORT this instance owns (`blink-127.0.0.1-50051`), so that a restarted
+    backend finds, and removes, the ring its crashed predecessor left instead of adding another."""
+    host, _, port = address.rpartition(":")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{prefix}-{host.strip('[]')}-{port}")
 
 
 def attach_ring(name: str, expect: RingGeometry | None = None, fingerprint: str | None = None) -> ShmRing:

@@ -19,7 +19,7 @@ from protocols.shm import RingFull
 from protocols.shm_producer import ShmProducer
 
 from ..config import GatewayConfig
-from ..errors import unavailable
+from ..errors import overloaded, unavailable
 from ..streaming.native import NativeStreams
 from ..streaming.poller import Poller
 from ..streaming.request_handle import RequestHandle
@@ -193,9 +193,10 @@ class Backend:
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
-            if not waiter.done():
-                raise unavailable(f"all {self.info.geometry.num_slots} request slots of backend "
-                                  f"{self.info.addr} stayed busy for {self.config.slot_wait_s:g} s")
+            if not waiter.done():  # shed: retrying after another such wait has a chance
+                raise overloaded(f"all {self.info.geometry.num_slots} request slots of backend "
+                                 f"{self.info.addr} stayed busy for {self.config.slot_wait_s:g} s",
+                                 self.config.slot_wait_s)
             woken = True
 
     def slot_freed(self) -> None:
