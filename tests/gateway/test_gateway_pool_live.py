@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from protocols.shm import remove_stale_ring
 from tests.conftest import ROOT, free_port
 
 pytestmark = pytest.mark.slow
@@ -37,10 +38,11 @@ def cluster(tmp_path_factory):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "BLINK_API_KEY": KEY}
     procs: dict[str, subprocess.Popen] = {}
     addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    rings = [f"blink-pool-{os.getpid()}-{i}" for i in range(3)]
     for i, addr in enumerate(addrs):
         procs[addr] = subprocess.Popen(
             [sys.executable, "-m", "blink.cli", "backend", "--mode", "cpu", "--model", model_dir,
-             "--ring", f"blink-pool-{os.getpid()}-{i}", "--control", addr, "--context-len", "1024",
+             "--ring", rings[i], "--control", addr, "--context-len", "1024",
              "--kv-cache-mb", "128", "--num-slots", "16", "--threads", "1"],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"backend{i}.log", "w"))
     port = free_port()
@@ -64,6 +66,9 @@ def cluster(tmp_path_factory):
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+        for ring in rings:  # a SIGKILLed backend (the test kills one) leaves its ring in /dev/shm
+            remove_stale_ring(ring)
 
 
 def write_config(path, addrs) -> None:
