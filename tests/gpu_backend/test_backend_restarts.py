@@ -14,8 +14,6 @@ import pytest
 from protocols.shm import SHM_DIR, ring_holder, stable_ring_name, unlink_ring
 from tests.conftest import ROOT, free_port
 
-pytestmark = pytest.mark.slow
-
 NUM_RESTARTS = 10
 READY_TIMEOUT_S = 120
 
@@ -49,6 +47,7 @@ def shm_files_of(pids: list[int], ring: str) -> list[str]:
     return sorted(f for f in os.listdir(SHM_DIR) if f == ring or set(f.split("-")) & set(map(str, pids)))
 
 
+@pytest.mark.slow
 def test_sigkilled_backend_restarted_ten_times_leaves_only_its_current_ring(tmp_path):
     control = f"127.0.0.1:{free_port()}"
     ring = stable_ring_name(control)
@@ -69,6 +68,7 @@ def test_sigkilled_backend_restarted_ten_times_leaves_only_its_current_ring(tmp_
     assert shm_files_of(pids, ring) == []
 
 
+@pytest.mark.slow
 def test_a_live_backends_ring_is_refused_before_a_model_loads(tmp_path):
     first_control, second_control = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     ring = stable_ring_name(first_control)
@@ -92,3 +92,34 @@ def test_a_live_backends_ring_is_refused_before_a_model_loads(tmp_path):
             first.wait()
         unlink_ring(ring)
     assert not os.path.exists(os.path.join(SHM_DIR, ring))
+
+
+def test_the_default_ring_name_comes_from_the_control_address():
+    from gpu_backend.config import BackendConfig
+
+    assert BackendConfig(control="10.0.0.2:50051").ring_name == "blink-10.0.0.2-50051"
+    assert BackendConfig(control="10.0.0.2:50051", ring="blink-0").ring_name == "blink-0"  # --ring wins
+    assert BackendConfig(control="127.0.0.1:0").ring_name == f"blink-{os.getpid()}"  # no stable port to name it by
+
+
+def test_serve_names_its_ring_after_its_gateway_address(monkeypatch):
+    from blink import cli
+
+    launched = []
+    monkeypatch.setattr(cli, "_taken_ports", lambda *a: "")
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv, **kw: launched.append(argv) or _Exited())
+    monkeypatch.setattr(cli, "_wait_ready", lambda *a: False)
+    monkeypatch.setattr(cli, "_stop_all", lambda procs: None)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # serve's handlers stay out of this process
+    args = cli.build_parser().parse_args(["serve", "--port", "8301", "--grpc-port", "0"])
+    cli.serve(args)
+    backend, gateway = launched
+    ring = backend[backend.index("--ring") + 1]
+    assert ring == "blink-serve-127.0.0.1-8301" and gateway[gateway.index("--expect-ring") + 1] == ring
+
+
+class _Exited:
+    returncode = 0
+
+    def poll(self) -> int:
+        return 0
