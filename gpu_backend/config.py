@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from gpu_backend import env
+from protocols.shm import stable_ring_name
 
 MODES = ("cpu", "host", "persistent")
 TRANSPORTS = ("shm", "tcp", "rdma")
@@ -102,8 +103,6 @@ class BackendConfig:
         """`ring`, else a name stable across restarts derived from the control address (blink-<host>-<port>):
         a restarted backend then reclaims the ring a crashed one left. Control port 0 (a free one) has no
         stable name: blink-<pid>."""
-        from protocols.shm import stable_ring_name
-
         if self.ring:
             return self.ring
         return f"blink-{os.getpid()}" if self.control.endswith(":0") else stable_ring_name(self.control)

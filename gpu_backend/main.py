@@ -18,7 +18,7 @@ from pathlib import Path
 from gpu_backend import env
 from gpu_backend.config import MODES, BackendConfig, ConfigError
 from protocols.ring import RingGeometry
-from protocols.shm import RingInUseError, check_ring_free, create_ring
+from protocols.shm import SHM_DIR, RingInUseError, check_ring_free, create_ring, remove_stale_ring
 
 log = logging.getLogger("blink.backend")
 
@@ -136,7 +136,9 @@ def serve_backend(config: BackendConfig) -> int:
     runner = _make_runner(config, model, cfg, context_len)
     geometry = RingGeometry(config.num_slots, context_len, config.max_output_len)
     try:
-        ring = create_ring(config.ring_name, geometry, fingerprint)  # removes a crashed predecessor's ring
+        if remove_stale_ring(config.ring_name):
+            log.warning("removed the stale ring %r that a backend which died left in %s", config.ring_name, SHM_DIR)
+        ring = create_ring(config.ring_name, geometry, fingerprint)
     except RingInUseError as exc:
         log.error("%s", exc)
         return 2

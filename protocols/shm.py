@@ -150,7 +150,7 @@ def create_ring(name: str, geometry: RingGeometry, fingerprint: str, replace: bo
     except FileExistsError:  # another process created it since the check
         raise RingInUseError(_in_use_message(name, ring_holder(name))) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # blocking: only a `ring_holder` probe can hold it, for microseconds
         os.ftruncate(fd, geometry.total_bytes)
         mm = mmap.mmap(fd, geometry.total_bytes)
     except BaseException:

@@ -58,6 +58,7 @@ def test_sigkilled_backend_restarted_ten_times_leaves_only_its_current_ring(tmp_
             proc = start_backend(control, log_path)
             pids.append(proc.pid)
             assert f"ring={ring} " in wait_ready(proc, log_path)
+            assert ("removed the stale ring" in log_path.read_text()) == (i > 0)  # what the one before left
             assert ring_holder(ring) == proc.pid
             proc.send_signal(signal.SIGKILL)
             proc.wait()
