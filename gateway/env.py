@@ -65,12 +65,12 @@ HEADER_TIMEOUT = EnvVar(f"{PREFIX}HEADER_TIMEOUT", "seconds a connection has to 
                         field="header_timeout_s", parse=float)
 BODY_TIMEOUT = EnvVar(f"{PREFIX}BODY_TIMEOUT", "seconds a request has to send its body after its head",
                       field="body_timeout_s", parse=float)
-SLOT_WAIT = EnvVar(f"{PREFIX}SLOT_WAIT", "seconds a request waits for a free ring slot before a 503 with "
-                   "Retry-After (--slot-wait)", field="slot_wait_s", parse=float)
 LOG_LEVEL = EnvVar(f"{PREFIX}LOG_LEVEL", "log level of the `blink` command's processes", default="INFO")
 CACHE = EnvVar(f"{PREFIX}CACHE", "where built native libraries (and models) are cached",
                default=str(Path("~/.cache/blink")), parse=lambda text: Path(text).expanduser())
 CC = EnvVar("CC", "C compiler of the native stream round (default: the first of gcc, cc, clang on PATH)")
+SLOT_WAIT = EnvVar(f"{PREFIX}SLOT_WAIT", "seconds a request waits for a free ring slot before a 503 with "
+                   "Retry-After (--slot-wait)", field="slot_wait_s", parse=float)
 
 VARIABLES: tuple[EnvVar, ...] = (API_KEY, ADMIN_KEY, KEYS_FILE, WORKERS, GATEWAY_HOST, GATEWAY_PORT, GRPC_PORT,
                                  LOG_FORMAT, BACKENDS, CONFIG, MAX_BODY_BYTES, HEADER_TIMEOUT, BODY_TIMEOUT,
