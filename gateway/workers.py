@@ -1,6 +1,7 @@
 """`--workers N`: N gateway processes on one port (SO_REUSEPORT), each with its own event loop.
 
-The supervisor starts `python -m gateway ARGS --worker-index i` N times and stops them together.
+The supervisor starts `python -m gateway ARGS --worker-index i` N times, stops them together and passes
+SIGHUP on to each (reload: TLS files, config file).
 What is per worker: `/admin/status`, `/metrics` and `/health` (each answers for the worker the
 connection reached), request ids.
 Shared: the port, the keys file and the drained backends (each worker re-reads them within a second
@@ -63,8 +64,14 @@ def _supervise(config: GatewayConfig, argv: list[str], limits_table: str) -> int
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
+    def reload(signum, _frame):  # each worker re-reads its TLS files and config file itself
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+    signal.signal(signal.SIGHUP, reload)
     while all(p.poll() is None for p in procs):
         time.sleep(0.2)
     if not stopping:
