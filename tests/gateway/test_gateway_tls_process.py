@@ -189,3 +189,36 @@ def test_keys_and_the_private_key_never_reach_the_log(start_gateway, pki, tmp_pa
     for key_file in (pki.server.key, pki.client.key):
         assert not [line for line in _pem_body(key_file) if line in log], f"{key_file.name}'s PEM body is in the log"
     assert "PRIVATE KEY" not in log
+
+
+@pytest.mark.slow
+def test_blink_serve_over_mutual_tls_with_the_demo_model(pki, tmp_path, pick_free_port):
+    """`blink serve` passes the TLS flags to its gateway: the official client chats with the demo model."""
+    port, grpc_port, key = pick_free_port(), pick_free_port(), "serve-" + os.urandom(6).hex()
+    cmd = [sys.executable, "-m", "blink.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
+           "--ring", f"blink-tls-test-{os.getpid()}", "--context-len", "2048", "--kv-cache-mb", "128",
+           "--num-slots", "4", "--ssl-certfile", str(pki.server.cert), "--ssl-keyfile", str(pki.server.key),
+           "--ssl-ca-certs", str(pki.ca), "--ssl-cert-reqs", "2"]
+    out_path = tmp_path / "serve.out"
+    with out_path.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "BLINK_API_KEY": key, "PYTHONUNBUFFERED": "1"},
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while "blink serving the OpenAI API on https://" not in out_path.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, out_path.read_text(errors="replace")
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120,
+                               http_client=httpx2.Client(verify=pki.client_context(pki.client)))
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Say hello."}]
+        full = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+        chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                                     stream=True))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert full.choices[0].message.content and streamed == full.choices[0].message.content
+        with pytest.raises(httpx2.TransportError):  # no client certificate
+            httpx2.get(f"https://127.0.0.1:{port}/health", verify=pki.client_context(), timeout=10)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
