@@ -259,14 +259,21 @@ async def _listen(app: web.Application, host: str, port: int, ssl_context: ssl.S
 
 
 async def serve_forever(config: GatewayConfig) -> None:
+    server: GatewayServer | None = None
+    loop = asyncio.get_running_loop()
+
+    def reload() -> None:
+        if server is None:
+            log.warning("SIGHUP ignored: the gateway is still starting")
+        else:
+            server.reload()
+    loop.add_signal_handler(signal.SIGHUP, reload)  # before 'listening' is logged: from then on SIGHUP reloads
     server = await start_gateway(config)
     server.state.gc = gc_policy = GcPolicy(config.gc_freeze_s, config.gc_full_growth_blocks)
     gc_policy.start()
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, server.reload)
     try:
         await stop.wait()
     finally:

@@ -54,6 +54,9 @@ def _supervise(config: GatewayConfig, argv: list[str], limits_table: str) -> int
     drained = drain_file(config)
     if drained is not None:
         drained.unlink(missing_ok=True)  # drains do not outlive the gateway that set them
+    # Ignored, SIGHUP stays ignored in the workers until their loop takes it (a reload must not kill one
+    # that is still starting); here it is passed on to them from the moment they exist.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     procs = [subprocess.Popen(worker_command(argv, i, limits_table)) for i in range(num_workers)]
     log.info("gateway supervisor: %d workers, pids %s", num_workers, " ".join(str(p.pid) for p in procs))
     stopping = []

@@ -46,19 +46,19 @@ class GatewayProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_for_log(self, text: str, timeout_s: float = 30, after: int = 0) -> None:
-        """Until `text` shows in the log past character `after`."""
+    def wait_for_log(self, text: str, timeout_s: float = 30, after: int = 0, count: int = 1) -> None:
+        """Until `text` shows in the log past character `after` (`count` times)."""
         deadline = time.monotonic() + timeout_s
-        while text not in self.log()[after:]:
+        while self.log()[after:].count(text) < count:
             assert self.proc.poll() is None, f"the gateway exited with {self.proc.returncode}:\n{self.log()}"
             assert time.monotonic() < deadline, f"{text!r} not logged:\n{self.log()}"
             time.sleep(0.05)
 
-    def reload(self, expect: str) -> None:
-        """SIGHUP, then wait for the reload's verdict in the log."""
+    def reload(self, expect: str, count: int = 1) -> None:
+        """SIGHUP, then wait for the reload's verdict in the log (from `count` workers)."""
         mark = len(self.log())
         self.proc.send_signal(signal.SIGHUP)
-        self.wait_for_log(expect, after=mark)
+        self.wait_for_log(expect, after=mark, count=count)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -134,6 +134,17 @@ def test_sighup_serves_a_new_certificate_while_an_open_stream_finishes(start_gat
     gateway.reload("TLS reload refused")
     assert served_name(gateway.port, pki.client_context()) == "server2"
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).choices[0].finish_reason == "length"
+
+
+def test_every_worker_reloads_on_sighup(start_gateway, pki, tmp_path):
+    """`--workers 2`: the supervisor passes SIGHUP on; whichever worker a connection reaches shows the new one."""
+    live = _live_copy(pki.server, tmp_path)
+    gateway = start_gateway(live, "--workers", "2")
+    gateway.wait_for_log("gateway listening on", count=2)
+    _swap(live, pki.server2)
+    gateway.reload("TLS certificate reloaded", count=2)
+    assert {served_name(gateway.port, pki.client_context()) for _ in range(8)} == {"server2"}
+    assert gateway.proc.poll() is None  # SIGHUP did not end the supervisor
 
 
 def _requests(gateway: GatewayProcess, pki: Pki, admin_url: str, keys: dict[str, str]) -> list[str]:
