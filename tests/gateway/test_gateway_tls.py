@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import ssl
 import time
+from pathlib import Path
 
 import grpc
 import httpx2
@@ -142,6 +143,16 @@ def test_client_certificate_required(mtls_gateway, pki):
     assert text and streamed == text
 
 
+def test_an_optional_client_certificate_must_verify_when_sent(start_harness, pki, pick_free_port):
+    """ssl_cert_reqs 1 (ssl.CERT_OPTIONAL): no certificate is fine, a good one too, one from another CA is not."""
+    gateway = start_harness(_tls_config(pki, pick_free_port, ssl_ca_certs=str(pki.ca), ssl_cert_reqs=1), API_KEY)
+    url = gateway.url + "/health"
+    for accepted in (None, pki.client):
+        assert httpx2.get(url, verify=pki.client_context(accepted), timeout=5).status_code == 200
+    with pytest.raises(httpx2.TransportError):
+        httpx2.get(url, verify=pki.client_context(pki.rogue_client), timeout=5)
+
+
 def test_metrics_key_on_the_api_port(mtls_gateway, pki):
     verify = pki.client_context(pki.client)
     url = mtls_gateway.url + "/metrics"
@@ -226,6 +237,13 @@ def test_flags_env_and_file_carry_the_tls_settings(tmp_path, pki):
             ("127.0.0.2", 9100, "m", "https://")
     assert {v.field for v in env.VARIABLES} >= {"ssl_certfile", "ssl_cert_reqs", "admin_port", "metrics_key"}
     assert "'m'" not in repr(from_flags) and "metrics_key" not in repr(from_flags)
+
+
+def test_the_deploy_example_is_a_valid_config():
+    root = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "tls"
+    config = GatewayConfig(**read_config_file(root / "gateway.yaml"))
+    assert config.tls and config.ssl_cert_reqs == 2 and config.separate_admin
+    assert "BLINK_METRICS_KEY=" in (root / "gateway.env").read_text()
 
 
 @pytest.mark.parametrize("fields, message", [
