@@ -143,11 +143,13 @@ class GatewayConfig:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile go together: set both (PEM files) or neither")
         if self.ssl_cert_reqs not in (0, 1, 2):
-            raise ValueError(f"ssl_cert_reqs must be 0 (none), 1 (optional) or 2 (required), got {self.ssl_cert_reqs!r}")
+            raise ValueError(f"ssl_cert_reqs must be 0 (none), 1 (optional) or 2 (required), "
+                             f"got {self.ssl_cert_reqs!r}")
         if self.ssl_certfile is None and (self.ssl_ca_certs is not None or self.ssl_cert_reqs):
             raise ValueError("ssl_ca_certs and ssl_cert_reqs need TLS on: set ssl_certfile and ssl_keyfile")
         if self.ssl_cert_reqs and self.ssl_ca_certs is None:
-            raise ValueError("ssl_cert_reqs 1 or 2 checks client certificates: set ssl_ca_certs (the CA that signs them)")
+            raise ValueError("ssl_cert_reqs 1 or 2 checks client certificates: set ssl_ca_certs "
+                             "(the CA that signs them)")
         if self.admin_port is None and self.admin_host is not None:
             raise ValueError("admin_host needs admin_port (the admin listener's port; 0 picks a free one)")
         if self.admin_port is not None and not 0 <= self.admin_port < 65536:

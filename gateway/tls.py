@@ -81,8 +81,8 @@ class TlsFiles:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
+        self._pair = self._grpc_pair()  # first: a missing file is named alone
         self.context = _new_context(config)
-        self._pair = self._grpc_pair()
         self._next_grpc: grpc.ServerCertificateConfiguration | None = None  # for grpc's fetcher, once
         log.info("TLS on: certificate %s (SHA-256 %s), client certificates %s", config.ssl_certfile,
                  fingerprint(self._pair[1]), ("none", "optional", "required")[config.ssl_cert_reqs])
@@ -107,8 +107,8 @@ class TlsFiles:
     def reload(self) -> bool:
         """Read the files again. New connections get the new certificate; on any error nothing changes."""
         try:
-            _new_context(self.config)  # the whole set checked first: a half-loaded live context would fail
             pair = self._grpc_pair()
+            _new_context(self.config)  # the whole set checked first: a half-loaded live context would fail
             grpc_config = self._grpc_config(pair)
             _load_chain(self.context, self.config)
             if self.config.ssl_ca_certs is not None:

@@ -117,17 +117,19 @@ def test_plain_http_to_the_tls_port_fails_cleanly(tls_gateway):
 
 @pytest.mark.filterwarnings("ignore:ssl.TLSVersion:DeprecationWarning")  # the old client, on purpose
 def test_tls_1_2_is_the_oldest_version(tls_gateway, pki):
-    context = tls_gateway.server.tls.context
+    server = tls_gateway.server
+    context = server.tls.context
     assert context.minimum_version == ssl.TLSVersion.TLSv1_2 and context.verify_mode == ssl.CERT_NONE
-    for version in (ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3):
-        client = pki.client_context()
-        client.minimum_version = client.maximum_version = version
-        assert served_name(tls_gateway.server.port, client) == "server"
-    old = pki.client_context()
-    old.minimum_version, old.maximum_version = ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1
-    old.set_ciphers("DEFAULT:@SECLEVEL=0")  # a client that would speak TLS 1.1 if the server did
-    with pytest.raises(ssl.SSLError):
-        served_name(tls_gateway.server.port, old)
+    for port, alpn in ((server.port, None), (server.admin_port, None), (server.grpc_port, "h2")):
+        for version in (ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3):
+            client = pki.client_context()
+            client.minimum_version = client.maximum_version = version
+            assert served_name(port, client, alpn) == "server"
+        old = pki.client_context()
+        old.minimum_version, old.maximum_version = ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1
+        old.set_ciphers("DEFAULT:@SECLEVEL=0")  # a client that would speak TLS 1.1 if the server did
+        with pytest.raises(ssl.SSLError):
+            served_name(port, old, alpn)
 
 
 # ---------------------------------------------------------------- client certificates

@@ -170,9 +170,8 @@ def _requests(gateway: GatewayProcess, pki: Pki, admin_url: str, keys: dict[str,
         call("GET", admin_url + "/metrics", key, expect)
     with grpc.secure_channel(f"127.0.0.1:{gateway.grpc_port}", grpc.ssl_channel_credentials(pki.ca.read_bytes())) as ch:
         with pytest.raises(grpc.RpcError) as info:
-            list(inference_pb2_grpc.InferenceStub(ch).Generate(
-                pb.GenerateRequest(model=MODEL, prompt=PROMPT), metadata=(("authorization", f"Bearer {keys['wrong_api']}"),),
-                timeout=10))
+            list(inference_pb2_grpc.InferenceStub(ch).Generate(pb.GenerateRequest(model=MODEL, prompt=PROMPT),
+                 metadata=(("authorization", f"Bearer {keys['wrong_api']}"),), timeout=10))
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         bodies.append(info.value.details())
     return bodies
