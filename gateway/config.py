@@ -88,9 +88,9 @@ class GatewayConfig:
     probe_interval_s: float = 0.5  # how often the pool asks each backend's control plane whether it lives
     affinity_prefix_len: int = 64  # prefix_affinity: leading prompt tokens hashed (in whole 16-token blocks)
     affinity_max_extra_tokens: int = 2048  # prefix_affinity: leave the chosen backend when this much busier
-    # TLS (gateway/tls.py), with vLLM's names: HTTPS and the gRPC API on certfile + keyfile (PEM); clients'
-    # certificates checked against ca_certs as ssl_cert_reqs says (Python's ssl.CERT_*: 0 none, 1 optional,
-    # 2 required). Re-read on SIGHUP.
+    # TLS (gateway/tls.py), with vLLM's names: HTTPS and the gRPC API on certfile + keyfile (PEM; no keyfile:
+    # the key is in the certfile); clients' certificates checked against ca_certs as ssl_cert_reqs says
+    # (Python's ssl.CERT_*: 0 none, 1 optional, 2 required). Re-read on SIGHUP.
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None
@@ -139,9 +139,9 @@ class GatewayConfig:
             raise ValueError("heartbeat_timeouts_s needs a 'default' entry (for modes it does not name)")
 
     def _check_listeners(self) -> None:
-        """TLS files come as a pair, a client check needs its CA; the admin listener has a port of its own."""
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError("ssl_certfile and ssl_keyfile go together: set both (PEM files) or neither")
+        """A key needs its certificate, a client check its CA; the admin listener has a port of its own."""
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_keyfile needs ssl_certfile (the certificate chain it belongs to)")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(f"ssl_cert_reqs must be 0 (none), 1 (optional) or 2 (required), "
                              f"got {self.ssl_cert_reqs!r}")

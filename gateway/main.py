@@ -73,8 +73,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _tls_args(p: argparse.ArgumentParser) -> None:
     """TLS (vLLM's flag names) and the admin listener; docs/operations.md, "TLS"."""
     p.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS and gRPC over TLS with this certificate "
-                   "chain (PEM; with --ssl-keyfile); re-read on SIGHUP (also BLINK_SSL_CERTFILE)")
-    p.add_argument("--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM; also BLINK_SSL_KEYFILE)")
+                   "chain (PEM); re-read on SIGHUP (also BLINK_SSL_CERTFILE)")
+    p.add_argument("--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM; default: in the "
+                   "--ssl-certfile; also BLINK_SSL_KEYFILE)")
     p.add_argument("--ssl-ca-certs", metavar="FILE", help="CA certificates that client certificates must chain to "
                    "(PEM; also BLINK_SSL_CA_CERTS)")
     p.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), help="client certificates: 0 not asked "

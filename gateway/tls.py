@@ -63,8 +63,9 @@ def _load_chain(context: ssl.SSLContext, config: GatewayConfig) -> None:
     try:
         context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
     except (OSError, ssl.SSLError) as exc:  # the library's reason only: it never quotes the key
-        raise TlsFileError(f"cannot load the TLS certificate {config.ssl_certfile} with the key {config.ssl_keyfile}"
-                           f": {getattr(exc, 'reason', None) or exc.strerror or type(exc).__name__}") from None
+        raise TlsFileError(f"cannot load the TLS certificate {config.ssl_certfile} with the key "
+                           f"{config.ssl_keyfile or '(in the same file)'}: "
+                           f"{getattr(exc, 'reason', None) or exc.strerror or type(exc).__name__}") from None
 
 
 def _load_ca(context: ssl.SSLContext, path: str) -> None:
@@ -88,7 +89,9 @@ class TlsFiles:
                  fingerprint(self._pair[1]), ("none", "optional", "required")[config.ssl_cert_reqs])
 
     def _grpc_pair(self) -> tuple[bytes, bytes]:
-        return _read(self.config.ssl_keyfile, "key"), _read(self.config.ssl_certfile, "certificate")
+        """(key, chain) as PEM bytes; without a keyfile both are the certfile (grpc picks each block it needs)."""
+        key_path = self.config.ssl_keyfile or self.config.ssl_certfile
+        return _read(key_path, "key"), _read(self.config.ssl_certfile, "certificate")
 
     def _grpc_config(self, pair: tuple[bytes, bytes]) -> grpc.ServerCertificateConfiguration:
         ca = _read(self.config.ssl_ca_certs, "CA certificates") if self.config.ssl_ca_certs else None

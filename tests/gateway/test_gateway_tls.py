@@ -249,7 +249,7 @@ def test_the_deploy_example_is_a_valid_config():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"ssl_certfile": "c.pem"}, "ssl_certfile and ssl_keyfile go together"),
+    ({"ssl_keyfile": "k.pem"}, "ssl_keyfile needs ssl_certfile"),
     ({"ssl_certfile": "c.pem", "ssl_keyfile": "k.pem", "ssl_cert_reqs": 3}, "ssl_cert_reqs must be 0"),
     ({"ssl_certfile": "c.pem", "ssl_keyfile": "k.pem", "ssl_cert_reqs": 2}, "set ssl_ca_certs"),
     ({"ssl_ca_certs": "ca.pem"}, "need TLS on"),
@@ -260,6 +260,16 @@ def test_the_deploy_example_is_a_valid_config():
 def test_bad_settings_are_named(fields, message):
     with pytest.raises(ValueError, match=message):
         GatewayConfig(**fields)
+
+
+def test_a_key_inside_the_certificate_file_serves_https_and_grpc(start_harness, pki, pick_free_port, tmp_path):
+    """vLLM takes --ssl-certfile alone when the key is in it; so does the gateway, on both ports."""
+    combined = tmp_path / "combined.pem"
+    combined.write_bytes(pki.server.key.read_bytes() + pki.server.cert.read_bytes())
+    config = GatewayConfig(port=0, grpc_port=pick_free_port(), ssl_certfile=str(combined))
+    server = start_harness(config).server
+    assert served_name(server.port, pki.client_context()) == "server"
+    assert served_name(server.grpc_port, pki.client_context(), "h2") == "server"
 
 
 def test_unreadable_or_mismatched_files_name_the_file_not_the_key(tmp_path, pki):
