@@ -66,7 +66,7 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
     try:
-        tls = bool(args.ssl_certfile or gateway_env.SSL_CERTFILE.get())
+        tls = bool(args.ssl_certfile or gateway_env.SSL_CERTFILE.get() or _config_file_sets_tls())
         if _wait_ready(_readiness(args.host, args.port, tls), procs, args.ready_timeout, stopping):
             grpc_api = f"gRPC API on {args.host}:{grpc_port}{' (TLS)' if tls else ''}, " if grpc_port else ""
             print(f"blink serving the OpenAI API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1 "
@@ -128,6 +128,17 @@ def _backend_argv(args: argparse.Namespace) -> list[str]:
 def _gateway_flags(args: argparse.Namespace) -> list[str]:
     return [arg for dest in GATEWAY_FLAGS if getattr(args, dest) is not None
             for arg in ("--" + dest.replace("_", "-"), str(getattr(args, dest)))]
+
+
+def _config_file_sets_tls() -> bool:
+    """Whether the gateway's config file (BLINK_CONFIG) turns TLS on; a bad file is the gateway's to report."""
+    from gateway.config_file import ConfigFileError, read_config_file
+
+    path = gateway_env.CONFIG.get()
+    try:
+        return bool(path and read_config_file(path).get("ssl_certfile"))
+    except ConfigFileError:
+        return False
 
 
 def _readiness(host: str, port: int, tls: bool) -> Callable[[], bool]:

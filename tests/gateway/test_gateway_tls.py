@@ -248,6 +248,16 @@ def test_the_deploy_example_is_a_valid_config():
     assert "BLINK_METRICS_KEY=" in (root / "gateway.env").read_text()
 
 
+def test_serve_waits_for_a_tls_gateway_set_by_its_config_file(monkeypatch):
+    """`blink serve` cannot ask a TLS port for /health in plain HTTP: it learns TLS from flags, env or file."""
+    from blink import cli
+
+    deploy = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+    for path, tls in ((deploy / "tls" / "gateway.yaml", True), (deploy / "several-gpu-hosts" / "gateway.yaml", False)):
+        monkeypatch.setenv("BLINK_CONFIG", str(path))
+        assert cli._config_file_sets_tls() is tls
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"ssl_keyfile": "k.pem"}, "ssl_keyfile needs ssl_certfile"),
     ({"ssl_certfile": "c.pem", "ssl_keyfile": "k.pem", "ssl_cert_reqs": 3}, "ssl_cert_reqs must be 0"),
