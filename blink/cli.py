@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 
 from gateway import env as gateway_env
 from protocols.shm import stable_ring_name
@@ -22,6 +23,8 @@ from protocols.shm import stable_ring_name
 # gpu_backend is imported inside the backend commands only: `blink gateway` runs on hosts without the
 # backend's dependencies (torch), and must not load them.
 BACKEND_PACKAGES = ("torch", "safetensors", "gguf", "tqdm", "triton")  # pyproject's `backend` extra, as imported
+# `serve` flags passed on to the gateway as given (TLS and the admin listener; BLINK_METRICS_KEY by the environment).
+GATEWAY_FLAGS = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs", "admin_host", "admin_port")
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +40,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-key", default=None, help="key of the gateway's admin API (/admin/, blinkctl); "
                    "also BLINK_ADMIN_KEY (default: no admin API)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for start-up")
+    for dest in GATEWAY_FLAGS:  # docs/operations.md, "TLS"
+        p.add_argument("--" + dest.replace("_", "-"), type=int if dest in ("ssl_cert_reqs", "admin_port") else str,
+                       help=f"the gateway's --{dest.replace('_', '-')} (see `blink gateway --help`)")
     add_backend_args(p)
     p.set_defaults(control=None)  # serve's default is a free port (--control-port), not the backend's 50051
 
@@ -57,16 +63,17 @@ def serve(args: argparse.Namespace) -> int:
     # --expect-ring: should the control port belong to another instance, the gateway refuses its ring
     gateway = subprocess.Popen([sys.executable, "-m", "blink.cli", "gateway", "--host", args.host,
                                 "--port", str(args.port), "--grpc-port", str(grpc_port), "--backend", control,
-                                "--expect-ring", ring], env=env)
+                                "--expect-ring", ring, *_gateway_flags(args)], env=env)
     procs = [backend, gateway]
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
     try:
-        if _wait_ready(f"http://{args.host}:{args.port}/health", procs, args.ready_timeout, stopping):
-            grpc_api = f"gRPC API on {args.host}:{grpc_port}, " if grpc_port else ""
-            print(f"blink serving the OpenAI API on http://{args.host}:{args.port}/v1 ({grpc_api}backend control "
-                  f"plane on {control})", flush=True)
+        tls = bool(args.ssl_certfile or gateway_env.SSL_CERTFILE.get() or _config_file_sets_tls())
+        if _wait_ready(_readiness(args.host, args.port, tls), procs, args.ready_timeout, stopping):
+            grpc_api = f"gRPC API on {args.host}:{grpc_port}{' (TLS)' if tls else ''}, " if grpc_port else ""
+            print(f"blink serving the OpenAI API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1 "
+                  f"({grpc_api}backend control plane on {control})", flush=True)
         while not stopping and all(p.poll() is None for p in procs):
             time.sleep(0.2)
     finally:
@@ -121,15 +128,43 @@ def _backend_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float, stopping: list) -> bool:
+def _gateway_flags(args: argparse.Namespace) -> list[str]:
+    return [arg for dest in GATEWAY_FLAGS if getattr(args, dest) is not None
+            for arg in ("--" + dest.replace("_", "-"), str(getattr(args, dest)))]
+
+
+def _config_file_sets_tls() -> bool:
+    """Whether the gateway's config file (BLINK_CONFIG) turns TLS on; a bad file is the gateway's to report."""
+    from gateway.config_file import ConfigFileError, read_config_file
+
+    path = gateway_env.CONFIG.get()
+    try:
+        return bool(path and read_config_file(path).get("ssl_certfile"))
+    except ConfigFileError:
+        return False
+
+
+def _readiness(host: str, port: int, tls: bool) -> Callable[[], bool]:
+    """Plain HTTP: /health answers 200. TLS: the port accepts (serve holds no client certificate that
+    `--ssl-cert-reqs 2` would ask for; the gateway listens only once its backend has answered)."""
+    def health() -> bool:
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=1) as resp:
+            return resp.status == 200
+
+    def listening() -> bool:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    return listening if tls else health
+
+
+def _wait_ready(ready: Callable[[], bool], procs: list[subprocess.Popen], timeout_s: float, stopping: list) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not stopping:
         if any(p.poll() is not None for p in procs):
             return False
         try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return True
+            if ready():
+                return True
         except OSError:
             pass
         time.sleep(0.2)

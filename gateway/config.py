@@ -21,8 +21,9 @@ class GatewayConfig:
     # The ring the one backend must announce (`blink serve` sets the name its backend created): a control
     # address answered by another instance's backend is refused instead of adopted. None: any ring.
     expect_ring: str | None = None
-    api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
-    admin_keys: frozenset[str] = field(default_factory=frozenset)  # plain admin keys (--admin-key)
+    # Secrets stay out of repr (and so out of logs and tracebacks that print a config).
+    api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)  # empty: no authentication
+    admin_keys: frozenset[str] = field(default_factory=frozenset, repr=False)  # plain admin keys (--admin-key)
     keys_file: str | None = None  # hashed client/admin keys with limits (gateway/policy/keys.py)
     workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT)
     worker_index: int = 0  # which of them this one is (it owns ring slots i, i + workers, ...)
@@ -87,8 +88,21 @@ class GatewayConfig:
     probe_interval_s: float = 0.5  # how often the pool asks each backend's control plane whether it lives
     affinity_prefix_len: int = 64  # prefix_affinity: leading prompt tokens hashed (in whole 16-token blocks)
     affinity_max_extra_tokens: int = 2048  # prefix_affinity: leave the chosen backend when this much busier
+    # TLS (gateway/tls.py), with vLLM's names: HTTPS and the gRPC API on certfile + keyfile (PEM; no keyfile:
+    # the key is in the certfile); clients' certificates checked against ca_certs as ssl_cert_reqs says
+    # (Python's ssl.CERT_*: 0 none, 1 optional, 2 required). Re-read on SIGHUP.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    # A listener of its own for /metrics and /admin/* (then 404 on the public port). admin_port None: no
+    # such listener; 0: a free port. admin_host None: `host`.
+    admin_host: str | None = None
+    admin_port: int | None = None
+    metrics_key: str | None = field(default=None, repr=False)  # /metrics then needs `Bearer <metrics_key>`
 
     def __post_init__(self) -> None:
+        self._check_listeners()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.grpc_port < 65536:
@@ -124,6 +138,36 @@ class GatewayConfig:
         if "default" not in self.heartbeat_timeouts_s:
             raise ValueError("heartbeat_timeouts_s needs a 'default' entry (for modes it does not name)")
 
+    def _check_listeners(self) -> None:
+        """A key needs its certificate, a client check its CA; the admin listener has a port of its own."""
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_keyfile needs ssl_certfile (the certificate chain it belongs to)")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"ssl_cert_reqs must be 0 (none), 1 (optional) or 2 (required), "
+                             f"got {self.ssl_cert_reqs!r}")
+        if self.ssl_certfile is None and (self.ssl_ca_certs is not None or self.ssl_cert_reqs):
+            raise ValueError("ssl_ca_certs and ssl_cert_reqs need TLS on: set ssl_certfile and ssl_keyfile")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("ssl_cert_reqs 1 or 2 checks client certificates: set ssl_ca_certs "
+                             "(the CA that signs them)")
+        if self.admin_port is None and self.admin_host is not None:
+            raise ValueError("admin_host needs admin_port (the admin listener's port; 0 picks a free one)")
+        if self.admin_port is not None and not 0 <= self.admin_port < 65536:
+            raise ValueError(f"admin_port must be in [0, 65535], got {self.admin_port}")
+        if self.admin_port and self.admin_port in (self.port, self.grpc_port):
+            raise ValueError(f"admin_port {self.admin_port} is taken by port or grpc_port: choose another")
+        if self.metrics_key is not None and not self.metrics_key.strip():
+            raise ValueError("metrics_key must not be empty (unset it to leave /metrics open)")
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
+
+    @property
+    def separate_admin(self) -> bool:
+        """/metrics and /admin/* on a listener of their own (not on the public port)."""
+        return self.admin_port is not None
+
     def heartbeat_timeout_for(self, engine_mode: str) -> float:
         """How long a backend of `engine_mode` with work may leave its heartbeat unchanged before ejection."""
         if self.heartbeat_timeout_s is not None:
@@ -136,7 +180,7 @@ class GatewayConfig:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     def replace(self, **changes) -> GatewayConfig:
         return dataclasses.replace(self, **changes)

@@ -7,7 +7,8 @@
       - addr: 127.0.0.1:50061
 
 Any other top-level key names a `GatewayConfig` field. Flags and BLINK_* variables override the file
-at start; a reload takes only `backends` and `routing` (other fields need a restart).
+at start; a reload takes only `backends` and `routing` (other fields need a restart). The same SIGHUP re-reads
+the TLS files at the paths the gateway started with (`gateway/tls.py`).
 """
 
 from __future__ import annotations

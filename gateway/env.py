@@ -76,6 +76,21 @@ VARIABLES: tuple[EnvVar, ...] = (API_KEY, ADMIN_KEY, KEYS_FILE, WORKERS, GATEWAY
                                  LOG_FORMAT, BACKENDS, CONFIG, MAX_BODY_BYTES, HEADER_TIMEOUT, BODY_TIMEOUT,
                                  LOG_LEVEL, CACHE, CC, SLOT_WAIT)
 
+# TLS and the admin listener (gateway/tls.py, docs/operations.md "TLS"), as the flags of the same names.
+SSL_CERTFILE = EnvVar(f"{PREFIX}SSL_CERTFILE", "TLS certificate chain, PEM (--ssl-certfile)", field="ssl_certfile")
+SSL_KEYFILE = EnvVar(f"{PREFIX}SSL_KEYFILE", "TLS private key, PEM (--ssl-keyfile)", field="ssl_keyfile")
+SSL_CA_CERTS = EnvVar(f"{PREFIX}SSL_CA_CERTS", "CA that signs client certificates, PEM (--ssl-ca-certs)",
+                      field="ssl_ca_certs")
+SSL_CERT_REQS = EnvVar(f"{PREFIX}SSL_CERT_REQS", "client certificates: 0 none, 1 optional, 2 required "
+                       "(--ssl-cert-reqs)", field="ssl_cert_reqs", parse=int)
+ADMIN_HOST = EnvVar(f"{PREFIX}ADMIN_HOST", "address of the /metrics and /admin listener (--admin-host)",
+                    field="admin_host")
+ADMIN_PORT = EnvVar(f"{PREFIX}ADMIN_PORT", "port of the /metrics and /admin listener (--admin-port)",
+                    field="admin_port", parse=int)
+METRICS_KEY = EnvVar(f"{PREFIX}METRICS_KEY", "key /metrics asks for as a bearer token (--metrics-key)",
+                     field="metrics_key")
+VARIABLES += (SSL_CERTFILE, SSL_KEYFILE, SSL_CA_CERTS, SSL_CERT_REQS, ADMIN_HOST, ADMIN_PORT, METRICS_KEY)
+
 
 def config_overrides(environ: Mapping[str, str] | None = None) -> dict:
     """The `GatewayConfig` fields the set variables give (unset ones give nothing)."""

@@ -66,10 +66,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "shedding; default 30; also BLINK_SLOT_WAIT)")
     p.add_argument("--connect-timeout", type=float, dest="connect_timeout_s",
                    help="seconds to wait for each backend's Describe at start-up (default 300)")
+    _tls_args(p)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=LOG_FORMATS,
                    help="text (default) or json: one JSON object per line (also BLINK_LOG_FORMAT)")
     return p.parse_args(argv)
+
+
+def _tls_args(p: argparse.ArgumentParser) -> None:
+    """TLS (vLLM's flag names) and the admin listener; docs/operations.md, "TLS"."""
+    p.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS and gRPC over TLS with this certificate "
+                   "chain (PEM); re-read on SIGHUP (also BLINK_SSL_CERTFILE)")
+    p.add_argument("--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM; default: in the "
+                   "--ssl-certfile; also BLINK_SSL_KEYFILE)")
+    p.add_argument("--ssl-ca-certs", metavar="FILE", help="CA certificates that client certificates must chain to "
+                   "(PEM; also BLINK_SSL_CA_CERTS)")
+    p.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), help="client certificates: 0 not asked "
+                   "(default), 1 optional, 2 required (Python's ssl.CERT_*; also BLINK_SSL_CERT_REQS)")
+    p.add_argument("--admin-host", help="address of the /metrics and /admin/ listener (default --host; "
+                   "also BLINK_ADMIN_HOST)")
+    p.add_argument("--admin-port", type=int, help="serve /metrics and /admin/ on this port only, not on the "
+                   "API's (0: a free one; also BLINK_ADMIN_PORT)")
+    p.add_argument("--metrics-key", metavar="KEY", help="/metrics asks for 'Authorization: Bearer KEY' (prefer "
+                   "BLINK_METRICS_KEY: a flag shows in ps)")
 
 
 def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
@@ -88,7 +107,9 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
              "admin_keys": frozenset(args.admin_keys) if args.admin_keys else None,
              "keys_file": args.keys_file, "workers": args.workers, "worker_index": args.worker_index,
              "limits_table": args.limits_table, "setup_pacing": args.setup_pacing,
-             "native_stream": args.native_stream}
+             "native_stream": args.native_stream, "ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile,
+             "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs, "admin_host": args.admin_host,
+             "admin_port": args.admin_port, "metrics_key": args.metrics_key}
     fields.update({k: v for k, v in flags.items() if v is not None})
     return GatewayConfig(**fields)
 

@@ -1,6 +1,7 @@
 """`--workers N`: N gateway processes on one port (SO_REUSEPORT), each with its own event loop.
 
-The supervisor starts `python -m gateway ARGS --worker-index i` N times and stops them together.
+The supervisor starts `python -m gateway ARGS --worker-index i` N times, stops them together and passes
+SIGHUP on to each (reload: TLS files, config file).
 What is per worker: `/admin/status`, `/metrics` and `/health` (each answers for the worker the
 connection reached), request ids.
 Shared: the port, the keys file and the drained backends (each worker re-reads them within a second
@@ -53,6 +54,9 @@ def _supervise(config: GatewayConfig, argv: list[str], limits_table: str) -> int
     drained = drain_file(config)
     if drained is not None:
         drained.unlink(missing_ok=True)  # drains do not outlive the gateway that set them
+    # Ignored, SIGHUP stays ignored in the workers until their loop takes it (a reload must not kill one
+    # that is still starting); here it is passed on to them from the moment they exist.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     procs = [subprocess.Popen(worker_command(argv, i, limits_table)) for i in range(num_workers)]
     log.info("gateway supervisor: %d workers, pids %s", num_workers, " ".join(str(p.pid) for p in procs))
     stopping = []
@@ -63,8 +67,14 @@ def _supervise(config: GatewayConfig, argv: list[str], limits_table: str) -> int
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
+    def reload(signum, _frame):  # each worker re-reads its TLS files and config file itself
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+    signal.signal(signal.SIGHUP, reload)
     while all(p.poll() is None for p in procs):
         time.sleep(0.2)
     if not stopping:

@@ -271,10 +271,14 @@ class GrpcServer:
         self.port = 0
         self._watcher: asyncio.Task | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> None:
+        """Listen on host:port, over TLS with `credentials` (`gateway/tls.py`), else in plaintext."""
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            self.port = self.server.add_insecure_port(addr)
+            if credentials is None:
+                self.port = self.server.add_insecure_port(addr)
+            else:
+                self.port = self.server.add_secure_port(addr, credentials)
         except RuntimeError:  # grpc's "Failed to bind"
             raise OSError(f"cannot listen for gRPC on {addr}: the port is taken or the address is not this "
                           f"host's; choose another with --grpc-port or BLINK_GRPC_PORT (0 turns the gRPC API "
@@ -282,7 +286,7 @@ class GrpcServer:
         await self.server.start()
         await self._update_health()
         self._watcher = asyncio.create_task(self._watch_backends(), name="grpc health")
-        log.info("gRPC inference API listening on %s:%d", host, self.port)
+        log.info("gRPC inference API listening on %s:%d%s", host, self.port, " (TLS)" if credentials else "")
 
     async def close(self, grace_s: float) -> None:
         if self._watcher is not None:

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP routes: /v1/chat/completions, /v1/completions, /v1/models[/{id}], /v1/tokenize,
-/v1/detokenize; /health and /metrics for operators (no API key)."""
+/v1/detokenize; /health and /metrics for operators (no API key; /metrics may ask for `metrics_key`, and may
+live on the admin listener instead: `gateway/server.py`)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/tokenize", tokenize_route)
     app.router.add_post("/v1/detokenize", detokenize_route)
     app.router.add_get("/health", health)
+
+
+def add_metrics_route(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
 
 
@@ -102,7 +106,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text exposition; open like /health, so scrapers need no API key."""
+    """Prometheus text exposition; scrapers need no API key (only `metrics_key`, when one is set)."""
     body, content_type = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
 

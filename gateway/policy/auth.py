@@ -15,6 +15,7 @@ from ..errors import ApiError, forbidden
 from .keys import KeyStore, Principal
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # for load balancers and Prometheus scrapers
+METRICS_PATH = "/metrics"  # open, or behind its own key (`GatewayConfig.metrics_key`)
 ADMIN_PREFIX = "/admin/"
 PRINCIPAL = web.RequestKey("principal", object)  # the Principal of an authenticated request (None: auth off)
 
@@ -69,7 +70,16 @@ def admin_principal(header: str | None, keys: KeyStore) -> Principal:
     return principal
 
 
-def auth_middleware(keys: KeyStore | frozenset[str]) -> Callable:
+def check_metrics_key(header: str | None, metrics_key: str) -> None:
+    """Raise a 401 ApiError unless `header` is `Bearer <metrics_key>` (API and admin keys do not open it)."""
+    if not header:
+        raise _unauthorized("/metrics needs the metrics key: send 'Authorization: Bearer <key>'")
+    if not hmac.compare_digest(_bearer(header).encode(), metrics_key.encode()):
+        raise _unauthorized("incorrect metrics key provided")
+
+
+def auth_middleware(keys: KeyStore | frozenset[str], metrics_key: str | None = None) -> Callable:
+    """Client keys on the API, admin keys on /admin/, `metrics_key` (when set) on /metrics."""
     if not isinstance(keys, KeyStore):  # a set of plain keys, as before the keys file
         keys = KeyStore(plain_client_keys=keys)
 
@@ -80,6 +90,8 @@ def auth_middleware(keys: KeyStore | frozenset[str]) -> Callable:
         header = request.headers.get("Authorization")
         if request.path.startswith(ADMIN_PREFIX):
             request[PRINCIPAL] = admin_principal(header, keys)
+        elif request.path == METRICS_PATH and metrics_key is not None:
+            check_metrics_key(header, metrics_key)
         elif request.path not in OPEN_PATHS:
             request[PRINCIPAL] = client_principal(header, keys)
         return await handler(request)
