@@ -4,6 +4,7 @@ writes only the consumer's words.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,12 +13,18 @@ from protocols import ring as R
 from protocols.ring import ErrorCode, FinishReason, RequestSpec, TokenLogprob
 from protocols.shm import RingFull, ShmRing
 
+log = logging.getLogger("blink.engine")
+
 
 @dataclass(frozen=True)
 class TakenRequest:
     slot: int
     seq: int
     spec: RequestSpec
+    error: ErrorCode = ErrorCode.NONE  # a slot whose words the geometry cannot hold: finish it with this
+
+
+_KNOWN_FLAGS = R.FLAG_HAS_SEED | R.FLAG_IGNORE_EOS | R.FLAG_LOGPROBS
 
 
 class RingConsumer:
@@ -32,12 +39,23 @@ class RingConsumer:
         self._beats = ring.heartbeat
 
     def take_new(self) -> list[TakenRequest]:
-        """Every request queued since the last call, in submission order; resets their response areas."""
-        tail = self.ring.hdr_u64(R.HDR_SQ_TAIL)
+        """Every request queued since the last call, in submission order; resets their response areas.
+
+        The queue's words come from the producer, maybe another machine: entries older than `num_slots` behind
+        the tail were overwritten (at most one lap is read), and an entry naming no slot is skipped with a
+        warning (it has no response area to report an error in)."""
+        tail, num_slots = self.ring.hdr_u64(R.HDR_SQ_TAIL), self.geometry.num_slots
+        if tail - self._head > num_slots:
+            log.warning("submission queue tail %d is %d entries ahead of head %d; only the last %d are read",
+                        tail, tail - self._head, self._head, num_slots)
+            self._head = tail - num_slots
         taken = []
         while self._head < tail:
-            slot = int(self.ring.u32[(self.geometry.sq_offset + 4 * (self._head % self.geometry.num_slots)) // 4])
+            slot = int(self.ring.u32[(self.geometry.sq_offset + 4 * (self._head % num_slots)) // 4])
             self._head += 1
+            if slot >= num_slots:
+                log.warning("submission queue entry names slot %d of %d slots; skipped", slot, num_slots)
+                continue
             taken.append(self._take(slot))
         self.ring.u64[R.HDR_SQ_HEAD // 8] = self._head
         return taken
@@ -57,7 +75,16 @@ class RingConsumer:
             zip(ring.i32[b0 : b0 + n_bias].tolist(), ring.f32[v0 : v0 + n_bias].tolist()), g.max_logprobs)
         self._reset_response(slot, seq, n_prompt)
         self._capacity[slot] = g.logprob_window if spec.num_logprobs is not None else g.max_output_len
-        return TakenRequest(slot=slot, seq=seq, spec=spec)
+        return TakenRequest(slot=slot, seq=seq, spec=spec, error=self._count_error(seq, n))
+
+    def _count_error(self, seq: int, head: dict) -> ErrorCode:
+        """INVALID_PARAMS for counts past the geometry, unknown flags or a zero seq (the arrays were clipped
+        to the slot when read: nothing past it was touched)."""
+        g = self.geometry
+        ok = (seq != 0 and 0 < head["prompt_len"] <= g.max_prompt_len and head["num_stop_ids"] <= g.max_stop_ids
+              and head["num_logit_bias"] <= g.max_logit_bias and head["num_logprobs"] <= g.max_logprobs
+              and not head["flags"] & ~_KNOWN_FLAGS)
+        return ErrorCode.NONE if ok else ErrorCode.INVALID_PARAMS
 
     def _reset_response(self, slot: int, seq: int, prompt_len: int) -> None:
         resp = self.ring.response_fields(slot)
@@ -74,9 +101,10 @@ class RingConsumer:
         return int(self.ring.u64[(self.ring.req(slot) + R.REQ_CANCEL_SEQ) // 8]) == seq
 
     def room(self, slot: int) -> int:
-        """Tokens that may be published now without overwriting unread ones."""
+        """Tokens that may be published now without overwriting unread ones, in 0..capacity (a `consumed` word
+        past `produced` is the producer's error: it never buys more room than the buffer holds)."""
         consumed = int(self.ring.u32[(self.ring.resp(slot) + R.RESP_CONSUMED) // 4])
-        return self._capacity[slot] - (self._produced[slot] - consumed)
+        return max(0, min(self._capacity[slot], self._capacity[slot] - (self._produced[slot] - consumed)))
 
     def publish(self, slot: int, tokens: list[int], now_ns: int | None = None,
                 logprobs: Sequence[TokenLogprob] | None = None) -> None:
@@ -92,7 +120,7 @@ class RingConsumer:
         ring, base, cap = self.ring, self.ring.resp(slot), self.geometry.max_output_len
         u32, u64, i32 = ring.u32, ring.u64, ring.i32
         produced = self._produced[slot]
-        room = self._capacity[slot] - (produced - int(u32[(base + R.RESP_CONSUMED) // 4]))
+        room = min(self._capacity[slot], self._capacity[slot] - (produced - int(u32[(base + R.RESP_CONSUMED) // 4])))
         if n > room:
             raise RingFull(f"slot {slot}: {n} tokens but room for {room}")
         t0 = (base + R.RESP_TOKENS) // 4

@@ -130,7 +130,7 @@ class EngineLoop:
                             self.live[t.slot].seq)
                 self.scheduler.finish(t.slot)
                 del self.live[t.slot]
-            error = self._admission_error(t.spec)
+            error = t.error if t.error is not ErrorCode.NONE else self._admission_error(t.spec)
             if error is not ErrorCode.NONE:
                 self.consumer.finish(t.slot, FinishReason.ERROR, error)
                 continue
@@ -139,10 +139,24 @@ class EngineLoop:
             self.live[t.slot] = LiveSeq(t, seed, self.scheduler)
 
     def _admission_error(self, spec: RequestSpec) -> ErrorCode:
+        """Every field the engine will use, checked before use: the ring is written by another process (or,
+        over RDMA, another machine), so nothing the gateway validated is taken on trust here."""
+        if not self._ids_in_vocab(spec):
+            return ErrorCode.INVALID_PARAMS
         error = self.scheduler.check(spec)
         if error is ErrorCode.NONE and spec.uses_sampling_extensions and not self.extensions:
             return ErrorCode.INVALID_PARAMS
         return error
+
+    def _ids_in_vocab(self, spec: RequestSpec) -> bool:
+        """Prompt, stop and logit-bias ids in 0..vocab-1 (the embedding and the sampler index by them), biases
+        finite."""
+        vocab = self.model_cfg.vocab_size
+        for ids in (spec.prompt_ids, spec.stop_ids, [t for t, _ in spec.logit_bias]):
+            arr = np.asarray(ids, dtype=np.int64)  # [n] int64, host
+            if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+                return False
+        return all(abs(b) < float("inf") for _, b in spec.logit_bias)
 
     def _apply_cancels(self) -> None:
         for slot, live in list(self.live.items()):

@@ -36,6 +36,18 @@ class SchedulerConfig:
             raise ValueError(f"invalid scheduler limits: {self}")
 
 
+def sampling_error(spec: RequestSpec) -> ErrorCode:
+    """INVALID_PARAMS for NaN or infinite temperature, top_p or min_p, a prompt of no tokens or max_tokens
+    below 1: what the native check's comparisons let through (a NaN compares false both ways)."""
+    finite = all(_finite(x) for x in (spec.temperature, spec.top_p, spec.min_p))
+    ok = finite and len(spec.prompt_ids) > 0 and spec.max_tokens > 0
+    return ErrorCode.NONE if ok else ErrorCode.INVALID_PARAMS
+
+
+def _finite(x: float) -> bool:
+    return abs(x) < float("inf")  # False for inf and NaN alike
+
+
 def penalties_error(spec: RequestSpec) -> ErrorCode:
     """INVALID_PARAMS for penalties out of range (the sampler reads them; the scheduling step does not)."""
     ok = (0 < spec.repetition_penalty < float("inf") and abs(spec.presence_penalty) <= 2
@@ -107,6 +119,9 @@ class NativeScheduler:
     # ---- admission -------------------------------------------------------------------------------
     def check(self, spec: RequestSpec) -> ErrorCode:
         """Why a request can never run, or NONE."""
+        early = sampling_error(spec)
+        if early is not ErrorCode.NONE:
+            return early
         error = ErrorCode(self.lib.blink_sched_host_check(self._mem, len(spec.prompt_ids), spec.max_tokens,
                                                           spec.temperature, spec.top_p, spec.top_k, spec.min_p))
         return error if error is not ErrorCode.NONE else penalties_error(spec)
