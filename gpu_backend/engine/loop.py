@@ -13,6 +13,7 @@ the others.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -156,7 +157,7 @@ class EngineLoop:
             arr = np.asarray(ids, dtype=np.int64)  # [n] int64, host
             if arr.size and (arr.min() < 0 or arr.max() >= vocab):
                 return False
-        return all(abs(b) < float("inf") for _, b in spec.logit_bias)
+        return all(math.isfinite(b) for _, b in spec.logit_bias)
 
     def _apply_cancels(self) -> None:
         for slot, live in list(self.live.items()):

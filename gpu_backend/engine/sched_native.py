@@ -11,6 +11,7 @@ runner returns).
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,13 +40,9 @@ class SchedulerConfig:
 def sampling_error(spec: RequestSpec) -> ErrorCode:
     """INVALID_PARAMS for NaN or infinite temperature, top_p or min_p, a prompt of no tokens or max_tokens
     below 1: what the native check's comparisons let through (a NaN compares false both ways)."""
-    finite = all(_finite(x) for x in (spec.temperature, spec.top_p, spec.min_p))
+    finite = all(math.isfinite(x) for x in (spec.temperature, spec.top_p, spec.min_p))
     ok = finite and len(spec.prompt_ids) > 0 and spec.max_tokens > 0
     return ErrorCode.NONE if ok else ErrorCode.INVALID_PARAMS
-
-
-def _finite(x: float) -> bool:
-    return abs(x) < float("inf")  # False for inf and NaN alike
 
 
 def penalties_error(spec: RequestSpec) -> ErrorCode:
