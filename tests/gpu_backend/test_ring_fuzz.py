@@ -15,6 +15,7 @@ import os
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -39,6 +40,7 @@ NUM_REQUESTS = int(os.environ.get("BLINK_FUZZ_REQUESTS", "100000"))
 SEED = int(os.environ.get("BLINK_FUZZ_SEED", "27"))
 U32, I32_MIN = (1 << 32) - 1, -(1 << 31)
 NAN, INF = float("nan"), float("inf")
+RANDOM_WORDS = "random_words"  # every field random: almost surely invalid, but only a finish is asserted
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +130,7 @@ def _corruptions(g: RingGeometry, vocab: int) -> dict[str, object]:
                                         rng.choice([NAN, INF, -INF, -3.0])),
         "unknown_flags": lambda rng, w: w.put("flags", 1 << rng.randrange(3, 32)),
         "seq_zero": lambda rng, w: w.put("seq", 0),
+        RANDOM_WORDS: lambda rng, w: w.fill_random(rng),
     }
 
 
@@ -147,6 +150,14 @@ class SlotWriter:
             bits = 8 * R.REQUEST_DTYPE.fields[name][0].itemsize
             v = value % (1 << bits)
             self.fields[name] = v - (1 << bits) if kind == "i" and v >= 1 << (bits - 1) else v
+
+    def fill_random(self, rng: random.Random) -> None:
+        """Random bytes over every field after `seq` and over the slot's arrays."""
+        base, g = self.ring.req(self.slot), GEOMETRY
+        start, stop = base + R.REQ_REQUEST_ID, base + g.request_bytes
+        self.ring.buf[start:stop] = np.frombuffer(rng.randbytes(stop - start), dtype=np.uint8)
+        b0 = self.ring.bias(self.slot)
+        self.ring.buf[b0 : b0 + g.logit_bias_bytes] = np.frombuffer(rng.randbytes(g.logit_bias_bytes), dtype=np.uint8)
 
     def put_prompt(self, i: int, token: int) -> None:
         self.ring.i32[(self.ring.req(self.slot) + GEOMETRY.prompt_offset) // 4 + i] = token
@@ -183,6 +194,8 @@ def test_adversarial_requests_end_in_errors_and_the_engine_keeps_serving(model):
                 batch[slot] = chosen
                 sent += 1
             for slot, (finish, error) in e.drain(list(batch)).items():
+                if RANDOM_WORDS in batch[slot]:
+                    continue
                 assert finish is FinishReason.ERROR and error is ErrorCode.INVALID_PARAMS, \
                     f"seed {SEED}: {batch[slot]} ended {finish!r} {error!r}"
             assert not e.loop.live and e.loop.scheduler.num_free == e.loop.scheduler.num_blocks
@@ -226,13 +239,13 @@ def test_queue_words_that_name_no_slot_or_jump_ahead_are_refused(model):
 
 def test_extreme_but_legal_words_run_to_a_normal_finish(model):
     """Fields at the edges of their words that are still valid (max_tokens and priority at u32's top, top_k
-    past the vocabulary, a huge finite temperature, a tiny top_p): served, not refused, and bounded by the
-    context length."""
+    past the vocabulary, a huge finite temperature, a tiny top_p, seq numbers out of order): served, not
+    refused, and bounded by the context length."""
     cfg, m = model
     e = FuzzEngine(model)
     try:
         extremes = [("max_tokens", U32), ("priority", U32), ("top_k", (1 << 31) - 1), ("temperature", 3.0e38),
-                    ("top_p", 1e-30), ("seed", (1 << 64) - 1)]
+                    ("top_p", 1e-30), ("seed", (1 << 64) - 1), ("seq", 1), ("seq", (1 << 64) - 1)]
         for slot, (name, value) in enumerate(extremes):
             e.write(slot, RequestSpec(slot, [4 + slot, 9, 11], 5, temperature=0.8, ignore_eos=True)).put(name, value)
             e.queue(slot)
