@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 import numpy as np
@@ -60,6 +61,24 @@ class FuzzEngine:
         runner = CpuRunner(m, self.cfg, 32, 4, context_len=CONTEXT_LEN, max_num_batched_tokens=16, max_num_seqs=4)
         self.loop = EngineLoop(runner, self.cfg, RingConsumer(self.ring),
                                EngineConfig(block_size=4, max_num_batched_tokens=16, max_num_seqs=4), CONTEXT_LEN)
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Run the loop on its own thread, as the backend does; `advance` then only waits."""
+        self.thread = threading.Thread(target=self.loop.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.loop.stop_event.set()
+            self.thread.join(timeout=10)
+
+    def advance(self) -> None:
+        """One engine step by hand, or a moment of the engine thread's time."""
+        if self.thread is None:
+            self.loop.step()
+        else:
+            time.sleep(0.0005)
 
     def write(self, slot: int, spec: RequestSpec) -> "SlotWriter":
         """The payload of a well-formed request in `slot` (not yet validated or queued)."""
@@ -83,7 +102,7 @@ class FuzzEngine:
         `consume`, each step's tokens are marked read (the gateway's `consumed` word)."""
         done = {}
         for _ in range(max_steps):
-            self.loop.step()
+            self.advance()
             for slot in slots:
                 resp, req = self.ring.response_fields(slot), self.ring.request_fields(slot)
                 if consume:
@@ -173,43 +192,58 @@ class SlotWriter:
 
 # ---- the fuzzer -----------------------------------------------------------------------------------------
 def test_adversarial_requests_end_in_errors_and_the_engine_keeps_serving(model):
-    cfg, m = model
-    rng = random.Random(SEED)
-    cases = _corruptions(GEOMETRY, cfg.vocab_size)
-    names = sorted(cases)
     e = FuzzEngine(model)
-    counts = dict.fromkeys(names, 0)
-    t0 = time.monotonic()
     try:
-        sent = 0
-        while sent < NUM_REQUESTS:
-            batch = {}
-            for slot in range(min(GEOMETRY.num_slots, NUM_REQUESTS - sent)):
-                writer = e.write(slot, _base_spec(rng, cfg.vocab_size))
-                chosen = rng.sample(names, rng.choice([1, 1, 2, 3]))  # one bad field, or a few at once
-                for name in chosen:
-                    cases[name](rng, writer)
-                    counts[name] += 1
-                e.queue(slot)
-                batch[slot] = chosen
-                sent += 1
-            for slot, (finish, error) in e.drain(list(batch)).items():
-                if RANDOM_WORDS in batch[slot]:
-                    continue
-                assert finish is FinishReason.ERROR and error is ErrorCode.INVALID_PARAMS, \
-                    f"seed {SEED}: {batch[slot]} ended {finish!r} {error!r}"
-            assert not e.loop.live and e.loop.scheduler.num_free == e.loop.scheduler.num_blocks
+        t0 = time.monotonic()
+        counts = _fuzz(e, NUM_REQUESTS, SEED)
         elapsed = time.monotonic() - t0
-        print(f"\nring fuzz: {sent} bad requests in {elapsed:.2f} s (seed {SEED}); per case {counts}")
-        _assert_still_serves(e, m)
+        print(f"\nring fuzz: {NUM_REQUESTS} bad requests in {elapsed:.2f} s (seed {SEED}); per case {counts}")
+        _assert_still_serves(e, model[1])
     finally:
         e.ring.close()
+
+
+def test_the_engine_thread_survives_bad_requests(model):
+    """The same words against `EngineLoop.run` on its own thread (the backend's shape): it is alive after
+    them and serves; its heartbeat kept moving."""
+    e = FuzzEngine(model)
+    e.start()
+    try:
+        _fuzz(e, min(NUM_REQUESTS, 2000), SEED + 1)
+        assert e.thread.is_alive() and e.loop.failed is None and e.ring.heartbeat > 0
+        _assert_still_serves(e, model[1])
+    finally:
+        e.stop()
+        e.ring.close()
+    assert not e.thread.is_alive()
+
+
+def _fuzz(e: FuzzEngine, num_requests: int, seed: int) -> dict[str, int]:
+    """Write `num_requests` bad requests, a slotful at a time; check each one's finish and that nothing
+    leaked. Returns how often each corruption was written."""
+    rng, cases = random.Random(seed), _corruptions(GEOMETRY, e.cfg.vocab_size)
+    names = sorted(cases)
+    counts = dict.fromkeys(names, 0)
+    for first in range(0, num_requests, GEOMETRY.num_slots):
+        batch = {}
+        for slot in range(min(GEOMETRY.num_slots, num_requests - first)):
+            writer = e.write(slot, _base_spec(rng, e.cfg.vocab_size))
+            batch[slot] = rng.sample(names, rng.choice([1, 1, 2, 3]))  # one bad field, or a few at once
+            for name in batch[slot]:
+                cases[name](rng, writer)
+                counts[name] += 1
+            e.queue(slot)
+        for slot, (finish, error) in e.drain(list(batch)).items():
+            assert RANDOM_WORDS in batch[slot] or (finish, error) == (FinishReason.ERROR, ErrorCode.INVALID_PARAMS), \
+                f"seed {seed}: {batch[slot]} ended {finish!r} {error!r}"
+        assert not e.loop.live and e.loop.scheduler.num_free == e.loop.scheduler.num_blocks
+    return counts
 
 
 def test_queue_words_that_name_no_slot_or_jump_ahead_are_refused(model):
     """Submission-queue entries past num_slots, a tail far beyond the head, cancel words on free slots and a
     `consumed` word past `produced`: the engine skips or bounds them and then serves normally."""
-    cfg, m = model
+    m = model[1]
     e = FuzzEngine(model)
     try:
         ring, g = e.ring, GEOMETRY
@@ -241,7 +275,7 @@ def test_extreme_but_legal_words_run_to_a_normal_finish(model):
     """Fields at the edges of their words that are still valid (max_tokens and priority at u32's top, top_k
     past the vocabulary, a huge finite temperature, a tiny top_p, seq numbers out of order): served, not
     refused, and bounded by the context length."""
-    cfg, m = model
+    m = model[1]
     e = FuzzEngine(model)
     try:
         extremes = [("max_tokens", U32), ("priority", U32), ("top_k", (1 << 31) - 1), ("temperature", 3.0e38),
@@ -266,8 +300,8 @@ def _assert_still_serves(e: FuzzEngine, m) -> None:
     assert prod.free_slots == GEOMETRY.num_slots
     slot = prod.submit(RequestSpec(1, prompt, 6, temperature=0.0, ignore_eos=True))
     tokens = []
-    for _ in range(200):
-        e.loop.step()
+    for _ in range(2000):
+        e.advance()
         upd = prod.poll(slot)
         tokens += upd.tokens
         if upd.finish is not FinishReason.NONE:
