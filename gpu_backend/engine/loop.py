@@ -150,13 +150,14 @@ class EngineLoop:
         return error
 
     def _ids_in_vocab(self, spec: RequestSpec) -> bool:
-        """Prompt, stop and logit-bias ids in 0..vocab-1 (the embedding and the sampler index by them), biases
-        finite."""
+        """Prompt ids in 0..vocab-1 (the embedding indexes by them); stop and logit-bias ids not negative (an id
+        past the vocabulary can never be sampled: every engine, the GPU loop too, ignores it); biases finite."""
         vocab = self.model_cfg.vocab_size
-        for ids in (spec.prompt_ids, spec.stop_ids, [t for t, _ in spec.logit_bias]):
-            arr = np.asarray(ids, dtype=np.int64)  # [n] int64, host
-            if arr.size and (arr.min() < 0 or arr.max() >= vocab):
-                return False
+        prompt = np.asarray(spec.prompt_ids, dtype=np.int64)  # [n] int64, host
+        if prompt.size and (prompt.min() < 0 or prompt.max() >= vocab):
+            return False
+        if any(t < 0 for t in spec.stop_ids) or any(t < 0 for t, _ in spec.logit_bias):
+            return False
         return all(math.isfinite(b) for _, b in spec.logit_bias)
 
     def _apply_cancels(self) -> None:

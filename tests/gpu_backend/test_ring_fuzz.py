@@ -128,12 +128,15 @@ def _corruptions(g: RingGeometry, vocab: int) -> dict[str, object]:
     """name -> f(rng, put) that writes one bad field; put(field, value) stores into the request slot's words,
     put_prompt(i, id)/put_stop/put_bias(i, id, bias) into its arrays. Each makes the request invalid."""
     bad_id = lambda rng: rng.choice([-1, I32_MIN, vocab, vocab + 1, (1 << 31) - 1])  # noqa: E731
+    # stop and logit-bias ids past the vocabulary are ignored by every engine (the GPU loop too:
+    # test_persistent_extensions feeds one), so only negative ones make a request invalid
+    negative_id = lambda rng: rng.choice([-1, -7, I32_MIN])  # noqa: E731
     return {
         "prompt_len_zero": lambda rng, w: w.put("prompt_len", 0),
         "prompt_len_negative": lambda rng, w: w.put("prompt_len", U32 - rng.randrange(16)),
         "prompt_len_over_slot": lambda rng, w: w.put("prompt_len", g.max_prompt_len + 1 + rng.randrange(1000)),
         "prompt_id_out_of_vocab": lambda rng, w: w.put_prompt(0, bad_id(rng)),
-        "stop_id_out_of_vocab": lambda rng, w: (w.put("num_stop_ids", 1), w.put_stop(0, bad_id(rng))),
+        "stop_id_negative": lambda rng, w: (w.put("num_stop_ids", 1), w.put_stop(0, negative_id(rng))),
         "max_tokens_zero": lambda rng, w: w.put("max_tokens", 0),
         "temperature": lambda rng, w: w.put("temperature", rng.choice([NAN, INF, -INF, -1.0, -1e-30])),
         "top_p": lambda rng, w: w.put("top_p", rng.choice([NAN, INF, -INF, 0.0, -0.5, 1.5])),
@@ -141,7 +144,7 @@ def _corruptions(g: RingGeometry, vocab: int) -> dict[str, object]:
         "top_k_negative": lambda rng, w: w.put("top_k", rng.choice([-1, I32_MIN])),
         "num_stop_ids_over_max": lambda rng, w: w.put("num_stop_ids", g.max_stop_ids + 1 + rng.randrange(U32 - 64)),
         "num_logit_bias_over_max": lambda rng, w: w.put("num_logit_bias", g.max_logit_bias + 1 + rng.randrange(99)),
-        "logit_bias_id": lambda rng, w: (w.put("num_logit_bias", 1), w.put_bias(0, bad_id(rng), 1.0)),
+        "logit_bias_id_negative": lambda rng, w: (w.put("num_logit_bias", 1), w.put_bias(0, negative_id(rng), 1.0)),
         "logit_bias_value": lambda rng, w: (w.put("num_logit_bias", 1), w.put_bias(0, 5, rng.choice([NAN, INF]))),
         "num_logprobs_over_max": lambda rng, w: (w.put("flags", R.FLAG_LOGPROBS),
                                                  w.put("num_logprobs", g.max_logprobs + 1 + rng.randrange(U32 - 64))),
