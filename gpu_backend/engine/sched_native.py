@@ -11,7 +11,6 @@ runner returns).
 from __future__ import annotations
 
 import ctypes
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,14 +34,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.context_len < 2:
             raise ValueError(f"invalid scheduler limits: {self}")
-
-
-def sampling_error(spec: RequestSpec) -> ErrorCode:
-    """INVALID_PARAMS for NaN or infinite temperature, top_p or min_p, a prompt of no tokens or max_tokens
-    below 1: what the native check's comparisons let through (a NaN compares false both ways)."""
-    finite = all(math.isfinite(x) for x in (spec.temperature, spec.top_p, spec.min_p))
-    ok = finite and len(spec.prompt_ids) > 0 and spec.max_tokens > 0
-    return ErrorCode.NONE if ok else ErrorCode.INVALID_PARAMS
 
 
 def penalties_error(spec: RequestSpec) -> ErrorCode:
@@ -116,9 +107,6 @@ class NativeScheduler:
     # ---- admission -------------------------------------------------------------------------------
     def check(self, spec: RequestSpec) -> ErrorCode:
         """Why a request can never run, or NONE."""
-        early = sampling_error(spec)
-        if early is not ErrorCode.NONE:
-            return early
         error = ErrorCode(self.lib.blink_sched_host_check(self._mem, len(spec.prompt_ids), spec.max_tokens,
                                                           spec.temperature, spec.top_p, spec.top_k, spec.min_p))
         return error if error is not ErrorCode.NONE else penalties_error(spec)

@@ -22,6 +22,7 @@ Rules (DESIGN.md, "Scheduling on the GPU"):
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -144,7 +145,8 @@ class Scheduler:
         """Why a request can never run, or NONE."""
         if len(spec.prompt_ids) >= self.config.context_len:
             return ErrorCode.PROMPT_TOO_LONG
-        if spec.temperature < 0 or not 0 < spec.top_p <= 1 or spec.top_k < 0 or not 0 <= spec.min_p <= 1:
+        if (not spec.prompt_ids or spec.max_tokens < 1 or not (0 <= spec.temperature < math.inf)
+                or not 0 < spec.top_p <= 1 or spec.top_k < 0 or not 0 <= spec.min_p <= 1):
             return ErrorCode.INVALID_PARAMS
         if penalties_error(spec) is not ErrorCode.NONE:
             return ErrorCode.INVALID_PARAMS

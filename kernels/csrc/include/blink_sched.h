@@ -149,7 +149,10 @@ BLINK_HD int32_t blink_sched_check(const blink_sched* s, int32_t prompt_len, int
                                    double top_p, int32_t top_k, double min_p) {
   const blink_sched_config* c = &s->h->cfg;
   if (prompt_len >= c->context_len) return BLINK_ERR_PROMPT_TOO_LONG;
-  if (temperature < 0 || !(0 < top_p && top_p <= 1) || top_k < 0 || !(0 <= min_p && min_p <= 1))
+  // written so that a NaN fails each test (it compares false both ways) and an infinite temperature too:
+  // the ring is written by another machine over RDMA, and nothing upstream of this check is trusted
+  if (prompt_len < 1 || max_tokens < 1 || !(temperature >= 0 && temperature - temperature == 0) ||
+      !(0 < top_p && top_p <= 1) || top_k < 0 || !(0 <= min_p && min_p <= 1))
     return BLINK_ERR_INVALID_PARAMS;
   int64_t final_len = prompt_len + max_tokens - 1;
   if (final_len > c->context_len) final_len = c->context_len;
