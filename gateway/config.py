@@ -6,9 +6,11 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from protocols.messages import STALL_AFTER_OTHER_S, STALL_AFTER_S
+
 MiB = 1 << 20
 # Seconds of an unchanged heartbeat, with work pending, before ejection; per engine mode (see GatewayConfig).
-HEARTBEAT_TIMEOUTS_S = {"persistent": 1.0, "host": 3.0, "cpu": 10.0, "default": 5.0}
+HEARTBEAT_TIMEOUTS_S = {**STALL_AFTER_S, "default": STALL_AFTER_OTHER_S}  # protocols/messages.py
 ROUTING_POLICIES = ("least_outstanding_tokens", "most_free_kv", "prefix_affinity")  # gateway/backends/route.py
 
 

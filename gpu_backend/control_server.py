@@ -13,14 +13,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protocols import control_pb2, control_pb2_grpc
+from protocols.messages import STALL_AFTER_OTHER_S, STALL_AFTER_S
 from protocols.messages import BackendDescription as Description  # the shared message, by the name used here
 from protocols.ring import EngineState
 from protocols.shm import ShmRing
-
-
-# Seconds without a heartbeat before grpc.health.v1 says NOT_SERVING, per engine mode: a cpu engine's step on a
-# busy host can take seconds, and is no stall (the gateway's ejection rule has the same per-mode shape).
-STALE_AFTER_S = {"persistent": 2.0, "host": 3.0, "cpu": 10.0}
 
 
 class HeartbeatWatch:
@@ -81,7 +77,7 @@ class ControlServer:
     def __init__(self, address: str, desc: Description, ring: ShmRing, stale_after_s: float | None = None,
                  rdma=None):
         if stale_after_s is None:
-            stale_after_s = STALE_AFTER_S.get(desc.engine_mode, max(STALE_AFTER_S.values()))
+            stale_after_s = STALL_AFTER_S.get(desc.engine_mode, STALL_AFTER_OTHER_S)
         self.watch = HeartbeatWatch(ring, stale_after_s)
         # grpc sets SO_REUSEPORT by default: a second backend on the port would share it and take half of
         # its connections. Off, a taken port fails here.

@@ -13,6 +13,12 @@ from protocols.ring import RING_VERSION, ErrorCode, FinishReason, RingGeometry, 
 ALWAYS_EXTENDED = ("cpu", "host")
 
 
+# Seconds a backend's heartbeat may stand still before it counts as stalled, per engine mode: the gateway's
+# ejection (with work pending) and the backend's grpc.health.v1 read this one table. A cpu engine's step on a
+# busy host can take seconds, and is no stall.
+STALL_AFTER_S = {"persistent": 1.0, "host": 3.0, "cpu": 10.0}
+STALL_AFTER_OTHER_S = 5.0  # an engine mode this table does not know
+
 @dataclass(slots=True)  # one per poll with news: slots make it cheaper to build and to read
 class TokenUpdate:
     """What a producer's `poll` found since the last poll of a slot (`ShmProducer.poll` builds it

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from gpu_backend.control_server import STALE_AFTER_S, ControlServer
-from protocols.messages import BackendDescription
+from gpu_backend.control_server import ControlServer
+from protocols.messages import STALL_AFTER_S, BackendDescription
 from protocols.ring import RingGeometry
 from protocols.shm import create_ring
 
@@ -21,7 +21,7 @@ def test_each_mode_gets_its_own_stall_time(ring, mode):
     desc = BackendDescription("m", "", "fp", 64, 100, (), mode)
     server = ControlServer("127.0.0.1:0", desc, ring)
     try:
-        assert server.watch.stale_after_s == STALE_AFTER_S[mode]
+        assert server.watch.stale_after_s == STALL_AFTER_S[mode]
     finally:
         server.server.stop(None)
 
