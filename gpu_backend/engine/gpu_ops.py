@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpu_backend.models.fp8 import Fp8Weight, fp8_linear
+
 
 class TritonOps:
     def __init__(self, kernels: dict, step: dict[str, torch.Tensor], num_tokens: int, num_seqs: int,
@@ -22,8 +24,12 @@ class TritonOps:
         # has one tile per KV head); many tiles fill the GPU on their own
         self.split_keys = 64 if num_tokens <= 32 else 256
 
-    def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, name: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         config = self.gemv.get(name) if x.shape[0] == 1 else None
+        if isinstance(weight, Fp8Weight):
+            if x.shape[0] == 1:  # weight-only at one token: the step is a read of the FP8 rows
+                return self.k["gemv"](x, weight.q, bias, config=config, scale=weight.scale)
+            return fp8_linear(x, weight, bias)
         if config is not None:
             return self.k["gemv"](x, weight, bias, config=config)
         return F.linear(x, weight, bias)

@@ -56,6 +56,7 @@ from gpu_backend.engine.sampler import LogitAdjustments, PromptCache, SamplingRo
 from gpu_backend.engine.sched_native import StepGeometry
 from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers, token_buckets
 from gpu_backend.models import ModelConfig, allocate_kv_cache
+from gpu_backend.models.fp8 import release_dense_projections_
 from gpu_backend.models.llama_forward import decoder_layers, fuse_weights, lm_head_logits
 from gpu_backend.models.rope import rope_inv_freq
 from protocols.ring import TokenLogprob
@@ -122,6 +123,9 @@ class GpuRunner:
         if cfg.qk_norm:
             raise ValueError("the GPU runner does not support per-head q/k norms (Qwen3) yet; use --mode cpu")
         self.weights = fuse_weights(model)  # q/k/v and gate/up fused; the model's Linear weights become views
+        if getattr(model, "quantization", None):
+            release_dense_projections_(model)  # the FP8 copies are what the steps read
+            torch.cuda.empty_cache()
         self.buckets = token_buckets(config.max_num_batched_tokens)
         self.buffer_sets = [StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                         config.max_blocks_per_seq, self.device) for _ in range(1 + keep_graphs)]
