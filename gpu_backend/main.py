@@ -40,6 +40,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fp8: FP8 e4m3 weights for the decoder's projections, one scale per channel, quantized at "
                         "load (an FP8 compressed-tensors checkpoint implies it); activations scaled per token")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fp8: an FP8 e4m3 KV cache (host and persistent modes): twice the tokens in the same memory")
     p.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache size (cpu mode)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9,
                    help="share of the GPU's memory for weights, activations and KV cache (host mode)")

@@ -79,6 +79,7 @@ class GpuRunnerConfig:
     use_graphs: bool = True
     # penalties, logit bias, logprobs: a third graph per bucket, the logits buffer, memory for the eager part
     sampling_extensions: bool = True
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3, unscaled (vLLM's default scale 1.0)
     # projections that a one-token step runs through kernels/gemv.py instead of cuBLAS, with the
     # (BLOCK_N, BLOCK_K, num_warps) that streamed Llama-3-8B's shapes fastest on an H200 (bench/NOTES.md)
     gemv_projections: tuple[tuple[str, tuple[int, int, int]], ...] = (
@@ -120,6 +121,7 @@ class GpuRunner:
         self.dtype = next(model.parameters()).dtype
         if self.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"the GPU runner needs bf16 or fp16 weights, got {self.dtype}")
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         if cfg.qk_norm:
             raise ValueError("the GPU runner does not support per-head q/k norms (Qwen3) yet; use --mode cpu")
         self.weights = fuse_weights(model)  # q/k/v and gate/up fused; the model's Linear weights become views
@@ -153,7 +155,7 @@ class GpuRunner:
         self._prompts = PromptCache()
         self._done = torch.cuda.Event()
         self.num_blocks = self._size_kv_cache()
-        self.kv_cache = allocate_kv_cache(cfg, self.num_blocks, config.block_size, self.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(cfg, self.num_blocks, config.block_size, self.kv_dtype, self.device)
         self.graphs: dict[tuple[int, GraphVariant], torch.cuda.CUDAGraph] = {}
         self.set_graphs = [self.graphs] + [{} for _ in self.buffer_sets[1:]]  # graphs over each step buffer
         self.capture_s = self._capture(progress) if config.use_graphs else 0.0
@@ -162,7 +164,7 @@ class GpuRunner:
     @property
     def kv_block_bytes(self) -> int:
         c = self.cfg
-        return self.config.block_size * c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return self.config.block_size * c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
 
     @torch.inference_mode()
     def _size_kv_cache(self) -> int:
@@ -170,7 +172,7 @@ class GpuRunner:
         need = self.config.max_blocks_per_seq
         if self.config.num_kv_blocks:
             return max(self.config.num_kv_blocks, need)
-        probe = allocate_kv_cache(self.cfg, need, self.config.block_size, self.dtype, self.device)
+        probe = allocate_kv_cache(self.cfg, need, self.config.block_size, self.kv_dtype, self.device)
         self.kv_cache = probe
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
