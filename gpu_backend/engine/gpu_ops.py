@@ -28,8 +28,9 @@ class TritonOps:
         config = self.gemv.get(name) if x.shape[0] == 1 else None
         if isinstance(weight, Fp8Weight):
             if x.shape[0] == 1:  # weight-only at one token: the step is a read of the FP8 rows
-                return self.k["gemv"](x, weight.q, bias, config=config, scale=weight.scale)
-            return fp8_linear(x, weight, bias)
+                n, k, warps = config or self.k["gemv_default"]
+                return self.k["gemv"](x, weight.q, bias, config=(n, 2 * k, warps), scale=weight.scale)  # same bytes
+            return fp8_linear(x, weight, bias, quantize=self.k["fp8_quant"])
         if config is not None:
             return self.k["gemv"](x, weight, bias, config=config)
         return F.linear(x, weight, bias)

@@ -108,9 +108,10 @@ class GpuRunner:
                  device: torch.device | str = "cuda", progress: bool = True, keep_graphs: bool = False):
         from kernels import paged_attention, rmsnorm, rope_kv, sampling, swiglu  # triton: GPU hosts only
 
-        from kernels import gemv
+        from kernels import fp8_quant, gemv
 
         self._k = dict(attn=paged_attention.paged_attention, rmsnorm=rmsnorm.rmsnorm, gemv=gemv.gemv,
+                       gemv_default=gemv.DEFAULT_CONFIG, fp8_quant=fp8_quant.quantize_tokens,
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
                        swiglu=swiglu.swiglu, sample=sampling.sample)
         self.cfg, self.config, self.device = cfg, config, torch.device(device)

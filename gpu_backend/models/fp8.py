@@ -59,9 +59,11 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ W.T (+ bias) with FP8 operands and float32 accumulation; the result in x's dtype."""
-    xq, x_scale = quantize_tokens(x)
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+               quantize=quantize_tokens) -> torch.Tensor:
+    """x [T, K] @ W.T (+ bias) with FP8 operands and float32 accumulation; the result in x's dtype.
+    `quantize`: the per-token quantizer (the GPU runner passes kernels/fp8_quant.py's, one kernel)."""
+    xq, x_scale = quantize(x)
     out = torch._scaled_mm(xq, w.q.t(), scale_a=x_scale, scale_b=w.scale[None, :], out_dtype=_out_dtype(x))
     out = out.to(x.dtype)
     return out + bias if bias is not None else out

@@ -27,6 +27,17 @@ def test_the_fp8_gemv_is_the_dequantized_rows_product(n, k):
     torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-3)  # bf16 output rounding
 
 
+@pytest.mark.parametrize("m,k", [(1, 2048), (7, 4096), (256, 14336)])
+def test_the_one_kernel_quantizer_matches_the_torch_ops(m, k):
+    from kernels.fp8_quant import quantize_tokens as one_kernel
+
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16) * torch.logspace(-2, 2, m, device="cuda")[:, None]
+    q, s = one_kernel(x)
+    q_ref, s_ref = quantize_tokens(x)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() - q_ref.float()).abs().le(q_ref.float().abs() / 8 + 1e-3).all()  # at most one rounding step
+
+
 @pytest.mark.parametrize("m", [1, 8, 64, 256])
 def test_the_fp8_gemm_is_the_dequantized_operands_product(m):
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -60,19 +71,3 @@ def test_persistent_gives_host_tokens_with_fp8_weights_and_kv(served):  # noqa: 
     s.wait(lambda: len(s.finishes) == len(slots))
     assert [s.finishes[x][0] for x in slots] == host_fin == [FinishReason.LENGTH] * 4
     assert [s.tokens[x] for x in slots] == host_tokens
-
-
-def test_fp8_greedy_tokens_stay_near_bf16s():
-    cfg, model = _peaky_model()
-    from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig
-
-    dense = GpuRunner(model.to(device="cuda", dtype=torch.bfloat16), cfg, GpuRunnerConfig(
-        max_num_batched_tokens=64, max_num_seqs=8, block_size=16, context_len=512, num_kv_blocks=96,
-        sampling_extensions=False), progress=False)
-    greedy = [s for s in _specs() if s.temperature == 0.0]
-    dense_tokens, _, _ = _drive(dense, cfg, greedy, config=CONFIG)
-    cfg2, model2 = _peaky_model()
-    fp8_tokens, _, _ = _drive(_fp8_runner(model2.to(device="cuda", dtype=torch.bfloat16), cfg2), cfg2, greedy,
-                              config=CONFIG)
-    same = sum(a == b for d, f in zip(dense_tokens, fp8_tokens) for a, b in zip(d, f))
-    assert same >= 0.8 * sum(len(d) for d in dense_tokens)  # wide-margin logits: FP8 changes few choices
