@@ -13,8 +13,8 @@ import triton.language as tl
 
 from ._common import check
 
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12
+FP8_MAX = tl.constexpr(448.0)
+MIN_SCALE = tl.constexpr(1e-12)
 
 
 @triton.jit
