@@ -12,7 +12,8 @@ static int arrays_ok(const blink_admit_limits* l, const blink_request_slot* w, c
                      uint64_t prompt_offset, const uint8_t* bias, uint64_t bias_bytes) {
   int ok = 1;
   const int32_t* prompt = (const int32_t*)(req + prompt_offset);
-  for (uint32_t i = 0; i < clip(w->prompt_len, l->max_prompt_len); ++i) ok &= blink_admit_prompt_id_ok(prompt[i], l->vocab);
+  for (uint32_t i = 0; i < clip(w->prompt_len, l->max_prompt_len); ++i)
+    ok &= blink_admit_prompt_id_ok(prompt[i], l->vocab);
   const int32_t* stops = (const int32_t*)(req + sizeof(blink_request_slot));
   for (uint32_t i = 0; i < clip(w->num_stop_ids, l->max_stop_ids); ++i) ok &= blink_admit_stop_id_ok(stops[i]);
   const int32_t* ids = (const int32_t*)bias;

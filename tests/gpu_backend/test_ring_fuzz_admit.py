@@ -100,10 +100,11 @@ def _host_error(e: FuzzEngine, slot: int) -> ErrorCode:
 def _spec(rng: random.Random, vocab: int) -> RequestSpec:
     """A valid request of any length the slot holds, some with extensions (penalties, bias, logprobs)."""
     ext = rng.random() < 0.3
-    return RequestSpec(rng.getrandbits(64), [rng.randrange(vocab) for _ in range(rng.randint(1, GEOMETRY.max_prompt_len))],
-                       rng.randint(1, 40), temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([0, 5]),
-                       presence_penalty=0.5 if ext else 0.0, logit_bias=((3, 1.5),) if ext else (),
-                       num_logprobs=rng.choice([None, 2]) if ext else None, stop_ids=(rng.randrange(vocab + 9),))
+    prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, GEOMETRY.max_prompt_len))]
+    return RequestSpec(rng.getrandbits(64), prompt, rng.randint(1, 40), temperature=rng.choice([0.0, 0.7]),
+                       top_k=rng.choice([0, 5]), presence_penalty=0.5 if ext else 0.0,
+                       logit_bias=((3, 1.5),) if ext else (), num_logprobs=rng.choice([None, 2]) if ext else None,
+                       stop_ids=(rng.randrange(vocab + 9),))
 
 
 @pytest.mark.parametrize("context_len,num_blocks,extensions", [(64, 32, True), (16, 3, True), (64, 32, False)],
