@@ -1,7 +1,8 @@
 """The ring as a trust boundary on the GPU: the fuzzer's adversarial requests (test_ring_fuzz.py lists the
 attacks) written as raw words straight into the ring of a running `persistent` engine (the GPU-resident
 loop), past every gateway check. Runs on the device machine (skipped elsewhere), and under compute-sanitizer's
-memcheck with kernels/ring_fuzz_sanitizer.sh.
+memcheck with kernels/ring_fuzz_sanitizer.sh. The same test drives the `cpu` engine on its own thread (host =
+persistent: it is the reference the loop must match, and CI's run of this file, with fewer requests).
 
 - every bad request ends with FINISH_ERROR and INVALID_PARAMS in its own response (what the host engines
   write), taken by the idle full step and by the speculation (a long request decodes in slot 0 beside them);
@@ -12,28 +13,32 @@ memcheck with kernels/ring_fuzz_sanitizer.sh.
 - a slot resubmitted while its request runs: the old request is dropped, the new one gets its own tokens;
 - afterwards the loop has no fault, every KV block is free, and a normal request gets the host engine's tokens.
 
-BLINK_FUZZ_REQUESTS: bad requests per engine (default 2,000); BLINK_FUZZ_SEED: the seed (default 27);
+BLINK_FUZZ_REQUESTS: bad requests per GPU engine (default 2,000; the cpu engine gets at most 300);
+BLINK_FUZZ_SEED: the seed (default 27);
 BLINK_FUZZ_TIMEOUT_S: the longest wait for one answer (default 60; the sanitizer run raises it).
 """
 from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")]
+from test_gpu_runner import _drive, _peaky_model
+from test_persistent import CONFIG
+from test_ring_fuzz import GEOMETRY, RANDOM_WORDS, SEED, _base_spec, _corruptions, queue_slot, write_request
+from gpu_backend.engine.cpu_runner import CpuRunner
+from gpu_backend.engine.loop import EngineLoop
+from protocols import ring as R
+from protocols.ring import ErrorCode, FinishReason, RequestSpec
+from protocols.shm import attach_ring, create_ring
+from protocols.shm_consumer import RingConsumer
+from protocols.shm_producer import ShmProducer
 
-from test_gpu_runner import _drive, _peaky_model  # noqa: E402
-from test_persistent import CONFIG  # noqa: E402
-from test_ring_fuzz import (GEOMETRY, RANDOM_WORDS, SEED, _base_spec, _corruptions, queue_slot,  # noqa: E402
-                            write_request)
-from protocols import ring as R  # noqa: E402
-from protocols.ring import ErrorCode, FinishReason, RequestSpec  # noqa: E402
-from protocols.shm import attach_ring, create_ring  # noqa: E402
-from protocols.shm_producer import ShmProducer  # noqa: E402
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")]
 
 NUM_REQUESTS = int(os.environ.get("BLINK_FUZZ_REQUESTS", "2000"))
 TIMEOUT_S = float(os.environ.get("BLINK_FUZZ_TIMEOUT_S", "60"))
@@ -43,16 +48,47 @@ NORMAL = RequestSpec(1, [5, 9, 14, 3, 27, 300, 411], 6, temperature=0.0, ignore_
 U32 = (1 << 32) - 1
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "extensions"])
+@pytest.fixture(scope="module", params=["cpu", pytest.param("gpu-plain", marks=GPU),
+                                        pytest.param("gpu-extensions", marks=GPU)])
 def runner_cfg(request):
+    """(runner, model config, kind): the cpu engine's runner, or a GpuRunner for the persistent loop without
+    and with the sampling extensions."""
+    cfg, model = _peaky_model()
+    if request.param == "cpu":
+        return CpuRunner(model, cfg, 96, 16, context_len=512, max_num_batched_tokens=64, max_num_seqs=8), cfg, "cpu"
     from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig
 
-    cfg, model = _peaky_model()
     runner = GpuRunner(model.to(device="cuda", dtype=torch.bfloat16), cfg,
                        GpuRunnerConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=16, context_len=512,
-                                       num_kv_blocks=96, sampling_extensions=request.param),
+                                       num_kv_blocks=96, sampling_extensions=request.param == "gpu-extensions"),
                        progress=False, keep_graphs=True)
-    return runner, cfg
+    return runner, cfg, request.param
+
+
+class ThreadEngine:
+    """The cpu engine's EngineLoop on its own thread, with the persistent engine's face as this test uses it."""
+
+    def __init__(self, runner, cfg, ring):
+        self.loop = EngineLoop(runner, cfg, RingConsumer(ring), CONFIG, context_len=512)
+        self.thread: threading.Thread | None = None
+        self.ctl, self.final_ctl = "(cpu engine)", {"error": 0}
+
+    @property
+    def failed(self) -> str | None:
+        return self.loop.failed
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.loop.run, daemon=True)
+        self.thread.start()
+
+    def shutdown(self) -> None:
+        if self.thread is not None:
+            self.loop.stop_event.set()
+            self.thread.join(timeout=30)
+            self.final_ctl = {"error": int(self.thread.is_alive())}
+
+    def scheduler_header(self):
+        return self.loop.scheduler.h
 
 
 class LoopFuzz:
@@ -60,11 +96,15 @@ class LoopFuzz:
     request decoding (resubmitted when it ends) while `background` is set, so that admissions also run in
     the speculation."""
 
-    def __init__(self, runner, cfg):
-        from gpu_backend.engine.persistent import PersistentEngine
-
+    def __init__(self, runner, cfg, gpu: bool):
         self.ring = create_ring(f"blink-fuzz-gpu-{os.getpid()}", GEOMETRY, "fuzz")
-        self.engine = PersistentEngine(runner, cfg, self.ring, CONFIG, context_len=512)
+        self.gpu = gpu
+        if gpu:
+            from gpu_backend.engine.persistent import PersistentEngine
+
+            self.engine = PersistentEngine(runner, cfg, self.ring, CONFIG, context_len=512)
+        else:
+            self.engine = ThreadEngine(runner, cfg, self.ring)
         self.vocab = cfg.vocab_size
         self.background = False
         self.consume = {BACKGROUND}  # slots whose tokens are marked read as they come
@@ -117,16 +157,18 @@ class LoopFuzz:
 
 
 def test_bad_requests_end_in_errors_and_the_loop_keeps_serving(runner_cfg):
-    runner, cfg = runner_cfg
+    runner, cfg, kind = runner_cfg
     want, _, _ = _drive(runner, cfg, [NORMAL], config=CONFIG)  # before the loop holds the runner's graphs
-    f = LoopFuzz(runner, cfg)
+    f = LoopFuzz(runner, cfg, gpu=kind != "cpu")
+    num_requests = NUM_REQUESTS if f.gpu else min(NUM_REQUESTS, 300)
     try:
         f.engine.start()
         f.background = True
         f.submit(BACKGROUND, RequestSpec(9, [7, 8, 9], 400, temperature=0.7, seed=3, ignore_eos=True))
         t0 = time.monotonic()
-        counts = _fuzz(f, NUM_REQUESTS, SEED)
-        print(f"\nGPU ring fuzz: {NUM_REQUESTS} bad requests in {time.monotonic() - t0:.1f} s (seed {SEED}); {counts}")
+        counts = _fuzz(f, num_requests, SEED)
+        elapsed = time.monotonic() - t0
+        print(f"\n{kind} ring fuzz: {num_requests} bad requests in {elapsed:.1f} s (seed {SEED}); {counts}")
         _queue_attacks(f)
         _room_attacks(f)
         _resubmit_live_slot(f, want[0])
@@ -134,7 +176,7 @@ def test_bad_requests_end_in_errors_and_the_loop_keeps_serving(runner_cfg):
         f.engine.shutdown()
         ctl = f.engine.final_ctl
         assert f.engine.failed is None and ctl["error"] == 0, (f.engine.failed, ctl)
-        assert ctl["spec_hits"] > 0  # the background request decoded through the speculation meanwhile
+        assert not f.gpu or ctl["spec_hits"] > 0  # the background request decoded through the speculation
         header = f.engine.scheduler_header()
         assert header.num_free == runner.num_blocks and header.num_running == header.num_waiting == 0
     finally:
