@@ -52,13 +52,15 @@ export BLINK_FUZZ_REQUESTS=${BLINK_FUZZ_REQUESTS:-400} BLINK_FUZZ_TIMEOUT_S=${BL
 export CUDA_MODULE_LOADING=EAGER CUDA_MODULE_DATA_LOADING=EAGER  # a spinning loop and lazy loading can deadlock
 if [ "${BLINK_SANITIZE_NO_CACHING:-0}" = 1 ]; then export PYTORCH_NO_CUDA_MEMORY_CACHING=1; fi
 
+# The file's three engines: the cpu one (quick, no GPU work) and the persistent loop without and with the
+# sampling extensions; none may be skipped.
 # --target-processes all: any process the test starts is checked too; --launch-timeout: python and torch take a
 # while before the first CUDA call; a kernel that spins (the loop's) is fine: memcheck does not serialize it.
 start=$SECONDS
 timeout "${BLINK_SANITIZE_TIMEOUT_S:-3000}" "$CS" --tool memcheck --target-processes all --launch-timeout 600 \
   --report-api-errors "${BLINK_SANITIZE_API_ERRORS:-no}" --error-exitcode 86 --print-limit 200 \
   --log-file "$LOG_DIR/memcheck.%p.log" \
-  "$PY" -m pytest tests/gpu_backend/test_ring_fuzz_gpu.py -m gpu -q -rs -p no:cacheprovider \
+  "$PY" -m pytest tests/gpu_backend/test_ring_fuzz_gpu.py -q -rs -p no:cacheprovider \
   2>&1 | tee "$LOG_DIR/pytest.log"
 rc=${PIPESTATUS[0]}
 echo "memcheck run: exit $rc, $((SECONDS - start)) s; logs in $LOG_DIR"
