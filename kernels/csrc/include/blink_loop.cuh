@@ -162,6 +162,7 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
 // snapshot or a register, checked, and only then used; a bad request ends with FINISH_ERROR and its error
 // code in its own response, exactly as the host engines write it, and the loop goes on.
 #define BLINK_REQUEST_WORDS (sizeof(blink_request_slot) / 8)  // its fixed part, in 8-byte words
+static_assert(BLINK_LOOP_THREADS >= BLINK_REQUEST_WORDS, "read_request: one thread per word of the fixed part");
 
 __device__ __forceinline__ blink_admit_limits admit_limits(const blink_loop_args* a) {
   return blink_admit_limits{a->max_prompt_len, a->max_stop_ids, a->max_logit_bias, a->max_logprobs, a->vocab};
