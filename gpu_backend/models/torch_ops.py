@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttnBatch, AttnPlan, attend, write_kv
+from .moe import moe_reference
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -54,3 +55,7 @@ class TorchOps:
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def moe(self, x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor, experts_down: torch.Tensor,
+            top_k: int, renormalize: bool) -> torch.Tensor:
+        return moe_reference(x, router, experts_gate_up, experts_down, top_k, renormalize)
