@@ -67,6 +67,9 @@ class MoeExperts(nn.Module):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        if not self.gate_up_proj.is_meta:  # as nn.Linear initialises (loaders overwrite both)
+            nn.init.uniform_(self.gate_up_proj, -h ** -0.5, h ** -0.5)
+            nn.init.uniform_(self.down_proj, -i ** -0.5, i ** -0.5)
 
 
 class MoeBlock(nn.Module):
