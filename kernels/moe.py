@@ -30,7 +30,6 @@ import triton.language as tl
 from ._common import check, next_pow2
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_BLOCK_N = 64
 _BLOCK_K = 64
 _ALIGN_BLOCK = 1024
 
@@ -161,6 +160,12 @@ def block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
 
 
+def block_n(rows: int) -> int:
+    """Output columns per program: narrow when the row blocks are few (decode streams the chosen experts'
+    weights: more programs keep more of the GPU's memory pipes busy), wider otherwise."""
+    return 32 if rows <= 16 else 64
+
+
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts_gate_up: torch.Tensor,
                 experts_down: torch.Tensor) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j]: x [T, hidden] bf16/fp16;
@@ -176,12 +181,13 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     row_blocks = num_experts * triton.cdiv(num_tokens, bm)
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
-    common = dict(TOP_K=top_k, BLOCK_M=bm, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4)
-    _expert_gemm_kernel[(row_blocks, triton.cdiv(inter, _BLOCK_N))](
+    bn = block_n(bm)
+    common = dict(TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_BLOCK_K, num_warps=4)
+    _expert_gemm_kernel[(row_blocks, triton.cdiv(inter, bn))](
         x, experts_gate_up, h, sorted_pairs, counts, offsets, weights, inter, hidden, x.stride(0),
         experts_gate_up.stride(0), experts_gate_up.stride(1), h.stride(0), row_blocks // num_experts, inter,
         SWIGLU=True, **common)
-    _expert_gemm_kernel[(row_blocks, triton.cdiv(hidden, _BLOCK_N))](
+    _expert_gemm_kernel[(row_blocks, triton.cdiv(hidden, bn))](
         h, experts_down, y, sorted_pairs, counts, offsets, weights, hidden, inter, h.stride(0),
         experts_down.stride(0), experts_down.stride(1), y.stride(0), row_blocks // num_experts, 0,
         SWIGLU=False, **common)

@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (CI may not install it)")
 
 from gpu_backend.models.moe import expert_mlp, moe_reference, route  # noqa: E402
-from kernels.moe import block_m, fused_moe, moe_align, moe_experts, moe_route  # noqa: E402
+from kernels.moe import block_m, block_n, fused_moe, moe_align, moe_experts, moe_route  # noqa: E402
 
 
 def _experts(num_experts, hidden, inter, device, gen, dtype=torch.bfloat16):
@@ -91,7 +91,7 @@ def test_fused_moe_matches_the_torch_op(device):
 
 def test_block_m_follows_the_pairs_per_expert():
     assert block_m(8, 128) == 16 and block_m(2048, 128) == 16 and block_m(4096, 128) == 32
-    assert block_m(512, 8) == 64
+    assert block_m(512, 8) == 64 and block_n(16) == 32 and block_n(64) == 64
 
 
 def test_moe_rejects_bad_arguments(device):
