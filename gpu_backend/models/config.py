@@ -137,6 +137,22 @@ class ModelConfig:
     def weight_bytes(self, dtype: torch.dtype | str = torch.float32) -> int:
         return self.num_params * _dtype_size(dtype)
 
+    def expected_experts(self, num_tokens: int) -> float:
+        """Distinct experts per layer that `num_tokens` tokens choose when each picks its top k uniformly and
+        independently: E (1 - (1 - k/E)^tokens). Real routers are skewed, so this is an upper estimate."""
+        if not self.is_moe:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.num_experts_per_tok / self.num_experts) ** num_tokens)
+
+    def decode_weight_bytes(self, num_tokens: int, dtype: torch.dtype | str = torch.float32) -> int:
+        """Weight bytes a step of `num_tokens` tokens reads (the floor of a decode step, KV aside): all of a
+        dense model; for MoE all but the experts nobody chose (`expected_experts` of them are read)."""
+        if not self.is_moe:
+            return self.weight_bytes(dtype)
+        expert = 3 * self.hidden_size * self.moe_intermediate_size
+        unread = (self.num_experts - self.expected_experts(num_tokens)) * expert * self.num_layers
+        return int((self.num_params - unread) * _dtype_size(dtype))
+
     def kv_bytes_per_token(self, dtype: torch.dtype | str = torch.float32) -> int:
         """Bytes of K and V, all layers, for one token."""
         return 2 * self.num_layers * self.kv_size * _dtype_size(dtype)

@@ -164,6 +164,18 @@ def test_preset_parameter_counts(preset, total_b, active_b):
     assert abs(cfg.num_params / 1e9 - total_b) < 0.05 and abs(cfg.active_params / 1e9 - active_b) < 0.05
 
 
+def test_decode_weight_bytes_counts_the_chosen_experts():
+    cfg = PRESETS["qwen3-30b-a3b"]
+    expert_gb = 3 * 2048 * 768 * 2 * 48 / 1e9                                # one expert in every layer, bf16
+    assert cfg.expected_experts(1) == pytest.approx(8) and cfg.expected_experts(256) == pytest.approx(128)
+    batch1 = cfg.decode_weight_bytes(1, torch.bfloat16) / 1e9
+    assert batch1 == pytest.approx(cfg.active_params * 2 / 1e9) and 6.6 < batch1 < 6.8
+    assert cfg.decode_weight_bytes(256, torch.bfloat16) / 1e9 == pytest.approx(cfg.weight_bytes("bfloat16") / 1e9)
+    assert cfg.decode_weight_bytes(8, torch.bfloat16) / 1e9 == pytest.approx(batch1 + 43.6 * expert_gb, rel=1e-3)
+    dense = PRESETS["qwen3-32b"]
+    assert dense.decode_weight_bytes(4, torch.bfloat16) == dense.weight_bytes(torch.bfloat16)
+
+
 def test_tiny_moe_parameter_count_equals_the_model():
     for kind in ("qwen3_moe", "mixtral", "phi3"):
         cfg = tiny_cfg(kind)
