@@ -288,13 +288,16 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=384, help="prompt tokens per stream")
     ap.add_argument("--decode-steps", type=int, default=64, help="all-decode steps timed per batch size")
     ap.add_argument("--profile", action="store_true", help="also print a per-kernel breakdown of a batch-1 step")
+    ap.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights (models/fp8.py)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     gbps = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s", flush=True)
     t0 = time.perf_counter()
-    cfg, model, _ = load_model(args.model, device="cuda")
-    runner = GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096),
+    cfg, model, _ = load_model(args.model, device="cuda", quantization=args.quantization)
+    runner = GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096,
+                                                   kv_cache_dtype=args.kv_cache_dtype),
                        keep_graphs=True)
     setup_s = time.perf_counter() - t0
     weight_bytes = runner.weights.num_bytes
@@ -341,11 +344,13 @@ def main() -> None:
     result = {"bench": "gpu_host", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
               "driver": torch.cuda.get_device_properties(0).name, "torch": torch.__version__,
               "host": platform.node(), "model": args.model, "weight_bytes": weight_bytes,
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "kv_blocks": runner.num_blocks, "graphs": len(runner.graphs), "capture_s": runner.capture_s,
               "setup_s": setup_s, "copy_gbps": gbps, "rows": rows}
     out = Path(os.environ.get("OUT") or args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"gpu_host-{result['commit']}.json"
+    variant = "".join(f"-{v}" for v in (args.quantization and "fp8w", args.kv_cache_dtype != "auto" and "fp8kv") if v)
+    path = out / f"gpu_host-{result['commit']}{variant}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
     print("| batch | bare step ms | floor ms | GB/s | % copy | host step ms | host adds us | host CPU us/token "

@@ -47,6 +47,8 @@ class BackendConfig:
     num_slots: int = 256                   # ring slots: requests in flight at most
     max_output_len: int = 1024             # per-slot response buffer, in tokens
     block_size: int = 16                   # tokens per KV block
+    quantization: str | None = None        # fp8: FP8 weights for the decoder's projections (models/fp8.py)
+    kv_cache_dtype: str = "auto"           # auto (the model's dtype) or fp8 (e4m3, host and persistent modes)
     kv_cache_mb: int = 1024                # KV cache size (cpu mode)
     gpu_memory_fraction: float = 0.9       # share of the GPU for weights, activations and KV cache
     use_graphs: bool = True                # host mode: False runs steps eagerly (debugging)
@@ -66,6 +68,10 @@ class BackendConfig:
 
     def __post_init__(self) -> None:
         self._check(self.mode in MODES, "mode", f"{self.mode!r} is not one of {', '.join(MODES)}")
+        self._check(self.quantization in (None, "fp8"), "quantization", f"{self.quantization!r} is not fp8")
+        self._check(self.kv_cache_dtype in ("auto", "fp8"), "kv_cache_dtype", f"{self.kv_cache_dtype!r} is not auto or fp8")
+        self._check(self.kv_cache_dtype == "auto" or self.mode != "cpu", "kv_cache_dtype",
+                    "fp8 is for the GPU modes (host, persistent); the cpu engine keeps a float32 cache")
         self._check(self.transport in TRANSPORTS, "transport", f"{self.transport!r} is not one of {', '.join(TRANSPORTS)}")
         self._check(0.05 <= self.gpu_memory_fraction <= 0.99, "gpu_memory_fraction",
                     f"{self.gpu_memory_fraction} is outside 0.05..0.99")
@@ -122,7 +128,8 @@ class BackendConfig:
         return GpuRunnerConfig(
             max_num_batched_tokens=self.batched_tokens, max_num_seqs=self.num_seqs, block_size=self.block_size,
             context_len=context_len, gpu_memory_fraction=self.gpu_memory_fraction, num_kv_blocks=self.num_kv_blocks,
-            use_graphs=self.use_graphs or self.mode == "persistent", sampling_extensions=self.sampling_extensions)
+            use_graphs=self.use_graphs or self.mode == "persistent", sampling_extensions=self.sampling_extensions,
+            kv_cache_dtype=self.kv_cache_dtype)
 
     # ---- building it --------------------------------------------------------------------------------
     @classmethod

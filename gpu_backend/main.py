@@ -37,6 +37,11 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-slots", type=int, default=256, help="ring slots: requests in flight at most")
     p.add_argument("--max-output-len", type=int, default=1024, help="per-slot response buffer, in tokens")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: FP8 e4m3 weights for the decoder's projections, one scale per channel, quantized at "
+                        "load (an FP8 compressed-tensors checkpoint implies it); activations scaled per token")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fp8: an FP8 e4m3 KV cache (host and persistent modes): twice the tokens in the same memory")
     p.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache size (cpu mode)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9,
                    help="share of the GPU's memory for weights, activations and KV cache (host mode)")
@@ -129,10 +134,10 @@ def serve_backend(config: BackendConfig) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     spec = str(ensure_demo_model()) if config.model == "demo" else config.model
-    cfg, model, model_dir = load_model(spec, device=config.device, progress=True)
+    cfg, model, model_dir = load_model(spec, device=config.device, progress=True, quantization=config.quantization)
     model.eval()
     context_len = config.context_len_for(cfg.max_position_embeddings)
-    fingerprint = model_fingerprint(model_dir or cfg)
+    fingerprint = model_fingerprint(model_dir or cfg, model.quantization)
     runner = _make_runner(config, model, cfg, context_len)
     geometry = RingGeometry(config.num_slots, context_len, config.max_output_len)
     try:

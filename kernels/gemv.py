@@ -20,8 +20,8 @@ DEFAULT_CONFIG = (8, 512, 4)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, k, w_stride,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, n, k, w_stride,
+                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
     row_ptr = w_ptr + rows.to(tl.int64)[:, None] * w_stride
@@ -33,20 +33,28 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, k, w_stride,
         x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
+    if HAS_SCALE:  # FP8 rows: W = q * scale[row]
+        y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None, config: tuple[int, int, int] = DEFAULT_CONFIG) -> torch.Tensor:
+         out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
+         scale: torch.Tensor | None = None) -> torch.Tensor:
     """x: [1, K]; weight: [N, K] (rows may be strided, last dim contiguous); bias: [N] or None.
-    Returns out [1, N] in x's dtype, like F.linear(x, weight, bias)."""
+    Returns out [1, N] in x's dtype, like F.linear(x, weight, bias). With `scale` ([N] float32), `weight` is
+    FP8 e4m3 and row r means weight[r] * scale[r] (models/fp8.py): half the bytes of a bf16 row."""
     check("x", x, dtype=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
     if x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, got x of shape {tuple(x.shape)}; use F.linear for more")
     n, k = weight.shape
-    check("weight", weight, dtype=x.dtype, shape=(n, x.shape[1]), device=x.device)
+    if scale is None:
+        check("weight", weight, dtype=x.dtype, shape=(n, x.shape[1]), device=x.device)
+    else:
+        check("weight", weight, dtype=(torch.float8_e4m3fn,), shape=(n, x.shape[1]), device=x.device)
+        check("scale", scale, dtype=(torch.float32,), shape=(n,), device=x.device)
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     if bias is not None:
@@ -54,8 +62,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     check("out", out, dtype=x.dtype, shape=(1, n), device=x.device)
-    block_n, block_k, warps = config
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else x, out, n, k, weight.stride(0),
-                                             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-                                             num_warps=warps)
+    block_n, block_k, warps = config or DEFAULT_CONFIG
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, scale if scale is not None else x,
+                                             bias if bias is not None else x, out, n, k, weight.stride(0),
+                                             HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+                                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out

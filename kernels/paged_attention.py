@@ -113,7 +113,7 @@ def _attn_tile_kernel(
         block = tl.load(block_tables_ptr + seq * bt_stride + k_pos // PAGE, mask=k_ok, other=0)
         slot_off = (block.to(tl.int64) * PAGE + k_pos % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
         k_t = tl.load(kv_head_ptr + slot_off[None, :] + d[:, None],
-                      mask=k_ok[None, :] & d_ok[:, None], other=0.0)          # [BLOCK_D, BLOCK_N]
+                      mask=k_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
         s = tl.dot(q, k_t) * scale_log2
         s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -122,7 +122,8 @@ def _attn_tile_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(kv_head_ptr + cache_kv_stride + slot_off[:, None] + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)            # [BLOCK_N, BLOCK_D]
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; an FP8 cache
+        # (--kv-cache-dtype fp8, unscaled as vLLM's default) widens here, so the dots run in q's type
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -247,7 +248,7 @@ def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, 
 def _check_args(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs) -> None:
     check("q", q, dtype=(torch.bfloat16, torch.float16), ndim=3)
     num_tokens, num_heads, head_dim = q.shape
-    check("layer_cache", layer_cache, dtype=q.dtype, shape=(2, None, None, None, head_dim), device=q.device)
+    check("layer_cache", layer_cache, dtype=(q.dtype, torch.float8_e4m3fn), shape=(2, None, None, None, head_dim), device=q.device)
     if not layer_cache.is_contiguous():
         raise ValueError("layer_cache must be contiguous ([2, num_blocks, block_size, KVH, D], e.g. kv_cache[layer])")
     if num_heads % layer_cache.shape[3]:

@@ -100,7 +100,7 @@ def _check_args(q, k, v, positions, cos, sin, slot_mapping, layer_cache) -> tupl
         if table.shape[1] not in (head_dim, head_dim // 2) or table.shape[0] != cos.shape[0]:
             raise ValueError(f"{name} must be [max_pos, {head_dim}] or [max_pos, {head_dim // 2}] like cos, "
                              f"got {tuple(table.shape)}")
-    check("layer_cache", layer_cache, dtype=_DTYPES, shape=(2, None, None, k.shape[1], head_dim), device=q.device)
+    check("layer_cache", layer_cache, dtype=_DTYPES + (torch.float8_e4m3fn,), shape=(2, None, None, k.shape[1], head_dim), device=q.device)
     if not layer_cache.is_contiguous():
         raise ValueError("layer_cache must be contiguous ([2, num_blocks, block_size, KVH, D], e.g. kv_cache[layer])")
     return num_tokens, num_heads, head_dim

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpu_backend.models.fp8 import Fp8Weight, fp8_linear
+
 
 class TritonOps:
     def __init__(self, kernels: dict, step: dict[str, torch.Tensor], num_tokens: int, num_seqs: int,
@@ -22,8 +24,13 @@ class TritonOps:
         # has one tile per KV head); many tiles fill the GPU on their own
         self.split_keys = 64 if num_tokens <= 32 else 256
 
-    def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, name: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         config = self.gemv.get(name) if x.shape[0] == 1 else None
+        if isinstance(weight, Fp8Weight):
+            if x.shape[0] == 1:  # weight-only at one token: the step is a read of the FP8 rows
+                n, k, warps = config or self.k["gemv_default"]
+                return self.k["gemv"](x, weight.q, bias, config=(n, 2 * k, warps), scale=weight.scale)  # same bytes
+            return fp8_linear(x, weight, bias, quantize=self.k["fp8_quant"])
         if config is not None:
             return self.k["gemv"](x, weight, bias, config=config)
         return F.linear(x, weight, bias)

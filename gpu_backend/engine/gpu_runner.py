@@ -57,6 +57,7 @@ from gpu_backend.engine.sampler import LogitAdjustments, PromptCache, SamplingRo
 from gpu_backend.engine.sched_native import StepGeometry
 from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers, token_buckets
 from gpu_backend.models import ModelConfig, allocate_kv_cache
+from gpu_backend.models.fp8 import release_dense_projections_
 from gpu_backend.models.llama_forward import decoder_layers, fuse_weights, lm_head_logits
 from gpu_backend.models.rope import rope_inv_freq
 from protocols.ring import TokenLogprob
@@ -79,6 +80,7 @@ class GpuRunnerConfig:
     use_graphs: bool = True
     # penalties, logit bias, logprobs: a third graph per bucket, the logits buffer, memory for the eager part
     sampling_extensions: bool = True
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3, unscaled (vLLM's default scale 1.0)
     # projections that a one-token step runs through kernels/gemv.py instead of cuBLAS, with the
     # (BLOCK_N, BLOCK_K, num_warps) that streamed Llama-3-8B's shapes fastest on an H200 (bench/NOTES.md)
     gemv_projections: tuple[tuple[str, tuple[int, int, int]], ...] = (
@@ -107,9 +109,10 @@ class GpuRunner:
                  device: torch.device | str = "cuda", progress: bool = True, keep_graphs: bool = False):
         from kernels import paged_attention, rmsnorm, rope_kv, sampling, swiglu  # triton: GPU hosts only
 
-        from kernels import gemv, moe
+        from kernels import fp8_quant, gemv, moe
 
         self._k = dict(attn=paged_attention.paged_attention, rmsnorm=rmsnorm.rmsnorm, gemv=gemv.gemv,
+                       gemv_default=gemv.DEFAULT_CONFIG, fp8_quant=fp8_quant.quantize_tokens,
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
                        swiglu=swiglu.swiglu, sample=sampling.sample, moe=moe.fused_moe)
         self.cfg, self.config, self.device = cfg, config, torch.device(device)
@@ -120,7 +123,11 @@ class GpuRunner:
         self.dtype = next(model.parameters()).dtype
         if self.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"the GPU runner needs bf16 or fp16 weights, got {self.dtype}")
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         self.weights = fuse_weights(model)  # q/k/v and gate/up fused; the model's Linear weights become views
+        if getattr(model, "quantization", None):
+            release_dense_projections_(model)  # the FP8 copies are what the steps read
+            torch.cuda.empty_cache()
         self.buckets = token_buckets(config.max_num_batched_tokens)
         self.buffer_sets = [StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                         config.max_blocks_per_seq, self.device) for _ in range(1 + keep_graphs)]
@@ -148,7 +155,7 @@ class GpuRunner:
         self._prompts = PromptCache()
         self._done = torch.cuda.Event()
         self.num_blocks = self._size_kv_cache()
-        self.kv_cache = allocate_kv_cache(cfg, self.num_blocks, config.block_size, self.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(cfg, self.num_blocks, config.block_size, self.kv_dtype, self.device)
         self.graphs: dict[tuple[int, GraphVariant], torch.cuda.CUDAGraph] = {}
         self.set_graphs = [self.graphs] + [{} for _ in self.buffer_sets[1:]]  # graphs over each step buffer
         self.capture_s = self._capture(progress) if config.use_graphs else 0.0
@@ -157,7 +164,7 @@ class GpuRunner:
     @property
     def kv_block_bytes(self) -> int:
         c = self.cfg
-        return self.config.block_size * c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return self.config.block_size * c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
 
     @torch.inference_mode()
     def _size_kv_cache(self) -> int:
@@ -165,7 +172,7 @@ class GpuRunner:
         need = self.config.max_blocks_per_seq
         if self.config.num_kv_blocks:
             return max(self.config.num_kv_blocks, need)
-        probe = allocate_kv_cache(self.cfg, need, self.config.block_size, self.dtype, self.device)
+        probe = allocate_kv_cache(self.cfg, need, self.config.block_size, self.kv_dtype, self.device)
         self.kv_cache = probe
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

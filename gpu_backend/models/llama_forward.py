@@ -21,21 +21,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .fp8 import Fp8Weight, quantize_decoder_weights
 
 
 @dataclass
 class LayerWeights:
     in_norm: torch.Tensor                 # [hidden]
-    qkv: torch.Tensor                     # [q + 2 kv, hidden]
+    qkv: torch.Tensor | Fp8Weight         # [q + 2 kv, hidden] (the four projections: Fp8Weight with fp8)
     qkv_bias: torch.Tensor | None         # [q + 2 kv] (Qwen2)
     q_norm: torch.Tensor | None           # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None
-    o: torch.Tensor                       # [hidden, q]
+    o: torch.Tensor | Fp8Weight           # [hidden, q]
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | None          # [2 I, hidden] (dense)
-    down: torch.Tensor | None             # [hidden, I] (dense)
+    gate_up: torch.Tensor | Fp8Weight | None  # [2 I, hidden] (dense)
+    down: torch.Tensor | Fp8Weight | None     # [hidden, I] (dense)
     router: torch.Tensor | None = None    # [E, hidden] (MoE)
-    experts_gate_up: torch.Tensor | None = None  # [E, 2 I, hidden] (MoE)
+    experts_gate_up: torch.Tensor | None = None  # [E, 2 I, hidden] (MoE; bf16 also under --quantization fp8)
     experts_down: torch.Tensor | None = None     # [E, hidden, I] (MoE)
 
 
@@ -52,7 +53,9 @@ class DecoderWeights:
         tensors = [self.embed, self.lm_head, self.final_norm] + [
             t for layer in self.layers for t in vars(layer).values() if t is not None]
         for t in tensors:
-            if t.data_ptr() not in seen:
+            if isinstance(t, Fp8Weight):
+                total += t.num_bytes
+            elif t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total
@@ -63,7 +66,8 @@ class DecoderOps(Protocol):
     metadata, the KV cache). Shapes: x [T, hidden]; q [T, H, D]; k, v [T, KVH, D]."""
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias); `name` ("qkv", "o", "gate_up", "down", "lm_head") picks a kernel per shape."""
+        """x @ weight.T (+ bias); `name` ("qkv", "o", "gate_up", "down", "lm_head") picks a kernel per shape;
+        an `Fp8Weight` goes through `fp8.fp8_linear` (or the GPU's FP8 GEMV at one token)."""
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -133,6 +137,15 @@ def lm_head_logits(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig, x: torc
 
 @torch.no_grad()
 def fuse_weights(model: nn.Module) -> DecoderWeights:
+    """`_fuse_dense`, then the projections quantized when the model was loaded with a quantization
+    (`model.quantization`, set by `weights.load_model`; `fp8.py`)."""
+    weights = _fuse_dense(model)
+    if getattr(model, "quantization", None) == "fp8":
+        quantize_decoder_weights(weights.layers)
+    return weights
+
+
+def _fuse_dense(model: nn.Module) -> DecoderWeights:
     """The model's weights for `decoder_layers`, q/k/v and gate/up fused (one layer's copy at a time, so
     peak memory grows by one layer). The fused tensor keeps the originals' storage order (the CPU keeps
     Linear weights as [in, out] buffers for MKL, `transpose_linear_storage_`); the originals become views

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttnBatch, AttnPlan, attend, write_kv
+from .fp8 import Fp8Weight, fp8_linear
 from .moe import moe_reference
 from .rope import RotaryEmbedding, apply_rope
 
@@ -31,7 +32,9 @@ class TorchOps:
         self.kv_cache, self.scale = kv_cache, scale
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's rotated k and v
 
-    def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, name: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):
+            return fp8_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

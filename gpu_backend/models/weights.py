@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from .config import ModelConfig
 from .llama import LlamaModel, transpose_linear_storage_
+from .fp8 import FP8_DTYPE, check_quantization
 from .presets import preset_config
 
 RANDOM_PREFIX = "random:"
@@ -29,25 +30,32 @@ _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", 
 
 
 def load_model(spec: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-               progress: bool = True) -> tuple[ModelConfig, LlamaModel, Path | None]:
+               progress: bool = True, quantization: str | None = None) -> tuple[ModelConfig, LlamaModel, Path | None]:
     """spec: a Hugging Face folder (config.json + *.safetensors) or `random:<preset>`.
 
-    dtype None means float32 on the CPU and bfloat16 elsewhere. Returns (config, model in eval mode
-    without grads, folder or None for random weights).
+    dtype None means float32 on the CPU and bfloat16 elsewhere. quantization "fp8" quantizes the decoder's
+    projections when the runners fuse them (`model.quantization`; models/fp8.py); an FP8 checkpoint
+    (compressed-tensors) implies it. Returns (config, model in eval mode without grads, folder or None for
+    random weights).
     """
     device = torch.device(device)
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    quantization = check_quantization(quantization)
     if spec.startswith(RANDOM_PREFIX):
         cfg = preset_config(spec[len(RANDOM_PREFIX):])
         check_fits(cfg, dtype, device)
         model = _empty_model(cfg, dtype, device)
         init_random_(model, seed=RANDOM_SEED, std=RANDOM_STD)
+        model.quantization = quantization
         return cfg, model, None
     model_dir = Path(spec).expanduser()
     cfg = read_config(model_dir)
     check_fits(cfg, dtype, device)
     model = _empty_model(cfg, dtype, device)
+    if checkpoint_quantization(model_dir) is not None:
+        quantization = "fp8"
     load_safetensors_(model, model_dir, progress=progress)
+    model.quantization = quantization
     return cfg, model, model_dir
 
 
@@ -119,14 +127,37 @@ def load_safetensors_(model: LlamaModel, model_dir: Path, progress: bool = True)
     params = dict(model.named_parameters(remove_duplicate=False))
     files = weight_files(model_dir)
     filled: set[str] = set()
+    scales = _weight_scales(files)
     with tqdm(total=_count_tensors(files), desc=f"loading {Path(model_dir).name}", unit="tensor",
               file=sys.stderr, disable=not progress) as bar:
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    _copy_tensor(params, key, f, filled)
+                    _copy_tensor(params, key, f, filled, scales)
                     bar.update(1)
     _check_filled(model, params, filled)
+
+
+def _weight_scales(files: list[Path]) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint's `<name>.weight_scale` tensors (small: one per channel or per tensor), by name."""
+    scales = {}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith(".weight_scale"):
+                    scales[key.removesuffix("_scale")] = f.get_tensor(key).float()
+    return scales
+
+
+def _dequantize(key: str, tensor: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An FP8 weight times its scale (per channel [N, 1] or per tensor), in float32; the runners quantize
+    the fused projections again per channel (models/fp8.py)."""
+    if key not in scales:
+        raise ValueError(f"FP8 weight {key!r} has no {key}_scale in the checkpoint")
+    scale = scales[key]
+    if scale.numel() not in (1, tensor.shape[0]):
+        raise ValueError(f"{key}_scale has {scale.numel()} values; expected 1 or {tensor.shape[0]} (one per row)")
+    return tensor.float() * scale.reshape(-1, 1)
 
 
 def _count_tensors(files: list[Path]) -> int:
@@ -137,11 +168,36 @@ def _count_tensors(files: list[Path]) -> int:
     return total
 
 
-def _copy_tensor(params: dict, key: str, f, filled: set[str]) -> None:
-    if key.endswith(_IGNORED_SUFFIXES):
-        return
+def checkpoint_quantization(model_dir: Path) -> str | None:
+    """"fp8" for an FP8 checkpoint in the compressed-tensors layout (or vLLM's "fp8" method), None for a dense
+    one; a ValueError for a scheme this loader cannot read."""
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    qc = hf.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return "fp8"
+    if method != "compressed-tensors":
+        raise ValueError(f"{model_dir}: quantization_config.quant_method {method!r} is not supported (fp8 and "
+                         f"compressed-tensors FP8 are)")
+    for group in (qc.get("config_groups") or {}).values():
+        w = group.get("weights") or {}
+        if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") not in ("channel", "tensor"):
+            raise ValueError(f"{model_dir}: compressed-tensors weights {w} are not FP8 with channel or tensor "
+                             f"scales, the layout this loader reads")
+    return "fp8"
+
+
+def _copy_tensor(params: dict, key: str, f, filled: set[str], scales: dict) -> None:
+    if key.endswith(_IGNORED_SUFFIXES) or key.endswith(".input_scale"):
+        return  # activations are scaled per token at run time (models/fp8.py): a static scale is not used
+    if key.endswith(".weight_scale"):
+        return  # read with its weight (_fp8_weight)
     name, target = _target(params, key)
     tensor = f.get_tensor(key)
+    if tensor.dtype == FP8_DTYPE:
+        tensor = _dequantize(key, tensor, scales)
     if tuple(tensor.shape) != tuple(target.shape):
         raise ValueError(f"weight {key!r} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}")
     target.copy_(tensor)
@@ -195,11 +251,13 @@ def _check_filled(model: LlamaModel, params: dict, filled: set[str]) -> None:
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
-def model_fingerprint(source: Path | str | ModelConfig) -> str:
+def model_fingerprint(source: Path | str | ModelConfig, quantization: str | None = None) -> str:
     """32 hex chars of sha256 over the config and the weight files' names and sizes (or, for
-    random weights, a ModelConfig or `random:<preset>`: the config and the init recipe).
-    Goes into the ring header."""
+    random weights, a ModelConfig or `random:<preset>`: the config and the init recipe), and the run-time
+    quantization (FP8 weights give other tokens). Goes into the ring header."""
     h = hashlib.sha256()
+    if quantization:
+        h.update(f"quantization={quantization}\n".encode())
     if isinstance(source, str) and source.startswith(RANDOM_PREFIX):
         source = preset_config(source[len(RANDOM_PREFIX):])
     if isinstance(source, ModelConfig):

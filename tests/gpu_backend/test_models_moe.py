@@ -239,3 +239,31 @@ def test_cpu_engine_serves_a_tiny_moe_model():
         assert e.loop.scheduler.num_free == e.runner.num_blocks
     finally:
         e.close()
+
+
+# ---- FP8 (--quantization fp8): the attention projections (and Phi-3's MLP), not the experts ----
+@pytest.mark.parametrize("kind", ["phi3", "qwen3_moe"])
+def test_fp8_quantizes_the_projections_and_keeps_the_experts(kind):
+    from gpu_backend.models.fp8 import Fp8Weight, release_dense_projections_
+    from gpu_backend.models.llama_forward import fuse_weights
+    from conftest_models import ours_from
+    cfg = tiny_cfg(kind)
+    hf = hf_reference(cfg)
+    dense, fp8 = ours_from(hf, cfg), ours_from(hf, cfg)
+    fp8.quantization = "fp8"
+    ids = [5, 17, 42, 3, 88, 61, 9, 30, 71, 12]
+    a = PagedRun(dense).step([SeqState(list(ids))], [len(ids)])[0]
+    b = PagedRun(fp8).step([SeqState(list(ids))], [len(ids)])[0]
+    assert float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min()) > 0.99 and not torch.equal(a, b)
+    weights = fuse_weights(fp8)
+    layer = weights.layers[0]
+    assert isinstance(layer.qkv, Fp8Weight) and isinstance(layer.o, Fp8Weight)
+    release_dense_projections_(fp8)
+    mlp = fp8.model.layers[0].mlp
+    if cfg.is_moe:
+        assert layer.gate_up is None and layer.experts_gate_up.dtype == torch.float32
+        assert mlp.gate.weight.numel() == cfg.num_experts * cfg.hidden_size   # the router stays
+        assert mlp.experts.down_proj.numel() > 0
+    else:
+        assert isinstance(layer.gate_up, Fp8Weight) and mlp.gate_up_proj.weight.numel() == 0
+    assert fp8.model.layers[0].self_attn.o_proj.weight.numel() == 0
