@@ -309,7 +309,8 @@ def main() -> None:
         host = host_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
         ctx_len = host["ctx_len_median"]
         ms = bare_replay_ms(runner, decode_batch(runner, bsz, ctx_len))
-        moved = weight_bytes + bsz * ctx_len * kv_token_bytes
+        # MoE: only the experts a batch of bsz chooses are read (uniform-routing estimate)
+        moved = (cfg.decode_weight_bytes(bsz, runner.dtype) if cfg.is_moe else weight_bytes) + bsz * ctx_len * kv_token_bytes
         pers = persistent_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
         at_mid = decode_batch(runner, bsz, pers["ctx_len_mid"])
         rounds = [(bare_replay_ms(runner, at_mid, 100), mechanism_replay_ms(runner, at_mid, 100)) for _ in range(3)]

@@ -6,6 +6,8 @@ shapes and dtypes on the host and launches with a grid fixed by the shapes (grap
 - `paged_attention`: `paged_attention` (mixed prefill/decode batch, GQA, split-K, one launch + reduce)
 - `swiglu`: `swiglu`
 - `sampling`: `sample`, `uniforms` (the CPU engine's counter-based RNG, bit for bit)
+- `moe`: `fused_moe` (= `moe_route` + `moe_experts`: top-k routing, a counting sort of the token-expert
+  pairs by expert, grouped SwiGLU expert GEMMs over stacked weights; routing never leaves the GPU)
 
 The scheduling step of the GPU-resident loop is C++ (`csrc/include/blink_sched.h`, device and host);
 `sched_host` builds its host library with the C++ compiler on first use (no triton, no torch) for

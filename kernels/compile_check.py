@@ -98,10 +98,21 @@ def _llama_calls():
     yield "N=4", lambda: uniforms(params["seeds"], params["positions"])
 
 
+def _moe_calls():
+    """Qwen3-30B-A3B's experts (128 of hidden 2048, width 768, 8 per token) at decode and prefill sizes."""
+    from kernels.moe import fused_moe
+    bf = dict(dtype=torch.bfloat16)
+    experts, hidden, inter = 128, 2048, 768
+    gate_up, down = torch.zeros(experts, 2 * inter, hidden, **bf), torch.zeros(experts, hidden, inter, **bf)
+    for tokens in (1, 256, 512):
+        x, logits = torch.zeros(tokens, hidden, **bf), torch.zeros(tokens, experts, **bf)
+        yield f"MoE T={tokens}", lambda x=x, logits=logits: fused_moe(x, logits, gate_up, down, 8, True)
+
+
 def main() -> int:
     driver.set_active(_Sm90Driver())
     JITFunction._do_compile = _compile_only
-    for label, call in _llama_calls():
+    for label, call in (*_llama_calls(), *_moe_calls()):
         LABEL[0] = label
         call()
     print(f"{'kernel [shape]':<44} {'regs':>5} {'spill B':>8}  launch")

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 
 from kernel_batches import make_batch  # noqa: E402
+from kernels.moe import fused_moe, moe_route  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
 from kernels.rmsnorm import add_rmsnorm  # noqa: E402
 from kernels.rope_kv import rope_and_cache_kv  # noqa: E402
@@ -110,6 +111,21 @@ def bench_sampling(rows: int):
     yield f"sample N={rows} V={VOCAB}", time_us(lambda: sample(logits, **params, out=out)), rows * VOCAB * 4, 0
 
 
+def bench_moe(rows: int):
+    """One Qwen3-30B-A3B MoE layer after the router GEMM (128 experts of 2048 x 768, 8 per token). Bytes: the
+    experts this batch's routing chose (read once each), x in, out."""
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen).mul(0.02).to(torch.bfloat16)
+    down = torch.randn(experts, hidden, inter, device="cuda", generator=gen).mul(0.02).to(torch.bfloat16)
+    x = torch.randn(rows, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    logits = torch.randn(rows, experts, device="cuda", generator=gen).to(torch.bfloat16)
+    used = moe_route(logits, top_k, True)[1].unique().numel()                  # host read: set-up only
+    moved = used * 3 * hidden * inter * BF16 + 2 * rows * hidden * BF16
+    yield f"fused_moe T={rows} ({used} experts)", time_us(lambda: fused_moe(x, logits, gate_up, down, top_k, True)), \
+        moved, 2 * rows * top_k * 3 * hidden * inter
+
+
 def main() -> None:
     peak = copy_gbps()
     print(f"\ndevice: {torch.cuda.get_device_name()}  copy bandwidth (1 GiB tensor): {peak:.0f} GB/s")
@@ -121,7 +137,7 @@ def main() -> None:
             bench_attention("mixed T=512 (2 chunks, 200 dec)", [1] * 200 + [256, 56],
                             [1000 + 5 * i for i in range(200)] + [1280, 56], 512, 256),
             bench_attention("prefill 1x2048", [2048], [2048], 2048, 1),
-            bench_sampling(1), bench_sampling(64)]
+            bench_sampling(1), bench_sampling(64), bench_moe(1), bench_moe(8), bench_moe(64), bench_moe(256)]
     for run in runs:
         for name, us, moved, flops in run:
             gbps = moved / us / 1e3

@@ -36,6 +36,9 @@ class TritonOps:
         return F.linear(x, weight, bias)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 3:  # Qwen3's per-head q/k norm: x [T, heads, D], a strided view of the qkv output
+            flat = x.reshape(-1, x.shape[-1])                                 # [T * heads, D], a copy
+            return self.k["rmsnorm"](flat, weight, eps).view(x.shape)
         return self.k["rmsnorm"](x, weight, eps)
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -55,3 +58,9 @@ class TritonOps:
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.k["swiglu"](gate_up)
+
+    def moe(self, x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor, experts_down: torch.Tensor,
+            top_k: int, renormalize: bool) -> torch.Tensor:
+        # the routing stays on the GPU: kernels/moe.py groups the pairs by expert with fixed grids
+        logits = self.linear("router", x, router)                             # [T, E]
+        return self.k["moe"](x, logits, experts_gate_up, experts_down, top_k, renormalize)

@@ -10,8 +10,9 @@ graphs as children of its own.
 
 The model is the one forward both runners call (`models/llama_forward.decoder_layers`), here with the
 Triton kernels over the step buffer (`engine/gpu_ops.TritonOps`). Per layer: fused residual add + RMSNorm
--> qkv GEMM -> RoPE fused with the KV-cache write -> paged attention (mixed prefill/decode, one launch) ->
-o GEMM -> add + RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM. Then the final norm, the LM head over the
+-> qkv GEMM -> [per-head q/k RMSNorm] -> RoPE fused with the KV-cache write -> paged attention (mixed
+prefill/decode, one launch) -> o GEMM -> add + RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM, or in a
+mixture-of-experts layer the router GEMM and kernels/moe.py's fused experts (routing never leaves the GPU). Then the final norm, the LM head over the
 sampled rows only, and sampling (argmax for all-greedy steps; the full sampler otherwise: two graphs per
 bucket, the host picks one). What each captured graph runs is its `GraphVariant` (engine/graph_variant.py).
 
@@ -108,12 +109,12 @@ class GpuRunner:
                  device: torch.device | str = "cuda", progress: bool = True, keep_graphs: bool = False):
         from kernels import paged_attention, rmsnorm, rope_kv, sampling, swiglu  # triton: GPU hosts only
 
-        from kernels import fp8_quant, gemv
+        from kernels import fp8_quant, gemv, moe
 
         self._k = dict(attn=paged_attention.paged_attention, rmsnorm=rmsnorm.rmsnorm, gemv=gemv.gemv,
                        gemv_default=gemv.DEFAULT_CONFIG, fp8_quant=fp8_quant.quantize_tokens,
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
-                       swiglu=swiglu.swiglu, sample=sampling.sample)
+                       swiglu=swiglu.swiglu, sample=sampling.sample, moe=moe.fused_moe)
         self.cfg, self.config, self.device = cfg, config, torch.device(device)
         # keep each graph's cudaGraph_t (raw_cuda_graph()) for the persistent loop, which clones them; it
         # also needs a second step buffer with its own graphs (it fills step n+1 while step n runs)
@@ -123,8 +124,6 @@ class GpuRunner:
         if self.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"the GPU runner needs bf16 or fp16 weights, got {self.dtype}")
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
-        if cfg.qk_norm:
-            raise ValueError("the GPU runner does not support per-head q/k norms (Qwen3) yet; use --mode cpu")
         self.weights = fuse_weights(model)  # q/k/v and gate/up fused; the model's Linear weights become views
         if getattr(model, "quantization", None):
             release_dense_projections_(model)  # the FP8 copies are what the steps read

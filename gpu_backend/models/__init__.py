@@ -1,4 +1,5 @@
-"""Llama-family models for blink: config, paged-attention decoder, weight loading, GGUF import, demo model."""
+"""Llama-family models for blink (dense, Phi-3/Phi-4, and the Qwen3-MoE/Mixtral mixtures of experts): config,
+paged-attention decoder, weight loading, GGUF import, demo model."""
 
 from .attention import AttnBatch, AttnPlan, paged_attention
 from .config import ModelConfig

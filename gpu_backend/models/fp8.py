@@ -96,8 +96,8 @@ def check_quantization(name: str | None) -> str | None:
 def release_dense_projections_(model: torch.nn.Module) -> None:
     """After the GPU runner quantized the fused projections: drop the model's dense copies (the Linear
     weights are views of the fused dense tensors), so their memory goes to the KV cache. The model's
-    embedding, norms and LM head stay."""
+    embedding, norms and LM head stay; so do a mixture of experts' router and experts (not quantized)."""
     for layer in model.model.layers:
-        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+        quantized = [layer.self_attn] + ([] if hasattr(layer.mlp, "experts") else [layer.mlp])
+        for lin in (m for block in quantized for m in block.modules() if isinstance(m, torch.nn.Linear)):
             lin.weight.data = lin.weight.data.new_empty(0)

@@ -1,7 +1,11 @@
-"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3/Phi-4, Qwen3-MoE, Mixtral) over a
+paged KV cache.
 
-Parameter names equal Hugging Face's (`model.layers.{i}.self_attn.q_proj.weight`, `lm_head.weight`, ...),
-so a Hugging Face state dict loads with `load_state_dict`. The modules hold the parameters; the forward is
+Parameter names equal transformers' (`model.layers.{i}.self_attn.q_proj.weight`, `lm_head.weight`, ...),
+so a transformers state dict loads with `load_state_dict`: Phi-3's fused `self_attn.qkv_proj` and
+`mlp.gate_up_proj`; the MoE models' router `mlp.gate.weight` [E, hidden] and experts stacked as
+transformers 5 holds them, `mlp.experts.gate_up_proj` [E, 2 I, hidden] and `mlp.experts.down_proj`
+[E, hidden, I] (checkpoints store one tensor per expert: `weights.py` stacks them while loading). The modules hold the parameters; the forward is
 `llama_forward.decoder_layers`, the one both runners call, here with the torch ops (`torch_ops.TorchOps`).
 """
 
@@ -32,9 +36,12 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
+        if cfg.model_type == "phi3":  # one fused projection in the checkpoint
+            self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.attention_bias)
+            self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
+            self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -44,9 +51,34 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        if cfg.model_type == "phi3":  # gate and up fused in the checkpoint (gate first)
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        else:
+            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+            self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+
+class MoeExperts(nn.Module):
+    """Every expert's SwiGLU MLP, stacked: gate_up_proj [E, 2 I, hidden] (gate rows first), down_proj [E, hidden, I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        if not self.gate_up_proj.is_meta:  # as nn.Linear initialises (loaders overwrite both)
+            nn.init.uniform_(self.gate_up_proj, -h ** -0.5, h ** -0.5)
+            nn.init.uniform_(self.down_proj, -i ** -0.5, i ** -0.5)
+
+
+class MoeBlock(nn.Module):
+    """The router (`gate`, [E, hidden]) and the experts of a mixture-of-experts layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = MoeExperts(cfg)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -55,7 +87,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = MoeBlock(cfg) if cfg.is_moe else LlamaMLP(cfg)
 
 
 class LlamaBackbone(nn.Module):

@@ -4,8 +4,9 @@ The layer sequence lives here; the kernels are pluggable (`DecoderOps`): torch r
 (`models/torch_ops.py`, the `cpu` engine and `LlamaModel.forward`), Triton kernels over the step buffer on
 the GPU (`engine/gpu_ops.py`, run eagerly or captured into bucketed CUDA graphs by `engine/gpu_runner.py`).
 Per layer: (residual add +) RMSNorm -> qkv GEMM -> [per-head q/k norm] -> RoPE fused with the KV-cache
-write -> paged attention -> o GEMM -> add + RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM; the last
-layer's residual add is fused into the final norm of the head.
+write -> paged attention -> o GEMM -> add + RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM (or, in a mixture-of-experts layer, the
+`moe` op: router, top-k, each token through its experts' SwiGLU MLPs, weighted sum); the last layer's
+residual add is fused into the final norm of the head.
 
 Weights come as `DecoderWeights`: q/k/v and gate/up fused into one GEMM each (`fuse_weights`), the model's
 own Linear weights left as views of the fused tensors, so names and state_dict stay Hugging Face's.
@@ -32,8 +33,11 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     o: torch.Tensor | Fp8Weight           # [hidden, q]
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | Fp8Weight     # [2 I, hidden]
-    down: torch.Tensor | Fp8Weight        # [hidden, I]
+    gate_up: torch.Tensor | Fp8Weight | None  # [2 I, hidden] (dense)
+    down: torch.Tensor | Fp8Weight | None     # [hidden, I] (dense)
+    router: torch.Tensor | None = None    # [E, hidden] (MoE)
+    experts_gate_up: torch.Tensor | None = None  # [E, 2 I, hidden] (MoE; bf16 also under --quantization fp8)
+    experts_down: torch.Tensor | None = None     # [E, hidden, I] (MoE)
 
 
 @dataclass
@@ -80,6 +84,12 @@ class DecoderOps(Protocol):
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 I] -> silu(gate) * up, [T, I]."""
 
+    def moe(self, x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor, experts_down: torch.Tensor,
+            top_k: int, renormalize: bool) -> torch.Tensor:
+        """Mixture of experts over x [T, hidden]: softmax of the router logits over all E experts, each token's
+        top_k (renormalised to sum 1 when `renormalize`), sum over them of weight * expert SwiGLU MLP (x).
+        router [E, hidden]; experts_gate_up [E, 2 I, hidden]; experts_down [E, hidden, I]. -> [T, hidden]."""
+
 
 def decoder_layers(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig,
                    input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +105,15 @@ def decoder_layers(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig,
             x, residual = ops.add_rmsnorm(x, residual, layer.in_norm, eps)
         x = _attention_block(ops, layer, cfg, x, i)
         x, residual = ops.add_rmsnorm(x, residual, layer.post_norm, eps)
-        x = ops.linear("down", ops.swiglu(ops.linear("gate_up", x, layer.gate_up)), layer.down)
+        x = _mlp_block(ops, layer, cfg, x)
     return x, residual
+
+
+def _mlp_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    if layer.router is not None:
+        return ops.moe(x, layer.router, layer.experts_gate_up, layer.experts_down, cfg.num_experts_per_tok,
+                       cfg.norm_topk_prob)
+    return ops.linear("down", ops.swiglu(ops.linear("gate_up", x, layer.gate_up)), layer.down)
 
 
 def _attention_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: torch.Tensor, i: int) -> torch.Tensor:
@@ -135,14 +152,28 @@ def _fuse_dense(model: nn.Module) -> DecoderWeights:
     of it, so nothing is held twice and the model's state_dict is unchanged."""
     layers = []
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) if attn.q_proj.bias is not None else None
+        attn = layer.self_attn
         norms = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else (None, None)
-        layers.append(LayerWeights(layer.input_layernorm.weight, qkv, bias, *norms, attn.o_proj.weight,
-                                   layer.post_attention_layernorm.weight, _fuse([mlp.gate_proj, mlp.up_proj]),
-                                   mlp.down_proj.weight))
+        layers.append(LayerWeights(layer.input_layernorm.weight, *_qkv(attn), *norms, attn.o_proj.weight,
+                                   layer.post_attention_layernorm.weight, **_mlp(layer.mlp)))
     return DecoderWeights(model.model.embed_tokens.weight, model.lm_head.weight, model.model.norm.weight, layers)
+
+
+def _qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused qkv weight (Phi-3's checkpoint has it fused already) and bias."""
+    if hasattr(attn, "qkv_proj"):
+        return attn.qkv_proj.weight, None
+    qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) if attn.q_proj.bias is not None else None
+    return qkv, bias
+
+
+def _mlp(mlp: nn.Module) -> dict[str, torch.Tensor | None]:
+    if hasattr(mlp, "experts"):
+        return dict(gate_up=None, down=None, router=mlp.gate.weight, experts_gate_up=mlp.experts.gate_up_proj,
+                    experts_down=mlp.experts.down_proj)
+    gate_up = mlp.gate_up_proj.weight if hasattr(mlp, "gate_up_proj") else _fuse([mlp.gate_proj, mlp.up_proj])
+    return dict(gate_up=gate_up, down=mlp.down_proj.weight)
 
 
 def _fuse(linears: list[nn.Linear]) -> torch.Tensor:

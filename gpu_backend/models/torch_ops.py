@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from .attention import AttnBatch, AttnPlan, attend, write_kv
 from .fp8 import Fp8Weight, fp8_linear
+from .moe import moe_reference
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -57,3 +58,7 @@ class TorchOps:
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def moe(self, x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor, experts_down: torch.Tensor,
+            top_k: int, renormalize: bool) -> torch.Tensor:
+        return moe_reference(x, router, experts_gate_up, experts_down, top_k, renormalize)

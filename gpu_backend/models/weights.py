@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +21,12 @@ RANDOM_PREFIX = "random:"
 RANDOM_SEED = 0
 RANDOM_STD = 0.02
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# checkpoints store one tensor per expert (Qwen3-MoE `mlp.experts.{e}.gate_proj`, Mixtral
+# `block_sparse_moe.experts.{e}.w1`: w1 gate, w3 up, w2 down); LlamaModel stacks them as transformers 5 does
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                         r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_MIXTRAL_ROUTER_KEY = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.gate\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 def load_model(spec: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
@@ -36,12 +43,14 @@ def load_model(spec: str, dtype: torch.dtype | None = None, device: torch.device
     quantization = check_quantization(quantization)
     if spec.startswith(RANDOM_PREFIX):
         cfg = preset_config(spec[len(RANDOM_PREFIX):])
+        check_fits(cfg, dtype, device)
         model = _empty_model(cfg, dtype, device)
         init_random_(model, seed=RANDOM_SEED, std=RANDOM_STD)
         model.quantization = quantization
         return cfg, model, None
     model_dir = Path(spec).expanduser()
     cfg = read_config(model_dir)
+    check_fits(cfg, dtype, device)
     model = _empty_model(cfg, dtype, device)
     if checkpoint_quantization(model_dir) is not None:
         quantization = "fp8"
@@ -56,6 +65,19 @@ def read_config(model_dir: Path) -> ModelConfig:
         raise FileNotFoundError(f"{config_path} not found: a model folder needs a Hugging Face config.json "
                                 f"(or use random:<preset>)")
     return ModelConfig.from_hf(json.loads(config_path.read_text()), name=Path(model_dir).resolve().name)
+
+
+def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before allocating anything, weights larger than the GPU's memory (Mixtral-8x7B's 93 GB in
+    bf16 on an 80 GB H100; it loads on a 141 GB H200). The KV cache's room is the runner's to check."""
+    if device.type != "cuda":
+        return
+    weight_bytes = cfg.weight_bytes(dtype)
+    total_bytes = torch.cuda.get_device_properties(device).total_memory
+    if weight_bytes >= total_bytes:
+        raise ValueError(f"{cfg.name}: the weights take {weight_bytes / 1e9:.1f} GB in {dtype} "
+                         f"({weight_bytes} bytes), more than the {total_bytes / 1e9:.1f} GB of "
+                         f"{torch.cuda.get_device_name(device)}; use a GPU with more memory (an H200 has 141 GB)")
 
 
 def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaModel:
@@ -172,18 +194,53 @@ def _copy_tensor(params: dict, key: str, f, filled: set[str], scales: dict) -> N
         return  # activations are scaled per token at run time (models/fp8.py): a static scale is not used
     if key.endswith(".weight_scale"):
         return  # read with its weight (_fp8_weight)
-    if key not in params:
-        raise ValueError(f"weight {key!r} has no parameter in LlamaModel (unsupported architecture variant?)")
-    tensor, param = f.get_tensor(key), params[key]
+    name, target = _target(params, key)
+    tensor = f.get_tensor(key)
     if tensor.dtype == FP8_DTYPE:
         tensor = _dequantize(key, tensor, scales)
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise ValueError(f"weight {key!r} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}")
-    param.copy_(tensor)
-    filled.add(key)
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(f"weight {key!r} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}")
+    target.copy_(tensor)
+    filled.add(name)
+
+
+def _target(params: dict, key: str) -> tuple[str, torch.Tensor]:
+    """(the name `_check_filled` counts, the parameter or the slice of a stacked expert parameter) of a
+    checkpoint tensor."""
+    if key in params:
+        return key, params[key]
+    if match := _MIXTRAL_ROUTER_KEY.match(key):
+        return _target(params, f"{match[1]}mlp.gate.weight")
+    match = _EXPERT_KEY.match(key)
+    stacked = match and params.get(f"{match[1]}mlp.experts.{'down' if _EXPERT_PART[match[3]] == 'down' else 'gate_up'}_proj")
+    if stacked is None or int(match[2]) >= stacked.shape[0]:
+        raise ValueError(f"weight {key!r} has no parameter in LlamaModel (unsupported architecture variant, "
+                         f"or an expert past the config's num_experts?)")
+    expert, part = int(match[2]), _EXPERT_PART[match[3]]
+    name = f"{match[1]}mlp.experts.{part}[{expert}]"
+    if part == "down":
+        return name, stacked[expert]
+    width = stacked.shape[1] // 2
+    return name, stacked[expert, :width] if part == "gate" else stacked[expert, width:]
+
+
+def _expert_parts(name: str, param: torch.Tensor) -> set[str]:
+    """The per-expert names `_target` gives the slices of a stacked expert parameter (empty for others)."""
+    if name.endswith(".mlp.experts.gate_up_proj"):
+        parts = ("gate", "up")
+    elif name.endswith(".mlp.experts.down_proj"):
+        parts = ("down",)
+    else:
+        return set()
+    prefix = name.removesuffix("gate_up_proj").removesuffix("down_proj")
+    return {f"{prefix}{part}[{e}]" for part in parts for e in range(param.shape[0])}
 
 
 def _check_filled(model: LlamaModel, params: dict, filled: set[str]) -> None:
+    for name, param in params.items():
+        parts = _expert_parts(name, param)
+        if parts and parts <= filled:
+            filled.add(name)
     if model.cfg.tie_word_embeddings and "lm_head.weight" not in filled and "model.embed_tokens.weight" in filled:
         filled.add("lm_head.weight")
     if model.cfg.tie_word_embeddings and "model.embed_tokens.weight" not in filled and "lm_head.weight" in filled:

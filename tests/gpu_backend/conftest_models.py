@@ -11,11 +11,13 @@ from gpu_backend.models import BlockPool, LlamaModel, ModelConfig, SeqState, all
 
 LLAMA3_ROPE = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
 BLOCK_SIZE = 4
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def tiny_cfg(kind: str = "llama", **changes) -> ModelConfig:
-    """2 layers, hidden 64, 4 heads over 2 KV heads, head_dim 16."""
+    """2 layers, hidden 64, 4 heads over 2 KV heads, head_dim 16; the MoE kinds 8 experts, 2 (Mixtral) or 3
+    (Qwen3-MoE) per token, so a few tokens leave some experts without any."""
     base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
                 bos_token_id=1, eos_token_ids=(2,), name=f"tiny-{kind}")
@@ -25,6 +27,14 @@ def tiny_cfg(kind: str = "llama", **changes) -> ModelConfig:
         base.update(model_type="qwen2", attention_bias=True, tie_word_embeddings=False, rope_theta=1e6)
     elif kind == "qwen3":
         base.update(model_type="qwen3", qk_norm=True, head_dim=24, tie_word_embeddings=False)
+    elif kind == "phi3":
+        base.update(model_type="phi3", rope_theta=250000.0, tie_word_embeddings=False)
+    elif kind == "qwen3_moe":
+        base.update(model_type="qwen3_moe", qk_norm=True, tie_word_embeddings=False, num_experts=8,
+                    num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True)
+    elif kind == "mixtral":
+        base.update(model_type="mixtral", rope_theta=1e6, tie_word_embeddings=False, num_experts=8,
+                    num_experts_per_tok=2, intermediate_size=48, moe_intermediate_size=48)
     return ModelConfig(**{**base, **changes})
 
 

@@ -14,11 +14,14 @@ import torch.nn.functional as F
 
 from gpu_backend.engine.cpu_runner import CpuRunner
 from gpu_backend.engine.gpu_ops import TritonOps
+from gpu_backend.models import LlamaModel
 from gpu_backend.models.llama_forward import decoder_layers
+from gpu_backend.models.moe import expert_mlp
 from gpu_backend.models.rope import rope_inv_freq
 from gpu_backend.models.torch_ops import TorchOps, rms_norm
 from protocols.ring import RequestSpec
-from test_engine_loop import CONTEXT_LEN, _prompts, engine, model  # noqa: F401  (fixtures)
+from conftest_models import tiny_cfg
+from test_engine_loop import CONTEXT_LEN, Engine, _prompts, engine, model  # noqa: F401  (fixtures)
 
 
 def _rotate(x, cos, sin):  # x [T, heads, D]; cos, sin [T, D/2]
@@ -52,7 +55,16 @@ def _attn(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, sc
     return out
 
 
-KERNELS = dict(rmsnorm=rms_norm, add_rmsnorm=lambda x, r, w, eps: (rms_norm(r + x, w, eps), r + x),
+def _moe(x, logits, gate_up, down, top_k, renormalize):
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    rows = [sum(w * expert_mlp(x[t:t + 1], gate_up[e], down[e])[0] for w, e in zip(weights[t], ids[t].tolist()))
+            for t in range(x.shape[0])]
+    return torch.stack(rows)
+
+
+KERNELS = dict(moe=_moe, rmsnorm=rms_norm, add_rmsnorm=lambda x, r, w, eps: (rms_norm(r + x, w, eps), r + x),
                rope_kv=_rope_kv, attn=_attn, swiglu=lambda gu: F.silu(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1],
                gemv=lambda x, w, b, config: F.linear(x, w, b))
 
@@ -89,3 +101,17 @@ def test_triton_ops_wiring_matches_the_torch_ops_step_by_step(model, engine):
     e.run_until_done()
     print(f"{e.runner.rows_compared} token rows compared, max |diff| {e.runner.max_diff:.2e}")
     assert e.runner.rows_compared > 50 and e.runner.max_diff < 1e-4
+
+
+def test_triton_ops_wiring_of_a_moe_model_with_qk_norm():
+    """Qwen3-MoE: the per-head q/k norms and the moe op (router GEMM, then the fused kernel's contract)."""
+    cfg = tiny_cfg("qwen3_moe", max_position_embeddings=CONTEXT_LEN)
+    torch.manual_seed(1)
+    e = Engine((cfg, LlamaModel(cfg).eval()), num_blocks=24, budget=16, max_seqs=4, runner_cls=TwinRunner)
+    try:
+        for i, p in enumerate(_prompts(4, cfg.vocab_size, seed=8)):
+            e.submit(RequestSpec(i, p, 6, temperature=0.0, ignore_eos=True))
+        e.run_until_done()
+        assert e.runner.rows_compared > 40 and e.runner.max_diff < 1e-4
+    finally:
+        e.close()

@@ -13,7 +13,7 @@ from gpu_backend.models import (PRESETS, AttnBatch, ModelConfig, SeqState, alloc
                                 load_model, model_fingerprint)
 
 ATOL = 1e-4
-KINDS = ["llama", "qwen2", "qwen3"]
+KINDS = ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral"]
 
 
 def _tokens(n: int, seed: int, vocab: int = 97) -> list[int]:

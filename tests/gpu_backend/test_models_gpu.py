@@ -24,7 +24,7 @@ def _chunked_logits(model, tokens, chunks, block_ids, block_size, dtype) -> torc
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral"])
 def test_paged_forward_on_cuda_matches_transformers_on_cpu(kind):
     cfg = tiny_cfg(kind)
     hf = hf_reference(cfg)

@@ -1,0 +1,218 @@
+"""Fused mixture of experts (Triton): routing, grouping of (token, expert) pairs by expert, and grouped GEMMs
+over the experts' stacked weights, with no host synchronisation (graph-capturable).
+
+A step of T tokens with top_k experts each has P = T * top_k pairs; pair p = t * top_k + j is token t's j-th
+choice. Four launches, each with a grid fixed by the shapes:
+1. `_route_kernel` (one program per token): softmax of the router logits over all E experts in float32,
+   the top_k (ties to the lower expert id), renormalised when asked -> weights [T, k] f32, ids [T, k] i32.
+2. `_align_kernel` (one program per expert): a counting sort of the pairs by expert, stable (pairs of one
+   expert keep their order): expert e's pairs land in sorted[offsets[e] : offsets[e] + counts[e]].
+   No capacity is exceeded: P slots hold every pair whatever the routing.
+3. `_expert_gemm_kernel`, gate_up: one program per (expert, block of BLOCK_M of its pairs, block of the
+   intermediate width). An expert takes at most T pairs (a token picks it once), so the grid covers
+   E * cdiv(T, BLOCK_M) row blocks; a block past its expert's count returns at once, before any load.
+   Rows are gathered from x by token; SwiGLU is fused; h [P, I] is written by pair.
+4. The same kernel over the down weights: h rows by pair -> y [P, hidden] f32, scaled by the pair's weight.
+Then each token's k rows of y are summed in a fixed order (deterministic: no atomics anywhere).
+
+Weights read: only the experts some token chose (programs of experts without pairs load nothing); each
+chosen expert's tiles are read once per BLOCK_M of its pairs. Rounding follows the plain torch op
+(`gpu_backend/models/moe.py`): gate and up rounded to the activation dtype, silu rounded, their product
+rounded; the down projection rounded, then weighted and summed in float32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check, next_pow2
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_BLOCK_K = 64
+_ALIGN_BLOCK = 1024
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, logits_stride, num_experts,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + row * logits_stride + cols, mask=cols < num_experts,
+                     other=-float("inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = probs / tl.sum(probs, axis=0)                 # padding columns: exactly 0
+    slots = tl.arange(0, K_PAD)
+    top_w = tl.zeros((K_PAD,), dtype=tl.float32)
+    top_id = tl.zeros((K_PAD,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=0)
+        pick = tl.min(tl.where(probs == best, cols, BLOCK_E), axis=0)
+        top_w = tl.where(slots == j, best, top_w)
+        top_id = tl.where(slots == j, pick, top_id)
+        probs = tl.where(cols == pick, -1.0, probs)       # taken; every probability is >= 0
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    tl.store(weights_ptr + row * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, top_id, mask=slots < TOP_K)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, num_pairs, sorted_ptr, counts_ptr, offsets_ptr, BLOCK: tl.constexpr):
+    expert = tl.program_id(0)
+    offset = tl.full((), 0, tl.int32)                     # pairs of lower experts come first
+    for start in range(0, num_pairs, BLOCK):
+        pairs = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=2147483647)
+        offset += tl.sum((ids < expert).to(tl.int32), axis=0)
+    count = tl.full((), 0, tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        pairs = start + tl.arange(0, BLOCK)
+        hit = (tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) == expert).to(tl.int32)
+        rank = count + tl.cumsum(hit, axis=0) - 1
+        tl.store(sorted_ptr + offset + rank, pairs, mask=hit > 0)
+        count += tl.sum(hit, axis=0)
+    tl.store(counts_ptr + expert, count)
+    tl.store(offsets_ptr + expert, offset)
+
+
+@triton.jit
+def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, counts_ptr, offsets_ptr, pair_weights_ptr,
+                        n_out, k_dim, a_stride, w_stride_e, w_stride_n, out_stride, blocks_per_expert, up_offset,
+                        TOP_K: tl.constexpr, SWIGLU: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # SWIGLU: a = x rows by token, w = gate_up [E, 2 I, hidden], out = h [P, I] in a's dtype
+    # else:   a = h rows by pair,  w = down [E, hidden, I],      out = y [P, hidden] f32, scaled by the weight
+    expert = tl.program_id(0) // blocks_per_expert
+    first = (tl.program_id(0) % blocks_per_expert) * BLOCK_M
+    count = tl.load(counts_ptr + expert)
+    if first >= count:
+        return
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < count
+    pairs = tl.load(sorted_ptr + tl.load(offsets_ptr + expert) + rows, mask=row_ok, other=0)
+    a_rows = (pairs // TOP_K if SWIGLU else pairs).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    ks = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * w_stride_e
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < k_dim
+        a = tl.load(a_ptr + a_rows[:, None] * a_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_base + cols[None, :].to(tl.int64) * w_stride_n + k[:, None], mask=w_mask, other=0.0)
+        acc = tl.dot(a, w, acc)                           # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]
+        if SWIGLU:
+            w_up = tl.load(w_base + (cols[None, :] + up_offset).to(tl.int64) * w_stride_n + k[:, None],
+                           mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up)
+    act = a_ptr.dtype.element_ty
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * out_stride + cols[None, :]
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if SWIGLU:
+        gate = acc.to(act).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32)
+        tl.store(out_ptrs, (silu * acc_up.to(act).to(tl.float32)).to(act), mask=out_mask)
+    else:
+        weight = tl.load(pair_weights_ptr + pairs, mask=row_ok, other=0.0)
+        tl.store(out_ptrs, acc.to(act).to(tl.float32) * weight[:, None], mask=out_mask)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int32), best first: softmax
+    over all E in float32, top_k (ties to the lower id), weights renormalised to sum 1 when `renormalize`.
+    Graph-capturable; no host sync."""
+    check("router_logits", router_logits, dtype=(*_DTYPES, torch.float32), ndim=2)
+    num_tokens, num_experts = router_logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts} (the experts), got {top_k}")
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](router_logits, weights, ids, router_logits.stride(0), num_experts, TOP_K=top_k,
+                                     K_PAD=next_pow2(top_k), RENORMALIZE=bool(renormalize),
+                                     BLOCK_E=next_pow2(num_experts), num_warps=1)
+    return weights, ids
+
+
+def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] int32 in 0..num_experts-1 -> (sorted pairs [T*k] int32, counts [E] int32, offsets [E] int32):
+    expert e's pairs (p = t * k + j, ascending) are sorted[offsets[e] : offsets[e] + counts[e]].
+    Graph-capturable; no host sync."""
+    check("ids", ids, dtype=torch.int32, ndim=2)
+    if not ids.is_contiguous():
+        raise ValueError("ids must be contiguous")
+    num_pairs = ids.numel()
+    sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    _align_kernel[(num_experts,)](ids, num_pairs, sorted_pairs, counts, offsets, BLOCK=_ALIGN_BLOCK, num_warps=4)
+    return sorted_pairs, counts, offsets
+
+
+def block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per program: about the pairs an expert gets (16, tl.dot's least, for decode)."""
+    per_expert = -(-num_pairs // num_experts)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+
+
+def block_n(rows: int) -> int:
+    """Output columns per program: narrow when the row blocks are few (decode streams the chosen experts'
+    weights: more programs keep more of the GPU's memory pipes busy), wider otherwise."""
+    return 32 if rows <= 16 else 64
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts_gate_up: torch.Tensor,
+                experts_down: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j]: x [T, hidden] bf16/fp16;
+    weights [T, k] float32; ids [T, k] int32, each in 0..E-1 (what `moe_route` gives; an id out of range
+    leaves its pair's rows unwritten); experts_gate_up [E, 2 I, hidden] (gate rows first); experts_down
+    [E, hidden, I]. -> [T, hidden] in x's dtype. Graph-capturable; no host sync."""
+    num_tokens, hidden, num_experts, inter = _check_experts(x, weights, ids, experts_gate_up, experts_down)
+    top_k, num_pairs = ids.shape[1], ids.numel()
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    sorted_pairs, counts, offsets = moe_align(ids, num_experts)
+    bm = block_m(num_pairs, num_experts)
+    row_blocks = num_experts * triton.cdiv(num_tokens, bm)
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
+    bn = block_n(bm)
+    common = dict(TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_BLOCK_K, num_warps=4)
+    _expert_gemm_kernel[(row_blocks, triton.cdiv(inter, bn))](
+        x, experts_gate_up, h, sorted_pairs, counts, offsets, weights, inter, hidden, x.stride(0),
+        experts_gate_up.stride(0), experts_gate_up.stride(1), h.stride(0), row_blocks // num_experts, inter,
+        SWIGLU=True, **common)
+    _expert_gemm_kernel[(row_blocks, triton.cdiv(hidden, bn))](
+        h, experts_down, y, sorted_pairs, counts, offsets, weights, hidden, inter, h.stride(0),
+        experts_down.stride(0), experts_down.stride(1), y.stride(0), row_blocks // num_experts, 0,
+        SWIGLU=False, **common)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, experts_gate_up: torch.Tensor,
+              experts_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """The whole mixture of experts after the router GEMM: `moe_route` then `moe_experts`. x [T, hidden];
+    router_logits [T, E]. -> [T, hidden]. Graph-capturable; no host sync."""
+    weights, ids = moe_route(router_logits, top_k, renormalize)
+    return moe_experts(x, weights, ids, experts_gate_up, experts_down)
+
+
+def _check_experts(x, weights, ids, gate_up, down) -> tuple[int, int, int, int]:
+    check("x", x, dtype=_DTYPES, ndim=2)
+    num_tokens, hidden = x.shape
+    check("experts_gate_up", gate_up, dtype=x.dtype, ndim=3, device=x.device)
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    check("experts_gate_up", gate_up, shape=(num_experts, 2 * inter, hidden))
+    check("experts_down", down, dtype=x.dtype, shape=(num_experts, hidden, inter), device=x.device)
+    check("ids", ids, dtype=torch.int32, ndim=2, device=x.device)
+    top_k = ids.shape[1]
+    check("ids", ids, shape=(num_tokens, top_k))
+    check("weights", weights, dtype=torch.float32, shape=(num_tokens, top_k), device=x.device)
+    if not (weights.is_contiguous() and ids.is_contiguous()):
+        raise ValueError("weights and ids must be contiguous")
+    return num_tokens, hidden, num_experts, inter

@@ -1,0 +1,137 @@
+"""The fused mixture of experts against the plain torch op (gpu_backend/models/moe.py): routing, the counting
+sort by expert, the grouped expert GEMMs at M = 1, 8, 64, 256 tokens with experts that get no token, and
+one CUDA graph replayed over new inputs."""
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (CI may not install it)")
+
+from gpu_backend.models.moe import expert_mlp, moe_reference, route  # noqa: E402
+from kernels.moe import block_m, block_n, fused_moe, moe_align, moe_experts, moe_route  # noqa: E402
+
+
+def _experts(num_experts, hidden, inter, device, gen, dtype=torch.bfloat16):
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen).mul(hidden ** -0.5).to(device, dtype)
+    down = torch.randn(num_experts, hidden, inter, generator=gen).mul(inter ** -0.5).to(device, dtype)
+    return gate_up, down
+
+
+def _reference_with_routing(x, weights, ids, gate_up, down):
+    """Token by token, choice by choice: sum_j w_j * expert_{id_j}(x_t), float32 sum, rounded once."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            out[t] += expert_mlp(x[t:t + 1], gate_up[e], down[e])[0].float() * weights[t, j]
+    return out.to(x.dtype)
+
+
+def _token_counts(device):
+    return (1, 3, 9) if device == "cpu" else (1, 8, 64, 256)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_softmax_topk(device, renormalize):
+    gen = torch.Generator().manual_seed(0)
+    for num_experts, top_k in ((8, 2), (128, 8), (6, 3)):
+        # distinct logits far apart: no near-ties, so the chosen set is unambiguous
+        logits = torch.stack([torch.randperm(num_experts, generator=gen).float() * 0.37 for _ in range(11)])
+        logits = logits.to(device, torch.bfloat16)
+        weights, ids = moe_route(logits, top_k, renormalize)
+        want_w, want_ids = route(logits.float().cpu(), torch.eye(num_experts), top_k, renormalize)
+        assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+        assert torch.equal(ids.cpu().long(), want_ids)
+        torch.testing.assert_close(weights.cpu(), want_w, atol=1e-6, rtol=1e-5)
+
+
+def test_align_is_a_stable_counting_sort_by_expert(device):
+    gen = torch.Generator().manual_seed(1)
+    num_experts, top_k = 16, 4
+    for num_tokens in (1, 7, 300):                         # 300 * 4 pairs: more than one 1024-pair chunk
+        ids = torch.stack([torch.randperm(num_experts - 5, generator=gen)[:top_k] for _ in range(num_tokens)])
+        ids = (ids + 5).to(device, torch.int32)            # experts 0..4 get nothing
+        sorted_pairs, counts, offsets = moe_align(ids, num_experts)
+        flat = ids.flatten().cpu().long()
+        want_counts = torch.bincount(flat, minlength=num_experts)
+        assert torch.equal(counts.cpu().long(), want_counts) and counts[:5].sum() == 0
+        assert torch.equal(offsets.cpu().long(), torch.cumsum(want_counts, 0) - want_counts)
+        assert torch.equal(sorted_pairs.cpu().long(), torch.sort(flat, stable=True).indices)
+
+
+def test_experts_match_the_torch_op_with_empty_experts(device):
+    gen = torch.Generator().manual_seed(2)
+    num_experts, top_k, hidden, inter = 8, 2, 96, 80       # widths not multiples of the 64-wide tiles
+    gate_up, down = _experts(num_experts, hidden, inter, device, gen)
+    for num_tokens in _token_counts(device):
+        x = torch.randn(num_tokens, hidden, generator=gen).to(device, torch.bfloat16)
+        # only experts 1, 3, 4 and 6 are ever chosen: the other four get no pair at any M
+        pool = torch.tensor([1, 3, 4, 6])
+        ids = torch.stack([pool[torch.randperm(4, generator=gen)[:top_k]] for _ in range(num_tokens)])
+        weights = torch.rand(num_tokens, top_k, generator=gen).to(device)
+        got = moe_experts(x, weights, ids.to(device, torch.int32), gate_up, down)
+        want = _reference_with_routing(x, weights, ids, gate_up, down)
+        assert got.shape == x.shape and got.dtype == x.dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fused_moe_matches_the_torch_op(device):
+    gen = torch.Generator().manual_seed(3)
+    num_experts, top_k, hidden, inter = (16, 4, 64, 48) if device == "cpu" else (64, 8, 512, 320)
+    gate_up, down = _experts(num_experts, hidden, inter, device, gen)
+    router = torch.randn(num_experts, hidden, generator=gen).mul(hidden ** -0.5).to(device, torch.bfloat16)
+    for num_tokens in _token_counts(device):
+        x = torch.randn(num_tokens, hidden, generator=gen).to(device, torch.bfloat16)
+        logits = torch.nn.functional.linear(x, router)
+        got = fused_moe(x, logits, gate_up, down, top_k, True)
+        want = moe_reference(x, router, gate_up, down, top_k, True)
+        used = route(x, router, top_k, True)[1].unique().numel()
+        assert num_tokens > 8 or used < num_experts        # small batches leave experts without tokens
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_block_m_follows_the_pairs_per_expert():
+    assert block_m(8, 128) == 16 and block_m(2048, 128) == 16 and block_m(4096, 128) == 32
+    assert block_m(512, 8) == 64 and block_n(16) == 32 and block_n(64) == 64
+
+
+def test_moe_rejects_bad_arguments(device):
+    x = torch.zeros(2, 32, dtype=torch.bfloat16, device=device)
+    gate_up = torch.zeros(4, 2 * 16, 32, dtype=torch.bfloat16, device=device)
+    down = torch.zeros(4, 32, 16, dtype=torch.bfloat16, device=device)
+    ids = torch.zeros(2, 2, dtype=torch.int32, device=device)
+    weights = torch.zeros(2, 2, device=device)
+    with pytest.raises(ValueError, match="experts_down"):
+        moe_experts(x, weights, ids, gate_up, down[:, :16])
+    with pytest.raises(ValueError, match="ids"):
+        moe_experts(x, weights, ids.long(), gate_up, down)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route(torch.zeros(2, 4, device=device), 5, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here; CUDA graphs need one")
+def test_fused_moe_replays_in_a_cuda_graph():
+    gen = torch.Generator().manual_seed(4)
+    num_experts, top_k, hidden, inter, num_tokens = 128, 8, 256, 192, 64
+    gate_up, down = _experts(num_experts, hidden, inter, "cuda", gen)
+    router = torch.randn(num_experts, hidden, generator=gen).mul(hidden ** -0.5).to("cuda", torch.bfloat16)
+    x = torch.randn(num_tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
+
+    def step():
+        return fused_moe(x, torch.nn.functional.linear(x, router), gate_up, down, top_k, True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()                                             # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = step()
+    for seed in range(3):                                  # new inputs route to other experts
+        x.copy_(torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(10 + seed)).to("cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, step(), atol=0, rtol=0)
+        want = moe_reference(x, router, gate_up, down, top_k, True)
+        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
