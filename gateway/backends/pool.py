@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ..config import GatewayConfig
 from ..config_file import ConfigFileError, reload_fields
 from .backend import Backend
+from .transports import aio_control_channel
 from .route import Router, make_policy
 
 log = logging.getLogger("blink.gateway.pool")
@@ -56,7 +57,7 @@ class BackendPool:
         backends = await asyncio.gather(*(Backend.connect(addr, self.config) for addr in addrs))
         for backend in backends:
             try:
-                await self.add(backend, grpc.aio.insecure_channel(backend.info.addr))
+                await self.add(backend, aio_control_channel(backend.info.addr, self.config))
             except Exception:  # e.g. its tokenizer does not load: close it rather than leak its poller
                 await backend.close()
                 raise
@@ -209,7 +210,7 @@ class BackendPool:
                 await asyncio.sleep(self.config.probe_interval_s)
                 continue
             log.warning("backend %s is back", addr)
-            await self.add(backend, grpc.aio.insecure_channel(addr))
+            await self.add(backend, aio_control_channel(addr, self.config))
 
     # ---------------------------------------------------------------- lifecycle
     def stop_watching(self) -> None:

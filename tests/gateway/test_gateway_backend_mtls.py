@@ -1,0 +1,267 @@
+"""Mutual TLS between the gateway and a backend on loopback, with a CA made here (tls_pki.py): the backend's
+control plane (Describe and grpc.health.v1) and its tcp agent serve TLS and require a client certificate;
+the gateway dials them with its own (`backend_ssl_*`). A gateway with no certificate, one from another CA,
+or no TLS at all is refused with an error that says why, quickly; the agent's open session survives
+refused connections; a reload serves the new certificate to new connections."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import ssl
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.backends.backend import Backend, BackendConnectError, describe
+from gateway.backends.transports import aio_control_channel, connect_tcp
+from gateway.config import GatewayConfig
+from gpu_backend.control_server import ControlServer
+from gpu_backend.tcp_agent import TcpAgent
+from protocols.messages import BackendDescription, BackendInfo
+from protocols.mtls import ServerTls
+from protocols.ring import FinishReason, RequestSpec, RingGeometry
+from protocols.shm import attach_ring, create_ring
+from protocols.shm_consumer import RingConsumer
+from protocols.shm_producer import ShmProducer
+from tls_pki import Pki, make_pki, served_name
+
+GEOMETRY = RingGeometry(num_slots=2, max_prompt_len=16, max_output_len=4, max_stop_ids=2)
+REFUSED_WITHIN_S = 5.0  # a refused certificate is reported at once, not after connect_timeout_s
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def ring():
+    ring = create_ring(f"blink-mtls-{os.getpid()}", GEOMETRY, "fp")
+    yield ring
+    ring.close()
+
+
+def backend_tls(pki: Pki, cert_reqs: int = 2) -> ServerTls:
+    return ServerTls(*pki.server.files, str(pki.ca), cert_reqs, name="control-plane TLS")
+
+
+def gateway_config(pki: Pki, pair="client", ca=None, **fields) -> GatewayConfig:
+    pair = getattr(pki, pair) if pair else None
+    return GatewayConfig(backend_ssl_certfile=str(pair.cert) if pair else None,
+                         backend_ssl_keyfile=str(pair.key) if pair else None,
+                         backend_ssl_ca_certs=str(ca or pki.ca), slot_wait_s=2.0, heartbeat_check_s=0.02,
+                         tcp_idle_timeout_s=0.5, connect_timeout_s=30.0, **fields)
+
+
+@pytest.fixture
+def control(ring, pki):
+    server = ControlServer("127.0.0.1:0", BackendDescription("m", "", "fp", 64, 100, (0,), "cpu"), ring,
+                           tls=backend_tls(pki))
+    server.start()
+    yield f"127.0.0.1:{server.port}", server
+    server.stop(0)
+
+
+def test_describe_and_health_over_mutual_tls(control, pki):
+    addr, _ = control
+    config = gateway_config(pki)
+    assert describe(addr, 10, config).model_name == "m"
+
+    async def check() -> int:
+        async with aio_control_channel(addr, config) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return reply.status
+    assert asyncio.run(check()) == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("pair", ["rogue_client", None], ids=["other-ca", "no-certificate"])
+def test_a_gateway_without_a_valid_certificate_is_refused_at_once(control, pki, pair):
+    addr, _ = control
+    start = time.monotonic()
+    with pytest.raises(BackendConnectError, match="refused the gateway's client certificate") as info:
+        describe(addr, 30, gateway_config(pki, pair))
+    assert time.monotonic() - start < REFUSED_WITHIN_S
+    assert (pair is None) == ("presents no certificate" in str(info.value))
+
+
+def test_health_refuses_a_gateway_without_a_certificate(control):
+    addr, _ = control
+    with grpc.insecure_channel(addr) as channel:  # plaintext to the TLS port: refused, and no hang
+        with pytest.raises(grpc.RpcError) as info:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_backend_certificate_from_another_ca_is_named(control, pki):
+    addr, _ = control
+    with pytest.raises(BackendConnectError, match="certificate verify failed|unable to get local issuer"):
+        describe(addr, 30, gateway_config(pki, ca=pki.rogue_client.cert))  # trusts another CA only
+
+
+def test_a_plaintext_backend_is_named(ring, pki):
+    server = ControlServer("127.0.0.1:0", BackendDescription("m", "", "fp", 64, 100, (0,), "cpu"), ring)
+    server.start()
+    try:
+        with pytest.raises(BackendConnectError, match="TLS with the backend at .* failed"):
+            describe(f"127.0.0.1:{server.port}", 30, gateway_config(pki))
+    finally:
+        server.stop(0)
+
+
+def test_reload_serves_the_new_certificate_to_new_connections(ring, pki, tmp_path):
+    cert, key = tmp_path / "backend.pem", tmp_path / "backend.key"
+    shutil.copy(pki.server.cert, cert)
+    shutil.copy(pki.server.key, key)
+    tls = ServerTls(str(cert), str(key), str(pki.ca), 2)
+    server = ControlServer("127.0.0.1:0", BackendDescription("m", "", "fp", 64, 100, (0,), "cpu"), ring, tls=tls)
+    server.start()
+    try:
+        client = pki.client_context(pki.client)
+        assert served_name(server.port, client, "h2") == "server"
+        shutil.copy(pki.server2.cert, cert)
+        shutil.copy(pki.server2.key, key)
+        assert tls.reload()
+        assert served_name(server.port, pki.client_context(pki.client), "h2") == "server2"
+        key.write_text("not a key")
+        assert not tls.reload()  # refused: the old pair stays
+        assert describe(f"127.0.0.1:{server.port}", 10, gateway_config(pki)).model_name == "m"
+    finally:
+        server.stop(0)
+
+
+# ---------------------------------------------------------------- the tcp transport
+async def start_agent(ring, pki: Pki) -> tuple[TcpAgent, asyncio.Task]:
+    agent = TcpAgent(ShmProducer(attach_ring(ring.name), defer_consumed=True), state_s=0.02, idle_timeout_s=1.0,
+                     tls=backend_tls(pki))
+    task = asyncio.create_task(agent.serve("127.0.0.1", 0))
+    while not agent.port:
+        await asyncio.sleep(0.005)
+    return agent, task
+
+
+async def connect_backend(ring, port: int, config: GatewayConfig) -> Backend:
+    info = BackendInfo(addr="test", model_name="m", model_dir="", model_fingerprint="fp", context_len=64,
+                       vocab_size=100, eos_token_ids=(0,), engine_mode="test", ring_name=ring.name,
+                       geometry=GEOMETRY, transport="tcp", tcp_endpoint=f"127.0.0.1:{port}")
+    backend = Backend(info, await connect_tcp(info, config), config)
+    backend.start()
+    return backend
+
+
+async def until(cond, timeout_s: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def stream_one(backend: Backend, engine: RingConsumer, request_id: int) -> list[int]:
+    handle = await backend.submit(RequestSpec(request_id=request_id, prompt_ids=[1, 2, 3], max_tokens=4))
+    taken = []
+    await until(lambda: taken.extend(engine.take_new()) or taken)
+    engine.publish(taken[0].slot, [7, 8])
+    engine.finish(taken[0].slot, FinishReason.LENGTH)
+    got = []
+    while not got or got[-1].finish == FinishReason.NONE:
+        got.append(await asyncio.wait_for(handle.next(), 3))
+    return [t for u in got for t in u.tokens]
+
+
+async def raw_tls_attempt(port: int, context: ssl.SSLContext | None) -> None:
+    """A connection that tries its luck: TLS with `context`, or plaintext bytes (None); errors expected."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context,
+                                                       server_hostname="127.0.0.1" if context else None)
+        if context is None:
+            writer.write(b"\x00" * 64)
+        await asyncio.wait_for(reader.read(1), 3)
+        writer.close()
+    except (OSError, asyncio.TimeoutError):
+        pass
+
+
+def test_tcp_transport_over_mutual_tls_and_refused_connections_leave_the_session(ring, pki, caplog):
+    async def main():
+        agent, task = await start_agent(ring, pki)
+        backend = await connect_backend(ring, agent.port, gateway_config(pki))
+        engine = RingConsumer(ring)
+        try:
+            assert await stream_one(backend, engine, 1) == [7, 8]
+            await raw_tls_attempt(agent.port, pki.client_context(pki.rogue_client))
+            await raw_tls_attempt(agent.port, pki.client_context(None))
+            await raw_tls_attempt(agent.port, None)  # plaintext to the TLS port
+            await until(lambda: agent.num_refused == 3)
+            assert agent.session is not None and backend._producer.connected
+            assert await stream_one(backend, engine, 2) == [7, 8]  # the session went on
+        finally:
+            await backend.close()
+            agent.stop()
+            await task
+    with caplog.at_level(logging.INFO, logger="blink.agent"):
+        asyncio.run(main())
+    refusals = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refusals) == 3, refusals
+    assert any("CN=client" in r.getMessage() for r in caplog.records if "connected" in r.getMessage())
+
+
+@pytest.mark.parametrize("pair", ["rogue_client", None], ids=["other-ca", "no-certificate"])
+def test_tcp_agent_refuses_a_gateway_without_a_valid_certificate(ring, pki, pair):
+    async def main():
+        agent, task = await start_agent(ring, pki)
+        start = time.monotonic()
+        try:
+            with pytest.raises(BackendConnectError, match="refused the gateway's client certificate"):
+                await connect_backend(ring, agent.port, gateway_config(pki, pair))
+            assert time.monotonic() - start < REFUSED_WITHIN_S and agent.session is None
+            assert agent.num_refused >= 1
+        finally:
+            agent.stop()
+            await task
+    asyncio.run(main())
+
+
+def test_tcp_gateway_without_tls_gets_nowhere_with_a_tls_agent(ring, pki):
+    async def main():
+        agent, task = await start_agent(ring, pki)
+        try:
+            with pytest.raises(BackendConnectError, match="no session with the tcp agent"):
+                await connect_backend(ring, agent.port, GatewayConfig(tcp_idle_timeout_s=0.5, connect_timeout_s=2.0))
+            assert agent.session is None and agent.num_refused >= 1
+        finally:
+            agent.stop()
+            await task
+    asyncio.run(main())
+
+
+
+# ---------------------------------------------------------------- the gateway's settings
+@pytest.mark.parametrize("fields, message", [
+    ({"backend_ssl_keyfile": "k.pem"}, "backend_ssl_keyfile needs backend_ssl_certfile"),
+    ({"backend_ssl_certfile": "c.pem"}, "backend_ssl_certfile needs backend_ssl_ca_certs"),
+])
+def test_half_a_backend_tls_configuration_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GatewayConfig(**fields)
+
+
+def test_backend_tls_settings_from_file_env_and_flags(tmp_path):
+    from gateway.main import config_from_args, parse_args
+
+    path = tmp_path / "gateway.yaml"
+    path.write_text("backend_ssl_certfile: /file/gw.pem\nbackend_ssl_ca_certs: /file/ca.pem\n")
+    environ = {"BLINK_BACKEND_SSL_KEYFILE": "/env/gw.key", "BLINK_BACKEND_SSL_CA_CERTS": "/env/ca.pem"}
+    config = config_from_args(parse_args(["--config", str(path), "--backend-ssl-certfile", "/flag/gw.pem"]), environ)
+    assert (config.backend_ssl_certfile, config.backend_ssl_keyfile, config.backend_ssl_ca_certs) == \
+        ("/flag/gw.pem", "/env/gw.key", "/env/ca.pem")
+    assert config.backend_tls and not GatewayConfig().backend_tls
+
+
+def test_a_missing_backend_tls_file_is_named(control, tmp_path, pki):
+    addr, _ = control
+    with pytest.raises(OSError, match=f"the TLS CA certificates {tmp_path / 'absent.pem'}: No such file"):
+        describe(addr, 5, GatewayConfig(backend_ssl_ca_certs=str(tmp_path / "absent.pem")))
