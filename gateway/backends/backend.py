@@ -111,6 +111,13 @@ class Backend:
         return self._producer.heartbeat
 
     @property
+    def link_error(self) -> str | None:
+        """Why the link to a remote ring (tcp agent) is down, e.g. a refused TLS handshake; None while up."""
+        if self._producer.connected:
+            return None
+        return getattr(self._producer, "last_error", "") or "down"
+
+    @property
     def num_waiting(self) -> int:
         """Requests queued in the gateway for a free ring slot."""
         return len(self._waiters)

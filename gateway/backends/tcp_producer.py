@@ -10,8 +10,9 @@ of ms) fails every request it carried with an error the client sees; those slots
 the agent says the engine has finished them (Hello's free list or Freed). It then reconnects with
 exponential backoff for as long as it runs.
 
-With `ssl_context` (the gateway's `backend_ssl_*`: mutual TLS) the stream is TLS, the agent's certificate
-is checked against the CA and the endpoint's host, and the gateway presents its own. A TLS failure at
+With `ssl_context` (the gateway's `backend_ssl_*`: mutual TLS; a function, called at each connection, so
+that a reconnection reads replaced files) the stream is TLS, the agent's certificate is checked against
+the CA and the endpoint's host, and the gateway presents its own. A TLS failure at
 start-up (the agent refused the gateway's certificate, or its own does not verify) is a configuration
 error: `start` raises it at once instead of retrying until the timeout.
 """
@@ -21,7 +22,7 @@ import asyncio
 import logging
 import random
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from protocols import tcp_wire as W
@@ -61,7 +62,7 @@ class TcpProducer:
 
     def __init__(self, endpoint: str, geometry: RingGeometry, fingerprint: str | None = None, *,
                  ping_s: float = 0.5, idle_timeout_s: float = 3.0, backoff_s: tuple[float, float] = (0.05, 2.0),
-                 ssl_context: ssl.SSLContext | None = None):
+                 ssl_context: Callable[[], ssl.SSLContext] | None = None):
         host, _, port = endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"tcp endpoint {endpoint!r} must look like HOST:PORT")
@@ -129,7 +130,7 @@ class TcpProducer:
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.ssl_context is None:
             return await asyncio.open_connection(self._host, self._port)
-        return await asyncio.open_connection(self._host, self._port, ssl=self.ssl_context,
+        return await asyncio.open_connection(self._host, self._port, ssl=self.ssl_context(),
                                              server_hostname=self._host, ssl_handshake_timeout=self.idle_timeout_s)
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

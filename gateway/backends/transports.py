@@ -6,6 +6,7 @@ heartbeat, free_slots, connected, close), so nothing above this module depends o
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import tempfile
 
@@ -71,7 +72,8 @@ async def connect_tcp(info: BackendInfo, config: GatewayConfig) -> TcpProducer:
     """The producer end of a ring reached through the backend host's tcp agent (`blink agent`)."""
     try:
         producer = TcpProducer(info.tcp_endpoint, info.geometry, info.model_fingerprint or None,
-                               idle_timeout_s=config.tcp_idle_timeout_s, ssl_context=backend_ssl_context(config))
+                               idle_timeout_s=config.tcp_idle_timeout_s,
+                               ssl_context=functools.partial(backend_ssl_context, config) if config.backend_tls else None)
         await producer.start(config.connect_timeout_s)
     except (ValueError, TimeoutError, AgentMismatch) as exc:
         raise BackendConnectError(f"backend {info.addr}: {exc}") from None

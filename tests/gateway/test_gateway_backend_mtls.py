@@ -135,10 +135,10 @@ def test_reload_serves_the_new_certificate_to_new_connections(ring, pki, tmp_pat
 
 
 # ---------------------------------------------------------------- the tcp transport
-async def start_agent(ring, pki: Pki) -> tuple[TcpAgent, asyncio.Task]:
+async def start_agent(ring, pki: Pki, port: int = 0, tls: ServerTls | None = None) -> tuple[TcpAgent, asyncio.Task]:
     agent = TcpAgent(ShmProducer(attach_ring(ring.name), defer_consumed=True), state_s=0.02, idle_timeout_s=1.0,
-                     tls=backend_tls(pki))
-    task = asyncio.create_task(agent.serve("127.0.0.1", 0))
+                     tls=tls or backend_tls(pki))
+    task = asyncio.create_task(agent.serve("127.0.0.1", port))
     while not agent.port:
         await asyncio.sleep(0.005)
     return agent, task
@@ -239,6 +239,27 @@ def test_tcp_gateway_without_tls_gets_nowhere_with_a_tls_agent(ring, pki):
 
 
 
+def test_a_refusal_after_a_restart_shows_in_the_backend_status(ring, pki):
+    """The backend comes back trusting another CA (a rotation gone wrong): /health and /admin/backends say why."""
+    async def main():
+        agent, task = await start_agent(ring, pki)
+        port = agent.port
+        backend = await connect_backend(ring, port, gateway_config(pki))
+        try:
+            assert backend.link_error is None
+            agent.stop()
+            await task
+            other_ca = ServerTls(*pki.server.files, str(pki.ca.parent / "rogue-ca.pem"), 2)
+            agent, task = await start_agent(ring, pki, port, other_ca)
+            await until(lambda: agent.num_refused >= 1 and "refused" in (backend.link_error or ""), 5.0)
+            assert "refused the gateway's client certificate" in backend.link_error
+        finally:
+            await backend.close()
+            agent.stop()
+            await task
+    asyncio.run(main())
+
+
 # ---------------------------------------------------------------- the gateway's settings
 @pytest.mark.parametrize("fields, message", [
     ({"backend_ssl_keyfile": "k.pem"}, "backend_ssl_keyfile needs backend_ssl_certfile"),
@@ -265,3 +286,19 @@ def test_a_missing_backend_tls_file_is_named(control, tmp_path, pki):
     addr, _ = control
     with pytest.raises(OSError, match=f"the TLS CA certificates {tmp_path / 'absent.pem'}: No such file"):
         describe(addr, 5, GatewayConfig(backend_ssl_ca_certs=str(tmp_path / "absent.pem")))
+
+
+def test_blinkctl_reaches_an_admin_api_that_requires_client_certificates(start_harness, pki, pick_free_port, capsys):
+    from blink import ctl
+
+    harness = start_harness(GatewayConfig(port=0, grpc_port=pick_free_port(), admin_keys=frozenset({"adm"}),
+                                          ssl_certfile=str(pki.server.cert), ssl_keyfile=str(pki.server.key),
+                                          ssl_ca_certs=str(pki.ca), ssl_cert_reqs=2))
+    common = ["--url", harness.url, "--admin-key", "adm", "--ssl-ca-certs", str(pki.ca)]
+    assert ctl.main(["status", *common, "--ssl-certfile", str(pki.client.cert), "--ssl-keyfile",
+                     str(pki.client.key), "--json"]) == 0
+    assert '"backends"' in capsys.readouterr().out
+    assert ctl.main(["status", *common]) == 2  # no client certificate: the handshake fails, said plainly
+    assert "cannot reach the gateway" in capsys.readouterr().err
+    assert ctl.main(["status", *common, "--ssl-certfile", str(pki.ca.parent / "absent.pem")]) == 2
+    assert "cannot load the TLS files given to blinkctl" in capsys.readouterr().err
