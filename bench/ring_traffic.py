@@ -117,7 +117,6 @@ def openai_ttft_ms(url: str, key: str, samples: int) -> list[float]:
     return out[5:]
 
 
-@contextlib.contextmanager
 def self_signed_certificate(cwd: Path) -> tuple[str, str]:
     """A throwaway certificate for 127.0.0.1 (its own CA; EC P-256, as an operator's would be): (cert, key)."""
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
@@ -138,6 +137,7 @@ def _wait_https(url: str, proc: subprocess.Popen, context: ssl.SSLContext, timeo
     raise RuntimeError(f"the gateway did not answer {url} within {timeout_s:g} s")
 
 
+@contextlib.contextmanager
 def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | None = None,
                      profile: str | None = None, poll_spin_s: float | None = None, extra: Sequence[str] = (),
                      nice: int = 0, workers: int = 1, tls: tuple[str, str] | None = None):
