@@ -20,7 +20,7 @@ from protocols.mtls import grpc_channel_credentials
 from .config import GatewayConfig
 
 __all__ = ["CERT_REQS", "MIN_VERSION", "TlsFileError", "TlsFiles", "fingerprint", "tls_files",
-           "backend_ssl_context", "backend_channel_credentials", "tls_refusal"]
+           "backend_ssl_context", "backend_channel_credentials", "tls_refusal", "plaintext_refusal"]
 
 
 class TlsFiles(ServerTls):
@@ -80,3 +80,23 @@ def _client_cert(config: GatewayConfig) -> str:
     if config.backend_ssl_certfile is None:
         return "the gateway presents no certificate: set --backend-ssl-certfile"
     return f"the gateway presents {config.backend_ssl_certfile}, trusts {config.backend_ssl_ca_certs}"
+
+
+# HTTP/2's connection preface and an empty SETTINGS frame: what a plaintext gRPC client sends first.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def plaintext_refusal(addr: str, timeout_s: float = 2.0) -> str | None:
+    """Why a plaintext gRPC session with HOST:PORT fails when the backend serves TLS, or None (a plaintext
+    server answers the preface with its SETTINGS; a TLS one closes the connection)."""
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+            sock.sendall(_H2_PREFACE)
+            sock.settimeout(0.5)
+            if sock.recv(1) == b"":
+                return (f"the backend at {addr} closed a plaintext connection: it serves TLS (--control-ssl-certfile); "
+                        f"give the gateway --backend-ssl-ca-certs (and --backend-ssl-certfile/--backend-ssl-keyfile)")
+    except OSError:  # refused, unreachable, or no answer yet: not a TLS matter
+        pass
+    return None

@@ -23,7 +23,7 @@ from ..errors import overloaded, unavailable
 from ..streaming.native import NativeStreams
 from ..streaming.poller import Poller
 from ..streaming.request_handle import RequestHandle
-from ..tls import tls_refusal
+from ..tls import plaintext_refusal, tls_refusal
 from .transports import BackendConnectError, connect_transport, control_channel
 
 log = logging.getLogger("blink.gateway.backends")
@@ -31,25 +31,25 @@ log = logging.getLogger("blink.gateway.backends")
 # The longest spin (`GatewayConfig.poll_spin_s`) of a poller whose engine is `cpu`: that engine computes on
 # this host's cores, and a spinning poller would take them from it.
 CPU_ENGINE_SPIN_S = 0.002
-TLS_CHECK_S = 1.0  # how often a Describe that waits over TLS checks the handshake itself
+TLS_CHECK_S = 1.0  # how often a Describe that waits checks the session (TLS or not) itself
 
 
 def describe(addr: str, timeout_s: float, config: GatewayConfig) -> control_pb2.DescribeReply:
     """Blocking Describe that waits up to `timeout_s` for the backend to come up.
 
-    Over TLS, gRPC reports a failed handshake as a mere wait: every `TLS_CHECK_S` of waiting the handshake
-    is tried directly, and a refused one (wrong certificate, wrong CA, a plaintext backend) ends the wait
-    at once with its reason."""
+    gRPC reports a failed TLS handshake as a mere wait: every `TLS_CHECK_S` of waiting the session is tried
+    directly, and a refused one (wrong certificate, wrong CA; TLS to a plaintext backend or plaintext to a
+    TLS one) ends the wait at once with its reason."""
     deadline = time.monotonic() + timeout_s
     with control_channel(addr, config) as channel:
         stub = control_pb2_grpc.ControlStub(channel)
         while True:
             remaining_s = max(deadline - time.monotonic(), 0.0)
-            step_s = min(remaining_s, TLS_CHECK_S) if config.backend_tls else remaining_s
+            step_s = min(remaining_s, TLS_CHECK_S)
             try:
                 return stub.Describe(control_pb2.DescribeRequest(), timeout=step_s, wait_for_ready=True)
             except grpc.RpcError as exc:
-                refused = tls_refusal(addr, config) if config.backend_tls else None
+                refused = tls_refusal(addr, config) if config.backend_tls else plaintext_refusal(addr)
                 if refused is None and step_s < remaining_s and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     continue
                 raise BackendConnectError(refused or f"backend {addr} did not answer Describe within {timeout_s:g} s: "

@@ -10,7 +10,9 @@ import asyncio
 import logging
 import os
 import shutil
+import socket
 import ssl
+import threading
 import time
 
 import grpc
@@ -87,6 +89,30 @@ def test_a_gateway_without_a_valid_certificate_is_refused_at_once(control, pki, 
         describe(addr, 30, gateway_config(pki, pair))
     assert time.monotonic() - start < REFUSED_WITHIN_S
     assert (pair is None) == ("presents no certificate" in str(info.value))
+
+
+def test_a_plaintext_gateway_is_told_the_backend_serves_tls(control):
+    addr, _ = control
+    start = time.monotonic()
+    with pytest.raises(BackendConnectError, match="closed a plaintext connection: it serves TLS"):
+        describe(addr, 30, GatewayConfig())
+    assert time.monotonic() - start < REFUSED_WITHIN_S
+
+
+def test_a_backend_that_is_not_up_yet_is_waited_for(ring, pki):
+    """Neither check mistakes a backend still starting (nothing listening yet) for a refusal."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ControlServer(f"127.0.0.1:{port}", BackendDescription("m", "", "fp", 64, 100, (0,), "cpu"), ring,
+                           tls=backend_tls(pki))
+    timer = threading.Timer(2.5, server.start)  # past two checks of the waiting Describe
+    timer.start()
+    try:
+        assert describe(f"127.0.0.1:{port}", 30, gateway_config(pki)).model_name == "m"
+    finally:
+        timer.join()
+        server.stop(0)
 
 
 def test_health_refuses_a_gateway_without_a_certificate(control):
