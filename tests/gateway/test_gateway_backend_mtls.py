@@ -265,6 +265,28 @@ def test_tcp_gateway_without_tls_gets_nowhere_with_a_tls_agent(ring, pki):
 
 
 
+def test_the_agent_serves_a_reloaded_certificate_to_new_connections(ring, pki, tmp_path):
+    cert, key = tmp_path / "backend.pem", tmp_path / "backend.key"
+    shutil.copy(pki.server.cert, cert)
+    shutil.copy(pki.server.key, key)
+    tls = ServerTls(str(cert), str(key), str(pki.ca), 2)
+
+    async def main():
+        agent, task = await start_agent(ring, pki, tls=tls)
+        loop = asyncio.get_running_loop()
+        try:
+            names = [await loop.run_in_executor(None, served_name, agent.port, pki.client_context(pki.client))]
+            shutil.copy(pki.server2.cert, cert)
+            shutil.copy(pki.server2.key, key)
+            assert tls.reload()
+            names.append(await loop.run_in_executor(None, served_name, agent.port, pki.client_context(pki.client)))
+            return names
+        finally:
+            agent.stop()
+            await task
+    assert asyncio.run(main()) == ["server", "server2"]
+
+
 def test_a_refusal_after_a_restart_shows_in_the_backend_status(ring, pki):
     """The backend comes back trusting another CA (a rotation gone wrong): /health and /admin/backends say why."""
     async def main():
