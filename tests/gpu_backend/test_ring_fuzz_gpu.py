@@ -43,6 +43,8 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason
 NUM_REQUESTS = int(os.environ.get("BLINK_FUZZ_REQUESTS", "2000"))
 TIMEOUT_S = float(os.environ.get("BLINK_FUZZ_TIMEOUT_S", "60"))
 BACKGROUND = 0  # the slot of the long request decoding beside the bad ones
+BACKGROUND_TOKENS = 400
+BACKGROUND_SPEC = RequestSpec(9, [7, 8, 9], BACKGROUND_TOKENS, temperature=0.7, seed=3, ignore_eos=True)
 FUZZ_SLOTS = range(1, GEOMETRY.num_slots)
 NORMAL = RequestSpec(1, [5, 9, 14, 3, 27, 300, 411], 6, temperature=0.0, ignore_eos=True)
 U32 = (1 << 32) - 1
@@ -132,8 +134,10 @@ class LoopFuzz:
             for slot in self.consume:
                 resp = self.ring.response_fields(slot)
                 resp["consumed"] = resp["produced"]
-            if self.background and self.finish(BACKGROUND):
-                self.submit(BACKGROUND, RequestSpec(9, [7, 8, 9], 400, temperature=0.7, seed=3, ignore_eos=True))
+            if self.background and self.finish(BACKGROUND):  # all its tokens: the bad requests beside it left no mark
+                produced = int(self.ring.response_fields(BACKGROUND)["produced"])
+                assert (self.finish(BACKGROUND), produced) == ((FinishReason.LENGTH, ErrorCode.NONE), BACKGROUND_TOKENS)
+                self.submit(BACKGROUND, BACKGROUND_SPEC)
             assert time.monotonic() < deadline, f"{what}: nothing after {TIMEOUT_S} s; loop ctl {self.engine.ctl}"
             time.sleep(0.0002)
 
@@ -164,7 +168,7 @@ def test_bad_requests_end_in_errors_and_the_loop_keeps_serving(runner_cfg):
     try:
         f.engine.start()
         f.background = True
-        f.submit(BACKGROUND, RequestSpec(9, [7, 8, 9], 400, temperature=0.7, seed=3, ignore_eos=True))
+        f.submit(BACKGROUND, BACKGROUND_SPEC)
         t0 = time.monotonic()
         counts = _fuzz(f, num_requests, SEED)
         elapsed = time.monotonic() - t0

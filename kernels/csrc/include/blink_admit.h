@@ -10,6 +10,10 @@
 // and logit-bias ids past the vocabulary are kept and never match or apply (every engine ignores them).
 // The caller reads each ring word once (a snapshot: a writer racing the read cannot pass one value to the
 // check and another to the engine) and checks array elements where it copies them (the *_ok predicates).
+// Where the loop and the host engines differ, the outcome is the same: the host engines log a skipped queue
+// entry and a slot taken again while live, the loop cannot log; such a slot's old request is dropped by both,
+// the loop also drops the old request's token or finish not yet published (the host publishes before it
+// takes), and its speculation leaves such a slot to the full step (blink_loop.cuh, slot_in_use_spec).
 #ifndef BLINK_ADMIT_H
 #define BLINK_ADMIT_H
 
