@@ -30,7 +30,7 @@ __device__ blink_sched bind_dev(uint8_t* mem) {
 __global__ void k_add(uint8_t* mem, int32_t slot, const int32_t* prompt, int32_t len, int64_t max_tokens,
                       int64_t prio, const int32_t* stops, int32_t num_stop, int32_t ignore_eos, uint64_t seed) {
   blink_sched s = bind_dev(mem);
-  blink_sched_add(&s, slot, prompt, len, max_tokens, prio, stops, num_stop, ignore_eos, 0.7f, 5, 0.9f, 0.0f, seed);
+  blink_sched_add(&s, slot, prompt, len, max_tokens, prio, stops, num_stop, ignore_eos, 0.7f, 5, 0.9f, 0.0f, seed, 0, 0);
 }
 
 __global__ void k_finish(uint8_t* mem, int32_t slot) {
@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
   blink_sched_config c = {};
   c.max_slots = 16; c.num_blocks = 12; c.block_size = 2; c.context_len = 48; c.budget = 16;
   c.max_num_seqs = 6; c.max_stop_ids = 2; c.num_eos = 1; c.eos_ids[0] = 0;
-  c.step_max_tokens = 16; c.step_max_seqs = 8; c.num_buckets = 5;
+  c.step_max_tokens = 16; c.step_max_seqs = 8; c.num_buckets = 5; c.hash_slots = 1;
   for (int i = 0; i < 5; ++i) c.buckets[i] = 1 << i;
   run(c, num_steps, 3);
   blink_sched_config big = c;  // many sequences: scans over several warps, blocks short now and then
@@ -135,7 +135,7 @@ static void run(const blink_sched_config& c, int num_steps, int arrival_odds) {
         const int32_t num_stop = rnd(3), ignore_eos = rnd(5) == 0;
         const int64_t prio = rnd(3);
         const uint64_t seed = rng_state;
-        blink_sched_add(&p.host, slot, args, len, max_tokens, prio, stops, num_stop, ignore_eos, 0.7f, 5, 0.9f, 0.0f, seed);
+        blink_sched_add(&p.host, slot, args, len, max_tokens, prio, stops, num_stop, ignore_eos, 0.7f, 5, 0.9f, 0.0f, seed, 0, 0);
         CHECK(cudaMemcpy(p.dev_args, args, 4 * (kMaxPrompt + 2), cudaMemcpyHostToDevice));
         k_add<<<1, 1>>>(p.dev_mem, slot, p.dev_args, len, max_tokens, prio, p.dev_args + kMaxPrompt, num_stop,
                         ignore_eos, seed);

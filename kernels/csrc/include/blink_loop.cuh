@@ -78,6 +78,7 @@ __device__ void reset_response(const blink_loop_args* a, uint32_t slot, uint64_t
   st_v(&r->finish_reason, (uint32_t)BLINK_FINISH_NONE);
   st_v(&r->error_code, 0u);
   st_v(&r->prompt_len, prompt_len);
+  st_v(&r->cached_tokens, 0u);
   st_v(&r->first_token_ns, (uint64_t)0);
   st_v(&r->last_token_ns, (uint64_t)0);
   st_release_u64(&r->seq, seq);
@@ -111,6 +112,14 @@ struct loop_scratch {  // per-slot scratch of one loop kernel: shared memory whe
 };
 
 // ---- publishing (RingConsumer.publish / finish / set_stats / beat) -----------------------------------------
+// The header's KV words: evictable blocks count as free (an allocation takes them), then the prefix cache's.
+__device__ void write_kv_stats(blink_ring_header* hdr, const blink_sched_header* h) {
+  st_v(&hdr->free_kv_blocks, (uint32_t)(h->num_free + h->num_evictable));
+  st_v(&hdr->cached_kv_blocks, (uint32_t)h->num_cached);
+  st_v(&hdr->prefix_cache_queries, (uint64_t)h->prefix_queries);
+  st_v(&hdr->prefix_cache_hits, (uint64_t)h->prefix_hits);
+}
+
 // All threads: the tokens of the last update, one per slot (its `produced` last, with release), then,
 // after a system fence, the finishes. Thread 0: the header's counters and the heartbeat.
 // A new-list entry -1 - slot (a STOPPING sequence's dropped row) has no token.
@@ -131,7 +140,10 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
     const uint32_t p = a->slot_produced[slot];
     st_v(&r->tokens[p % cap], s->new_token[i]);
     ext_publish_logprob(a, slot, p);
-    if (p == 0) st_v(&r->first_token_ns, now);
+    if (p == 0) {
+      st_v(&r->cached_tokens, (uint32_t)s->cached_tokens[slot]);  // before `produced`, like the tokens
+      st_v(&r->first_token_ns, now);
+    }
     st_v(&r->last_token_ns, now);
     st_release_u32(&r->produced, p + 1);
     a->slot_produced[slot] = p + 1;
@@ -148,7 +160,7 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
     a->num_err = 0;
     a->generated += h->num_new - sh_skipped;
     st_v(&hdr->generated_tokens, a->generated);
-    st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
+    write_kv_stats(hdr, h);
     st_v(&hdr->running, (uint32_t)h->num_running);
     st_v(&hdr->waiting, (uint32_t)h->num_waiting);
     a->beats += 1;
@@ -172,11 +184,14 @@ __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scra
   const uint32_t priority = ld_v(&req->priority);
   uint32_t num_stop = ld_v(&req->num_stop_ids);
   if (num_stop > a->max_stop_ids) num_stop = a->max_stop_ids;
+  const uint32_t num_hashes = ld_v(&req->num_block_hashes);  // admit copied them in (block_hashes_to_copy)
   int32_t* stops = s->stop_ids + (int64_t)slot * s->h->cfg.max_stop_ids;  // copied in, then added in place
   for (uint32_t i = 0; i < num_stop; ++i) stops[i] = ld_v(&req->stop_ids[i]);
   reset_response(a, slot, seq, (uint32_t)prompt_len);
   int32_t err = blink_sched_check(s, prompt_len, max_tokens, temperature, top_p, top_k, min_p);
   if (err == BLINK_ERR_NONE && !ext_admit(a, slot, req, flags, prompt_len)) err = BLINK_ERR_INVALID_PARAMS;
+  if (num_hashes > a->max_block_hashes || num_hashes > (uint32_t)(prompt_len / s->h->cfg.block_size))
+    err = BLINK_ERR_INVALID_PARAMS;  // as RingConsumer: a count past the slot's area or the prompt's blocks
   if (err != BLINK_ERR_NONE) {
     if (spec) {
       a->err_slot[a->num_err] = (int32_t)slot;
@@ -190,18 +205,32 @@ __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scra
                             ? ld_v(&req->seed)
                             : mix64(now_ns() ^ ((uint64_t)slot << 40) ^ ld_v(&req->request_id));
   const int32_t* prompt = s->tokens + (int64_t)slot * s->h->cfg.context_len;  // already copied there
+  const uint64_t* hashes = s->seq_hashes + (int64_t)slot * blink_max_blocks_per_seq(&s->h->cfg);  // idem
   blink_sched_add(s, (int32_t)slot, prompt, prompt_len, max_tokens, priority, stops, (int32_t)num_stop,
-                  (flags & BLINK_RING_FLAG_IGNORE_EOS) ? 1 : 0, temperature, top_k, top_p, min_p, seed);
+                  (flags & BLINK_RING_FLAG_IGNORE_EOS) ? 1 : 0, temperature, top_k, top_p, min_p, seed, hashes,
+                  (int32_t)num_hashes);
   a->slot_seq[slot] = seq;
   a->slot_produced[slot] = 0;
   x.room[slot] = ext_capacity(a, slot);  // a new request's output area is empty
+}
+
+// The block hashes of `slot`'s request worth copying to the scheduler: none with the cache off, else up to
+// one per full block of its (clipped) prompt and the slot's area (blink_sched_add checks them further).
+__device__ uint32_t block_hashes_to_copy(const blink_loop_args* a, const blink_sched* s, uint32_t slot,
+                                         int32_t prompt_len) {
+  const blink_sched_config* c = &s->h->cfg;
+  if (!c->prefix_caching) return 0;
+  uint32_t n = ld_v(&request(a, slot)->num_block_hashes);
+  if (n > a->max_block_hashes) n = a->max_block_hashes;
+  const uint32_t full = (uint32_t)((prompt_len < c->context_len ? prompt_len : c->context_len) / c->block_size);
+  return n < full ? n : full;
 }
 
 // All threads: take every request queued from `head` up to `tail`, in submission order; *head_out = tail.
 // The ring's copy of the head is written here, or (spec) by the publish after the acceptance.
 __device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint64_t head_in, uint64_t tail,
                       uint64_t* head_out, bool spec) {
-  __shared__ uint32_t sh_slot;
+  __shared__ uint32_t sh_slot, sh_hashes;
   __shared__ int32_t sh_len;
   const uint32_t* sq = (const uint32_t*)(a->ring + a->sq_offset);
   const int32_t ctx = s->h->cfg.context_len;
@@ -213,6 +242,7 @@ __device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x,
       if (len > a->max_prompt_len) len = a->max_prompt_len;
       sh_slot = slot;
       sh_len = (int32_t)len;
+      sh_hashes = block_hashes_to_copy(a, s, slot, (int32_t)len);
     }
     __syncthreads();
     // the prompt goes straight to the scheduler's token array (at most context_len of it: longer is refused)
@@ -220,6 +250,9 @@ __device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x,
     const int32_t* src = (const int32_t*)((const uint8_t*)request(a, sh_slot) + a->prompt_offset);
     int32_t* dst = s->tokens + (int64_t)sh_slot * ctx;
     for (int32_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = ld_v(&src[i]);
+    const uint64_t* hsrc = (const uint64_t*)(a->ring + a->hash_offset + sh_slot * a->hash_bytes);
+    uint64_t* hdst = s->seq_hashes + (int64_t)sh_slot * blink_max_blocks_per_seq(&s->h->cfg);
+    for (uint32_t i = threadIdx.x; i < sh_hashes; i += blockDim.x) hdst[i] = ld_v(&hsrc[i]);
     ext_copy_bias(a, sh_slot);
     __syncthreads();
     if (threadIdx.x == 0) take_request(a, s, x, sh_slot, sh_len, spec);
@@ -330,7 +363,7 @@ __device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
     }
     h->num_entries = 0;
     blink_ring_header* hdr = ring_header(a);
-    st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
+    write_kv_stats(hdr, h);
     st_v(&hdr->running, 0u);
     st_v(&hdr->waiting, 0u);
     end_loop(a);  // no graph is launched after this one

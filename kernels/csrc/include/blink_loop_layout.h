@@ -259,6 +259,10 @@ typedef struct blink_loop_args {
   uint32_t async_take;  /* 1: blink_loop_take launches the next step before its tokens [create] */
   int32_t eos_ids[8];  /* [create] */
   blink_loop_ext* ext;  /* the sampling extensions (blink_loop_ext.cuh), 0: off [host] */
+  uint64_t hash_offset;  /* ring version 3: the block-hash areas [host] */
+  uint64_t hash_bytes;  /* [host] */
+  uint32_t max_block_hashes;  /* per slot [host] */
+  uint8_t _pad1[4];
 } blink_loop_args;
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ring) == 0, "blink_loop_args.ring");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sq_offset) == 8, "blink_loop_args.sq_offset");
@@ -318,7 +322,10 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_done) == 488, "blink_loop_arg
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, async_take) == 492, "blink_loop_args.async_take");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, eos_ids) == 496, "blink_loop_args.eos_ids");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ext) == 528, "blink_loop_args.ext");
-BLINK_LAYOUT_ASSERT(sizeof(blink_loop_args) == 536, "sizeof(blink_loop_args)");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hash_offset) == 536, "blink_loop_args.hash_offset");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hash_bytes) == 544, "blink_loop_args.hash_bytes");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, max_block_hashes) == 552, "blink_loop_args.max_block_hashes");
+BLINK_LAYOUT_ASSERT(sizeof(blink_loop_args) == 560, "sizeof(blink_loop_args)");
 
 
 #endif /* BLINK_LOOP_LAYOUT_H */
