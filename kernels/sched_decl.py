@@ -72,7 +72,7 @@ _ARRAYS = (
     _hot("num_published", "int32_t", doc="leading blocks of the table already in the cache or passed over"),
     _cold("stop_ids", "int32_t", "N", "STOP"), _cold("block_table", "int32_t", "N", "MB"),
     _cold("tokens", "int32_t", "N", "CTX", doc="prompt + generated"), _cold("free_blocks", "int32_t", "BLOCKS"),
-    _cold("cached_tokens", "int32_t", doc="prompt tokens the first admission took from the cache"),
+    _cold("cached_tokens", "int32_t", "N", doc="prompt tokens the first admission took from the cache"),
     _cold("seq_hashes", "uint64_t", "N", "MB"), _cold("block_hash", "uint64_t", "BLOCKS", doc="0: none"),
     _cold("block_ref", "int32_t", "BLOCKS", doc="sequences holding the block"),
     _cold("lru_prev", "int32_t", "BLOCKS"), _cold("lru_next", "int32_t", "BLOCKS"),

@@ -138,7 +138,7 @@ SCHED_ARRAYS = (
     ('block_table', '<i4', ('N', 'MB')),
     ('tokens', '<i4', ('N', 'CTX')),  # prompt + generated
     ('free_blocks', '<i4', ('BLOCKS',)),
-    ('cached_tokens', '<i4', ()),  # prompt tokens the first admission took from the cache
+    ('cached_tokens', '<i4', ('N',)),  # prompt tokens the first admission took from the cache
     ('seq_hashes', '<u8', ('N', 'MB')),
     ('block_hash', '<u8', ('BLOCKS',)),  # 0: none
     ('block_ref', '<i4', ('BLOCKS',)),  # sequences holding the block

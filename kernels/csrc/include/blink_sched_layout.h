@@ -161,7 +161,7 @@ BLINK_LAYOUT_ASSERT(sizeof(blink_sched_header) == 320, "sizeof(blink_sched_heade
   X(BLOCK_TABLE, block_table, int32_t, (uint64_t)N * (uint64_t)MB) \
   X(TOKENS, tokens, int32_t, (uint64_t)N * (uint64_t)CTX) \
   X(FREE_BLOCKS, free_blocks, int32_t, (uint64_t)BLOCKS) \
-  X(CACHED_TOKENS, cached_tokens, int32_t, 1) \
+  X(CACHED_TOKENS, cached_tokens, int32_t, (uint64_t)N) \
   X(SEQ_HASHES, seq_hashes, uint64_t, (uint64_t)N * (uint64_t)MB) \
   X(BLOCK_HASH, block_hash, uint64_t, (uint64_t)BLOCKS) \
   X(BLOCK_REF, block_ref, int32_t, (uint64_t)BLOCKS) \
