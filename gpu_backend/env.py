@@ -25,6 +25,7 @@ VARS = {v.name: v for v in (
     EnvVar("CACHE", "where the demo model, random-model tokenizers and compiled kernels are cached",
            "~/.cache/blink"),
     EnvVar("BACKEND_CONFIG", "the backend's YAML config file when --config is not given (gpu_backend/config.py)"),
+    EnvVar("PREFIX_CACHING", "0 or 1: the backend's enable_prefix_caching over its config file (a flag wins)"),
 )}
 
 
@@ -33,6 +34,19 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     var = VARS[name]
     value = (os.environ if environ is None else environ).get(PREFIX + name)
     return value if value else var.default
+
+
+def get_bool(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
+    """BLINK_<name> as a boolean (1/true/yes/on, 0/false/no/off), None when unset; anything else: ValueError."""
+    value = get(name, environ)
+    if value is None:
+        return None
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{PREFIX}{name}={value!r} is not a boolean (use 1 or 0)")
 
 
 def cache_dir() -> Path:

@@ -33,7 +33,7 @@ import torch
 
 from gpu_backend.engine.gpu_runner import LOOP_LOGPROBS, GpuRunner
 from gpu_backend.engine.graph_variant import GraphVariant
-from gpu_backend.engine.loop import EngineConfig
+from gpu_backend.engine.loop import EngineConfig, prefix_caching_on
 from gpu_backend.engine.sched_native import NativeScheduler, SchedulerConfig, _Header
 from gpu_backend.models import ModelConfig
 from kernels import persistent_loop as native
@@ -63,7 +63,7 @@ class PersistentEngine:
         g, dev, rc = ring.geometry, runner.device, runner.config
         sched = NativeScheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, context_len,
-                            tuple(model_cfg.eos_token_ids)),
+                            tuple(model_cfg.eos_token_ids), prefix_caching_on(config, g.kv_block_size)),
             runner.num_blocks, rc.block_size, g.num_slots, g.max_stop_ids, runner.step_geometry)
         self.sched_state = torch.from_numpy(sched.state.view(np.uint8)).to(dev)
         n = g.num_slots
