@@ -16,7 +16,7 @@ from protocols.native_build import find_compiler
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "sched_host.cpp", *(CSRC / "include" / name for name in (
-    "blink_sched.h", "blink_prefix_cache.h", "blink_sched_layout.h", "blink_step_layout.h")))  # the last two generated (kernels/*_decl.py)
+    "blink_sched.h", "blink_prefix_cache.h", "blink_block_hash.h", "blink_sched_layout.h", "blink_step_layout.h")))  # the last two generated (kernels/*_decl.py)
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror")
 
 

@@ -20,13 +20,16 @@ Rules (DESIGN.md, "Scheduling on the GPU"):
 - finished and cancelled sequences free their blocks in the same step;
 - prefix cache (kernels/csrc/include/blink_prefix_cache.h): a waiting sequence starts on the cached blocks of
   its prompt's leading block hashes (reference-counted, at least one token left to compute), full prompt
-  blocks are published as they are computed, unreferenced cached blocks are evicted least recently used
+  blocks are published as they are computed (past the request's hashes, the chain is extended over the
+  sequence's own tokens: decode blocks too), unreferenced cached blocks are evicted least recently used
   first when the free list is empty.
 """
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -78,6 +81,12 @@ class Sequence:
     @property
     def order(self) -> tuple[int, int]:
         return (self.spec.priority, self.arrival)
+
+
+def next_block_hash(prev: int, tokens) -> int:
+    """The gateway's chain step (protocols/prefix_hash.py) from the previous block's hash."""
+    digest = hashlib.blake2b(prev.to_bytes(8, "little") + array("i", tokens).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 class BlockManager:
@@ -151,6 +160,9 @@ class BlockManager:
             self.hits += seq.num_computed
 
     def publish(self, seq: Sequence) -> None:
+        bs, hashes = self.block_size, seq.block_hashes
+        for k in range(len(hashes), seq.num_computed // bs) if hashes else ():  # extend the chain
+            hashes.append(next_block_hash(hashes[-1], seq.token_ids[k * bs:(k + 1) * bs]))
         full = min(seq.num_computed // self.block_size, len(seq.block_hashes))
         for k in range(seq.num_published, full):
             h, b = seq.block_hashes[k], seq.block_table[k]

@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from protocols.prefix_hash import block_hashes
 from protocols.ring import FinishReason, RequestSpec
 
 BLOCK = 4
+_done = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +79,10 @@ def run_waves(e: Engine, waves: list[list[list[int]]], max_tokens: int = 8) -> l
             i += 1
         e.run_until_done()
         out.append([e.tokens[s] for s in slots])
-        for s in slots:  # the ring's slots are few: a later wave reuses them
+        for s in slots:  # the ring's slots are few: a later wave reuses them; results stay in submission order
             e.prod.release(s)
-            e.tokens[f"wave-{i}-{s}"] = e.tokens.pop(s)
-            e.finishes[f"wave-{i}-{s}"] = e.finishes.pop(s)
-            e.cached[f"wave-{i}-{s}"] = e.cached.pop(s, 0)
+            key = ("done", next(_done))
+            e.tokens[key], e.finishes[key], e.cached[key] = e.tokens.pop(s), e.finishes.pop(s), e.cached.pop(s, 0)
     return out
 
 
@@ -150,3 +152,18 @@ def test_eviction_under_memory_pressure_keeps_the_tokens(model, engine):
     assert published > s.num_blocks and s.prefix_cache_stats()[0] < published  # hashes were evicted
     assert max(seen_evictable) > 0
     assert_no_block_held(e)
+
+
+def test_the_next_turn_finds_its_own_answer(model, engine):
+    """Turn 2's prompt is turn 1's prompt, its answer and a new message: the blocks turn 1 filled while
+    decoding were published under the gateway's chain, so turn 2 skips past the prompt into the answer."""
+    cfg, m = model
+    turn1 = (_prompts(2, cfg.vocab_size, seed=41)[0] * 10)[:10]  # 2 full blocks and a part
+    on, off = engine(), engine(caching=False)
+    [[answer]] = run_waves(on, [[turn1]], max_tokens=20)
+    turn2 = turn1 + answer + _prompts(1, cfg.vocab_size, seed=42)[0][:5]
+    [[reply]] = run_waves(on, [[turn2]])
+    assert [reply] == run_waves(off, [[turn2]])[0] == greedy_generate(m, [turn2], 8, block_size=BLOCK)
+    # turn 1 computed its prompt and all but its last token: 29 tokens, 7 full blocks
+    assert list(on.cached.values()) == [0, 7 * BLOCK]
+    assert_no_block_held(on)

@@ -290,3 +290,25 @@ def test_no_stall_when_partial_prefills_hold_every_block():
     progress = (bool(py.schedule(lambda s: 100)), bool(nat.schedule(np.array([100, 100], np.int32))))
     assert progress == (True, True)
     assert py.blocks.num_free == nat.num_free and seqs[1].num_computed == 0 and seqs[1].num_preemptions == 1
+
+
+def test_decode_blocks_get_the_gateways_hash_chain():
+    """Past the request's hashes the scheduler extends the chain over the sequence's own tokens with the
+    gateway's function: a later prompt holding this prompt and its answer hashes to the same blocks."""
+    bs = 4
+    cfg = SchedulerConfig(16, 2, 64, (EOS,), enable_prefix_caching=True)
+    nat = NativeScheduler(cfg, 16, bs, 2)
+    prompt = [5, 6, 7, 8, 9, 10]  # one full block: the gateway sends one hash
+    nat.add(0, RequestSpec(1, prompt, 20, block_hashes=tuple(block_hashes(prompt, bs, "m", "salt"))), 0)
+    generated = []
+    for step in range(12):
+        nat.schedule(np.array([100, 100], np.int32))
+        token = 20 + step
+        generated += [token]
+        nat.update([token])
+    tokens = prompt + generated
+    computed = int(nat.a["num_computed"][0])  # the last sampled token is not fed yet
+    want = block_hashes(tokens[:computed], bs, "m", "salt")
+    assert nat.a["num_hashes"][0] == len(want) == computed // bs == 4
+    assert nat.a["seq_hashes"][0, : len(want)].tolist() == want
+    assert nat.prefix_cache_stats()[0] == 4  # the prompt's block and the three its decoding filled

@@ -3,18 +3,24 @@
 //
 // A block is free (on the FIFO free list), held (block_ref > 0 sequences have it in their tables) or
 // evictable (no holder, but it keeps a published hash: on the LRU list). A block gets its hash when the
-// sequence that computed it has it full and the request named that block's hash (prompt blocks only: the
-// gateway hashes the prompt); a later request with the same hash chain takes it instead of computing it.
+// sequence that computed it has it full: the request's own hash of that block (the gateway hashes the prompt),
+// or, past those, the chain extended over the sequence's tokens with the gateway's function
+// (blink_block_hash.h), so that decode blocks are published too and the next turn of a conversation finds
+// its answer; a later request with the same hash chain takes the block instead of computing it.
 // Allocation takes a free block first, else evicts the least recently used evictable one (its hash goes).
 // A hashed block is never given another hash while referenced: only evictable blocks are evicted.
 // Free and evictable blocks both count as available. With cfg.prefix_caching == 0 no block ever gets a
 // hash, so the evictable list stays empty and every decision is the cache-less scheduler's.
 //
 // The GPU loop's speculation (spec_mode) works on a copy of the hot state over the shared cold arrays: a
-// cache change there (publishing, a cached admission, an eviction, dropping a reference) would outlive a
+// cache change there (a cached admission, an eviction, dropping a shared or hashed block) would outlive a
 // dropped speculation, so it taints the step instead (the loop schedules it again from the real state).
+// Publishing is allowed there: it depends only on what the step computed, so the real state's update, when
+// the speculation is dropped, publishes the same blocks again and finds them already in the table.
 #ifndef BLINK_PREFIX_CACHE_H
 #define BLINK_PREFIX_CACHE_H
+
+#include "blink_block_hash.h"
 
 // ---- hash -> block: open addressing, linear probing, deletion by backward shift (no tombstones) ----------
 BLINK_HD uint32_t blink_hash_home(const blink_sched* s, uint64_t hash) {
@@ -153,24 +159,35 @@ BLINK_HD void blink_cache_take(blink_sched* s, int32_t slot, int32_t hits) {
   }
 }
 
-// Publish the request's blocks of `slot` that are now computed in full (in table order). A hash already
-// held by another block stays with that one; this block then stays private and is freed, not cached.
+// Extend `slot`'s hash chain over the blocks its tokens now fill in full past the request's hashes (none
+// without a first hash: the chain's seed, model and salt, is the gateway's). Touches only the slot's row, so
+// the loop runs it for every entry at once.
+BLINK_HD void blink_cache_extend(blink_sched* s, int32_t slot) {
+  const blink_sched_config* c = &s->h->cfg;
+  const int32_t n = s->num_hashes[slot], full = s->num_computed[slot] / c->block_size;
+  if (!c->prefix_caching || n == 0 || full <= n) return;
+  uint64_t* hashes = s->seq_hashes + (int64_t)slot * blink_max_blocks_per_seq(c);
+  const int32_t* tokens = s->tokens + (int64_t)slot * c->context_len;
+  for (int32_t k = n; k < full; ++k) hashes[k] = blink_block_hash(hashes[k - 1], tokens + k * c->block_size, c->block_size);
+  s->num_hashes[slot] = full;
+}
+
+// Publish `slot`'s hashed blocks that are now computed in full (in table order). A hash already held by
+// another block stays with that one; this block then stays private and is freed, not cached. A block that
+// already holds its hash was published by a dropped speculation: it is counted again (the count was dropped).
 BLINK_HD void blink_cache_publish(blink_sched* s, int32_t slot) {
   blink_sched_header* h = s->h;
   const int32_t mb = blink_max_blocks_per_seq(&h->cfg);
   int32_t full = s->num_computed[slot] / h->cfg.block_size;
   if (full > s->num_hashes[slot]) full = s->num_hashes[slot];
-  if (s->num_published[slot] >= full) return;
-  if (h->spec_mode) {
-    h->spec_tainted = 1;
-    return;
-  }
   for (int32_t k = s->num_published[slot]; k < full; ++k) {
     const uint64_t hash = s->seq_hashes[(int64_t)slot * mb + k];
     const int32_t b = s->block_table[(int64_t)slot * mb + k];
-    if (hash && !s->block_hash[b] && blink_cache_find(s, hash) < 0) blink_cache_insert(s, b, hash);
+    if (!hash) continue;
+    if (s->block_hash[b] == hash) h->num_cached += 1;
+    else if (!s->block_hash[b] && blink_cache_find(s, hash) < 0) blink_cache_insert(s, b, hash);
   }
-  s->num_published[slot] = full;
+  if (full > s->num_published[slot]) s->num_published[slot] = full;
 }
 
 #endif  // BLINK_PREFIX_CACHE_H

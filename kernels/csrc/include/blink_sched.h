@@ -571,7 +571,10 @@ BLINK_HD void blink_sched_update(blink_sched* s, const int32_t* sampled) {
   for (int32_t e = 0; e < h->num_entries; ++e) {
     const int32_t slot = s->entry_slot[e];
     s->num_computed[slot] += s->entry_q_len[e];
-    blink_cache_publish(s, slot);
+    if (s->status[slot] != BLINK_SEQ_STOPPING) {  // its last row holds a token it will not keep
+      blink_cache_extend(s, slot);
+      blink_cache_publish(s, slot);
+    }
     if (!s->entry_samples[e]) continue;
     const int32_t token = sampled[k++];
     if (s->status[slot] == BLINK_SEQ_STOPPING) {

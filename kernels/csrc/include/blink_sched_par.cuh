@@ -65,6 +65,7 @@ __device__ inline int32_t blink_sched_update_par(blink_sched* s, const int32_t* 
   for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
     const int32_t slot = s->entry_slot[e];
     s->num_computed[slot] += s->entry_q_len[e];
+    if (s->status[slot] != BLINK_SEQ_STOPPING) blink_cache_extend(s, slot);  // per slot: all entries at once
     int32_t p = 0, f = 0, drop = 0;
     if (s->entry_samples[e] && s->status[slot] == BLINK_SEQ_STOPPING) {
       p = drop = 1;
@@ -101,7 +102,8 @@ __device__ inline int32_t blink_sched_update_par(blink_sched* s, const int32_t* 
     h->num_new = num_new;
     h->num_finished = num_finished;
     if (h->cfg.prefix_caching)  // before the finishes, in entry order: as blink_sched_update
-      for (int32_t e = 0; e < n; ++e) blink_cache_publish(s, s->entry_slot[e]);
+      for (int32_t e = 0; e < n; ++e)
+        if (s->status[s->entry_slot[e]] != BLINK_SEQ_STOPPING) blink_cache_publish(s, s->entry_slot[e]);
     for (int32_t i = 0; i < num_finished; ++i) blink_sched_finish(s, s->fin_slot[i]);
     if (stopping)
       for (int32_t slot = 0; slot < slots; ++slot)
