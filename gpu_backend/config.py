@@ -53,6 +53,7 @@ class BackendConfig:
     gpu_memory_fraction: float = 0.9       # share of the GPU for weights, activations and KV cache
     use_graphs: bool = True                # host mode: False runs steps eagerly (debugging)
     sampling_extensions: bool = True       # penalties, logit_bias, logprobs (host and persistent modes)
+    enable_prefix_caching: bool = True     # reuse cached prompt blocks (--no-prefix-caching, $BLINK_PREFIX_CACHING)
     num_kv_blocks: int = 0                 # KV blocks (overrides kv_cache_mb); 0: derived
     max_num_batched_tokens: int = 0        # per-step token budget = the largest bucket; 0: 256 cpu, 512 GPU
     max_num_seqs: int = 0                  # running sequences at most; 0: 64 cpu, 256 GPU
@@ -146,7 +147,8 @@ class BackendConfig:
         from gpu_backend.engine.loop import EngineConfig
 
         return EngineConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, kv_cache_mb=self.kv_cache_mb,
-                            max_num_batched_tokens=self.batched_tokens, max_num_seqs=self.num_seqs)
+                            max_num_batched_tokens=self.batched_tokens, max_num_seqs=self.num_seqs,
+                            enable_prefix_caching=self.enable_prefix_caching)
 
     def gpu_runner_config(self, context_len: int):
         from gpu_backend.engine.gpu_runner import GpuRunnerConfig
@@ -160,17 +162,24 @@ class BackendConfig:
     # ---- building it --------------------------------------------------------------------------------
     @classmethod
     def from_args(cls, args: argparse.Namespace, defaults: argparse.Namespace | None = None) -> BackendConfig:
-        """The file's settings (args.config, else $BLINK_BACKEND_CONFIG), then every flag that differs from
-        its default (`defaults`: the parser's defaults; None: every flag counts)."""
+        """The file's settings (args.config, else $BLINK_BACKEND_CONFIG), then the environment's
+        ($BLINK_PREFIX_CACHING), then every flag that differs from its default (`defaults`: the parser's
+        defaults; None: every flag counts)."""
         path = getattr(args, "config", None) or env.get("BACKEND_CONFIG")
         settings = read_config_file(path) if path else {}
         settings.update(_env_settings())
+        try:
+            caching = env.get_bool("PREFIX_CACHING")
+        except ValueError as exc:
+            raise ConfigError(f"enable_prefix_caching: {exc}") from None
+        if caching is not None:
+            settings["enable_prefix_caching"] = caching
         for dest, value in vars(args).items():
             if dest == "config" or (defaults is not None and getattr(defaults, dest, object()) == value):
                 continue
             name = _NEGATED.get(dest, dest)
-            if name not in _FIELDS:
-                continue  # other commands' flags (serve's --host, --port) share the namespace
+            if name not in _FIELDS or (value is None and _FIELDS[name].type == "bool"):
+                continue  # other commands' flags (serve's --host, --port) share the namespace; None: not given
             settings[name] = (not value) if dest in _NEGATED else value
         return cls(**settings)
 

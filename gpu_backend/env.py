@@ -30,6 +30,7 @@ VARS = {v.name: v for v in (
     EnvVar("CONTROL_SSL_CA_CERTS", "CA that signs gateways' client certificates, PEM (--control-ssl-ca-certs)"),
     EnvVar("CONTROL_SSL_CERT_REQS", "gateways' client certificates: 0 none, 1 optional, 2 required "
            "(--control-ssl-cert-reqs; default 2)"),
+    EnvVar("PREFIX_CACHING", "0 or 1: the backend's enable_prefix_caching over its config file (a flag wins)"),
 )}
 
 
@@ -38,6 +39,19 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     var = VARS[name]
     value = (os.environ if environ is None else environ).get(PREFIX + name)
     return value if value else var.default
+
+
+def get_bool(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
+    """BLINK_<name> as a boolean (1/true/yes/on, 0/false/no/off), None when unset; anything else: ValueError."""
+    value = get(name, environ)
+    if value is None:
+        return None
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{PREFIX}{name}={value!r} is not a boolean (use 1 or 0)")
 
 
 def cache_dir() -> Path:

@@ -53,6 +53,11 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                         "max-num-seqs x vocab x 4 bytes (persistent: twice that), one more CUDA graph per bucket "
                         "(persistent: six more per bucket, two of them large) and memory for their "
                         "temporaries, taken from the KV cache")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of prompt prefixes the engine already holds (the gateway's block hashes); "
+                        "on by default ($BLINK_PREFIX_CACHING=0 turns it off)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="the same as --no-enable-prefix-caching")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (overrides --kv-cache-mb)")
     p.add_argument("--max-num-batched-tokens", type=int, default=0,
                    help="per-step token budget = the largest graph bucket (default: 256 cpu, 512 host)")
@@ -143,7 +148,7 @@ def serve_backend(config: BackendConfig, tls=None) -> int:
     context_len = config.context_len_for(cfg.max_position_embeddings)
     fingerprint = model_fingerprint(model_dir or cfg, model.quantization)
     runner = _make_runner(config, model, cfg, context_len)
-    geometry = RingGeometry(config.num_slots, context_len, config.max_output_len)
+    geometry = RingGeometry(config.num_slots, context_len, config.max_output_len, kv_block_size=config.block_size)
     try:
         if remove_stale_ring(config.ring_name):
             log.warning("removed the stale ring %r that a backend which died left in %s", config.ring_name, SHM_DIR)

@@ -185,7 +185,7 @@ class TcpAgent:
             if not update.tokens and update.finish == FinishReason.NONE:
                 continue
             session.outbox.put(W.Tokens(slot, tuple(update.tokens), update.finish, update.error_code, update.prompt_len,
-                                         tuple(update.logprobs)))
+                                         tuple(update.logprobs), update.cached_tokens))
             if update.finish != FinishReason.NONE:
                 self.producer.release(slot)
                 session.slots.discard(slot)

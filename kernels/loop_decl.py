@@ -127,6 +127,9 @@ _ARGS = (
     Field("async_take", "uint32_t", writer="create", doc="1: blink_loop_take launches the next step before its tokens"),
     Field("eos_ids", "int32_t", MAX_EOS, writer="create"),
     Field("ext", "blink_loop_ext*", writer="host", doc="the sampling extensions (blink_loop_ext.cuh), 0: off"),
+    Field("hash_offset", "uint64_t", writer="host", doc="ring version 3: the block-hash areas"),
+    Field("hash_bytes", "uint64_t", writer="host"),
+    Field("max_block_hashes", "uint32_t", writer="host", doc="per slot"),
 )
 
 LOOP_ERRORS = (  # (NAME, message): what blink_loop_* returns as code * 1000 + cudaError_t

@@ -276,7 +276,11 @@ class LoopArgs(ctypes.Structure):
         ("async_take", ctypes.c_uint32),
         ("eos_ids", ctypes.c_int32 * 8),
         ("ext", ctypes.c_void_p),
+        ("hash_offset", ctypes.c_uint64),
+        ("hash_bytes", ctypes.c_uint64),
+        ("max_block_hashes", ctypes.c_uint32),
+        ("_pad2", ctypes.c_uint8 * 4),
     ]
 
 
-assert ctypes.sizeof(LoopArgs) == 568
+assert ctypes.sizeof(LoopArgs) == 592

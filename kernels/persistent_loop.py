@@ -29,8 +29,8 @@ __all__ = ["ARCH", "COUNTERS", "MAX_EOS", "LoopArgs", "LoopCtl", "LoopError", "L
 _INCLUDE = CSRC / "include"
 SOURCES = (CSRC / "persistent_loop.cu", *(_INCLUDE / name for name in (
     "blink_loop.cuh", "blink_loop_build.cuh", "blink_loop_spec.cuh", "blink_loop_ext.cuh", "blink_loop_layout.h",
-    "blink_sched.h", "blink_sched_layout.h", "blink_step_layout.h", "blink_sched_par.cuh", "blink_ring.h",
-    "blink_ring_layout.h", "blink_admit.h")))
+    "blink_sched.h", "blink_prefix_cache.h", "blink_block_hash.h", "blink_sched_layout.h", "blink_step_layout.h",
+    "blink_sched_par.cuh", "blink_ring.h", "blink_ring_layout.h", "blink_admit.h")))
 BENCH_SOURCES = (_INCLUDE / "blink_loop_bench.cuh", _INCLUDE / "blink_graph_measure.cuh")
 ARCH = os.environ.get("BLINK_CUDA_ARCH", "sm_90")
 _u32, _u64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p

@@ -1,7 +1,8 @@
 """The scheduler's state, declared once: its config and header structs and the arrays carved after them
 from one buffer (device memory in the loop, a numpy array on the host), the "hot" ones first (every step
 touches them; the loop copies that prefix to shared memory), then the "cold" ones. Dimensions: N slots,
-STOP stop ids per slot, MB blocks per sequence, CTX context length, BLOCKS KV blocks.
+STOP stop ids per slot, MB blocks per sequence, CTX context length, BLOCKS KV blocks, HT cells of the prefix
+cache's hash table.
 `python -m protocols.layout.gen` writes `kernels/sched_layout.py` (used by
 `gpu_backend/engine/sched_native.py`) and `kernels/csrc/include/blink_sched_layout.h` (`blink_sched.h`).
 """
@@ -25,6 +26,8 @@ _CONFIG = (
     Field("step_max_seqs", "int32_t", doc="S (a bucket's graph has min(bucket, S) rows)"),
     Field("num_buckets", "int32_t"),
     Field("buckets", "int32_t", MAX_BUCKETS),
+    Field("prefix_caching", "int32_t", doc="0: no lookups, no publishing (the scheduler as before the cache)"),
+    Field("hash_slots", "int32_t", doc="HT: cells of the hash -> block table, a power of two > num_blocks"),
 )
 
 _HEADER = (
@@ -35,6 +38,13 @@ _HEADER = (
                                     "num_new", "num_finished", "bucket", "num_tokens", "num_sampled", "all_greedy")),
     Field("spec_mode", "int32_t", doc="the loop's speculation: nothing is preempted, a step that would need it"),
     Field("spec_tainted", "int32_t", doc="sets this, and the loop schedules that step again from the real state"),
+    Field("lru_head", "int32_t", doc="prefix cache: unreferenced cached blocks, least recently used first"),
+    Field("lru_tail", "int32_t"),
+    Field("num_evictable", "int32_t", doc="blocks on that list: allocatable, like the free ones"),
+    Field("num_cached", "int32_t", doc="blocks holding a published hash"),
+    Field("probe_epoch", "uint32_t", doc="marks one lookup's blocks (a repeated hash ends its run)"),
+    Field("prefix_queries", "int64_t", doc="tokens of the sequences looked up (vLLM's queries)"),
+    Field("prefix_hits", "int64_t", doc="of those, tokens found cached"),
 )
 
 
@@ -58,8 +68,16 @@ _ARRAYS = (
     _hot("entry_samples", "int32_t"), _hot("entry_start", "int32_t"), _hot("entry_q_start", "int32_t", "N+1"),
     _hot("preempted", "int32_t"), _hot("new_slot", "int32_t", doc="update's results"), _hot("new_token", "int32_t"),
     _hot("fin_slot", "int32_t"), _hot("fin_reason", "int32_t"),
+    _hot("num_hashes", "int32_t", doc="the request's block hashes (prompt blocks)"),
+    _hot("num_published", "int32_t", doc="leading blocks of the table already in the cache or passed over"),
     _cold("stop_ids", "int32_t", "N", "STOP"), _cold("block_table", "int32_t", "N", "MB"),
     _cold("tokens", "int32_t", "N", "CTX", doc="prompt + generated"), _cold("free_blocks", "int32_t", "BLOCKS"),
+    _cold("cached_tokens", "int32_t", "N", doc="prompt tokens the first admission took from the cache"),
+    _cold("seq_hashes", "uint64_t", "N", "MB"), _cold("block_hash", "uint64_t", "BLOCKS", doc="0: none"),
+    _cold("block_ref", "int32_t", "BLOCKS", doc="sequences holding the block"),
+    _cold("lru_prev", "int32_t", "BLOCKS"), _cold("lru_next", "int32_t", "BLOCKS"),
+    _cold("block_mark", "uint32_t", "BLOCKS", doc="scratch of the lookups (probe_epoch)"),
+    _cold("hash_table", "int32_t", "HT", doc="block ids, -1 empty; the key is the block's hash"),
 )
 
 LAYOUT = Layout(
@@ -78,7 +96,7 @@ LAYOUT = Layout(
              doc="Why a request can never run: the ring's ErrorCode values (protocols/ring_decl.py)"),
         Struct("blink_sched_config", _CONFIG, ctypes_name="SchedConfig"),
         Struct("blink_sched_header", _HEADER, ctypes_name="SchedHeader"),
-        ArrayBlock("SCHED", _ARRAYS, dims=("N", "STOP", "MB", "CTX", "BLOCKS"),
+        ArrayBlock("SCHED", _ARRAYS, dims=("N", "STOP", "MB", "CTX", "BLOCKS", "HT"),
                    doc="per slot (N), then shared, then one step's batch; the cold arrays last"),
     ),
 )

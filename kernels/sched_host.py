@@ -16,7 +16,7 @@ from protocols.native_build import find_compiler
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "sched_host.cpp", *(CSRC / "include" / name for name in (
-    "blink_sched.h", "blink_sched_layout.h", "blink_step_layout.h")))  # the last two generated (kernels/*_decl.py)
+    "blink_sched.h", "blink_prefix_cache.h", "blink_block_hash.h", "blink_sched_layout.h", "blink_step_layout.h")))  # the last two generated (kernels/*_decl.py)
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror")
 
 
@@ -53,7 +53,7 @@ def load() -> ctypes.CDLL:
         "blink_sched_host_init": (None, [p, p]),
         "blink_sched_host_bind": (None, [p, p]),
         "blink_sched_host_check": (i32, [p, i32, i64, f64, f64, i32, f64]),
-        "blink_sched_host_add": (None, [p, i32, p, i32, i64, i64, p, i32, i32, f32, i32, f32, f32, u64]),
+        "blink_sched_host_add": (None, [p, i32, p, i32, i64, i64, p, i32, i32, f32, i32, f32, f32, u64, p, i32]),
         "blink_sched_host_finish": (None, [p, i32]),
         "blink_sched_host_schedule": (i32, [p, p, p]),
         "blink_sched_host_fill": (i32, [p, p, i32]),

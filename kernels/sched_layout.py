@@ -53,10 +53,12 @@ class SchedConfig(ctypes.Structure):
         ("step_max_seqs", ctypes.c_int32),
         ("num_buckets", ctypes.c_int32),
         ("buckets", ctypes.c_int32 * 32),
+        ("prefix_caching", ctypes.c_int32),
+        ("hash_slots", ctypes.c_int32),
     ]
 
 
-assert ctypes.sizeof(SchedConfig) == 204
+assert ctypes.sizeof(SchedConfig) == 212
 
 
 # ---- blink_sched_header
@@ -83,14 +85,22 @@ class SchedHeader(ctypes.Structure):
         ("all_greedy", ctypes.c_int32),
         ("spec_mode", ctypes.c_int32),
         ("spec_tainted", ctypes.c_int32),
+        ("lru_head", ctypes.c_int32),
+        ("lru_tail", ctypes.c_int32),
+        ("num_evictable", ctypes.c_int32),
+        ("num_cached", ctypes.c_int32),
+        ("probe_epoch", ctypes.c_uint32),
+        ("_pad1", ctypes.c_uint8 * 4),
+        ("prefix_queries", ctypes.c_int64),
+        ("prefix_hits", ctypes.c_int64),
     ]
 
 
-assert ctypes.sizeof(SchedHeader) == 272
+assert ctypes.sizeof(SchedHeader) == 320
 
 
 # ---- sched: per slot (N), then shared, then one step's batch; the cold arrays last
-SCHED_DIMS = ('N', 'STOP', 'MB', 'CTX', 'BLOCKS')
+SCHED_DIMS = ('N', 'STOP', 'MB', 'CTX', 'BLOCKS', 'HT')
 SCHED_ALIGN = 8
 SCHED_ARRAYS = (
     ('status', '<i4', ('N',)),  # blink_seq_status
@@ -122,15 +132,27 @@ SCHED_ARRAYS = (
     ('new_token', '<i4', ('N',)),
     ('fin_slot', '<i4', ('N',)),
     ('fin_reason', '<i4', ('N',)),
+    ('num_hashes', '<i4', ('N',)),  # the request's block hashes (prompt blocks)
+    ('num_published', '<i4', ('N',)),  # leading blocks of the table already in the cache or passed over
     ('stop_ids', '<i4', ('N', 'STOP')),
     ('block_table', '<i4', ('N', 'MB')),
     ('tokens', '<i4', ('N', 'CTX')),  # prompt + generated
     ('free_blocks', '<i4', ('BLOCKS',)),
+    ('cached_tokens', '<i4', ('N',)),  # prompt tokens the first admission took from the cache
+    ('seq_hashes', '<u8', ('N', 'MB')),
+    ('block_hash', '<u8', ('BLOCKS',)),  # 0: none
+    ('block_ref', '<i4', ('BLOCKS',)),  # sequences holding the block
+    ('lru_prev', '<i4', ('BLOCKS',)),
+    ('lru_next', '<i4', ('BLOCKS',)),
+    ('block_mark', '<u4', ('BLOCKS',)),  # scratch of the lookups (probe_epoch)
+    ('hash_table', '<i4', ('HT',)),  # block ids, -1 empty; the key is the block's hash
 )
 SCHED_GROUPS = {
     'hot': ('status', 'prompt_len', 'num_tokens', 'num_computed', 'num_table', 'num_preemptions', 'priority',
         'arrival', 'max_tokens', 'ignore_eos', 'num_stop', 'temperature', 'top_p', 'min_p', 'top_k', 'seed',
         'scheduled', 'running', 'waiting', 'entry_slot', 'entry_q_len', 'entry_samples', 'entry_start',
-        'entry_q_start', 'preempted', 'new_slot', 'new_token', 'fin_slot', 'fin_reason'),
-    'cold': ('stop_ids', 'block_table', 'tokens', 'free_blocks'),
+        'entry_q_start', 'preempted', 'new_slot', 'new_token', 'fin_slot', 'fin_reason', 'num_hashes',
+        'num_published'),
+    'cold': ('stop_ids', 'block_table', 'tokens', 'free_blocks', 'cached_tokens', 'seq_hashes', 'block_hash',
+        'block_ref', 'lru_prev', 'lru_next', 'block_mark', 'hash_table'),
 }

@@ -100,6 +100,8 @@ class RdmaProducer:
         if spec.logit_bias:  # the slot's logit-bias area: ids, then biases
             n, bias = len(spec.logit_bias), self.ring.bias(slot)
             writes += [(bias, 4 * n), (bias + g.logit_bias_bytes // 2, 4 * n)]
+        if spec.block_hashes:  # the slot's block-hash area (ring version 3)
+            writes.append((self.ring.hashes(slot), 8 * len(spec.block_hashes)))
         writes += [(self.ring.resp(slot) + R.RESP_CONSUMED, 4), (base + R.REQ_SEQ, 8),
                   (g.sq_offset + 4 * ((tail - 1) % g.num_slots), 4), (R.HDR_SQ_TAIL, 8)]
         self._io(self._write_all, writes)

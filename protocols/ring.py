@@ -10,11 +10,12 @@ Memory map (all little-endian, every region 64-byte aligned):
 
     [header 256 B][submission queue: num_slots x u32][requests: num_slots x request_bytes]
     [responses: num_slots x response_bytes][logit biases: num_slots x logit_bias_bytes]
-    [logprobs: num_slots x logprob_bytes]
+    [logprobs: num_slots x logprob_bytes][block hashes: num_slots x block_hash_bytes]
 
 The last two regions (version 2) extend a request slot (gateway writes, before `seq`) and a response
 slot (engine writes, before `produced`); they sit after the older regions so that every offset of
-version 1 stays where it was.
+version 1 stays where it was. Version 3 adds the block-hash region (a request's prefix-cache keys, gateway
+writes, before `seq`) the same way.
 
 Rules (DESIGN.md, "The rings"):
 - every word has exactly one writer, named below; nobody does read-modify-write across processors;
@@ -62,6 +63,8 @@ class RingGeometry:
     # Tokens of logprobs a slot holds (at most max_output_len): a request that asks for logprobs runs at
     # most this far ahead of the gateway's reads. Small, so that 256 slots x 20 alternatives stay ~3 MB.
     logprob_window: int = 64
+    # The engine's KV block size: a block hash covers this many prompt tokens (protocols/prefix_hash.py).
+    kv_block_size: int = 16
 
     def __post_init__(self) -> None:
         for name in _GEOMETRY_FIELDS:
@@ -127,12 +130,26 @@ class RingGeometry:
         return self.logit_bias_offset + self.num_slots * self.logit_bias_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def max_block_hashes(self) -> int:
+        """Block hashes a slot holds: one per full block of the longest prompt (0 when a block is longer)."""
+        return self.max_prompt_len // self.kv_block_size
+
+    @property
+    def block_hash_bytes(self) -> int:
+        """Per slot: the request's block hashes, u64[max_block_hashes] (version 3)."""
+        return _align(8 * self.max_block_hashes)
+
+    @property
+    def block_hashes_offset(self) -> int:
         return self.logprobs_offset + self.num_slots * self.logprob_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.block_hashes_offset + self.num_slots * self.block_hash_bytes
 
 
 _GEOMETRY_FIELDS = ("num_slots", "max_prompt_len", "max_output_len", "max_stop_ids", "max_logit_bias",
-                    "max_logprobs", "logprob_window")
+                    "max_logprobs", "logprob_window", "kv_block_size")
 
 
 @dataclass(frozen=True)
@@ -155,6 +172,9 @@ class RequestSpec:
     repetition_penalty: float = 1.0
     logit_bias: Sequence[tuple[int, float]] = field(default_factory=tuple)  # (token id, bias)
     num_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and k alternatives
+    # Prefix-cache keys: one nonzero u64 per full prompt block of geometry.kv_block_size tokens, chained
+    # (protocols/prefix_hash.block_hashes); may stop early (fewer blocks are then shareable). () = no caching.
+    block_hashes: Sequence[int] = field(default_factory=tuple)
 
     def validate(self, geometry: RingGeometry) -> None:
         """Raise ValueError naming the field when the request cannot be written into a slot."""
@@ -185,6 +205,15 @@ class RequestSpec:
             raise ValueError("logit_bias: every id must be a non-negative 32-bit int, every bias finite")
         if self.num_logprobs is not None and not 0 <= self.num_logprobs <= geometry.max_logprobs:
             raise ValueError(f"num_logprobs: {self.num_logprobs} is outside 0..{geometry.max_logprobs}")
+        self._validate_v3(geometry)
+
+    def _validate_v3(self, geometry: RingGeometry) -> None:
+        full_blocks = min(len(self.prompt_ids) // geometry.kv_block_size, geometry.max_block_hashes)
+        if len(self.block_hashes) > full_blocks:
+            raise ValueError(f"block_hashes: {len(self.block_hashes)} hashes, at most {full_blocks} (one per full "
+                             f"prompt block of {geometry.kv_block_size} tokens)")
+        if not all(0 < h < 1 << 64 for h in self.block_hashes):
+            raise ValueError("block_hashes: every hash must be a nonzero unsigned 64-bit int")
 
     @property
     def flags(self) -> int:
@@ -210,10 +239,10 @@ def _finite(x: float) -> bool:
     return abs(x) < float("inf")  # False for inf and NaN alike
 
 
-# A request's fixed fields after `seq` (request_id .. num_logprobs; cancel_seq among them, sent as 0) as one
+# A request's fixed fields after `seq` (request_id .. num_block_hashes; cancel_seq among them, sent as 0) as one
 # `struct`: the shm producer packs them into a slot (seq after), the tcp wire's Submit carries the same bytes,
 # and the consumer unpacks them.
-REQUEST_HEAD_NAMES = tuple(list(REQUEST_FIELDS)[1:list(REQUEST_FIELDS).index("num_logprobs") + 1])
+REQUEST_HEAD_NAMES = tuple(list(REQUEST_FIELDS)[1:list(REQUEST_FIELDS).index("num_block_hashes") + 1])
 REQUEST_HEAD = struct.Struct(pack_format(REQUEST_FIELDS, REQUEST_HEAD_NAMES[0], REQUEST_HEAD_NAMES[-1]))
 _U64 = (1 << 64) - 1
 _F32_MAX = 3.4028234663852886e38
@@ -229,11 +258,12 @@ def request_head(spec: RequestSpec) -> tuple:
     return (spec.request_id & _U64, len(spec.prompt_ids), spec.max_tokens, _f32(spec.temperature), _f32(spec.top_p),
             spec.top_k, _f32(spec.min_p), (spec.seed or 0) & _U64, spec.flags, spec.priority, len(spec.stop_ids), 0,
             _f32(spec.presence_penalty), _f32(spec.frequency_penalty), _f32(spec.repetition_penalty),
-            len(spec.logit_bias), spec.num_logprobs or 0)
+            len(spec.logit_bias), spec.num_logprobs or 0, len(spec.block_hashes))
 
 
 def spec_from_head(head: tuple, prompt_ids: Sequence[int], stop_ids: Sequence[int],
-                   logit_bias: Sequence[tuple[int, float]], max_logprobs: int | None = None) -> RequestSpec:
+                   logit_bias: Sequence[tuple[int, float]], max_logprobs: int | None = None,
+                   block_hashes: Sequence[int] = ()) -> RequestSpec:
     """The RequestSpec of unpacked REQUEST_HEAD values and the slot's arrays (their lengths are the caller's:
     clipped to the geometry on a ring, as sent on the wire); `max_logprobs` clips num_logprobs."""
     h = dict(zip(REQUEST_HEAD_NAMES, head))
@@ -246,7 +276,7 @@ def spec_from_head(head: tuple, prompt_ids: Sequence[int], stop_ids: Sequence[in
         stop_ids=tuple(stop_ids), ignore_eos=bool(flags & FLAG_IGNORE_EOS), priority=h["priority"],
         presence_penalty=h["presence_penalty"], frequency_penalty=h["frequency_penalty"],
         repetition_penalty=h["repetition_penalty"], logit_bias=tuple(logit_bias),
-        num_logprobs=num_logprobs if flags & FLAG_LOGPROBS else None)
+        num_logprobs=num_logprobs if flags & FLAG_LOGPROBS else None, block_hashes=tuple(block_hashes))
 
 
 class RingLayoutError(ValueError):

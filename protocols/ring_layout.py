@@ -13,20 +13,21 @@ __all__ = ['RING_MAGIC', 'RING_VERSION', 'HEADER_BYTES', 'FINGERPRINT_BYTES', 'F
            'HDR_VERSION', 'HDR_HEADER_BYTES', 'HDR_NUM_SLOTS', 'HDR_MAX_PROMPT_LEN', 'HDR_MAX_OUTPUT_LEN',
            'HDR_MAX_STOP_IDS', 'HDR_REQUEST_BYTES', 'HDR_RESPONSE_BYTES', 'HDR_SQ_OFFSET',
            'HDR_REQUESTS_OFFSET', 'HDR_RESPONSES_OFFSET', 'HDR_TOTAL_BYTES', 'HDR_MAX_LOGIT_BIAS',
-           'HDR_MAX_LOGPROBS', 'HDR_LOGPROB_WINDOW', 'HDR_LOGIT_BIAS_OFFSET', 'HDR_FINGERPRINT',
-           'HDR_HEARTBEAT', 'HDR_ENGINE_STATE', 'HDR_SQ_HEAD', 'HDR_FREE_KV_BLOCKS', 'HDR_TOTAL_KV_BLOCKS',
-           'HDR_RUNNING', 'HDR_WAITING', 'HDR_GENERATED_TOKENS', 'HDR_SQ_TAIL', 'HEADER_FIELDS',
+           'HDR_MAX_LOGPROBS', 'HDR_LOGPROB_WINDOW', 'HDR_KV_BLOCK_SIZE', 'HDR_LOGIT_BIAS_OFFSET',
+           'HDR_FINGERPRINT', 'HDR_HEARTBEAT', 'HDR_ENGINE_STATE', 'HDR_CACHED_KV_BLOCKS', 'HDR_SQ_HEAD',
+           'HDR_FREE_KV_BLOCKS', 'HDR_TOTAL_KV_BLOCKS', 'HDR_RUNNING', 'HDR_WAITING', 'HDR_GENERATED_TOKENS',
+           'HDR_PREFIX_CACHE_QUERIES', 'HDR_PREFIX_CACHE_HITS', 'HDR_SQ_TAIL', 'HEADER_FIELDS',
            'HEADER_DTYPE', 'REQ_SEQ', 'REQ_REQUEST_ID', 'REQ_PROMPT_LEN', 'REQ_MAX_TOKENS', 'REQ_TEMPERATURE',
            'REQ_TOP_P', 'REQ_TOP_K', 'REQ_MIN_P', 'REQ_SEED', 'REQ_FLAGS', 'REQ_PRIORITY', 'REQ_NUM_STOP_IDS',
            'REQ_CANCEL_SEQ', 'REQ_PRESENCE_PENALTY', 'REQ_FREQUENCY_PENALTY', 'REQ_REPETITION_PENALTY',
-           'REQ_NUM_LOGIT_BIAS', 'REQ_NUM_LOGPROBS', 'REQ_STOP_IDS', 'REQUEST_FIELDS', 'REQUEST_DTYPE',
-           'RESP_SEQ', 'RESP_PRODUCED', 'RESP_FINISH_REASON', 'RESP_FIRST_TOKEN_NS', 'RESP_LAST_TOKEN_NS',
-           'RESP_PROMPT_LEN', 'RESP_ERROR_CODE', 'RESP_CONSUMED', 'RESP_TOKENS', 'RESPONSE_FIELDS',
-           'RESPONSE_DTYPE']
+           'REQ_NUM_LOGIT_BIAS', 'REQ_NUM_LOGPROBS', 'REQ_NUM_BLOCK_HASHES', 'REQ_STOP_IDS', 'REQUEST_FIELDS',
+           'REQUEST_DTYPE', 'RESP_SEQ', 'RESP_PRODUCED', 'RESP_FINISH_REASON', 'RESP_FIRST_TOKEN_NS',
+           'RESP_LAST_TOKEN_NS', 'RESP_PROMPT_LEN', 'RESP_ERROR_CODE', 'RESP_CACHED_TOKENS', 'RESP_CONSUMED',
+           'RESP_TOKENS', 'RESPONSE_FIELDS', 'RESPONSE_DTYPE']
 
 
 RING_MAGIC = 0x474E49524B4E494C  # b"LINKRING" little-endian
-RING_VERSION = 2  # 2: penalties, logit bias and logprobs
+RING_VERSION = 3  # 2: penalties, logit bias and logprobs; 3: block hashes
 HEADER_BYTES = 256
 FINGERPRINT_BYTES = 32
 FLAG_HAS_SEED = 1  # request flags: RequestSpec booleans
@@ -95,16 +96,20 @@ HDR_TOTAL_BYTES = 64  # uint64_t, creator
 HDR_MAX_LOGIT_BIAS = 72  # uint32_t, creator: version 2
 HDR_MAX_LOGPROBS = 76  # uint32_t, creator
 HDR_LOGPROB_WINDOW = 80  # uint32_t, creator
+HDR_KV_BLOCK_SIZE = 84  # uint32_t, creator: version 3: tokens per KV block (what each block hash covers)
 HDR_LOGIT_BIAS_OFFSET = 88  # uint64_t, creator: the logprobs region follows this one
 HDR_FINGERPRINT = 96  # char[32], creator: ASCII, NUL-padded
 HDR_HEARTBEAT = 128  # uint64_t, engine: bumped every engine loop iteration
 HDR_ENGINE_STATE = 136  # uint32_t, engine: EngineState
+HDR_CACHED_KV_BLOCKS = 140  # uint32_t, engine: version 3: KV blocks holding a published hash
 HDR_SQ_HEAD = 144  # uint64_t, engine: submission-queue entries consumed so far
 HDR_FREE_KV_BLOCKS = 152  # uint32_t, engine
 HDR_TOTAL_KV_BLOCKS = 156  # uint32_t, engine
 HDR_RUNNING = 160  # uint32_t, engine: sequences in the running batch
 HDR_WAITING = 164  # uint32_t, engine: admitted-but-waiting sequences
 HDR_GENERATED_TOKENS = 168  # uint64_t, engine: total tokens published
+HDR_PREFIX_CACHE_QUERIES = 176  # uint64_t, engine: version 3: prompt tokens looked up
+HDR_PREFIX_CACHE_HITS = 184  # uint64_t, engine: version 3: of those, tokens found cached
 HDR_SQ_TAIL = 192  # uint64_t, gateway: submission-queue entries written so far
 HEADER_FIELDS = {
     "magic": (0, "uint64_t"),
@@ -123,28 +128,34 @@ HEADER_FIELDS = {
     "max_logit_bias": (72, "uint32_t"),
     "max_logprobs": (76, "uint32_t"),
     "logprob_window": (80, "uint32_t"),
+    "kv_block_size": (84, "uint32_t"),
     "logit_bias_offset": (88, "uint64_t"),
     "fingerprint": (96, "char[32]"),
     "heartbeat": (128, "uint64_t"),
     "engine_state": (136, "uint32_t"),
+    "cached_kv_blocks": (140, "uint32_t"),
     "sq_head": (144, "uint64_t"),
     "free_kv_blocks": (152, "uint32_t"),
     "total_kv_blocks": (156, "uint32_t"),
     "running": (160, "uint32_t"),
     "waiting": (164, "uint32_t"),
     "generated_tokens": (168, "uint64_t"),
+    "prefix_cache_queries": (176, "uint64_t"),
+    "prefix_cache_hits": (184, "uint64_t"),
     "sq_tail": (192, "uint64_t"),
 }
 HEADER_DTYPE = np.dtype({
     "names": ['magic', 'version', 'header_bytes', 'num_slots', 'max_prompt_len', 'max_output_len',
         'max_stop_ids', 'request_bytes', 'response_bytes', 'sq_offset', 'requests_offset', 'responses_offset',
-        'total_bytes', 'max_logit_bias', 'max_logprobs', 'logprob_window', 'logit_bias_offset', 'fingerprint',
-        'heartbeat', 'engine_state', 'sq_head', 'free_kv_blocks', 'total_kv_blocks', 'running', 'waiting',
-        'generated_tokens', 'sq_tail'],
+        'total_bytes', 'max_logit_bias', 'max_logprobs', 'logprob_window', 'kv_block_size',
+        'logit_bias_offset', 'fingerprint', 'heartbeat', 'engine_state', 'cached_kv_blocks', 'sq_head',
+        'free_kv_blocks', 'total_kv_blocks', 'running', 'waiting', 'generated_tokens', 'prefix_cache_queries',
+        'prefix_cache_hits', 'sq_tail'],
     "formats": ['<u8', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8',
-        '<u4', '<u4', '<u4', '<u8', 'S32', '<u8', '<u4', '<u8', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8'],
-    "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 76, 80, 88, 96, 128, 136, 144, 152, 156,
-        160, 164, 168, 192],
+        '<u4', '<u4', '<u4', '<u4', '<u8', 'S32', '<u8', '<u4', '<u4', '<u8', '<u4', '<u4', '<u4', '<u4',
+        '<u8', '<u8', '<u8', '<u8'],
+    "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 76, 80, 84, 88, 96, 128, 136, 140, 144,
+        152, 156, 160, 164, 168, 176, 184, 192],
     "itemsize": 256,
 })
 
@@ -168,6 +179,7 @@ REQ_FREQUENCY_PENALTY = 76  # float, gateway: 0 means off
 REQ_REPETITION_PENALTY = 80  # float, gateway: 1 means off
 REQ_NUM_LOGIT_BIAS = 84  # uint32_t, gateway: entries in the slot's logit-bias area
 REQ_NUM_LOGPROBS = 88  # uint32_t, gateway: alternatives per token with FLAG_LOGPROBS
+REQ_NUM_BLOCK_HASHES = 92  # uint32_t, gateway: version 3: entries in the slot's block-hash area (one per full prompt block, chained)
 REQ_STOP_IDS = 128  # int32_t[], gateway: [max_stop_ids], then the prompt [max_prompt_len] at the geometry's prompt_offset
 REQUEST_FIELDS = {
     "seq": (0, "uint64_t"),
@@ -188,15 +200,16 @@ REQUEST_FIELDS = {
     "repetition_penalty": (80, "float"),
     "num_logit_bias": (84, "uint32_t"),
     "num_logprobs": (88, "uint32_t"),
+    "num_block_hashes": (92, "uint32_t"),
     "stop_ids": (128, "int32_t[]"),
 }
 REQUEST_DTYPE = np.dtype({
     "names": ['seq', 'request_id', 'prompt_len', 'max_tokens', 'temperature', 'top_p', 'top_k', 'min_p',
         'seed', 'flags', 'priority', 'num_stop_ids', 'cancel_seq', 'presence_penalty', 'frequency_penalty',
-        'repetition_penalty', 'num_logit_bias', 'num_logprobs'],
+        'repetition_penalty', 'num_logit_bias', 'num_logprobs', 'num_block_hashes'],
     "formats": ['<u8', '<u8', '<u4', '<u4', '<f4', '<f4', '<i4', '<f4', '<u8', '<u4', '<u4', '<u4', '<u8',
-        '<f4', '<f4', '<f4', '<u4', '<u4'],
-    "offsets": [0, 8, 16, 20, 24, 28, 32, 36, 40, 48, 52, 56, 64, 72, 76, 80, 84, 88],
+        '<f4', '<f4', '<f4', '<u4', '<u4', '<u4'],
+    "offsets": [0, 8, 16, 20, 24, 28, 32, 36, 40, 48, 52, 56, 64, 72, 76, 80, 84, 88, 92],
     "itemsize": 128,
 })
 
@@ -209,6 +222,7 @@ RESP_FIRST_TOKEN_NS = 16  # uint64_t, engine: engine clock (CLOCK_MONOTONIC or G
 RESP_LAST_TOKEN_NS = 24  # uint64_t, engine
 RESP_PROMPT_LEN = 32  # uint32_t, engine: prompt tokens the engine accepted
 RESP_ERROR_CODE = 36  # uint32_t, engine: ErrorCode when finish_reason is ERROR
+RESP_CACHED_TOKENS = 40  # uint32_t, engine: version 3: prompt tokens taken from the prefix cache, before the first produced
 RESP_CONSUMED = 64  # uint32_t, gateway: tokens read so far (backpressure: produced - consumed <= capacity)
 RESP_TOKENS = 128  # int32_t[], engine: [max_output_len], a circular buffer
 RESPONSE_FIELDS = {
@@ -219,13 +233,14 @@ RESPONSE_FIELDS = {
     "last_token_ns": (24, "uint64_t"),
     "prompt_len": (32, "uint32_t"),
     "error_code": (36, "uint32_t"),
+    "cached_tokens": (40, "uint32_t"),
     "consumed": (64, "uint32_t"),
     "tokens": (128, "int32_t[]"),
 }
 RESPONSE_DTYPE = np.dtype({
     "names": ['seq', 'produced', 'finish_reason', 'first_token_ns', 'last_token_ns', 'prompt_len',
-        'error_code', 'consumed'],
-    "formats": ['<u8', '<u4', '<u4', '<u8', '<u8', '<u4', '<u4', '<u4'],
-    "offsets": [0, 8, 12, 16, 24, 32, 36, 64],
+        'error_code', 'cached_tokens', 'consumed'],
+    "formats": ['<u8', '<u4', '<u4', '<u8', '<u8', '<u4', '<u4', '<u4', '<u4'],
+    "offsets": [0, 8, 12, 16, 24, 32, 36, 40, 64],
     "itemsize": 128,
 })

@@ -75,6 +75,9 @@ class ShmRing:
     def logprobs(self, slot: int) -> int:
         return self.geometry.logprobs_offset + slot * self.geometry.logprob_bytes
 
+    def hashes(self, slot: int) -> int:
+        return self.geometry.block_hashes_offset + slot * self.geometry.block_hash_bytes
+
     def logprob_words(self, slot: int, index: int, k: int) -> tuple[int, int, int]:
         """Word indices of token `index`'s chosen logprob, first alternative id and first alternative logprob
         (k = max_logprobs words per token)."""
@@ -115,7 +118,8 @@ class ShmRing:
 
     def stats(self) -> dict[str, int]:
         hdr = self.header
-        names = ("free_kv_blocks", "total_kv_blocks", "running", "waiting", "generated_tokens", "sq_head", "sq_tail")
+        names = ("free_kv_blocks", "total_kv_blocks", "running", "waiting", "generated_tokens", "sq_head", "sq_tail",
+                 "cached_kv_blocks", "prefix_cache_queries", "prefix_cache_hits")
         return {n: int(hdr[n]) for n in names}
 
     def close(self) -> None:

@@ -72,10 +72,20 @@ class RingConsumer:
         p0, s0 = (ring.req(slot) + g.prompt_offset) // 4, (ring.req(slot) + R.REQ_STOP_IDS) // 4
         spec = R.spec_from_head(
             head, ring.i32[p0 : p0 + n_prompt].tolist(), ring.i32[s0 : s0 + n_stop].tolist(),
-            zip(ring.i32[b0 : b0 + n_bias].tolist(), ring.f32[v0 : v0 + n_bias].tolist()), g.max_logprobs)
+            zip(ring.i32[b0 : b0 + n_bias].tolist(), ring.f32[v0 : v0 + n_bias].tolist()), g.max_logprobs,
+            self._hashes(slot, n["num_block_hashes"], n_prompt))
         self._reset_response(slot, seq, n_prompt)
         self._capacity[slot] = g.logprob_window if spec.num_logprobs is not None else g.max_output_len
         return TakenRequest(slot=slot, seq=seq, spec=spec, error=self._count_error(seq, n))
+
+    def _hashes(self, slot: int, count: int, prompt_len: int) -> list[int]:
+        """The slot's block hashes, clipped to its area and to the prompt's full blocks (the count is checked in
+        `_count_error`); a zero hash ends them (the engine's table uses 0 for "none")."""
+        g = self.geometry
+        n = min(count, g.max_block_hashes, prompt_len // g.kv_block_size)
+        h0 = self.ring.hashes(slot) // 8
+        hashes = self.ring.u64[h0 : h0 + n].tolist()
+        return hashes[: hashes.index(0)] if 0 in hashes else hashes
 
     def _count_error(self, seq: int, head: dict) -> ErrorCode:
         """INVALID_PARAMS for counts past the geometry, unknown flags or a zero seq (the arrays were clipped
@@ -83,6 +93,7 @@ class RingConsumer:
         g = self.geometry
         ok = (seq != 0 and 0 < head["prompt_len"] <= g.max_prompt_len and head["num_stop_ids"] <= g.max_stop_ids
               and head["num_logit_bias"] <= g.max_logit_bias and head["num_logprobs"] <= g.max_logprobs
+              and head["num_block_hashes"] <= min(head["prompt_len"] // g.kv_block_size, g.max_block_hashes)
               and not head["flags"] & ~_KNOWN_FLAGS)
         return ErrorCode.NONE if ok else ErrorCode.INVALID_PARAMS
 
@@ -92,6 +103,7 @@ class RingConsumer:
         resp["finish_reason"] = FinishReason.NONE
         resp["error_code"] = ErrorCode.NONE
         resp["prompt_len"] = prompt_len
+        resp["cached_tokens"] = 0
         resp["first_token_ns"] = resp["last_token_ns"] = 0
         resp["seq"] = seq  # last: the counters above now belong to `seq`
         self._produced[slot] = 0
@@ -143,6 +155,10 @@ class RingConsumer:
             self.ring.i32[ids0 + j] = token
             self.ring.f32[lps0 + j] = logprob
 
+    def set_cached_tokens(self, slot: int, cached_tokens: int) -> None:
+        """Prompt tokens the prefix cache supplied; written before the slot's first token is published."""
+        self.ring.u32[(self.ring.resp(slot) + R.RESP_CACHED_TOKENS) // 4] = cached_tokens
+
     def finish(self, slot: int, reason: FinishReason, error: ErrorCode = ErrorCode.NONE) -> None:
         """Last word on a slot: after this the engine never touches it again."""
         resp = self.ring.response_fields(slot)
@@ -158,7 +174,10 @@ class RingConsumer:
     def set_state(self, state: R.EngineState) -> None:
         self.ring.header["engine_state"] = state
 
-    def set_stats(self, free_kv_blocks: int, total_kv_blocks: int, running: int, waiting: int) -> None:
+    def set_stats(self, free_kv_blocks: int, total_kv_blocks: int, running: int, waiting: int,
+                  prefix_cache: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """`prefix_cache`: (cached_kv_blocks, prefix_cache_queries, prefix_cache_hits), the last two in tokens."""
         hdr = self.ring.header
         hdr["free_kv_blocks"], hdr["total_kv_blocks"] = free_kv_blocks, total_kv_blocks
         hdr["running"], hdr["waiting"] = running, waiting
+        hdr["cached_kv_blocks"], hdr["prefix_cache_queries"], hdr["prefix_cache_hits"] = prefix_cache

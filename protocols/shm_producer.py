@@ -20,6 +20,7 @@ _NO_ERROR = ErrorCode.NONE
 # u32 word offsets within a slot's response, for `ShmProducer.poll`
 _W_FINISH, _W_PRODUCED, _W_CONSUMED = R.RESP_FINISH_REASON // 4, R.RESP_PRODUCED // 4, R.RESP_CONSUMED // 4
 _W_PROMPT_LEN, _W_ERROR_CODE, _W_TOKENS = R.RESP_PROMPT_LEN // 4, R.RESP_ERROR_CODE // 4, R.RESP_TOKENS // 4
+_W_CACHED = R.RESP_CACHED_TOKENS // 4
 
 
 @dataclass(slots=True)
@@ -159,6 +160,9 @@ class ShmProducer:
             vals0 = (ring.bias(slot) + self.geometry.logit_bias_bytes // 2) // 4  # ids, then biases
             ring.i32[ids0 : ids0 + n] = [t for t, _ in spec.logit_bias]
             ring.f32[vals0 : vals0 + n] = [b for _, b in spec.logit_bias]
+        if spec.block_hashes:
+            h0 = ring.hashes(slot) // 8
+            ring.u64[h0 : h0 + len(spec.block_hashes)] = np.asarray(spec.block_hashes, dtype=np.uint64)
         stop0 = (base + R.REQ_STOP_IDS) // 4
         ring.i32[stop0 : stop0 + len(spec.stop_ids)] = spec.stop_ids
         p0 = (base + self.geometry.prompt_offset) // 4
@@ -196,14 +200,15 @@ class ShmProducer:
             else:
                 tokens = self._tokens(w + _W_TOKENS, consumed, produced)
             # positional: half the cost of keywords, once per update
-            update = TokenUpdate(tokens, [], finish, "", _NO_ERROR, u32[w + _W_PROMPT_LEN], True)
+            update = TokenUpdate(tokens, [], finish, "", _NO_ERROR, u32[w + _W_PROMPT_LEN], True, u32[w + _W_CACHED])
             if out.num_logprobs is not None:
                 update.logprobs = [self._logprob(slot, i, out.num_logprobs) for i in range(consumed, produced)]
             out.consumed = produced
             if not self.defer_consumed:
                 u32[w + _W_CONSUMED] = produced
         else:
-            update = TokenUpdate(finish=finish, started=True, prompt_len=u32[w + _W_PROMPT_LEN])
+            update = TokenUpdate(finish=finish, started=True, prompt_len=u32[w + _W_PROMPT_LEN],
+                                 cached_tokens=u32[w + _W_CACHED])
         if finish:  # FinishReason.NONE is 0
             out.finished = True
             if finish == FinishReason.ERROR:

@@ -30,7 +30,9 @@ import dataclasses
 from .ring import (FINGERPRINT_BYTES, REQUEST_HEAD, REQUEST_HEAD_NAMES, EngineState, ErrorCode, FinishReason,
                    RequestSpec, RingGeometry, TokenLogprob, request_head, spec_from_head)
 
-WIRE_VERSION = 3  # 2: ring version 2 (penalties, logit bias, logprobs); 3: Submit carries the ring's request head
+# 2: ring version 2 (penalties, logit bias, logprobs); 3: Submit carries the ring's request head; 4: ring version 3
+# (Submit's block hashes, Tokens' cached_tokens, State's prefix-cache counters, Hello's kv_block_size)
+WIRE_VERSION = 4
 _GEOMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(RingGeometry))
 WIRE_MAGIC = 0x4B4E_494C  # b"LINK"
 MAX_FRAME_BYTES = 16 << 20  # a frame larger than this is a protocol error, not an allocation
@@ -76,7 +78,7 @@ class Hello:
 class Submit:
     """gateway -> agent: write this request into `slot` and queue it (the ring's `submit`). The body is the
     slot, the ring's fixed request fields as the slot holds them (`ring.REQUEST_HEAD`), then the stop ids,
-    the prompt and the logit bias (ids, then biases)."""
+    the prompt, the logit bias (ids, then biases) and the block hashes (u64 each)."""
 
     TYPE: ClassVar[int] = 2
     slot: int
@@ -87,7 +89,8 @@ class Submit:
         s = self.spec
         head = self._SLOT.pack(self.slot) + REQUEST_HEAD.pack(*request_head(s))
         bias_ids, biases = [t for t, _ in s.logit_bias], [b for _, b in s.logit_bias]
-        return head + _i32s(s.stop_ids) + _i32s(s.prompt_ids) + _i32s(bias_ids) + _f32s(biases)
+        return (head + _i32s(s.stop_ids) + _i32s(s.prompt_ids) + _i32s(bias_ids) + _f32s(biases)
+                + struct.pack(f"<{len(s.block_hashes)}Q", *s.block_hashes))
 
     @classmethod
     def unpack(cls, body: bytes) -> Submit:
@@ -100,7 +103,9 @@ class Submit:
         prompt_ids = _read_i32s(body, offset + 4 * n_stop, n_prompt)
         offset += 4 * (n_stop + n_prompt)
         bias = zip(_read_i32s(body, offset, n_bias), _read_f32s(body, offset + 4 * n_bias, n_bias))
-        return cls(slot, spec_from_head(head, prompt_ids, stop_ids, bias))
+        n_hashes = n["num_block_hashes"]
+        hashes = struct.unpack_from(f"<{n_hashes}Q", body, offset + 8 * n_bias)
+        return cls(slot, spec_from_head(head, prompt_ids, stop_ids, bias, block_hashes=hashes))
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,8 @@ class Tokens:
     error_code: ErrorCode = ErrorCode.NONE
     prompt_len: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, or none
-    _HEAD: ClassVar = struct.Struct("<IIIIIi")  # ..., number of tokens, alternatives per token (-1: no logprobs)
+    cached_tokens: int = 0  # prompt tokens from the engine's prefix cache
+    _HEAD: ClassVar = struct.Struct("<IIIIIiI")  # ..., tokens, alternatives per token (-1: no logprobs), cached
 
     def pack(self) -> bytes:
         num_top = len(self.logprobs[0].top) if self.logprobs else -1
@@ -168,17 +174,17 @@ class Tokens:
             extra = _f32s([e.logprob for e in self.logprobs]) + b"".join(
                 _i32s([t for t, _ in e.top]) + _f32s([lp for _, lp in e.top]) for e in self.logprobs)
         return self._HEAD.pack(self.slot, self.finish, self.error_code, self.prompt_len, len(self.tokens),
-                               num_top) + _i32s(self.tokens) + extra
+                               num_top, self.cached_tokens) + _i32s(self.tokens) + extra
 
     @classmethod
     def unpack(cls, body: bytes) -> Tokens:
-        slot, finish, code, prompt_len, n, num_top = cls._HEAD.unpack_from(body)
+        slot, finish, code, prompt_len, n, num_top, cached = cls._HEAD.unpack_from(body)
         try:
             finish, code = FinishReason(finish), ErrorCode(code)
         except ValueError:
             raise WireError(f"Tokens: unknown finish reason {finish} or error code {code}") from None
         return cls(slot, _read_i32s(body, cls._HEAD.size, n), finish, code, prompt_len,
-                   _read_logprobs(body, cls._HEAD.size + 4 * n, n, num_top))
+                   _read_logprobs(body, cls._HEAD.size + 4 * n, n, num_top), cached)
 
 
 @dataclass(frozen=True)
@@ -204,8 +210,9 @@ class State:
     heartbeat: int
     engine_state: EngineState
     stats: dict[str, int] = field(default_factory=dict)
-    STAT_NAMES: ClassVar = ("free_kv_blocks", "total_kv_blocks", "running", "waiting", "generated_tokens")
-    _BODY: ClassVar = struct.Struct("<QIIIIIQ")
+    STAT_NAMES: ClassVar = ("free_kv_blocks", "total_kv_blocks", "running", "waiting", "generated_tokens",
+                            "cached_kv_blocks", "prefix_cache_queries", "prefix_cache_hits")
+    _BODY: ClassVar = struct.Struct("<QIIIIIQIQQ")
 
     def pack(self) -> bytes:
         return self._BODY.pack(self.heartbeat, self.engine_state, *(self.stats.get(n, 0) for n in self.STAT_NAMES))

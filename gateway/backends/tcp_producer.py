@@ -219,7 +219,7 @@ class TcpProducer:
         if state is None or state.finished:
             return  # a slot this session does not hold: nothing of ours
         update = state.update
-        update.started, update.prompt_len = True, msg.prompt_len
+        update.started, update.prompt_len, update.cached_tokens = True, msg.prompt_len, msg.cached_tokens
         update.tokens.extend(msg.tokens)
         update.logprobs.extend(msg.logprobs)
         if msg.finish != FinishReason.NONE:
@@ -303,7 +303,8 @@ class TcpProducer:
     def poll(self, slot: int) -> TokenUpdate:
         """Everything that arrived for the slot since the last poll; acknowledges the tokens."""
         state = self._active[slot]
-        update, state.update = state.update, TokenUpdate(started=state.update.started, prompt_len=state.update.prompt_len)
+        update, state.update = state.update, TokenUpdate(started=state.update.started, prompt_len=state.update.prompt_len,
+                                                         cached_tokens=state.update.cached_tokens)
         if update.tokens and not state.finished:
             state.consumed += len(update.tokens)
             self._consumed[slot] = state.consumed

@@ -9,6 +9,11 @@ the `host` mode). A runner has `num_blocks`, `bufs` (its `StepBuffers`), `step_g
 persistent loop) applies penalties and logit bias and computes logprobs, and keeps `last_logprobs` of its
 last run (per sampled row, or empty when none asked); the loop refuses such requests (INVALID_PARAMS) for
 the others.
+
+Prefix caching (on unless `EngineConfig.enable_prefix_caching` is off): the scheduler starts a request on the
+cached blocks named by its block hashes, so its prefill begins at the cached offset (chunked prefill over
+earlier KV in blocks, which every runner supports); the loop reports the skipped tokens as the response's
+cached_tokens before its first token, and the cache's counters in the header.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
     idle_sleep_max_s: float = 0.002  # longest poll interval while idle (the first few polls spin shorter)
+    enable_prefix_caching: bool = True  # reuse the KV of cached prompt blocks (the requests' block hashes)
 
     def num_blocks_for(self, model_cfg: ModelConfig, context_len: int) -> int:
         """KV blocks of the cpu engine's float32 cache (the GPU runner sizes its own from free memory)."""
@@ -47,6 +53,16 @@ class EngineConfig:
         per_block = self.block_size * model_cfg.num_layers * 2 * model_cfg.num_kv_heads * model_cfg.head_dim * 4
         blocks = self.kv_cache_mb * (1 << 20) // per_block
         return max(blocks, -(-context_len // self.block_size))  # at least one full-context sequence
+
+
+def prefix_caching_on(config: EngineConfig, kv_block_size: int) -> bool:
+    """Whether the scheduler caches: asked for, and the ring's block hashes cover the engine's blocks (a ring
+    made for another block size names other token spans: its hashes are ignored, with a warning)."""
+    if config.enable_prefix_caching and kv_block_size != config.block_size:
+        log.warning("prefix caching off: the ring's kv_block_size %d is not the engine's block size %d",
+                    kv_block_size, config.block_size)
+        return False
+    return config.enable_prefix_caching
 
 
 class Runner(Protocol):
@@ -62,11 +78,12 @@ class Runner(Protocol):
 class LiveSeq:
     """A request the scheduler holds, by ring slot; its tokens are read from the native state."""
 
-    __slots__ = ("slot", "seq", "spec", "rng_seed", "prompt_len", "_sched")
+    __slots__ = ("slot", "seq", "spec", "rng_seed", "prompt_len", "_sched", "published")
 
     def __init__(self, taken: TakenRequest, rng_seed: int, sched: NativeScheduler):
         self.slot, self.seq, self.spec, self.rng_seed = taken.slot, taken.seq, taken.spec, rng_seed
         self.prompt_len, self._sched = len(taken.spec.prompt_ids), sched
+        self.published = False  # a token of it reached the ring (cached_tokens is written before the first)
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -86,7 +103,7 @@ class EngineLoop:
             raise ValueError(f"max_num_seqs {config.max_num_seqs} is over the runner's {step.max_seqs} sequence rows")
         self.scheduler = NativeScheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, context_len,
-                            tuple(model_cfg.eos_token_ids)),
+                            tuple(model_cfg.eos_token_ids), prefix_caching_on(config, geometry.kv_block_size)),
             runner.num_blocks, config.block_size, geometry.num_slots, geometry.max_stop_ids, step)
         if self.scheduler.step_bytes > runner.bufs.num_bytes:
             raise ValueError(f"the runner's step buffer ({runner.bufs.num_bytes} bytes) is smaller than the "
@@ -184,6 +201,10 @@ class EngineLoop:
         now_ns = time.monotonic_ns()
         for slot, token in new_tokens:
             entry = logprobs.get(slot)
+            live = self.live[slot]
+            if not live.published:
+                self.consumer.set_cached_tokens(slot, self.scheduler.cached_tokens(slot))
+                live.published = True
             self.consumer.publish(slot, [token], now_ns, None if entry is None else [entry])
         for slot, reason in finished:  # their blocks are already free
             del self.live[slot]
@@ -196,8 +217,8 @@ class EngineLoop:
         self.consumer.finish(slot, reason, error)
 
     def _publish_stats(self) -> None:
-        s = self.scheduler
-        self.consumer.set_stats(s.num_free, s.num_blocks, s.num_running, s.num_waiting)
+        s = self.scheduler  # evictable cached blocks count as free: an allocation takes them
+        self.consumer.set_stats(s.num_available, s.num_blocks, s.num_running, s.num_waiting, s.prefix_cache_stats())
 
     def shutdown(self) -> None:
         """Report every unfinished request as failed (never dropped silently), then mark STOPPED."""

@@ -33,7 +33,7 @@ import torch
 
 from gpu_backend.engine.gpu_runner import LOOP_LOGPROBS, GpuRunner
 from gpu_backend.engine.graph_variant import GraphVariant
-from gpu_backend.engine.loop import EngineConfig
+from gpu_backend.engine.loop import EngineConfig, prefix_caching_on
 from gpu_backend.engine.sched_native import NativeScheduler, SchedulerConfig, _Header
 from gpu_backend.models import ModelConfig
 from kernels import persistent_loop as native
@@ -64,7 +64,7 @@ class PersistentEngine:
         g, dev, rc = ring.geometry, runner.device, runner.config
         sched = NativeScheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, context_len,
-                            tuple(model_cfg.eos_token_ids)),
+                            tuple(model_cfg.eos_token_ids), prefix_caching_on(config, g.kv_block_size)),
             runner.num_blocks, rc.block_size, g.num_slots, g.max_stop_ids, runner.step_geometry)
         self.sched_state = torch.from_numpy(sched.state.view(np.uint8)).to(dev)
         n = g.num_slots
@@ -162,7 +162,8 @@ class PersistentEngine:
             prompt_offset=g.prompt_offset, num_slots=g.num_slots, max_prompt_len=g.max_prompt_len,
             max_output_len=g.max_output_len, max_stop_ids=g.max_stop_ids,
             bias_offset=g.logit_bias_offset, bias_bytes=g.logit_bias_bytes, max_logit_bias=g.max_logit_bias,
-            max_logprobs=g.max_logprobs, vocab=self.vocab,
+            max_logprobs=g.max_logprobs, vocab=self.vocab, hash_offset=g.block_hashes_offset,
+            hash_bytes=g.block_hash_bytes, max_block_hashes=g.max_block_hashes,
             sched_mem=self.sched_state.data_ptr(), step_buf=runner.buffer_sets[0].dev.data_ptr(),
             step_buf_alt=runner.buffer_sets[1].dev.data_ptr(),
             sampled=runner.tokens_dev.data_ptr(), ctl=ctl_dev.value, clock_offset_ns=self._clock_offset_ns(),

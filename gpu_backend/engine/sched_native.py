@@ -30,10 +30,16 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running sequences at most
     context_len: int = 2048  # prompt + generated tokens a sequence may hold
     eos_token_ids: tuple[int, ...] = ()
+    enable_prefix_caching: bool = False  # reuse cached prompt blocks named by the requests' block hashes
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.context_len < 2:
             raise ValueError(f"invalid scheduler limits: {self}")
+
+
+def hash_slots_for(num_blocks: int, prefix_caching: bool) -> int:
+    """Cells of the prefix cache's hash table: a power of two at least twice the blocks (1 with the cache off)."""
+    return 1 << (2 * num_blocks - 1).bit_length() if prefix_caching else 1
 
 
 def penalties_error(spec: RequestSpec) -> ErrorCode:
@@ -77,12 +83,14 @@ class NativeScheduler:
         c.eos_ids[: len(config.eos_token_ids)] = list(config.eos_token_ids)
         c.step_max_tokens, c.step_max_seqs, c.num_buckets = step.max_tokens, step.max_seqs, len(step.buckets)
         c.buckets[: len(step.buckets)] = list(step.buckets)
+        c.prefix_caching = int(config.enable_prefix_caching)
+        c.hash_slots = hash_slots_for(num_blocks, config.enable_prefix_caching)
         self.config, self.max_slots, self.max_stop_ids = config, max_slots, max_stop_ids
         nbytes = self.lib.blink_sched_state_bytes(ctypes.byref(c))
         self.state = np.zeros(-(-nbytes // 8), dtype=np.uint64)  # [bytes/8] u64: 8-byte aligned, host
         self.lib.blink_sched_host_init(self._mem, ctypes.byref(c))
         self.h = _Header.from_address(self._mem)
-        self.a = self._views(max_slots, num_blocks, -(-config.context_len // block_size), config.context_len)
+        self.a = self._views(max_slots, num_blocks, -(-config.context_len // block_size), config.context_len, c.hash_slots)
         self._scratch = np.zeros(max_slots, dtype=np.int32)
         offsets = np.zeros(15, dtype=np.uint64)  # BLINK_STEP_NUM_FIELDS
         self.step_bytes = self.lib.blink_sched_step_layout(step.max_tokens, step.max_seqs, self.a["block_table"].shape[1],
@@ -92,10 +100,10 @@ class NativeScheduler:
     def _mem(self) -> int:
         return self.state.ctypes.data
 
-    def _views(self, n: int, blocks: int, mb: int, ctx: int) -> dict[str, np.ndarray]:
+    def _views(self, n: int, blocks: int, mb: int, ctx: int, ht: int) -> dict[str, np.ndarray]:
         bound = _Bound()
         self.lib.blink_sched_host_bind(self._mem, ctypes.byref(bound))
-        dims = {"N": n, "STOP": self.max_stop_ids, "MB": mb, "CTX": ctx, "BLOCKS": blocks}
+        dims = {"N": n, "STOP": self.max_stop_ids, "MB": mb, "CTX": ctx, "BLOCKS": blocks, "HT": ht}
         views = {}
         for name, dtype, declared in SCHED_ARRAYS:
             shape = shape_of(declared, dims)
@@ -118,9 +126,11 @@ class NativeScheduler:
             raise ValueError(f"stop_ids: {len(spec.stop_ids)} ids, at most {self.max_stop_ids}")
         prompt = np.asarray(spec.prompt_ids, dtype=np.int32)
         stops = np.asarray(spec.stop_ids, dtype=np.int32)
+        hashes = np.asarray(spec.block_hashes, dtype=np.uint64)  # the scheduler keeps those of full prompt blocks
         self.lib.blink_sched_host_add(self._mem, slot, prompt.ctypes.data, len(prompt), spec.max_tokens, spec.priority,
                                       stops.ctypes.data, len(stops), int(spec.ignore_eos), spec.temperature,
-                                      spec.top_k, spec.top_p, spec.min_p, rng_seed % (1 << 64))
+                                      spec.top_k, spec.top_p, spec.min_p, rng_seed % (1 << 64), hashes.ctypes.data,
+                                      len(hashes))
 
     def finish(self, slot: int) -> None:
         """Remove the sequence in `slot` wherever it is and free its blocks now (cancel, error)."""
@@ -166,6 +176,27 @@ class NativeScheduler:
     @property
     def num_blocks(self) -> int:
         return self.h.cfg.num_blocks
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation may take: the free ones and the evictable cached ones."""
+        return self.h.num_free + self.h.num_evictable
+
+    def prefix_cache_stats(self) -> tuple[int, int, int]:
+        """(blocks holding a published hash, tokens looked up, tokens found cached): the ring header's words."""
+        return self.h.num_cached, self.h.prefix_queries, self.h.prefix_hits
+
+    def cached_tokens(self, slot: int) -> int:
+        """Prompt tokens the sequence in `slot` took from the cache at its first admission."""
+        return int(self.a["cached_tokens"][slot])
+
+    def evictable(self) -> list[int]:
+        """The evictable blocks, least recently used first."""
+        out, b = [], self.h.lru_head
+        while b >= 0:
+            out.append(b)
+            b = int(self.a["lru_next"][b])
+        return out
 
     @property
     def num_running(self) -> int:

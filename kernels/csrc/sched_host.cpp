@@ -34,10 +34,11 @@ int32_t blink_sched_host_check(void* mem, int32_t prompt_len, int64_t max_tokens
 
 void blink_sched_host_add(void* mem, int32_t slot, const int32_t* prompt, int32_t prompt_len, int64_t max_tokens,
                           int64_t priority, const int32_t* stop_ids, int32_t num_stop, int32_t ignore_eos,
-                          float temperature, int32_t top_k, float top_p, float min_p, uint64_t seed) {
+                          float temperature, int32_t top_k, float top_p, float min_p, uint64_t seed,
+                          const uint64_t* hashes, int32_t num_hashes) {
   blink_sched s = bound(mem);
   blink_sched_add(&s, slot, prompt, prompt_len, max_tokens, priority, stop_ids, num_stop, ignore_eos, temperature,
-                  top_k, top_p, min_p, seed);
+                  top_k, top_p, min_p, seed, hashes, num_hashes);
 }
 
 void blink_sched_host_finish(void* mem, int32_t slot) {

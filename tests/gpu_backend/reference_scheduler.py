@@ -17,13 +17,20 @@ Rules (DESIGN.md, "Scheduling on the GPU"):
   its generated tokens, which are recomputed as part of its prompt; likewise when partial prefills hold
   every block and no step could run at all;
 - a sequence whose output buffer in the ring is full is skipped this step (backpressure), not dropped;
-- finished and cancelled sequences free their blocks in the same step.
+- finished and cancelled sequences free their blocks in the same step;
+- prefix cache (kernels/csrc/include/blink_prefix_cache.h): a waiting sequence starts on the cached blocks of
+  its prompt's leading block hashes (reference-counted, at least one token left to compute), full prompt
+  blocks are published as they are computed (past the request's hashes, the chain is extended over the
+  sequence's own tokens: decode blocks too), unreferenced cached blocks are evicted least recently used
+  first when the free list is empty.
 """
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
-from collections import deque
+from array import array
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -58,6 +65,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    block_hashes: list[int] = field(default_factory=list)  # those the scheduler keeps (blink_set_hashes)
+    num_published: int = 0  # leading table blocks already in the cache or passed over
+    cached_tokens: int = 0  # prompt tokens the first admission took from the cache
 
     @property
     def num_generated(self) -> int:
@@ -73,18 +83,93 @@ class Sequence:
         return (self.spec.priority, self.arrival)
 
 
-class BlockManager:
-    """Fixed-size KV blocks: a free list and per-sequence block tables. Block ids index the KV tensor."""
+def next_block_hash(prev: int, tokens) -> int:
+    """The gateway's chain step (protocols/prefix_hash.py) from the previous block's hash."""
+    digest = hashlib.blake2b(prev.to_bytes(8, "little") + array("i", tokens).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
 
-    def __init__(self, num_blocks: int, block_size: int):
+
+class BlockManager:
+    """Fixed-size KV blocks: a free list and per-sequence block tables. Block ids index the KV tensor.
+
+    With `prefix_caching`, blocks are reference-counted and a full prompt block keeps its hash in `cached`
+    (hash -> block) until evicted; `lru` holds the unreferenced cached blocks, least recently used first."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
+        self.ref = [0] * num_blocks
+        self.block_hash = [0] * num_blocks
+        self.cached: dict[int, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.queries = self.hits = 0
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_available(self) -> int:
+        return len(self._free) + len(self.lru)
+
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.popleft()
+        else:
+            b, _ = self.lru.popitem(last=False)
+            del self.cached[self.block_hash[b]]
+            self.block_hash[b] = 0
+        self.ref[b] = 1
+        return b
+
+    def _drop(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] > 0:
+            return
+        if self.block_hash[b]:
+            self.lru[b] = None
+        else:
+            self._free.append(b)
+
+    def probe(self, seq: Sequence) -> list[int]:
+        """The cached blocks of `seq`'s leading hashes (leaving at least one token to compute; a repeated
+        block ends the run)."""
+        limit = min((len(seq.token_ids) - 1) // self.block_size, len(seq.block_hashes))
+        hits: list[int] = []
+        for h in seq.block_hashes[:limit] if self.prefix_caching else ():
+            b = self.cached.get(h)
+            if b is None or b in hits:
+                break
+            hits.append(b)
+        return hits
+
+    def take_cached(self, seq: Sequence, hits: list[int]) -> None:
+        for b in hits:
+            if self.ref[b] == 0:
+                del self.lru[b]
+            self.ref[b] += 1
+        seq.block_table = list(hits)
+        seq.num_published = len(hits)
+        seq.num_computed = len(hits) * self.block_size
+        if seq.num_preemptions == 0:
+            seq.cached_tokens = seq.num_computed
+        if self.prefix_caching:
+            self.queries += len(seq.token_ids)
+            self.hits += seq.num_computed
+
+    def publish(self, seq: Sequence) -> None:
+        bs, hashes = self.block_size, seq.block_hashes
+        for k in range(len(hashes), seq.num_computed // bs) if hashes else ():  # extend the chain
+            hashes.append(next_block_hash(hashes[-1], seq.token_ids[k * bs:(k + 1) * bs]))
+        full = min(seq.num_computed // self.block_size, len(seq.block_hashes))
+        for k in range(seq.num_published, full):
+            h, b = seq.block_hashes[k], seq.block_table[k]
+            if not self.block_hash[b] and h not in self.cached:
+                self.cached[h] = b
+                self.block_hash[b] = h
+        seq.num_published = max(seq.num_published, full)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -95,13 +180,16 @@ class BlockManager:
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         need = self.extra_blocks(seq, num_tokens)
-        if need > len(self._free):
-            raise RuntimeError(f"grow by {need} blocks with {len(self._free)} free: scheduler bug")
-        seq.block_table.extend(self._free.popleft() for _ in range(need))
+        if need > self.num_available:
+            raise RuntimeError(f"grow by {need} blocks with {self.num_available} available: scheduler bug")
+        seq.block_table.extend(self._take() for _ in range(need))
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_table)
+        """Drop `seq`'s blocks: the last first with the cache on (a prompt's tail is evicted before its head)."""
+        for b in reversed(seq.block_table) if self.prefix_caching else seq.block_table:
+            self._drop(b)
         seq.block_table = []
+        seq.num_published = 0
 
 
 @dataclass
@@ -161,6 +249,11 @@ class Scheduler:
     def add(self, slot: int, seq_no: int, spec: RequestSpec, rng_seed: int) -> Sequence:
         seq = Sequence(slot=slot, seq=seq_no, spec=spec, arrival=self._arrivals, rng_seed=rng_seed,
                        token_ids=list(spec.prompt_ids), prompt_len=len(spec.prompt_ids))
+        if self.blocks.prefix_caching:
+            for h in list(spec.block_hashes)[: len(spec.prompt_ids) // self.blocks.block_size]:
+                if not h:
+                    break
+                seq.block_hashes.append(h)
         self._arrivals += 1
         self.waiting.append(seq)
         return seq
@@ -180,7 +273,7 @@ class Scheduler:
         again; then the latest, lowest-priority running sequence gives its blocks back (recompute) and
         the step is chosen again."""
         batch = self._schedule_pass(room)
-        if not batch and self.blocks.num_free == 0 and any(s.num_remaining > 1 for s in self.running):
+        if not batch and self.blocks.num_available == 0 and any(s.num_remaining > 1 for s in self.running):
             stalled = Batch(preempted=batch.preempted)
             self._preempt(max(self.running, key=lambda s: s.order), stalled)
             batch = self._schedule_pass(room)
@@ -223,18 +316,26 @@ class Scheduler:
         return batch
 
     def _prefill_chunk(self, seq: Sequence, budget: int, room: Callable[[Sequence], int]) -> int:
-        if seq.status is Status.WAITING and len(self.running) >= self.config.max_num_seqs:
+        """The chunk to prefill; a waiting sequence is admitted here over its cached blocks."""
+        waiting = seq.status is Status.WAITING
+        if waiting and len(self.running) >= self.config.max_num_seqs:
             return 0
-        q_len = min(seq.num_remaining, budget)
-        fits = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - seq.num_computed
+        hits = self.blocks.probe(seq) if waiting else []
+        idle = sum(self.blocks.ref[b] == 0 for b in hits)
+        computed = len(hits) * self.blocks.block_size if waiting else seq.num_computed
+        held = len(hits) if waiting else len(seq.block_table)
+        q_len = min(len(seq.token_ids) - computed, budget)
+        fits = (held + self.blocks.num_available - idle) * self.blocks.block_size - computed
         q_len = min(q_len, fits)
-        if q_len > 0 and seq.num_computed + q_len == len(seq.token_ids) and room(seq) <= 0:
+        if q_len > 0 and computed + q_len == len(seq.token_ids) and room(seq) <= 0:
             return 0  # its next token would have nowhere to go
+        if q_len > 0 and waiting:
+            self.blocks.take_cached(seq, hits)
         return max(q_len, 0)
 
     def _reserve(self, seq: Sequence, num_tokens: int, batch: Batch, scheduled: set[int]) -> bool:
         """Grow `seq` to `num_tokens`, preempting later sequences if blocks run out."""
-        while self.blocks.extra_blocks(seq, num_tokens) > self.blocks.num_free:
+        while self.blocks.extra_blocks(seq, num_tokens) > self.blocks.num_available:
             victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
             if not victims:
                 self._preempt(seq, batch)  # nothing else to take from: it waits for blocks itself
@@ -263,6 +364,7 @@ class Scheduler:
         for entry in batch.entries:
             seq = entry.seq
             seq.num_computed += entry.q_len
+            self.blocks.publish(seq)
             if not entry.samples:
                 continue
             token = sampled[id(seq)]

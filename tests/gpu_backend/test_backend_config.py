@@ -140,3 +140,22 @@ def test_a_missing_tls_file_stops_the_backend_before_the_model_loads(tmp_path):
                           "--control-ssl-certfile", str(tmp_path / "absent.pem"), "--control-ssl-ca-certs",
                           str(tmp_path / "ca.pem")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and f"cannot read the TLS key {tmp_path / 'absent.pem'}" in run.stderr
+
+
+def test_prefix_caching_is_on_by_default_and_turned_off_by_flag_file_or_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("BLINK_BACKEND_CONFIG", raising=False)
+    monkeypatch.delenv("BLINK_PREFIX_CACHING", raising=False)
+    assert config_from_args(_parse()).enable_prefix_caching and BackendConfig().engine_config().enable_prefix_caching
+    for flag in ("--no-prefix-caching", "--no-enable-prefix-caching"):  # the name and vLLM's
+        c = config_from_args(_parse(flag))
+        assert not c.enable_prefix_caching and not c.engine_config().enable_prefix_caching
+    path = tmp_path / "backend.yaml"
+    path.write_text("enable_prefix_caching: false\n")
+    assert not config_from_args(_parse("--config", str(path))).enable_prefix_caching
+    assert config_from_args(_parse("--config", str(path), "--enable-prefix-caching")).enable_prefix_caching
+    monkeypatch.setenv("BLINK_PREFIX_CACHING", "0")
+    assert not config_from_args(_parse()).enable_prefix_caching
+    assert config_from_args(_parse("--enable-prefix-caching")).enable_prefix_caching  # a flag wins
+    monkeypatch.setenv("BLINK_PREFIX_CACHING", "maybe")
+    with pytest.raises(ConfigError, match="BLINK_PREFIX_CACHING='maybe' is not a boolean"):
+        config_from_args(_parse())

@@ -51,19 +51,19 @@ class Engine:
     """An EngineLoop on a fresh ring, stepped by hand, with a producer on the gateway's side."""
 
     def __init__(self, model, num_blocks: int = 64, budget: int = 16, max_seqs: int = 4, block_size: int = 4,
-                 eos: tuple[int, ...] | None = None, runner_cls=CpuRunner):
+                 eos: tuple[int, ...] | None = None, runner_cls=CpuRunner, caching: bool = True):
         self.cfg, m = model
         if eos is not None:
             self.cfg = dataclasses.replace(self.cfg, eos_token_ids=eos)
-        self.ring = create_ring(f"blink-engine-test-{os.getpid()}-{next(_rings)}", RingGeometry(8, CONTEXT_LEN, 64),
-                                "test")
+        self.ring = create_ring(f"blink-engine-test-{os.getpid()}-{next(_rings)}",
+                                RingGeometry(8, CONTEXT_LEN, 64, kv_block_size=block_size), "test")
         self.prod = ShmProducer(attach_ring(self.ring.name))
         self.runner = runner_cls(m, self.cfg, num_blocks, block_size, context_len=CONTEXT_LEN,
                                 max_num_batched_tokens=budget, max_num_seqs=max_seqs)
         self.loop = EngineLoop(self.runner, self.cfg, RingConsumer(self.ring),
                                EngineConfig(block_size=block_size, max_num_batched_tokens=budget,
-                                            max_num_seqs=max_seqs), CONTEXT_LEN)
-        self.tokens, self.logprobs, self.finishes, self.errors = {}, {}, {}, {}
+                                            max_num_seqs=max_seqs, enable_prefix_caching=caching), CONTEXT_LEN)
+        self.tokens, self.logprobs, self.finishes, self.errors, self.cached = {}, {}, {}, {}, {}
 
     def submit(self, spec: RequestSpec) -> int:
         slot = self.prod.submit(spec)
@@ -75,6 +75,8 @@ class Engine:
             upd = self.prod.poll(slot)
             self.tokens[slot] += upd.tokens
             self.logprobs[slot] += upd.logprobs
+            if upd.tokens:
+                self.cached[slot] = upd.cached_tokens
             if upd.finish is not FinishReason.NONE:
                 self.finishes[slot], self.errors[slot] = upd.finish, upd.error_code
 

@@ -36,7 +36,7 @@ if sched_host.host_compiler() is None:
 
 CONTEXT_LEN = 64
 GEOMETRY = RingGeometry(num_slots=8, max_prompt_len=32, max_output_len=16, max_stop_ids=4, max_logit_bias=4,
-                        max_logprobs=3, logprob_window=8)
+                        max_logprobs=3, logprob_window=8, kv_block_size=4)  # the engine's blocks: caching on
 NUM_REQUESTS = int(os.environ.get("BLINK_FUZZ_REQUESTS", "100000"))
 SEED = int(os.environ.get("BLINK_FUZZ_SEED", "27"))
 U32, I32_MIN = (1 << 32) - 1, -(1 << 31)
@@ -161,6 +161,10 @@ def _corruptions(g: RingGeometry, vocab: int) -> dict[str, object]:
                                         rng.choice([NAN, INF, -INF, -3.0])),
         "unknown_flags": lambda rng, w: w.put("flags", 1 << rng.randrange(3, 32)),
         "seq_zero": lambda rng, w: w.put("seq", 0),
+        # a base prompt has at most 6 tokens: one full block of 4, so at most one hash
+        "block_hashes_past_prompt": lambda rng, w: w.put("num_block_hashes", rng.randint(2, g.max_block_hashes)),
+        "block_hashes_past_slot": lambda rng, w: w.put("num_block_hashes",
+                                                       g.max_block_hashes + 1 + rng.randrange(U32 - 64)),
         RANDOM_WORDS: lambda rng, w: w.fill_random(rng),
     }
 
@@ -189,6 +193,12 @@ class SlotWriter:
         self.ring.buf[start:stop] = np.frombuffer(rng.randbytes(stop - start), dtype=np.uint8)
         b0 = self.ring.bias(self.slot)
         self.ring.buf[b0 : b0 + g.logit_bias_bytes] = np.frombuffer(rng.randbytes(g.logit_bias_bytes), dtype=np.uint8)
+        h0 = self.ring.hashes(self.slot)
+        self.ring.buf[h0 : h0 + g.block_hash_bytes] = np.frombuffer(rng.randbytes(g.block_hash_bytes), dtype=np.uint8)
+
+    def put_hashes(self, hashes: list[int]) -> None:
+        h0 = self.ring.hashes(self.slot) // 8
+        self.ring.u64[h0 : h0 + len(hashes)] = np.asarray(hashes, dtype=np.uint64)
 
     def put_prompt(self, i: int, token: int) -> None:
         self.ring.i32[(self.ring.req(self.slot) + GEOMETRY.prompt_offset) // 4 + i] = token
@@ -248,7 +258,7 @@ def _fuzz(e: FuzzEngine, num_requests: int, seed: int) -> dict[str, int]:
         for slot, (finish, error) in e.drain(list(batch)).items():
             assert RANDOM_WORDS in batch[slot] or (finish, error) == (FinishReason.ERROR, ErrorCode.INVALID_PARAMS), \
                 f"seed {seed}: {batch[slot]} ended {finish!r} {error!r}"
-        assert not e.loop.live and e.loop.scheduler.num_free == e.loop.scheduler.num_blocks
+        assert not e.loop.live and e.loop.scheduler.num_available == e.loop.scheduler.num_blocks
     return counts
 
 
@@ -319,4 +329,28 @@ def _assert_still_serves(e: FuzzEngine, m) -> None:
         if upd.finish is not FinishReason.NONE:
             break
     assert upd.finish is FinishReason.LENGTH and tokens == want
-    assert e.loop.scheduler.num_free == e.loop.scheduler.num_blocks
+    assert e.loop.scheduler.num_available == e.loop.scheduler.num_blocks
+    assert not e.loop.scheduler.a["block_ref"].any()
+
+
+def test_legal_hash_words_of_any_value_are_served(model):
+    """Block-hash words are the gateway's to choose: zeros (the chain ends there), all ones, one hash repeated
+    over blocks of different tokens, counts short of the prompt's blocks. Each request gets a normal finish,
+    every reference is given back, and a later honest request is served as before."""
+    m = model[1]
+    e = FuzzEngine(model)
+    try:
+        prompt = [4, 9, 11, 13, 5, 6, 7, 8, 21, 22, 23, 24, 30]  # three full blocks of 4
+        cases = [[0, 7, 8], [(1 << 64) - 1] * 3, [99, 99, 99], [5], [1, 2, 3]]
+        for slot, hashes in enumerate(cases * 2):  # twice: the second round hits the first round's blocks
+            e.write(slot % GEOMETRY.num_slots, RequestSpec(slot, prompt, 4, temperature=0.0, ignore_eos=True))
+            w = SlotWriter(e.ring, slot % GEOMETRY.num_slots)
+            w.put_hashes(hashes)
+            w.put("num_block_hashes", len(hashes))
+            e.queue(slot % GEOMETRY.num_slots)
+            done = e.drain([slot % GEOMETRY.num_slots])
+            assert done == {slot % GEOMETRY.num_slots: (FinishReason.LENGTH, ErrorCode.NONE)}, (hashes, done)
+        assert e.loop.scheduler.prefix_cache_stats()[2] > 0  # some of them were taken from the cache
+        _assert_still_serves(e, m)
+    finally:
+        e.ring.close()

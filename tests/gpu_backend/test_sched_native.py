@@ -4,6 +4,7 @@ included), small block pools that force preemption, full output buffers. Step by
 entries (slot, q_len, samples), the same preemptions, the same published tokens and finishes, the same
 block tables, free list (block ids and order) and queue order; every block back in the pool at the end.
 A second pass fills the step buffer from both (the reference's fill_step) and compares it byte for byte."""
+import dataclasses
 import random
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 from reference_scheduler import BlockManager, Scheduler, SchedulerConfig, fill_step
 from kernels import sched_host
+from protocols.prefix_hash import block_hashes
 from protocols.ring import ErrorCode, RequestSpec
 
 if sched_host.host_compiler() is None:
@@ -23,15 +25,41 @@ EOS = 0
 MAX_SLOTS = 12
 
 
-def random_setup(rng: random.Random):
+def random_setup(rng: random.Random, caching: bool = False):
     budget = rng.choice([4, 8, 16, 33])
-    cfg = SchedulerConfig(budget, rng.randint(1, min(8, budget)), rng.choice([16, 40, 128]), (EOS, 1))
+    cfg = SchedulerConfig(budget, rng.randint(1, min(8, budget)), rng.choice([16, 40, 128]), (EOS, 1), caching)
     return cfg, rng.choice([4, 6, 10, 24, 64]), rng.choice([1, 2, 4, 8])
 
 
-def random_spec(rng: random.Random, cfg: SchedulerConfig) -> RequestSpec:
+def random_prompt(rng: random.Random, cfg: SchedulerConfig, shared: list[list[int]] | None) -> list[int]:
+    """Random tokens; with `shared` (caching traces), mostly a prefix of one of a few shared documents
+    (system prompts, earlier turns) and a random tail."""
+    n = rng.randint(1, cfg.context_len + 2)
+    if not shared or rng.random() < 0.2:
+        return [rng.randint(2, 99) for _ in range(n)]
+    head = rng.choice(shared)[: rng.randint(0, n)]
+    return head + [rng.randint(2, 99) for _ in range(n - len(head))]
+
+
+def random_hashes(rng: random.Random, prompt: list[int], block_size: int, salt: str) -> tuple[int, ...]:
+    """The gateway's chain, sometimes cut short; rarely a crafted one (repeats, a zero, past the blocks)."""
+    hashes = block_hashes(prompt, block_size, "model", salt, limit=rng.choice([None, None, None, 1, 3]))
+    r = rng.random()
+    if r < 0.03 and hashes:
+        return tuple(hashes[:1] * 3)
+    if r < 0.05 and hashes:
+        return (hashes[0], 0, *hashes[1:])
+    if r < 0.07:
+        return tuple(hashes) + (12345,)
+    return tuple(hashes)
+
+
+def random_spec(rng: random.Random, cfg: SchedulerConfig, shared: list[list[int]] | None = None,
+                block_size: int = 1) -> RequestSpec:
+    prompt = random_prompt(rng, cfg, shared)
+    hashes = random_hashes(rng, prompt, block_size, rng.choice(["", "", "tenant-b"])) if shared else ()
     return RequestSpec(
-        request_id=rng.randrange(1 << 30), prompt_ids=[rng.randint(2, 99) for _ in range(rng.randint(1, cfg.context_len + 2))],
+        request_id=rng.randrange(1 << 30), prompt_ids=prompt, block_hashes=hashes,
         max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 0.7, 1.0, 1.0, -1.0 if rng.random() < 0.05 else 1.0]),
         top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 1, 5]), min_p=rng.choice([0.0, 0.1]),
         stop_ids=tuple(rng.sample(range(2, 100), rng.randint(0, 3))), ignore_eos=rng.random() < 0.2,
@@ -48,8 +76,15 @@ def sampled_token(rng: random.Random, spec: RequestSpec) -> int:
 
 
 def assert_same_state(py: Scheduler, nat: NativeScheduler) -> None:
-    assert nat.num_free == py.blocks.num_free
-    assert nat.free_list() == list(py.blocks._free)
+    blocks = py.blocks
+    assert nat.num_free == blocks.num_free and nat.num_available == blocks.num_available
+    assert nat.free_list() == list(blocks._free)
+    assert nat.evictable() == list(blocks.lru)
+    assert nat.a["block_ref"].tolist() == blocks.ref
+    assert nat.a["block_hash"].tolist() == blocks.block_hash
+    assert nat.prefix_cache_stats() == (len(blocks.cached), blocks.queries, blocks.hits)
+    table = nat.a["hash_table"]
+    assert sorted(table[table >= 0].tolist()) == sorted(blocks.cached.values())
     assert nat.running == [s.slot for s in py.running]
     assert nat.waiting == [s.slot for s in py.waiting]
     for s in py.all_sequences():
@@ -57,24 +92,27 @@ def assert_same_state(py: Scheduler, nat: NativeScheduler) -> None:
         assert nat.a["num_computed"][s.slot] == s.num_computed
         assert nat.a["status"][s.slot] == s.status.value
         assert nat.token_ids(s.slot) == s.token_ids
+        assert nat.cached_tokens(s.slot) == s.cached_tokens and s.cached_tokens % blocks.block_size == 0
 
 
 class Trace:
     """One randomized trace run on both schedulers at once."""
 
-    def __init__(self, seed: int, filler=None):
+    def __init__(self, seed: int, filler=None, caching: bool = False):
         self.rng = rng = random.Random(seed)
-        self.cfg, num_blocks, block_size = random_setup(rng)
-        self.py = Scheduler(self.cfg, BlockManager(num_blocks, block_size))
+        self.cfg, num_blocks, self.block_size = random_setup(rng, caching)
+        block_size = self.block_size
+        self.py = Scheduler(self.cfg, BlockManager(num_blocks, block_size, caching))
+        self.shared = [[rng.randint(2, 99) for _ in range(self.cfg.context_len)] for _ in range(3)] if caching else None
         step = filler.geometry(self.cfg, block_size, rng) if filler else None
         self.nat = NativeScheduler(self.cfg, num_blocks, block_size, MAX_SLOTS, max_stop_ids=4, step=step)
         self.filler, self.free_slots, self.by_slot = filler, list(range(MAX_SLOTS)), {}
-        self.steps = self.preemptions = self.finishes = self.stalls = 0
+        self.steps = self.preemptions = self.finishes = self.stalls = self.evictions = 0
         self.last_batch_len = 0
 
     def arrive(self) -> None:
         for _ in range(self.rng.choice([0, 0, 1, 2])):
-            spec = random_spec(self.rng, self.cfg)
+            spec = random_spec(self.rng, self.cfg, self.shared, self.block_size)
             error = self.py.check(spec)
             assert self.nat.check(spec) is error
             if error is not ErrorCode.NONE or not self.free_slots:
@@ -98,6 +136,7 @@ class Trace:
 
     def step(self) -> None:
         room = np.array([0 if self.rng.random() < 0.15 else self.rng.randint(1, 50) for _ in range(MAX_SLOTS)], np.int32)
+        self.cached_before = len(self.py.blocks.cached)
         batch = self.py.schedule(lambda s: int(room[s.slot]))
         entries = self.nat.schedule(room)
         assert [(e.slot, e.q_len, e.samples) for e in entries] == [(e.seq.slot, e.q_len, e.samples) for e in batch.entries]
@@ -106,6 +145,7 @@ class Trace:
         self.last_batch_len = len(entries)
         if self.filler:
             self.filler.compare(batch, self.nat, self.rng)
+        self.evictions += max(0, self.cached_before - len(self.py.blocks.cached))
         sampling = [e.seq for e in batch.entries if e.samples]
         tokens = [sampled_token(self.rng, s.spec) for s in sampling]
         new_py, done_py = self.py.update(batch, {id(s): t for s, t in zip(sampling, tokens)})
@@ -134,7 +174,10 @@ class Trace:
                 self._release(slot)
             assert_same_state(self.py, self.nat)
         assert not self.py.num_unfinished
-        assert self.nat.num_free == self.nat.h.cfg.num_blocks == self.py.blocks.num_free
+        blocks, nb = self.py.blocks, self.nat.h.cfg.num_blocks
+        assert self.nat.num_available == nb == blocks.num_available  # no block leaked
+        assert sorted(self.nat.free_list() + self.nat.evictable()) == list(range(nb))  # none freed twice
+        assert not self.nat.a["block_ref"].any() and not any(blocks.ref)  # every reference given back
         assert self.nat.running == [] and self.nat.waiting == []
 
 
@@ -150,6 +193,24 @@ def test_native_scheduler_matches_reference_on_random_traces():
     print(f"{NUM_TRACES} traces: {totals}")
     assert totals["preemptions"] > 50 and totals["finishes"] > 1000  # the traces reach the hard cases
     assert totals["stalls"] == 0
+
+
+NUM_CACHE_TRACES = 60
+
+
+def test_prefix_cache_matches_reference_on_random_traces():
+    """Shared prefixes, preemption, cancellation and eviction, with the cache on: same decisions, same block
+    ids, the same cache (hash table, reference counts, LRU order, counters), no leak at the end."""
+    totals = {"steps": 0, "preemptions": 0, "finishes": 0, "stalls": 0, "evictions": 0}
+    hits = queries = 0
+    for seed in range(5000, 5000 + NUM_CACHE_TRACES):
+        trace = Trace(seed, caching=True)
+        trace.run(NUM_STEPS)
+        totals = {k: v + getattr(trace, k) for k, v in totals.items()}
+        hits, queries = hits + trace.py.blocks.hits, queries + trace.py.blocks.queries
+    print(f"{NUM_CACHE_TRACES} cached traces: {totals}, hit {hits} of {queries} tokens")
+    assert totals["preemptions"] > 50 and totals["finishes"] > 1000 and totals["evictions"] > 100
+    assert 0.05 < hits / queries < 0.95 and totals["stalls"] == 0
 
 
 def test_check_and_free_slot_errors():
@@ -204,7 +265,7 @@ NUM_FILL_TRACES, NUM_FILL_STEPS = 15, 150
 def test_native_step_buffer_matches_fill_step_byte_for_byte():
     filler = StepFiller()
     for seed in range(1000, 1000 + NUM_FILL_TRACES):
-        trace = Trace(seed, filler)
+        trace = Trace(seed, filler, caching=seed % 3 == 0)  # cached admissions start mid-prompt
         filler.check_layout(trace.nat)
         trace.run(NUM_FILL_STEPS)
     print(f"{filler.compared} step buffers compared")
@@ -229,3 +290,25 @@ def test_no_stall_when_partial_prefills_hold_every_block():
     progress = (bool(py.schedule(lambda s: 100)), bool(nat.schedule(np.array([100, 100], np.int32))))
     assert progress == (True, True)
     assert py.blocks.num_free == nat.num_free and seqs[1].num_computed == 0 and seqs[1].num_preemptions == 1
+
+
+def test_decode_blocks_get_the_gateways_hash_chain():
+    """Past the request's hashes the scheduler extends the chain over the sequence's own tokens with the
+    gateway's function: a later prompt holding this prompt and its answer hashes to the same blocks."""
+    bs = 4
+    cfg = SchedulerConfig(16, 2, 64, (EOS,), enable_prefix_caching=True)
+    nat = NativeScheduler(cfg, 16, bs, 2)
+    prompt = [5, 6, 7, 8, 9, 10]  # one full block: the gateway sends one hash
+    nat.add(0, RequestSpec(1, prompt, 20, block_hashes=tuple(block_hashes(prompt, bs, "m", "salt"))), 0)
+    generated = []
+    for step in range(12):
+        nat.schedule(np.array([100, 100], np.int32))
+        token = 20 + step
+        generated += [token]
+        nat.update([token])
+    tokens = prompt + generated
+    computed = int(nat.a["num_computed"][0])  # the last sampled token is not fed yet
+    want = block_hashes(tokens[:computed], bs, "m", "salt")
+    assert nat.a["num_hashes"][0] == len(want) == computed // bs == 4
+    assert nat.a["seq_hashes"][0, : len(want)].tolist() == want
+    assert nat.prefix_cache_stats()[0] == 4  # the prompt's block and the three its decoding filled

@@ -5,7 +5,9 @@
 // block-parallel schedule, fill and update of blink_sched_par.cuh over 256 threads; the host runs the
 // serial functions of blink_sched.h. Two shapes: a small one that preempts often, and one with 300
 // slots, so that the prefix sums span several warps and batches reach 256 sequences. Now and then a running
-// sequence is marked STOPPING before an update (the loop's asynchronous take), in both copies.
+// sequence is marked STOPPING before an update (the loop's asynchronous take), in both copies. A third shape
+// turns the prefix cache on: prompts often start with a shared document and carry a hash chain of their
+// blocks, so that admissions hit cached blocks, blocks are published at updates and evicted when short.
 // Built and run by tests/kernels/test_sched_device.py (marked gpu). Prints "OK <steps> ..." on success.
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +22,7 @@
 
 static const int kMaxPrompt = 40;
 static int kSlots = 16;  // per shape
+static int32_t kDoc[kMaxPrompt];  // the shared document of the caching shape
 
 __device__ blink_sched bind_dev(uint8_t* mem) {
   blink_sched s;
@@ -28,9 +31,22 @@ __device__ blink_sched bind_dev(uint8_t* mem) {
 }
 
 __global__ void k_add(uint8_t* mem, int32_t slot, const int32_t* prompt, int32_t len, int64_t max_tokens,
-                      int64_t prio, const int32_t* stops, int32_t num_stop, int32_t ignore_eos, uint64_t seed) {
+                      int64_t prio, const int32_t* stops, int32_t num_stop, int32_t ignore_eos, uint64_t seed,
+                      const uint64_t* hashes, int32_t num_hashes) {
   blink_sched s = bind_dev(mem);
-  blink_sched_add(&s, slot, prompt, len, max_tokens, prio, stops, num_stop, ignore_eos, 0.7f, 5, 0.9f, 0.0f, seed);
+  blink_sched_add(&s, slot, prompt, len, max_tokens, prio, stops, num_stop, ignore_eos, 0.7f, 5, 0.9f, 0.0f, seed,
+                  hashes, num_hashes);
+}
+
+// A chain over the prompt's full blocks (FNV-1a, never 0): equal prefixes, equal hashes (the gateway's role).
+static int32_t chain_hashes(const int32_t* prompt, int32_t len, int32_t block_size, uint64_t* out) {
+  uint64_t h = 1469598103934665603ull;
+  const int32_t n = len / block_size;
+  for (int32_t k = 0; k < n; ++k) {
+    for (int32_t i = 0; i < block_size; ++i) h = (h ^ (uint32_t)prompt[k * block_size + i]) * 1099511628211ull;
+    out[k] = h ? h : 1;
+  }
+  return n;
 }
 
 __global__ void k_finish(uint8_t* mem, int32_t slot) {
@@ -90,7 +106,7 @@ int main(int argc, char** argv) {
   blink_sched_config c = {};
   c.max_slots = 16; c.num_blocks = 12; c.block_size = 2; c.context_len = 48; c.budget = 16;
   c.max_num_seqs = 6; c.max_stop_ids = 2; c.num_eos = 1; c.eos_ids[0] = 0;
-  c.step_max_tokens = 16; c.step_max_seqs = 8; c.num_buckets = 5;
+  c.step_max_tokens = 16; c.step_max_seqs = 8; c.num_buckets = 5; c.hash_slots = 1;
   for (int i = 0; i < 5; ++i) c.buckets[i] = 1 << i;
   run(c, num_steps, 3);
   blink_sched_config big = c;  // many sequences: scans over several warps, blocks short now and then
@@ -98,6 +114,10 @@ int main(int argc, char** argv) {
   big.step_max_tokens = 512; big.step_max_seqs = 256; big.num_buckets = 10;
   for (int i = 0; i < 10; ++i) big.buckets[i] = 1 << i;
   run(big, num_steps / 4, 1);
+  blink_sched_config cached = c;  // the prefix cache: hits, publication, eviction
+  cached.num_blocks = 24; cached.prefix_caching = 1; cached.hash_slots = 64;
+  for (int i = 0; i < kMaxPrompt; ++i) kDoc[i] = 2 + rnd(50);
+  run(cached, num_steps, 2);
   return 0;
 }
 
@@ -116,6 +136,8 @@ static void run(const blink_sched_config& c, int num_steps, int arrival_odds) {
   CHECK(cudaMalloc(&p.dev_args, 4 * (kSlots + kMaxPrompt + 2)));
   int32_t* dev_dropped = nullptr;
   CHECK(cudaMalloc(&dev_dropped, 4));
+  uint64_t hashes[kMaxPrompt], *dev_hashes = nullptr;
+  CHECK(cudaMalloc(&dev_hashes, 8 * kMaxPrompt));
   CHECK(cudaMalloc(&p.dev_order, 4 * kSlots));
   CHECK(cudaMalloc(&p.dev_scratch, 4 * 5 * kSlots));
   CHECK(cudaMemcpy(p.dev_mem, p.host_mem.data(), p.mem_bytes, cudaMemcpyHostToDevice));
@@ -130,15 +152,19 @@ static void run(const blink_sched_config& c, int num_steps, int arrival_odds) {
       const int64_t max_tokens = 1 + rnd(20);
       for (int32_t i = 0; i < kSlots && slot < 0; ++i) if (p.host.status[i] == BLINK_SEQ_FINISHED) slot = i;
       if (slot >= 0 && blink_sched_check(&p.host, len, max_tokens, 0.7, 0.9, 5, 0.0) == BLINK_ERR_NONE) {
-        for (int i = 0; i < len; ++i) args[i] = 2 + rnd(50);
+        const int32_t shared = c.prefix_caching && rnd(3) ? rnd(len + 1) : 0;  // a prefix of the document
+        for (int i = 0; i < len; ++i) args[i] = i < shared ? kDoc[i] : 2 + rnd(50);
+        const int32_t num_hashes = c.prefix_caching ? chain_hashes(args, len, c.block_size, hashes) : 0;
+        CHECK(cudaMemcpy(dev_hashes, hashes, 8 * kMaxPrompt, cudaMemcpyHostToDevice));
         args[kMaxPrompt] = stops[0]; args[kMaxPrompt + 1] = stops[1];
         const int32_t num_stop = rnd(3), ignore_eos = rnd(5) == 0;
         const int64_t prio = rnd(3);
         const uint64_t seed = rng_state;
-        blink_sched_add(&p.host, slot, args, len, max_tokens, prio, stops, num_stop, ignore_eos, 0.7f, 5, 0.9f, 0.0f, seed);
+        blink_sched_add(&p.host, slot, args, len, max_tokens, prio, stops, num_stop, ignore_eos, 0.7f, 5, 0.9f, 0.0f, seed,
+                        hashes, num_hashes);
         CHECK(cudaMemcpy(p.dev_args, args, 4 * (kMaxPrompt + 2), cudaMemcpyHostToDevice));
         k_add<<<1, 1>>>(p.dev_mem, slot, p.dev_args, len, max_tokens, prio, p.dev_args + kMaxPrompt, num_stop,
-                        ignore_eos, seed);
+                        ignore_eos, seed, dev_hashes, num_hashes);
       }
     }
     if (rnd(25) == 0) {  // a cancel
@@ -185,8 +211,9 @@ static void run(const blink_sched_config& c, int num_steps, int arrival_odds) {
     stopping += marked;
     finishes += p.host.h->num_finished;
   }
-  std::printf("OK %d slots: %d steps, %ld entries, %ld preemptions, %ld finishes, %ld stopping, %d blocks free of %d\n",
-              kSlots, num_steps, entries, preemptions, finishes, stopping, p.host.h->num_free, c.num_blocks);
+  std::printf("OK %d slots: %d steps, %ld entries, %ld preemptions, %ld finishes, %ld stopping, %d blocks free of %d, "
+              "%lld of %lld tokens cached\n", kSlots, num_steps, entries, preemptions, finishes, stopping,
+              p.host.h->num_free, c.num_blocks, (long long)p.host.h->prefix_hits, (long long)p.host.h->prefix_queries);
   CHECK(cudaFree(p.dev_mem)); CHECK(cudaFree(p.dev_buf)); CHECK(cudaFree(p.dev_args));
-  CHECK(cudaFree(p.dev_order)); CHECK(cudaFree(p.dev_scratch)); CHECK(cudaFree(dev_dropped));
+  CHECK(cudaFree(p.dev_order)); CHECK(cudaFree(p.dev_scratch)); CHECK(cudaFree(dev_dropped)); CHECK(cudaFree(dev_hashes));
 }

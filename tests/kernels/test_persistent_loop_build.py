@@ -54,7 +54,8 @@ def test_ctypes_structs_match_the_library(nvcc):
     args = persistent_loop.LoopArgs
     assert args.step_buf_alt.offset == args.c.offset + 8 * len(persistent_loop.COUNTERS)
     assert args.ext.offset == args.eos_ids.offset + 4 * persistent_loop.MAX_EOS
-    assert args.ext.offset + 8 == ctypes.sizeof(args)
+    assert args.hash_offset.offset == args.ext.offset + 8  # then ring version 3's block-hash area, last
+    assert args.max_block_hashes.offset + 4 <= ctypes.sizeof(args) < args.max_block_hashes.offset + 12
 
 
 def test_loop_ext_offsets_match_the_header(nvcc, tmp_path):

@@ -41,5 +41,5 @@ def test_an_empty_transport_reads_as_shm():
 def test_a_token_update_is_built_positionally_in_its_field_order():
     # ShmProducer.poll builds it positionally: a reordering would swap fields silently
     assert [f.name for f in dataclasses.fields(TokenUpdate)] == [
-        "tokens", "logprobs", "finish", "error", "error_code", "prompt_len", "started"]
+        "tokens", "logprobs", "finish", "error", "error_code", "prompt_len", "started", "cached_tokens"]
     assert not TokenUpdate().finish and TokenUpdate(finish=FinishReason.STOP).finish

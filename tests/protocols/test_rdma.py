@@ -87,6 +87,18 @@ def test_logit_bias_and_logprobs_cross_the_link(ring):
     assert prod.poll(slot).logprobs == [R.TokenLogprob(-0.25, ((6, -0.25),))]
 
 
+def test_block_hashes_and_cached_tokens_cross_the_link(ring):
+    link = MemoryLink(ring)
+    prod, engine = RdmaProducer(link), RingConsumer(ring)
+    hashes = (2**64 - 1, 77)
+    slot = prod.submit(spec(2 * GEOM.kv_block_size, block_hashes=hashes))
+    [taken] = engine.take_new()
+    assert taken.spec.block_hashes == hashes
+    engine.set_cached_tokens(slot, GEOM.kv_block_size)
+    engine.publish(slot, [6])
+    assert prod.poll(slot).cached_tokens == GEOM.kv_block_size
+
+
 def test_payload_then_sequence_word_then_queue_entry(ring):
     link = MemoryLink(ring)
     prod = RdmaProducer(link)

@@ -103,12 +103,15 @@ def test_every_ring_field_names_its_one_writer():
 
 def test_the_request_head_is_the_slot_bytes_the_producer_writes():
     """One struct format, derived from the declaration, for the shm producer's write and the tcp Submit."""
-    assert R.REQUEST_HEAD.format == "<QIIffifQIIIxxxxQfffII"
-    assert R.REQUEST_HEAD.size == R.REQ_NUM_LOGPROBS + 4 - R.REQ_REQUEST_ID
+    assert R.REQUEST_HEAD.format == "<QIIffifQIIIxxxxQfffIII"
+    assert R.REQUEST_HEAD.size == R.REQ_NUM_BLOCK_HASHES + 4 - R.REQ_REQUEST_ID
     spec = R.RequestSpec(request_id=7, prompt_ids=(1, 2, 3), max_tokens=9, temperature=0.5, seed=11, stop_ids=(4,),
-                         presence_penalty=0.25, logit_bias=((5, 1.5),), num_logprobs=2, priority=1)
+                         presence_penalty=0.25, logit_bias=((5, 1.5),), num_logprobs=2, priority=1,
+                         block_hashes=(2**64 - 1, 5))
     head = R.REQUEST_HEAD.unpack(R.REQUEST_HEAD.pack(*R.request_head(spec)))
-    assert R.spec_from_head(head, spec.prompt_ids, spec.stop_ids, spec.logit_bias) == spec
+    assert dict(zip(R.REQUEST_HEAD_NAMES, head))["num_block_hashes"] == 2
+    assert R.spec_from_head(head, spec.prompt_ids, spec.stop_ids, spec.logit_bias,
+                            block_hashes=spec.block_hashes) == spec
     assert dict(zip(R.REQUEST_HEAD_NAMES, head))["cancel_seq"] == 0  # written as 0 with a new request
 
 

@@ -262,3 +262,52 @@ def test_ready_slots_names_only_slots_with_news(ring):
     assert prod.ready_slots(slots) == [talking]
     prod.poll(talking)
     assert prod.ready_slots(slots) == []
+
+
+def test_block_hashes_and_cached_tokens_round_trip():
+    """Ring version 3: a request's block hashes reach the engine; cached_tokens and the prefix-cache counters
+    reach the gateway."""
+    g = RingGeometry(num_slots=2, max_prompt_len=32, max_output_len=8, kv_block_size=4)
+    assert g.max_block_hashes == 8 and g.block_hashes_offset + 2 * g.block_hash_bytes == g.total_bytes
+    r = create_ring(f"blink-t3-{os.getpid()}", g, "fp-test")
+    try:
+        prod, cons = ShmProducer(attach_ring(r.name)), RingConsumer(r)
+        hashes = (2**64 - 1, 1, 12345)
+        slot = prod.submit(spec(13, block_hashes=hashes))
+        [taken] = cons.take_new()
+        assert taken.error is ErrorCode.NONE and taken.spec.block_hashes == hashes
+        cons.set_cached_tokens(slot, 8)
+        cons.publish(slot, [7])
+        update = prod.poll(slot)
+        assert (update.tokens, update.cached_tokens) == ([7], 8)
+        cons.set_stats(10, 20, 1, 0, (3, 400, 96))
+        stats = prod.engine_stats()
+        assert (stats["cached_kv_blocks"], stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (3, 400, 96)
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("hashes, problem", [((1, 2, 3, 4), "at most 3"), ((0,), "nonzero"), ((2**64,), "nonzero")])
+def test_bad_block_hashes_are_refused_by_name(hashes, problem):
+    g = RingGeometry(num_slots=2, max_prompt_len=32, max_output_len=8, kv_block_size=4)
+    with pytest.raises(ValueError, match=f"block_hashes: .*{problem}"):
+        spec(13, block_hashes=hashes).validate(g)  # 13 tokens: 3 full blocks of 4
+
+
+def test_an_engine_refuses_a_hash_count_past_the_prompt(ring):
+    """A producer that writes the count word itself (another machine over RDMA) gets INVALID_PARAMS."""
+    prod, cons = ShmProducer(attach_ring(ring.name)), RingConsumer(ring)
+    slot = prod.submit(spec(GEOM.kv_block_size))  # one full block
+    [ok] = cons.take_new()
+    assert ok.error is ErrorCode.NONE
+    cons.finish(slot, FinishReason.STOP)
+    prod.poll(slot)
+    prod.release(slot)
+    real = R.RequestSpec.validate
+    try:
+        R.RequestSpec.validate = lambda self, g: None
+        prod.submit(spec(GEOM.kv_block_size, block_hashes=(1, 2)))
+    finally:
+        R.RequestSpec.validate = real
+    [bad] = cons.take_new()
+    assert bad.error is ErrorCode.INVALID_PARAMS

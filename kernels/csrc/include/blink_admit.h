@@ -31,6 +31,8 @@ typedef struct blink_admit_limits {
   uint32_t max_logit_bias;
   uint32_t max_logprobs;
   uint32_t vocab;
+  uint32_t max_block_hashes;  // the slot's hash area (ring geometry)
+  uint32_t kv_block_size;     // tokens per KV block: at most one hash per full prompt block
 } blink_admit_limits;
 
 // ---- the submission queue ------------------------------------------------------------------------------
@@ -53,7 +55,8 @@ BLINK_HD int blink_admit_slot_ok(uint32_t slot, uint32_t num_slots) { return slo
 BLINK_HD int blink_admit_counts_ok(const blink_admit_limits* l, const blink_request_slot* r) {
   return r->seq != 0 && r->prompt_len >= 1 && r->prompt_len <= l->max_prompt_len &&
          r->num_stop_ids <= l->max_stop_ids && r->num_logit_bias <= l->max_logit_bias &&
-         r->num_logprobs <= l->max_logprobs && (r->flags & ~(uint32_t)BLINK_ADMIT_KNOWN_FLAGS) == 0;
+         r->num_logprobs <= l->max_logprobs && (r->flags & ~(uint32_t)BLINK_ADMIT_KNOWN_FLAGS) == 0 &&
+         r->num_block_hashes <= l->max_block_hashes && r->num_block_hashes <= r->prompt_len / l->kv_block_size;
 }
 
 // The array elements, each checked as the caller copies it (the value it keeps is the value checked).

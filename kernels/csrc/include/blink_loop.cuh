@@ -79,6 +79,7 @@ __device__ void reset_response(const blink_loop_args* a, uint32_t slot, uint64_t
   st_v(&r->finish_reason, (uint32_t)BLINK_FINISH_NONE);
   st_v(&r->error_code, 0u);
   st_v(&r->prompt_len, prompt_len);
+  st_v(&r->cached_tokens, 0u);
   st_v(&r->first_token_ns, (uint64_t)0);
   st_v(&r->last_token_ns, (uint64_t)0);
   st_release_u64(&r->seq, seq);
@@ -112,6 +113,14 @@ struct loop_scratch {  // per-slot scratch of one loop kernel: shared memory whe
 };
 
 // ---- publishing (RingConsumer.publish / finish / set_stats / beat) -----------------------------------------
+// The header's KV words: evictable blocks count as free (an allocation takes them), then the prefix cache's.
+__device__ void write_kv_stats(blink_ring_header* hdr, const blink_sched_header* h) {
+  st_v(&hdr->free_kv_blocks, (uint32_t)(h->num_free + h->num_evictable));
+  st_v(&hdr->cached_kv_blocks, (uint32_t)h->num_cached);
+  st_v(&hdr->prefix_cache_queries, (uint64_t)h->prefix_queries);
+  st_v(&hdr->prefix_cache_hits, (uint64_t)h->prefix_hits);
+}
+
 // All threads: the tokens of the last update, one per slot (its `produced` last, with release), then,
 // after a system fence, the finishes. Thread 0: the header's counters and the heartbeat.
 // A new-list entry -1 - slot (a STOPPING sequence's dropped row) has no token.
@@ -132,7 +141,10 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
     const uint32_t p = a->slot_produced[slot];
     st_v(&r->tokens[p % cap], s->new_token[i]);
     ext_publish_logprob(a, slot, p);
-    if (p == 0) st_v(&r->first_token_ns, now);
+    if (p == 0) {
+      st_v(&r->cached_tokens, (uint32_t)s->cached_tokens[slot]);  // before `produced`, like the tokens
+      st_v(&r->first_token_ns, now);
+    }
     st_v(&r->last_token_ns, now);
     st_release_u32(&r->produced, p + 1);
     a->slot_produced[slot] = p + 1;
@@ -149,7 +161,7 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
     a->num_err = 0;
     a->generated += h->num_new - sh_skipped;
     st_v(&hdr->generated_tokens, a->generated);
-    st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
+    write_kv_stats(hdr, h);
     st_v(&hdr->running, (uint32_t)h->num_running);
     st_v(&hdr->waiting, (uint32_t)h->num_waiting);
     a->beats += 1;
@@ -164,8 +176,9 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
 #define BLINK_REQUEST_WORDS (sizeof(blink_request_slot) / 8)  // its fixed part, in 8-byte words
 static_assert(BLINK_LOOP_THREADS >= BLINK_REQUEST_WORDS, "read_request: one thread per word of the fixed part");
 
-__device__ __forceinline__ blink_admit_limits admit_limits(const blink_loop_args* a) {
-  return blink_admit_limits{a->max_prompt_len, a->max_stop_ids, a->max_logit_bias, a->max_logprobs, a->vocab};
+__device__ __forceinline__ blink_admit_limits admit_limits(const blink_loop_args* a, const blink_sched* s) {
+  return blink_admit_limits{a->max_prompt_len, a->max_stop_ids, a->max_logit_bias, a->max_logprobs, a->vocab,
+                            a->max_block_hashes, (uint32_t)s->h->cfg.block_size};
 }
 
 // The first BLINK_REQUEST_WORDS threads: the request's fixed part into `snap`, one load per word (the only
@@ -209,6 +222,17 @@ __device__ void drop_old_request(blink_sched* s, uint32_t slot) {
 // refused, but every id is checked, as the host engines check ids first), the stop ids into the scheduler's,
 // the logit bias into the extension tables. No count is read past the geometry. Returns whether every element
 // passed (to every thread).
+// The block hashes of the request in snapshot `w` worth copying to the scheduler: none with the cache off, else
+// up to one per full block of its (clipped) prompt and the slot's area (blink_sched_add checks them further).
+__device__ uint32_t block_hashes_to_copy(const blink_loop_args* a, const blink_sched* s, const blink_request_slot* w) {
+  const blink_sched_config* c = &s->h->cfg;
+  if (!c->prefix_caching) return 0;
+  const uint32_t n = w->num_block_hashes < a->max_block_hashes ? w->num_block_hashes : a->max_block_hashes;
+  const uint32_t len = w->prompt_len < a->max_prompt_len ? w->prompt_len : a->max_prompt_len;
+  const uint32_t full = (len < (uint32_t)c->context_len ? len : (uint32_t)c->context_len) / (uint32_t)c->block_size;
+  return n < full ? n : full;
+}
+
 __device__ int copy_arrays(blink_loop_args* a, blink_sched* s, uint32_t slot, const blink_request_slot* w) {
   const blink_request_slot* req = request(a, slot);
   const uint32_t n_prompt = w->prompt_len < a->max_prompt_len ? w->prompt_len : a->max_prompt_len;
@@ -236,6 +260,10 @@ __device__ int copy_arrays(blink_loop_args* a, blink_sched* s, uint32_t slot, co
     ok &= blink_admit_bias_ok(id, bias);
     ext_keep_bias(a, slot, j, id, bias);
   }
+  const uint32_t n_hashes = block_hashes_to_copy(a, s, w);  // any 64-bit value is a hash: nothing to check
+  const uint64_t* hsrc = (const uint64_t*)(a->ring + a->hash_offset + (uint64_t)slot * a->hash_bytes);
+  uint64_t* hdst = s->seq_hashes + (int64_t)slot * blink_max_blocks_per_seq(&s->h->cfg);
+  for (uint32_t i = threadIdx.x; i < n_hashes; i += blockDim.x) hdst[i] = ld_v(&hsrc[i]);
   return __syncthreads_and(ok);
 }
 
@@ -247,7 +275,7 @@ __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scra
                              const blink_request_slot* w, int arrays_ok, bool spec) {
   const int32_t prompt_len = (int32_t)(w->prompt_len < a->max_prompt_len ? w->prompt_len : a->max_prompt_len);
   reset_response(a, slot, w->seq, (uint32_t)prompt_len);
-  const blink_admit_limits limits = admit_limits(a);
+  const blink_admit_limits limits = admit_limits(a, s);
   const int32_t err = blink_admit_error(s, &limits, w, arrays_ok, a->ext != nullptr);
   if (err != BLINK_ERR_NONE) {
     if (spec) {  // at most num_slots entries per admission (blink_admit_first): the list holds them
@@ -264,9 +292,10 @@ __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scra
   const int64_t ctx = s->h->cfg.context_len;
   const int32_t* prompt = s->tokens + (int64_t)slot * ctx;  // copied and checked there by copy_arrays
   const int32_t* stops = s->stop_ids + (int64_t)slot * s->h->cfg.max_stop_ids;
+  const uint64_t* hashes = s->seq_hashes + (int64_t)slot * blink_max_blocks_per_seq(&s->h->cfg);  // copy_arrays
   blink_sched_add(s, (int32_t)slot, prompt, prompt_len, (int64_t)w->max_tokens, w->priority, stops,
                   (int32_t)w->num_stop_ids, (w->flags & BLINK_RING_FLAG_IGNORE_EOS) ? 1 : 0, w->temperature, w->top_k,
-                  w->top_p, w->min_p, seed);
+                  w->top_p, w->min_p, seed, hashes, (int32_t)block_hashes_to_copy(a, s, w));
   a->slot_seq[slot] = w->seq;
   a->slot_produced[slot] = 0;
   x.room[slot] = ext_capacity(a, slot);  // a new request's output area is empty
@@ -409,7 +438,7 @@ __device__ void shut_down(blink_loop_args* a, blink_sched* s, uint32_t error) {
     }
     h->num_entries = 0;
     blink_ring_header* hdr = ring_header(a);
-    st_v(&hdr->free_kv_blocks, (uint32_t)h->num_free);
+    write_kv_stats(hdr, h);
     st_v(&hdr->running, 0u);
     st_v(&hdr->waiting, 0u);
     end_loop(a);  // no graph is launched after this one

@@ -265,6 +265,10 @@ typedef struct blink_loop_args {
   uint32_t async_take;  /* 1: blink_loop_take launches the next step before its tokens [create] */
   int32_t eos_ids[8];  /* [create] */
   blink_loop_ext* ext;  /* the sampling extensions (blink_loop_ext.cuh), 0: off [host] */
+  uint64_t hash_offset;  /* ring version 3: the block-hash areas [host] */
+  uint64_t hash_bytes;  /* [host] */
+  uint32_t max_block_hashes;  /* per slot [host] */
+  uint8_t _pad2[4];
 } blink_loop_args;
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ring) == 0, "blink_loop_args.ring");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sq_offset) == 8, "blink_loop_args.sq_offset");
@@ -329,7 +333,10 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_done) == 520, "blink_loop_arg
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, async_take) == 524, "blink_loop_args.async_take");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, eos_ids) == 528, "blink_loop_args.eos_ids");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ext) == 560, "blink_loop_args.ext");
-BLINK_LAYOUT_ASSERT(sizeof(blink_loop_args) == 568, "sizeof(blink_loop_args)");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hash_offset) == 568, "blink_loop_args.hash_offset");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hash_bytes) == 576, "blink_loop_args.hash_bytes");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, max_block_hashes) == 584, "blink_loop_args.max_block_hashes");
+BLINK_LAYOUT_ASSERT(sizeof(blink_loop_args) == 592, "sizeof(blink_loop_args)");
 
 
 #endif /* BLINK_LOOP_LAYOUT_H */

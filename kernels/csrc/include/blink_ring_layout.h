@@ -15,7 +15,7 @@
 #endif
 
 #define BLINK_RING_MAGIC 0x474E49524B4E494CULL  /* b"LINKRING" little-endian */
-#define BLINK_RING_VERSION 2u  /* 2: penalties, logit bias and logprobs */
+#define BLINK_RING_VERSION 3u  /* 2: penalties, logit bias and logprobs; 3: block hashes */
 #define BLINK_RING_HEADER_BYTES 256u
 #define BLINK_RING_FINGERPRINT_BYTES 32u
 #define BLINK_RING_FLAG_HAS_SEED 1u  /* request flags: RequestSpec booleans */
@@ -67,21 +67,22 @@ typedef struct blink_ring_header {
   uint32_t max_logit_bias;  /* version 2 [creator] */
   uint32_t max_logprobs;  /* [creator] */
   uint32_t logprob_window;  /* [creator] */
-  uint8_t _pad0[4];
+  uint32_t kv_block_size;  /* version 3: tokens per KV block (what each block hash covers) [creator] */
   uint64_t logit_bias_offset;  /* the logprobs region follows this one [creator] */
   char fingerprint[32];  /* ASCII, NUL-padded [creator] */
   uint64_t heartbeat;  /* bumped every engine loop iteration [engine] */
   uint32_t engine_state;  /* EngineState [engine] */
-  uint8_t _pad1[4];
+  uint32_t cached_kv_blocks;  /* version 3: KV blocks holding a published hash [engine] */
   uint64_t sq_head;  /* submission-queue entries consumed so far [engine] */
   uint32_t free_kv_blocks;  /* [engine] */
   uint32_t total_kv_blocks;  /* [engine] */
   uint32_t running;  /* sequences in the running batch [engine] */
   uint32_t waiting;  /* admitted-but-waiting sequences [engine] */
   uint64_t generated_tokens;  /* total tokens published [engine] */
-  uint8_t _pad2[16];
+  uint64_t prefix_cache_queries;  /* version 3: prompt tokens looked up [engine] */
+  uint64_t prefix_cache_hits;  /* version 3: of those, tokens found cached [engine] */
   uint64_t sq_tail;  /* submission-queue entries written so far [gateway] */
-  uint8_t _pad3[56];
+  uint8_t _pad0[56];
 } blink_ring_header;
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, magic) == 0, "blink_ring_header.magic");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, version) == 8, "blink_ring_header.version");
@@ -99,16 +100,20 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, total_bytes) == 64, "blink_ring_
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, max_logit_bias) == 72, "blink_ring_header.max_logit_bias");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, max_logprobs) == 76, "blink_ring_header.max_logprobs");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, logprob_window) == 80, "blink_ring_header.logprob_window");
+BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, kv_block_size) == 84, "blink_ring_header.kv_block_size");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, logit_bias_offset) == 88, "blink_ring_header.logit_bias_offset");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, fingerprint) == 96, "blink_ring_header.fingerprint");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, heartbeat) == 128, "blink_ring_header.heartbeat");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, engine_state) == 136, "blink_ring_header.engine_state");
+BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, cached_kv_blocks) == 140, "blink_ring_header.cached_kv_blocks");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, sq_head) == 144, "blink_ring_header.sq_head");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, free_kv_blocks) == 152, "blink_ring_header.free_kv_blocks");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, total_kv_blocks) == 156, "blink_ring_header.total_kv_blocks");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, running) == 160, "blink_ring_header.running");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, waiting) == 164, "blink_ring_header.waiting");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, generated_tokens) == 168, "blink_ring_header.generated_tokens");
+BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, prefix_cache_queries) == 176, "blink_ring_header.prefix_cache_queries");
+BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, prefix_cache_hits) == 184, "blink_ring_header.prefix_cache_hits");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, sq_tail) == 192, "blink_ring_header.sq_tail");
 BLINK_LAYOUT_ASSERT(sizeof(blink_ring_header) == 256, "sizeof(blink_ring_header)");
 
@@ -133,7 +138,8 @@ typedef struct blink_request_slot {
   float repetition_penalty;  /* 1 means off [gateway] */
   uint32_t num_logit_bias;  /* entries in the slot's logit-bias area [gateway] */
   uint32_t num_logprobs;  /* alternatives per token with FLAG_LOGPROBS [gateway] */
-  uint8_t _pad1[36];
+  uint32_t num_block_hashes;  /* version 3: entries in the slot's block-hash area (one per full prompt block, chained) [gateway] */
+  uint8_t _pad1[32];
   int32_t stop_ids[];  /* [max_stop_ids], then the prompt [max_prompt_len] at the geometry's prompt_offset [gateway] */
 } blink_request_slot;
 BLINK_LAYOUT_ASSERT(offsetof(blink_request_slot, seq) == 0, "blink_request_slot.seq");
@@ -154,6 +160,7 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_request_slot, frequency_penalty) == 76, "blin
 BLINK_LAYOUT_ASSERT(offsetof(blink_request_slot, repetition_penalty) == 80, "blink_request_slot.repetition_penalty");
 BLINK_LAYOUT_ASSERT(offsetof(blink_request_slot, num_logit_bias) == 84, "blink_request_slot.num_logit_bias");
 BLINK_LAYOUT_ASSERT(offsetof(blink_request_slot, num_logprobs) == 88, "blink_request_slot.num_logprobs");
+BLINK_LAYOUT_ASSERT(offsetof(blink_request_slot, num_block_hashes) == 92, "blink_request_slot.num_block_hashes");
 BLINK_LAYOUT_ASSERT(offsetof(blink_request_slot, stop_ids) == 128, "blink_request_slot.stop_ids");
 BLINK_LAYOUT_ASSERT(sizeof(blink_request_slot) == 128, "sizeof(blink_request_slot)");
 
@@ -166,7 +173,8 @@ typedef struct blink_response_slot {
   uint64_t last_token_ns;  /* [engine] */
   uint32_t prompt_len;  /* prompt tokens the engine accepted [engine] */
   uint32_t error_code;  /* ErrorCode when finish_reason is ERROR [engine] */
-  uint8_t _pad0[24];
+  uint32_t cached_tokens;  /* version 3: prompt tokens taken from the prefix cache, before the first produced [engine] */
+  uint8_t _pad0[20];
   uint32_t consumed;  /* tokens read so far (backpressure: produced - consumed <= capacity) [gateway] */
   uint8_t _pad1[60];
   int32_t tokens[];  /* [max_output_len], a circular buffer [engine] */
@@ -178,6 +186,7 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_response_slot, first_token_ns) == 16, "blink_
 BLINK_LAYOUT_ASSERT(offsetof(blink_response_slot, last_token_ns) == 24, "blink_response_slot.last_token_ns");
 BLINK_LAYOUT_ASSERT(offsetof(blink_response_slot, prompt_len) == 32, "blink_response_slot.prompt_len");
 BLINK_LAYOUT_ASSERT(offsetof(blink_response_slot, error_code) == 36, "blink_response_slot.error_code");
+BLINK_LAYOUT_ASSERT(offsetof(blink_response_slot, cached_tokens) == 40, "blink_response_slot.cached_tokens");
 BLINK_LAYOUT_ASSERT(offsetof(blink_response_slot, consumed) == 64, "blink_response_slot.consumed");
 BLINK_LAYOUT_ASSERT(offsetof(blink_response_slot, tokens) == 128, "blink_response_slot.tokens");
 BLINK_LAYOUT_ASSERT(sizeof(blink_response_slot) == 128, "sizeof(blink_response_slot)");

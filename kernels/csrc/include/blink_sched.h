@@ -3,6 +3,8 @@
 // order (FCFS inside a class), then chunked prefill within the token budget; admission only when blocks
 // exist; preemption by recompute of the latest, lowest-priority running sequence; a sequence with no room
 // in its output buffer is skipped; finished and cancelled sequences free their blocks the same step.
+// With the prefix cache (blink_prefix_cache.h), a waiting sequence starts on the cached blocks of its
+// prompt, and blocks are reference-counted; free and evictable blocks both count as available.
 // tests/gpu_backend/test_sched_native.py diffs this against the reference step by step; a change to one
 // is made to both (as was the liveness rule: partial prefills holding every block preempt the latest one).
 //
@@ -56,7 +58,7 @@ BLINK_HD uint64_t blink_sched_bind_split(blink_sched* s, void* hot, void* cold, 
   uint64_t off = blink_align8(sizeof(blink_sched_header));
   // the dimensions the generated lists count in
   const uint64_t N = (uint64_t)c->max_slots, STOP = (uint64_t)c->max_stop_ids, MB = (uint64_t)blink_max_blocks_per_seq(c),
-                 CTX = (uint64_t)c->context_len, BLOCKS = (uint64_t)c->num_blocks;
+                 CTX = (uint64_t)c->context_len, BLOCKS = (uint64_t)c->num_blocks, HT = (uint64_t)c->hash_slots;
 #define BLINK_CARVE(NAME, field, type, count) \
   s->field = (type*)(base + off); off = blink_align8(off + sizeof(type) * (count));
   s->h = (blink_sched_header*)base;
@@ -72,7 +74,9 @@ BLINK_HD uint64_t blink_sched_bind(blink_sched* s, void* mem, const blink_sched_
   return blink_sched_bind_split(s, mem, 0, c, 0);
 }
 
-// Every slot free, every block free, in id order (the reference's deque(range(num_blocks))).
+#include "blink_prefix_cache.h"
+
+// Every slot free, every block free, in id order (the reference's deque(range(num_blocks))), nothing cached.
 BLINK_HD void blink_sched_init(blink_sched* s, const blink_sched_config* c) {
   blink_sched_header* h = s->h;
   h->cfg = *c;
@@ -83,8 +87,21 @@ BLINK_HD void blink_sched_init(blink_sched* s, const blink_sched_config* c) {
   h->bucket = h->num_tokens = h->num_sampled = 0;
   h->all_greedy = 1;
   h->spec_mode = h->spec_tainted = 0;
-  for (int32_t b = 0; b < c->num_blocks; ++b) s->free_blocks[b] = b;
-  for (int32_t i = 0; i < c->max_slots; ++i) { s->status[i] = BLINK_SEQ_FINISHED; s->num_table[i] = 0; }
+  h->lru_head = h->lru_tail = -1;
+  h->num_evictable = h->num_cached = 0;
+  h->probe_epoch = 0;
+  h->prefix_queries = h->prefix_hits = 0;
+  for (int32_t b = 0; b < c->num_blocks; ++b) {
+    s->free_blocks[b] = b;
+    s->block_hash[b] = 0;
+    s->block_ref[b] = 0;
+    s->block_mark[b] = 0;
+  }
+  for (int32_t i = 0; i < c->hash_slots; ++i) s->hash_table[i] = -1;
+  for (int32_t i = 0; i < c->max_slots; ++i) {
+    s->status[i] = BLINK_SEQ_FINISHED;
+    s->num_table[i] = s->num_hashes[i] = s->num_published[i] = s->cached_tokens[i] = 0;
+  }
 }
 
 // ---- blocks ------------------------------------------------------------------------------------------
@@ -98,24 +115,43 @@ BLINK_HD int32_t blink_extra_blocks(const blink_sched* s, int32_t slot, int32_t 
   return need > 0 ? need : 0;
 }
 
+// Blocks for `slot` up to `num_tokens` (the caller checked blink_available). A speculation that would
+// evict taints the step instead.
 BLINK_HD void blink_grow(blink_sched* s, int32_t slot, int32_t num_tokens) {
   blink_sched_header* h = s->h;
-  const int32_t nb = h->cfg.num_blocks, mb = blink_max_blocks_per_seq(&h->cfg);
-  for (int32_t k = blink_extra_blocks(s, slot, num_tokens); k > 0; --k) {
-    s->block_table[(int64_t)slot * mb + s->num_table[slot]++] = s->free_blocks[h->free_head];
-    h->free_head = (h->free_head + 1) % nb;
-    h->num_free -= 1;
+  const int32_t mb = blink_max_blocks_per_seq(&h->cfg);
+  if (h->spec_mode && blink_extra_blocks(s, slot, num_tokens) > h->num_free) {
+    h->spec_tainted = 1;
+    return;
   }
+  for (int32_t k = blink_extra_blocks(s, slot, num_tokens); k > 0; --k)
+    s->block_table[(int64_t)slot * mb + s->num_table[slot]++] = blink_take_block(s);
 }
 
+// Whether dropping `slot`'s blocks changes the cache (a shared or a hashed block): a speculation may not.
+BLINK_HD int blink_drop_touches_cache(const blink_sched* s, int32_t slot) {
+  const int32_t mb = blink_max_blocks_per_seq(&s->h->cfg);
+  for (int32_t k = 0; k < s->num_table[slot]; ++k) {
+    const int32_t b = s->block_table[(int64_t)slot * mb + k];
+    if (s->block_ref[b] > 1 || s->block_hash[b]) return 1;
+  }
+  return 0;
+}
+
+// `slot` lets go of its blocks: last ones first with the cache on, so that a prompt's tail is evicted
+// before its head (a shorter prefix is worth more: every longer one goes through it).
 BLINK_HD void blink_free_blocks(blink_sched* s, int32_t slot) {
   blink_sched_header* h = s->h;
-  const int32_t nb = h->cfg.num_blocks, mb = blink_max_blocks_per_seq(&h->cfg);
-  for (int32_t k = 0; k < s->num_table[slot]; ++k) {
-    s->free_blocks[(h->free_head + h->num_free) % nb] = s->block_table[(int64_t)slot * mb + k];
-    h->num_free += 1;
+  const int32_t mb = blink_max_blocks_per_seq(&h->cfg), n = s->num_table[slot];
+  const int32_t* table = s->block_table + (int64_t)slot * mb;
+  if (h->spec_mode && h->cfg.prefix_caching && blink_drop_touches_cache(s, slot)) {
+    h->spec_tainted = 1;
+  } else if (h->cfg.prefix_caching) {
+    for (int32_t k = n - 1; k >= 0; --k) blink_drop_block(s, table[k]);
+  } else {
+    for (int32_t k = 0; k < n; ++k) blink_drop_block(s, table[k]);
   }
-  s->num_table[slot] = 0;
+  s->num_table[slot] = s->num_published[slot] = 0;
 }
 
 // ---- ordered slot lists (the reference's running/waiting lists) ----------------------------------------
@@ -160,14 +196,28 @@ BLINK_HD int32_t blink_sched_check(const blink_sched* s, int32_t prompt_len, int
   return BLINK_ERR_NONE;
 }
 
+// The request's block hashes (`hashes` may be the ring's words): at most one per full prompt block, up to
+// the first zero; none with the cache off.
+BLINK_HD void blink_set_hashes(blink_sched* s, int32_t slot, const uint64_t* hashes, int32_t num_hashes,
+                               int32_t prompt_len) {
+  const blink_sched_config* c = &s->h->cfg;
+  const int32_t mb = blink_max_blocks_per_seq(c), full = prompt_len / c->block_size;
+  int32_t n = 0;
+  if (c->prefix_caching)
+    for (; n < num_hashes && n < full && hashes[n]; ++n) s->seq_hashes[(int64_t)slot * mb + n] = hashes[n];
+  s->num_hashes[slot] = n;
+}
+
 // Queue a checked request in a free slot (Scheduler.add). Sampling parameters go to the step buffer.
 BLINK_HD void blink_sched_add(blink_sched* s, int32_t slot, const int32_t* prompt, int32_t prompt_len,
                               int64_t max_tokens, int64_t priority, const int32_t* stop_ids, int32_t num_stop,
                               int32_t ignore_eos, float temperature, int32_t top_k, float top_p, float min_p,
-                              uint64_t seed) {
+                              uint64_t seed, const uint64_t* hashes, int32_t num_hashes) {
   blink_sched_header* h = s->h;
   const int64_t ctx = h->cfg.context_len;
   for (int32_t i = 0; i < prompt_len; ++i) s->tokens[slot * ctx + i] = prompt[i];
+  blink_set_hashes(s, slot, hashes, num_hashes, prompt_len);
+  s->num_published[slot] = s->cached_tokens[slot] = 0;
   for (int32_t i = 0; i < num_stop; ++i) s->stop_ids[(int64_t)slot * h->cfg.max_stop_ids + i] = stop_ids[i];
   s->prompt_len[slot] = s->num_tokens[slot] = prompt_len;
   s->num_computed[slot] = s->num_table[slot] = s->num_preemptions[slot] = 0;
@@ -222,10 +272,10 @@ BLINK_HD void blink_preempt(blink_sched* s, int32_t slot) {
 BLINK_HD int blink_reserve(blink_sched* s, int32_t slot, int32_t num_tokens) {
   blink_sched_header* h = s->h;
   if (h->spec_mode && blink_extra_blocks(s, slot, num_tokens) > h->num_free) {
-    h->spec_tainted = 1;  // a speculative pass never preempts (see spec_mode)
+    h->spec_tainted = 1;  // a speculative pass never preempts nor evicts (see spec_mode)
     return 0;
   }
-  while (blink_extra_blocks(s, slot, num_tokens) > h->num_free) {
+  while (blink_extra_blocks(s, slot, num_tokens) > blink_available(s)) {
     int32_t victim = -1;
     for (int32_t i = 0; i < h->num_running; ++i) {
       const int32_t v = s->running[i];
@@ -242,16 +292,36 @@ BLINK_HD int blink_reserve(blink_sched* s, int32_t slot, int32_t num_tokens) {
   return 1;
 }
 
-// Tokens of `slot` to prefill this step, 0 for none (Scheduler._prefill_chunk).
-BLINK_HD int32_t blink_prefill_chunk(const blink_sched* s, int32_t slot, int32_t budget, const int32_t* room) {
-  const blink_sched_header* h = s->h;
-  if (s->status[slot] == BLINK_SEQ_WAITING && h->num_running >= h->cfg.max_num_seqs) return 0;
-  int32_t q_len = s->num_tokens[slot] - s->num_computed[slot];
+// Tokens of `slot` to prefill this step, 0 for none (Scheduler._prefill_chunk), when it has `computed` tokens
+// in `held` blocks and may take `avail` more blocks.
+BLINK_HD int32_t blink_prefill_chunk(const blink_sched* s, int32_t slot, int32_t budget, const int32_t* room,
+                                     int32_t computed, int32_t held, int32_t avail) {
+  int32_t q_len = s->num_tokens[slot] - computed;
   if (budget < q_len) q_len = budget;
-  const int32_t fits = (s->num_table[slot] + h->num_free) * h->cfg.block_size - s->num_computed[slot];
+  const int32_t fits = (held + avail) * s->h->cfg.block_size - computed;
   if (fits < q_len) q_len = fits;
-  if (q_len > 0 && s->num_computed[slot] + q_len == s->num_tokens[slot] && room[slot] <= 0) return 0;
+  if (q_len > 0 && computed + q_len == s->num_tokens[slot] && room[slot] <= 0) return 0;
   return q_len > 0 ? q_len : 0;
+}
+
+// The prefill chunk of `slot` this step, and for a waiting one its admission over its cached blocks (the
+// lookup runs each time a waiting sequence is considered; a speculation with hits taints the step).
+BLINK_HD int32_t blink_prefill_admit(blink_sched* s, int32_t slot, int32_t budget, const int32_t* room) {
+  blink_sched_header* h = s->h;
+  const int waiting = s->status[slot] == BLINK_SEQ_WAITING;
+  if (waiting && h->num_running >= h->cfg.max_num_seqs) return 0;
+  int32_t idle = 0;
+  const int32_t hits = waiting ? blink_cache_probe(s, slot, &idle) : 0;
+  const int32_t computed = waiting ? hits * h->cfg.block_size : s->num_computed[slot];
+  const int32_t held = waiting ? hits : s->num_table[slot];
+  const int32_t q_len = blink_prefill_chunk(s, slot, budget, room, computed, held, blink_available(s) - idle);
+  if (q_len == 0 || !waiting) return q_len;
+  if (hits > 0 && h->spec_mode) {
+    h->spec_tainted = 1;
+    return 0;
+  }
+  blink_cache_take(s, slot, hits);
+  return q_len;
 }
 
 BLINK_HD int32_t blink_decode_phase(blink_sched* s, const int32_t* room, int32_t* order, int32_t budget) {
@@ -280,7 +350,7 @@ BLINK_HD void blink_prefill_phase(blink_sched* s, const int32_t* room, int32_t* 
   for (int32_t i = 0; i < n && budget > 0; ++i) {
     const int32_t slot = order[i];
     if (s->scheduled[slot] || s->status[slot] == BLINK_SEQ_FINISHED) continue;
-    const int32_t q_len = blink_prefill_chunk(s, slot, budget, room);
+    const int32_t q_len = blink_prefill_admit(s, slot, budget, room);
     if (q_len == 0) {
       if (s->status[slot] == BLINK_SEQ_WAITING) break;  // FCFS within strict priority: nobody overtakes a waiting head
       continue;
@@ -312,7 +382,7 @@ BLINK_HD void blink_schedule_pass(blink_sched* s, const int32_t* room, int32_t* 
 // latest, lowest-priority running sequence gives its blocks back and the step is chosen again.
 BLINK_HD void blink_liveness(blink_sched* s, const int32_t* room, int32_t* order) {
   blink_sched_header* h = s->h;
-  if (h->num_entries != 0 || h->num_free != 0) return;
+  if (h->num_entries != 0 || blink_available(s) != 0) return;
   int32_t victim = -1, partial = 0;
   for (int32_t i = 0; i < h->num_running; ++i) {
     const int32_t v = s->running[i];
@@ -501,6 +571,10 @@ BLINK_HD void blink_sched_update(blink_sched* s, const int32_t* sampled) {
   for (int32_t e = 0; e < h->num_entries; ++e) {
     const int32_t slot = s->entry_slot[e];
     s->num_computed[slot] += s->entry_q_len[e];
+    if (s->status[slot] != BLINK_SEQ_STOPPING) {  // its last row holds a token it will not keep
+      blink_cache_extend(s, slot);
+      blink_cache_publish(s, slot);
+    }
     if (!s->entry_samples[e]) continue;
     const int32_t token = sampled[k++];
     if (s->status[slot] == BLINK_SEQ_STOPPING) {

@@ -47,6 +47,8 @@ typedef struct blink_sched_config {
   int32_t step_max_seqs;  /* S (a bucket's graph has min(bucket, S) rows) */
   int32_t num_buckets;
   int32_t buckets[32];
+  int32_t prefix_caching;  /* 0: no lookups, no publishing (the scheduler as before the cache) */
+  int32_t hash_slots;  /* HT: cells of the hash -> block table, a power of two > num_blocks */
 } blink_sched_config;
 BLINK_LAYOUT_ASSERT(offsetof(blink_sched_config, max_slots) == 0, "blink_sched_config.max_slots");
 BLINK_LAYOUT_ASSERT(offsetof(blink_sched_config, num_blocks) == 4, "blink_sched_config.num_blocks");
@@ -61,7 +63,9 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_sched_config, step_max_tokens) == 64, "blink_
 BLINK_LAYOUT_ASSERT(offsetof(blink_sched_config, step_max_seqs) == 68, "blink_sched_config.step_max_seqs");
 BLINK_LAYOUT_ASSERT(offsetof(blink_sched_config, num_buckets) == 72, "blink_sched_config.num_buckets");
 BLINK_LAYOUT_ASSERT(offsetof(blink_sched_config, buckets) == 76, "blink_sched_config.buckets");
-BLINK_LAYOUT_ASSERT(sizeof(blink_sched_config) == 204, "sizeof(blink_sched_config)");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_config, prefix_caching) == 204, "blink_sched_config.prefix_caching");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_config, hash_slots) == 208, "blink_sched_config.hash_slots");
+BLINK_LAYOUT_ASSERT(sizeof(blink_sched_config) == 212, "sizeof(blink_sched_config)");
 
 typedef struct blink_sched_header {
   blink_sched_config cfg;
@@ -81,29 +85,44 @@ typedef struct blink_sched_header {
   int32_t all_greedy;
   int32_t spec_mode;  /* the loop's speculation: nothing is preempted, a step that would need it */
   int32_t spec_tainted;  /* sets this, and the loop schedules that step again from the real state */
+  int32_t lru_head;  /* prefix cache: unreferenced cached blocks, least recently used first */
+  int32_t lru_tail;
+  int32_t num_evictable;  /* blocks on that list: allocatable, like the free ones */
+  int32_t num_cached;  /* blocks holding a published hash */
+  uint32_t probe_epoch;  /* marks one lookup's blocks (a repeated hash ends its run) */
+  uint8_t _pad1[4];
+  int64_t prefix_queries;  /* tokens of the sequences looked up (vLLM's queries) */
+  int64_t prefix_hits;  /* of those, tokens found cached */
 } blink_sched_header;
 BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, cfg) == 0, "blink_sched_header.cfg");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, next_arrival) == 208, "blink_sched_header.next_arrival");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, free_head) == 216, "blink_sched_header.free_head");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_free) == 220, "blink_sched_header.num_free");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_running) == 224, "blink_sched_header.num_running");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_waiting) == 228, "blink_sched_header.num_waiting");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_entries) == 232, "blink_sched_header.num_entries");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_preempted) == 236, "blink_sched_header.num_preempted");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_new) == 240, "blink_sched_header.num_new");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_finished) == 244, "blink_sched_header.num_finished");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, bucket) == 248, "blink_sched_header.bucket");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_tokens) == 252, "blink_sched_header.num_tokens");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_sampled) == 256, "blink_sched_header.num_sampled");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, all_greedy) == 260, "blink_sched_header.all_greedy");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, spec_mode) == 264, "blink_sched_header.spec_mode");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, spec_tainted) == 268, "blink_sched_header.spec_tainted");
-BLINK_LAYOUT_ASSERT(sizeof(blink_sched_header) == 272, "sizeof(blink_sched_header)");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, next_arrival) == 216, "blink_sched_header.next_arrival");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, free_head) == 224, "blink_sched_header.free_head");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_free) == 228, "blink_sched_header.num_free");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_running) == 232, "blink_sched_header.num_running");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_waiting) == 236, "blink_sched_header.num_waiting");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_entries) == 240, "blink_sched_header.num_entries");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_preempted) == 244, "blink_sched_header.num_preempted");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_new) == 248, "blink_sched_header.num_new");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_finished) == 252, "blink_sched_header.num_finished");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, bucket) == 256, "blink_sched_header.bucket");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_tokens) == 260, "blink_sched_header.num_tokens");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_sampled) == 264, "blink_sched_header.num_sampled");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, all_greedy) == 268, "blink_sched_header.all_greedy");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, spec_mode) == 272, "blink_sched_header.spec_mode");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, spec_tainted) == 276, "blink_sched_header.spec_tainted");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, lru_head) == 280, "blink_sched_header.lru_head");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, lru_tail) == 284, "blink_sched_header.lru_tail");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_evictable) == 288, "blink_sched_header.num_evictable");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_cached) == 292, "blink_sched_header.num_cached");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, probe_epoch) == 296, "blink_sched_header.probe_epoch");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, prefix_queries) == 304, "blink_sched_header.prefix_queries");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, prefix_hits) == 312, "blink_sched_header.prefix_hits");
+BLINK_LAYOUT_ASSERT(sizeof(blink_sched_header) == 320, "sizeof(blink_sched_header)");
 
 /* per slot (N), then shared, then one step's batch; the cold arrays last */
-#define BLINK_SCHED_NUM_ARRAYS 33
+#define BLINK_SCHED_NUM_ARRAYS 43
 #define BLINK_SCHED_ALIGN 8
-/* X(NAME, name, C type, element count over N, STOP, MB, CTX, BLOCKS) */
+/* X(NAME, name, C type, element count over N, STOP, MB, CTX, BLOCKS, HT) */
 #define BLINK_SCHED_HOT_ARRAYS(X) \
   X(STATUS, status, int32_t, (uint64_t)N) \
   X(PROMPT_LEN, prompt_len, int32_t, (uint64_t)N) \
@@ -133,13 +152,23 @@ BLINK_LAYOUT_ASSERT(sizeof(blink_sched_header) == 272, "sizeof(blink_sched_heade
   X(NEW_SLOT, new_slot, int32_t, (uint64_t)N) \
   X(NEW_TOKEN, new_token, int32_t, (uint64_t)N) \
   X(FIN_SLOT, fin_slot, int32_t, (uint64_t)N) \
-  X(FIN_REASON, fin_reason, int32_t, (uint64_t)N)
-/* X(NAME, name, C type, element count over N, STOP, MB, CTX, BLOCKS) */
+  X(FIN_REASON, fin_reason, int32_t, (uint64_t)N) \
+  X(NUM_HASHES, num_hashes, int32_t, (uint64_t)N) \
+  X(NUM_PUBLISHED, num_published, int32_t, (uint64_t)N)
+/* X(NAME, name, C type, element count over N, STOP, MB, CTX, BLOCKS, HT) */
 #define BLINK_SCHED_COLD_ARRAYS(X) \
   X(STOP_IDS, stop_ids, int32_t, (uint64_t)N * (uint64_t)STOP) \
   X(BLOCK_TABLE, block_table, int32_t, (uint64_t)N * (uint64_t)MB) \
   X(TOKENS, tokens, int32_t, (uint64_t)N * (uint64_t)CTX) \
-  X(FREE_BLOCKS, free_blocks, int32_t, (uint64_t)BLOCKS)
+  X(FREE_BLOCKS, free_blocks, int32_t, (uint64_t)BLOCKS) \
+  X(CACHED_TOKENS, cached_tokens, int32_t, (uint64_t)N) \
+  X(SEQ_HASHES, seq_hashes, uint64_t, (uint64_t)N * (uint64_t)MB) \
+  X(BLOCK_HASH, block_hash, uint64_t, (uint64_t)BLOCKS) \
+  X(BLOCK_REF, block_ref, int32_t, (uint64_t)BLOCKS) \
+  X(LRU_PREV, lru_prev, int32_t, (uint64_t)BLOCKS) \
+  X(LRU_NEXT, lru_next, int32_t, (uint64_t)BLOCKS) \
+  X(BLOCK_MARK, block_mark, uint32_t, (uint64_t)BLOCKS) \
+  X(HASH_TABLE, hash_table, int32_t, (uint64_t)HT)
 
 
 #endif /* BLINK_SCHED_LAYOUT_H */

@@ -65,6 +65,7 @@ __device__ inline int32_t blink_sched_update_par(blink_sched* s, const int32_t* 
   for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
     const int32_t slot = s->entry_slot[e];
     s->num_computed[slot] += s->entry_q_len[e];
+    if (s->status[slot] != BLINK_SEQ_STOPPING) blink_cache_extend(s, slot);  // per slot: all entries at once
     int32_t p = 0, f = 0, drop = 0;
     if (s->entry_samples[e] && s->status[slot] == BLINK_SEQ_STOPPING) {
       p = drop = 1;
@@ -100,6 +101,9 @@ __device__ inline int32_t blink_sched_update_par(blink_sched* s, const int32_t* 
   if (threadIdx.x == 0) {
     h->num_new = num_new;
     h->num_finished = num_finished;
+    if (h->cfg.prefix_caching)  // before the finishes, in entry order: as blink_sched_update
+      for (int32_t e = 0; e < n; ++e)
+        if (s->status[s->entry_slot[e]] != BLINK_SEQ_STOPPING) blink_cache_publish(s, s->entry_slot[e]);
     for (int32_t i = 0; i < num_finished; ++i) blink_sched_finish(s, s->fin_slot[i]);
     if (stopping)
       for (int32_t slot = 0; slot < slots; ++slot)
@@ -143,8 +147,11 @@ __device__ inline int32_t blink_decode_phase_par(blink_sched* s, const int32_t* 
     if (!flag[i]) continue;
     const int32_t slot = s->running[i], e = idx[i];
     const int32_t grow = blink_extra_blocks(s, slot, s->num_computed[slot] + 1);
-    for (int32_t j = 0; j < grow; ++j)
-      s->block_table[(int64_t)slot * mb + s->num_table[slot] + j] = s->free_blocks[(h->free_head + need[i] + j) % nb];
+    for (int32_t j = 0; j < grow; ++j) {
+      const int32_t b = s->free_blocks[(h->free_head + need[i] + j) % nb];
+      s->block_table[(int64_t)slot * mb + s->num_table[slot] + j] = b;
+      s->block_ref[b] = 1;  // as blink_take_block
+    }
     s->num_table[slot] += grow;
     s->entry_slot[e] = slot;
     s->entry_q_len[e] = 1;
