@@ -13,6 +13,8 @@ hard to invert as the key is to guess; a slow hash (scrypt) would only add laten
         tokens_per_minute: 20000         # prompt + completion
         max_streams: 4                   # generations in flight at once
         max_tokens_per_request: 512      # completion budget, enforced mid-stream
+        cache_salt: team-a               # prefix-cache namespace (default: the key's name); keys that
+                                         # share one share cached prompts (and can time each other's)
 
 Plain keys from `--api-key`/BLINK_API_KEY and `--admin-key`/BLINK_ADMIN_KEY keep working, unlimited.
 """
@@ -73,18 +75,20 @@ class KeyRecord:
     sha256: str
     role: str = "client"
     limits: KeyLimits = field(default_factory=KeyLimits)
+    cache_salt: str | None = None  # None: the key's name (one prefix-cache namespace per key)
 
     def matches(self, key: str) -> bool:
         return hmac.compare_digest(hash_key(key, self.salt), self.sha256)
 
     def to_yaml(self) -> dict:
-        return {"role": self.role, "salt": self.salt, "sha256": self.sha256, **self.limits.as_dict()}
+        extra = {"cache_salt": self.cache_salt} if self.cache_salt is not None else {}
+        return {"role": self.role, "salt": self.salt, "sha256": self.sha256, **self.limits.as_dict(), **extra}
 
     @classmethod
     def from_yaml(cls, name: str, entry: dict) -> KeyRecord:
         if not isinstance(entry, dict):
             raise KeysFileError(f"key {name!r}: expected a mapping, got {type(entry).__name__}")
-        unknown = set(entry) - {"role", "salt", "sha256", *LIMIT_FIELDS}
+        unknown = set(entry) - {"role", "salt", "sha256", "cache_salt", *LIMIT_FIELDS}
         if unknown:
             raise KeysFileError(f"key {name!r}: unknown field(s) {', '.join(sorted(unknown))}")
         role = entry.get("role", "client")
@@ -96,7 +100,10 @@ class KeyRecord:
             limits = KeyLimits(**{k: entry[k] for k in LIMIT_FIELDS if k in entry})
         except KeysFileError as exc:
             raise KeysFileError(f"key {name!r}: {exc}") from None
-        return cls(name, str(entry["salt"]), str(entry["sha256"]), role, limits)
+        cache_salt = entry.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise KeysFileError(f"key {name!r}: cache_salt must be a non-empty string or absent, got {cache_salt!r}")
+        return cls(name, str(entry["salt"]), str(entry["sha256"]), role, limits, cache_salt)
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,7 @@ class Principal:
     client: bool
     admin: bool
     limits: KeyLimits = field(default_factory=KeyLimits)
+    cache_salt: str = ""  # the key's prefix-cache namespace (gateway/request/prefix.py)
 
 
 def hash_key(key: str, salt_hex: str) -> str:
@@ -204,9 +212,11 @@ class KeyStore:
         admin = any([hmac.compare_digest(key.encode(), k.encode()) for k in self._plain_admin])
         r = self._record_of(key)
         if r is not None:
-            return Principal(r.name, client or r.role != "admin", admin or r.role != "client", r.limits)
-        if client or admin:
-            return Principal("admin" if admin and not client else "default", client, admin)
+            return Principal(r.name, client or r.role != "admin", admin or r.role != "client", r.limits,
+                             r.cache_salt or r.name)
+        if client or admin:  # a plain key: a namespace of its own, named by its hash
+            return Principal("admin" if admin and not client else "default", client, admin,
+                             cache_salt="plain:" + hashlib.sha256(key.encode()).hexdigest()[:16])
         return None
 
     def _record_of(self, key: str) -> KeyRecord | None:
