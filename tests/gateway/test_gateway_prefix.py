@@ -278,3 +278,15 @@ def test_usage_shows_cached_tokens_in_both_formats():
     full = json.loads(CompletionFormat("id", "m").full([], 40, 3, 16).model_dump_json())
     assert full["usage"] == {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
                              "prompt_tokens_details": {"cached_tokens": 16}}
+
+
+def test_grpc_takes_cache_salt_as_http_does():
+    from gateway.api.grpc_api import generate_request
+    from protocols import inference_pb2
+
+    req, _ = generate_request(inference_pb2.GenerateRequest(model="m", prompt="hi", cache_salt="t1"))
+    assert req.cache_salt == "t1"
+    assert generate_request(inference_pb2.GenerateRequest(model="m", prompt="hi"))[0].cache_salt is None
+    with pytest.raises(ApiError) as err:
+        generate_request(inference_pb2.GenerateRequest(model="m", prompt="hi", cache_salt=""))
+    assert err.value.status == 400 and err.value.detail.param == "cache_salt"
