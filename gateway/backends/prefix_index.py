@@ -8,7 +8,10 @@ the least loaded one takes the request instead (and learns the prefix).
 
 The index is the gateway's guess: engines report no stored/evicted blocks (KV events) yet. It is corrected with
 the engine's truth per request: when a request's `cached_tokens` shows fewer blocks than the index predicted,
-the hashes from the first missed block on are dropped for that backend (the next request re-learns them).
+the hashes from the first missed block on are dropped for that backend (the next request re-learns them). Only
+blocks an engine had confirmed (a request there prefilled them) count as such a prediction: a block still being
+prefilled by a request sent just before (a burst sharing a prefix, the n choices of one prompt) is no evidence of
+an eviction when the engine has not published it yet.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ DEFAULT_MAX_BLOCKS = 1 << 16  # a backend whose header reports no KV blocks yet
 class Blocks(Protocol):
     """A request's block hashes per backend (`gateway/request/prefix.py`'s `PromptBlocks`)."""
 
-    predicted: dict[str, int]
+    predicted: dict[str, tuple[int, int]]
     prompt_ids: Sequence[int]
 
     def hashes_for(self, info) -> tuple[int, ...]: ...
@@ -35,10 +38,11 @@ class Blocks(Protocol):
 
 
 class BlockIndex:
-    """The hashes one backend was sent, least recently used first, at most `max_blocks` of them."""
+    """The hashes one backend was sent, least recently used first, at most `max_blocks` of them; each marked
+    confirmed once a request there has prefilled it."""
 
     def __init__(self):
-        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._lru: collections.OrderedDict[int, bool] = collections.OrderedDict()  # hash -> confirmed
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -55,14 +59,32 @@ class BlockIndex:
             num_held += 1
         return num_held
 
+    def confirmed_len(self, hashes: Sequence[int]) -> int:
+        """Leading hashes held and confirmed by an engine's report."""
+        num_confirmed = 0
+        for block_hash in hashes:
+            if not self._lru.get(block_hash, False):
+                break
+            num_confirmed += 1
+        return num_confirmed
+
     def add(self, hashes: Iterable[int], max_blocks: int) -> None:
-        """Mark `hashes` most recently used, evicting the least recently used beyond `max_blocks`."""
+        """Mark `hashes` most recently used (new ones unconfirmed), evicting the least recently used beyond
+        `max_blocks`."""
         lru = self._lru
         for block_hash in hashes:
-            lru[block_hash] = None
-            lru.move_to_end(block_hash)
+            if block_hash in lru:
+                lru.move_to_end(block_hash)
+            else:
+                lru[block_hash] = False
         while len(lru) > max_blocks:
             lru.popitem(last=False)
+
+    def confirm(self, hashes: Iterable[int]) -> None:
+        """An engine has these blocks (a request there prefilled them)."""
+        for block_hash in hashes:
+            if block_hash in self._lru:
+                self._lru[block_hash] = True
 
     def drop(self, hashes: Iterable[int]) -> None:
         for block_hash in hashes:
@@ -91,8 +113,9 @@ class PrefixCache:
         matches = {b: self.index_of(b).match_len(blocks.hashes_for(b.info)) for b in candidates}
         best = max(candidates, key=lambda b: (matches[b], -b.outstanding_tokens))
         chosen = best if matches[best] and not self._too_busy(best, least) else least
-        blocks.predicted[chosen.info.addr] = matches[chosen]
-        self.index_of(chosen).add(blocks.hashes_for(chosen.info), self._cap(chosen))
+        index, hashes = self.index_of(chosen), blocks.hashes_for(chosen.info)
+        blocks.predicted[chosen.info.addr] = (matches[chosen], index.confirmed_len(hashes))
+        index.add(hashes, self._cap(chosen))
         return chosen
 
     def _too_busy(self, backend: Backend, least: Backend) -> bool:
@@ -109,11 +132,16 @@ class PrefixCache:
         return total or DEFAULT_MAX_BLOCKS
 
     def cached(self, backend: Backend, blocks: Blocks, cached_tokens: int, block_size: int) -> None:
-        """The engine reused `cached_tokens` of the request's prompt: drop what the index wrongly predicted."""
-        if block_size <= 0 or backend not in self._indexes:
+        """The engine of `backend` prefilled the request reusing `cached_tokens` of its prompt: drop what the index
+        wrongly counted on, confirm the rest (the engine holds those blocks now)."""
+        index = self._indexes.get(backend)
+        if block_size <= 0 or index is None:
             return
         hashes = blocks.hashes_for(backend.info)
         num_hit = min(cached_tokens // block_size, len(hashes))
-        predicted = min(blocks.predicted.get(backend.info.addr, 0), blocks.max_cached_blocks(backend.info))
-        if num_hit < predicted:
-            self._indexes[backend].drop(hashes[num_hit:])
+        _, num_confirmed = blocks.predicted.get(backend.info.addr, (0, 0))
+        if num_hit < min(num_confirmed, blocks.max_cached_blocks(backend.info)):
+            index.drop(hashes[num_hit:])
+            index.confirm(hashes[:num_hit])
+        else:
+            index.confirm(hashes)

@@ -42,14 +42,15 @@ def max_block_hashes(info: BackendInfo) -> int | None:
 
 class PromptBlocks:
     """One prompt's block hashes under one salt, per backend, computed on first use; and what routing
-    predicted each backend holds of them (`predicted`, in blocks), for the correction when the engine answers."""
+    predicted each backend holds of them (`predicted`: leading blocks held, and of those confirmed by an engine),
+    for the correction when the engine answers."""
 
     __slots__ = ("prompt_ids", "salt", "predicted", "_memo")
 
     def __init__(self, prompt_ids: Sequence[int], salt: str = ""):
         self.prompt_ids = prompt_ids
         self.salt = salt
-        self.predicted: dict[str, int] = {}  # backend address -> leading blocks routing expected it to hold
+        self.predicted: dict[str, tuple[int, int]] = {}  # backend address -> (blocks held, confirmed), see above
         self._memo: dict[tuple[str, int, int | None], tuple[int, ...]] = {}
 
     def hashes_for(self, info: BackendInfo) -> tuple[int, ...]:

@@ -126,7 +126,7 @@ def test_prefix_cache_routes_to_the_backend_holding_the_longest_prefix():
     b.outstanding_tokens = 500  # busier now, but within the balance limits
     for question in range(5, 10):
         chosen, blocks = route(policy, [a, b], system + prompt(question, 20))
-        assert chosen is b and blocks.predicted["b"] == 8
+        assert chosen is b and blocks.predicted["b"][0] == 8
     other, _ = route(policy, [a, b], prompt(99, 8 * BLOCK))
     assert other is a  # an unrelated prompt goes by load
     salted, _ = route(policy, [a, b], system + prompt(5, 20), salt="tenant")
@@ -144,7 +144,7 @@ def test_a_hot_prefix_spills_to_the_least_loaded_backend():
     assert route(policy, [a, b], system + prompt(2, 5))[0] is a
     a.outstanding_tokens = 5000  # over both: the least loaded takes it, and learns the prefix
     spilled, blocks = route(policy, [a, b], system + prompt(3, 5))
-    assert spilled is b and blocks.predicted["b"] == 0
+    assert spilled is b and blocks.predicted["b"] == (0, 0)
     a.outstanding_tokens = b.outstanding_tokens = 0
     assert policy.index_of(a).match_len(blocks.hashes_for(a.info)) == 8
     assert policy.index_of(b).match_len(blocks.hashes_for(b.info)) == 8  # both hold it now
@@ -154,27 +154,46 @@ def test_the_engines_cached_tokens_correct_the_index():
     a, b = FakeBackend("a", 0), FakeBackend("b", 10)
     policy = PrefixCache()
     ids = prompt(5, 6 * BLOCK + 3)
-    chosen, blocks = route(policy, [a, b], ids)
-    hashes = blocks.hashes_for(a.info)
+    chosen, first = route(policy, [a, b], ids)
+    hashes = first.hashes_for(a.info)
     assert chosen is a and policy.index_of(a).match_len(hashes) == 6
+    policy.cached(a, first, 0, BLOCK)  # prefilled from scratch: the engine holds its blocks now
+    assert policy.index_of(a).confirmed_len(hashes) == 6
     again, blocks = route(policy, [a, b], ids)
-    assert again is a and blocks.predicted["a"] == 6
+    assert again is a and blocks.predicted["a"] == (6, 6)
     policy.cached(a, blocks, 6 * BLOCK, BLOCK)  # the engine had all of it: nothing changes
     assert policy.index_of(a).match_len(hashes) == 6
     policy.cached(a, blocks, 2 * BLOCK, BLOCK)  # it had evicted blocks 2..5: they leave the index
     assert policy.index_of(a).match_len(hashes) == 2
     assert all(h not in policy.index_of(a) for h in hashes[2:])
+    policy.cached(a, route(policy, [a, b], ids)[1], 2 * BLOCK, BLOCK)
     _, blocks = route(policy, [a, b], ids)
+    assert blocks.predicted["a"] == (6, 6)
     policy.cached(a, blocks, 0, BLOCK)  # the engine caches nothing (prefix caching off there)
     assert policy.index_of(a).match_len(hashes) == 0
+
+
+def test_a_burst_sharing_a_prefix_is_no_evidence_of_eviction():
+    """Requests routed while the first is still prefilling count on blocks no engine has confirmed: their
+    misses (the engine had not published the blocks yet) leave the index alone."""
+    a, b = FakeBackend("a", 0), FakeBackend("b", 10)
+    policy = PrefixCache()
+    system = prompt(11, 8 * BLOCK)
+    burst = [route(policy, [a, b], system + prompt(20 + i, 9)) for i in range(4)]
+    assert all(chosen is a for chosen, _ in burst) and burst[1][1].predicted["a"] == (8, 0)
+    for _, blocks in burst[1:]:
+        policy.cached(a, blocks, 0, BLOCK)
+    hashes = burst[0][1].hashes_for(a.info)
+    assert policy.index_of(a).match_len(hashes) == 8 and policy.index_of(a).confirmed_len(hashes) == 8
 
 
 def test_a_prompt_of_whole_blocks_all_cached_is_no_miss():
     a = FakeBackend("a")
     policy = PrefixCache()
     ids = prompt(6, 4 * BLOCK)  # the engine computes the last token: at most 3 blocks reported
-    route(policy, [a], ids)
+    policy.cached(a, route(policy, [a], ids)[1], 0, BLOCK)
     _, blocks = route(policy, [a], ids)
+    assert blocks.predicted["a"] == (4, 4)
     policy.cached(a, blocks, 3 * BLOCK, BLOCK)
     assert policy.index_of(a).match_len(blocks.hashes_for(a.info)) == 4
 
@@ -256,7 +275,8 @@ def test_a_finished_request_reports_cached_tokens_to_usage_metrics_and_routing(b
     failover = Failover(router, "m", spec, metrics, PromptBlocks(ids))
     backend = router.pick("m", ids, blocks=failover.blocks)
     assert backend is a
-    router.pick("m", ids, blocks=failover.blocks)  # a second look: predicted 5 blocks on a
+    router.cached(a, failover.blocks, 0, BLOCK)  # an earlier request prefilled the prompt there
+    router.pick("m", ids, blocks=failover.blocks)  # this one: predicted 5 confirmed blocks on a
     handle = Handle(a, spec, [update([65], 2 * BLOCK), update([66], 2 * BLOCK, FinishReason.LENGTH)])
     gen = Generation(handle, TextStream(byte_tokenizer, [], ids), len(ids), "m", metrics, failover=failover)
 
