@@ -121,15 +121,18 @@ def hash_key(key: str, salt_hex: str) -> str:
     return hashlib.sha256(bytes.fromhex(salt_hex) + key.encode()).hexdigest()
 
 
-def new_record(name: str, role: str = "client", limits: KeyLimits | None = None) -> tuple[KeyRecord, str]:
+def new_record(name: str, role: str = "client", limits: KeyLimits | None = None,
+               cache_salt: str | None = None) -> tuple[KeyRecord, str]:
     """A fresh key: its record (to store) and its plain text (to show once)."""
     if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise KeysFileError(f"key name must be letters, digits, '-', '_' or '.', got {name!r}")
     if role not in ROLES:
         raise KeysFileError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise KeysFileError(f"cache_salt must be a non-empty string or absent, got {cache_salt!r}")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     salt = secrets.token_hex(16)
-    return KeyRecord(name, salt, hash_key(key, salt), role, limits or KeyLimits()), key
+    return KeyRecord(name, salt, hash_key(key, salt), role, limits or KeyLimits(), cache_salt), key
 
 
 def read_keys_file(path: str | Path) -> dict[str, KeyRecord]:
@@ -232,13 +235,15 @@ class KeyStore:
                 return r
         return None
 
-    def add(self, name: str, role: str = "client", limits: KeyLimits | None = None) -> str:
-        """Create a key, write its hash to the file, return the plain text (shown once)."""
+    def add(self, name: str, role: str = "client", limits: KeyLimits | None = None,
+            cache_salt: str | None = None) -> str:
+        """Create a key, write its hash to the file, return the plain text (shown once). `cache_salt`: its
+        prefix-cache namespace (None: its own, by name)."""
         self._need_file()
         self.reload()
         if name in self.records:
             raise KeysFileError(f"a key named {name!r} exists; remove it first")
-        record, key = new_record(name, role, limits)
+        record, key = new_record(name, role, limits, cache_salt)
         write_keys_file(self.path, [*self.records.values(), record])
         self.reload()
         return key
@@ -253,8 +258,9 @@ class KeyStore:
         return True
 
     def listing(self) -> list[dict]:
-        """Names, roles and limits; never salts or hashes."""
-        return [{"name": r.name, "role": r.role, "limits": r.limits.as_dict()} for r in self.records.values()]
+        """Names, roles, limits and prefix-cache salts; never the hashing salts or hashes."""
+        return [{"name": r.name, "role": r.role, "limits": r.limits.as_dict(), "cache_salt": r.cache_salt or r.name}
+                for r in self.records.values()]
 
     def _need_file(self) -> None:
         if self.path is None:
