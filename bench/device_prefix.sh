@@ -12,7 +12,9 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}; MODE=${MODE:-persistent}; MODEL=${MODEL:-random:llama-3-8b}; PY=${PYTHON:-python3}
 RATE=${RATE:-16}; N=${N:-1000}; CONV=${CONV:-64}; TURNS=${TURNS:-8}; CONC=${CONC:-64}
-OFF_FLAGS=${OFF_FLAGS:---no-prefix-caching}; SERVE_FLAGS=(--context-len 4096 --num-slots 1024 --max-output-len 2048)
+SYSTEM_LEN=${SYSTEM_LEN:-2000}; QUESTION_LEN=${QUESTION_LEN:-50}; ANSWER_LEN=${ANSWER_LEN:-100}
+OFF_FLAGS=${OFF_FLAGS---no-prefix-caching}
+read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 4096 --num-slots 1024 --max-output-len 2048}"
 export BLINK_API_KEY=${BLINK_API_KEY:-bench-key} BLINK_LOG_LEVEL=${BLINK_LOG_LEVEL:-WARNING}
 mkdir -p "$OUT"
 pids=()
@@ -32,7 +34,8 @@ bench() {  # bench DIR URL LABEL WORKLOAD-ARGS...: the one result file's path on
     $PY -m blink.bench --url "$url" --label "$label" --out "$dir" --no-progress --warmup-requests 8 "$@" >&2
     ls "$dir"/*.json | head -1
 }
-shared=(--workload shared-prefix --num-requests "$N" --system-len 2000 --question-len 50 --answer-len 100 --rates "$RATE")
+shared=(--workload shared-prefix --num-requests "$N" --system-len "$SYSTEM_LEN" --question-len "$QUESTION_LEN"
+        --answer-len "$ANSWER_LEN" --rates "$RATE")
 turns=(--workload multi-turn --conversations "$CONV" --turns "$TURNS" --user-len 64 --answer-len 128
        --rates inf --max-concurrency "$CONC")
 
