@@ -68,6 +68,8 @@ def backend_report(backend) -> dict:
         total = stats["total_kv_blocks"]
         report.update(serving=backend.serving, heartbeat=backend.heartbeat, running=stats["running"],
                       kv_usage=round((total - stats["free_kv_blocks"]) / total, 3) if total else 0.0)
+        if "cached_kv_blocks" in stats:  # a backend with a prefix cache
+            report["cached_kv_blocks"] = stats["cached_kv_blocks"]
     except (TypeError, ValueError, KeyError):  # the ring is gone: the gateway is stopping
         report["serving"] = False
     return report

@@ -310,3 +310,15 @@ def test_grpc_takes_cache_salt_as_http_does():
     with pytest.raises(ApiError) as err:
         generate_request(inference_pb2.GenerateRequest(model="m", prompt="hi", cache_salt=""))
     assert err.value.status == 400 and err.value.detail.param == "cache_salt"
+
+
+def test_the_cached_blocks_gauge_is_exported_where_a_backend_reports_it():
+    with_cache, without = FakeBackend("a"), FakeBackend("b")
+    with_cache.engine_stats = lambda: {"total_kv_blocks": 10, "free_kv_blocks": 4, "running": 1, "waiting": 0,
+                                       "cached_kv_blocks": 7}
+    without.engine_stats = lambda: {"total_kv_blocks": 10, "free_kv_blocks": 10, "running": 0, "waiting": 0}
+    for b in (with_cache, without):
+        b.num_waiting, b.free_slots, b.serving = 0, 8, True
+    text = Metrics(lambda: [with_cache, without]).render()[0].decode()
+    assert 'blink:kv_cache_cached_blocks{backend="a",model_name="m"} 7.0' in text
+    assert 'blink:kv_cache_cached_blocks{backend="b"' not in text
