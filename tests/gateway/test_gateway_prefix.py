@@ -322,3 +322,11 @@ def test_the_cached_blocks_gauge_is_exported_where_a_backend_reports_it():
     text = Metrics(lambda: [with_cache, without]).render()[0].decode()
     assert 'blink:kv_cache_cached_blocks{backend="a",model_name="m"} 7.0' in text
     assert 'blink:kv_cache_cached_blocks{backend="b"' not in text
+
+
+def test_usage_counts_each_prompts_cached_tokens_once_whatever_n():
+    from gateway.request.choices import Choices
+
+    gens = [SimpleNamespace(cached_tokens=c, prompt_len=40) for c in (32, 48, 16, 0)]  # 2 prompts x n=2
+    assert Choices(gens, None, prompt_len=80, n=2).cached_tokens == 32 + 16
+    assert Choices(gens[:1], None).cached_tokens == 32
