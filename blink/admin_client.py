@@ -1,7 +1,8 @@
 """`blinkctl` commands that talk to a gateway's admin API (`gateway/api/admin.py`) with the admin key.
 
     blinkctl [--url URL] [--admin-key KEY] status | backends | drain ADDR | undrain ADDR | reload | gc
-    blinkctl keys list | add NAME [--role R] [--rpm N] [--tpm N] [--max-streams N] [--max-tokens N] | remove NAME
+    blinkctl keys list | add NAME [--role R] [--rpm N] [--tpm N] [--max-streams N] [--max-tokens N]
+        [--cache-salt S] | remove NAME
 
 The URL defaults to BLINK_URL or http://127.0.0.1:8000 (the OpenAI base URL, ending in /v1, works too),
 the key to BLINK_ADMIN_KEY (without one, blinkctl says so and exits 2). Over HTTPS, `--ssl-ca-certs FILE`
@@ -104,6 +105,7 @@ def add_admin_commands(sub) -> None:
     add.add_argument("--max-streams", type=int, help="generations in flight at once")
     add.add_argument("--max-tokens", type=int, dest="max_tokens_per_request",
                      help="completion tokens per request (the stream ends with finish_reason length)")
+    add.add_argument("--cache-salt", help="prefix-cache namespace, shared by the keys given the same (default: its own)")
     add.set_defaults(func=cmd_keys_add)
     remove = keys.add_parser("remove", parents=[common, file_arg], help="delete a key")
     remove.add_argument("name")
@@ -176,11 +178,13 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
     if args.file:
         from gateway.policy.keys import KeyLimits, KeysFileError, KeyStore
         try:
-            r = {"name": args.name, "key": KeyStore(args.file).add(args.name, args.role, KeyLimits(**_limits(args)))}
+            r = {"name": args.name, "key": KeyStore(args.file).add(args.name, args.role, KeyLimits(**_limits(args)),
+                                                                   args.cache_salt)}
         except KeysFileError as exc:
             raise AdminError(str(exc)) from None
     else:
-        r = call(args, "POST", "/admin/keys", {"name": args.name, "role": args.role, **_limits(args)})
+        salt = {"cache_salt": args.cache_salt} if args.cache_salt is not None else {}
+        r = call(args, "POST", "/admin/keys", {"name": args.name, "role": args.role, **_limits(args), **salt})
     return _print(args, r, r["key"])  # the only time the key is shown: the file keeps its hash
 
 

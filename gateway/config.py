@@ -11,7 +11,7 @@ from protocols.messages import STALL_AFTER_OTHER_S, STALL_AFTER_S
 MiB = 1 << 20
 # Seconds of an unchanged heartbeat, with work pending, before ejection; per engine mode (see GatewayConfig).
 HEARTBEAT_TIMEOUTS_S = {**STALL_AFTER_S, "default": STALL_AFTER_OTHER_S}  # protocols/messages.py
-ROUTING_POLICIES = ("least_outstanding_tokens", "most_free_kv", "prefix_affinity")  # gateway/backends/route.py
+ROUTING_POLICIES = ("least_outstanding_tokens", "most_free_kv", "prefix_affinity", "prefix_cache")  # gateway/backends/route.py
 
 
 @dataclass(frozen=True)
@@ -84,12 +84,18 @@ class GatewayConfig:
     log_format: str = "text"  # or "json": one object per line, with request ids as fields
     # Many backends (gateway/backends/pool.py, gateway/backends/route.py).
     config_file: str | None = None  # YAML file of backends and settings, read again on SIGHUP
-    routing: str = "least_outstanding_tokens"  # or most_free_kv, prefix_affinity
+    routing: str = "least_outstanding_tokens"  # or most_free_kv, prefix_affinity, prefix_cache
     heartbeat_timeout_s: float | None = None  # every mode's heartbeat_timeouts_s at once (None: per mode)
     health_check_s: float = 0.2  # how often the pool looks at heartbeats (ejection within timeout + this)
     probe_interval_s: float = 0.5  # how often the pool asks each backend's control plane whether it lives
     affinity_prefix_len: int = 64  # prefix_affinity: leading prompt tokens hashed (in whole 16-token blocks)
     affinity_max_extra_tokens: int = 2048  # prefix_affinity: leave the chosen backend when this much busier
+    # prefix_cache (gateway/backends/prefix_index.py): leave the backend holding the longest prefix for the least
+    # loaded one when its outstanding tokens are over ratio x that one's and slack more; index cap per backend
+    # in blocks (None: the backend's total KV blocks)
+    prefix_cache_balance_ratio: float = 1.5
+    prefix_cache_balance_slack_tokens: int = 4096
+    prefix_cache_max_blocks: int | None = None
     # TLS (gateway/tls.py), with vLLM's names: HTTPS and the gRPC API on certfile + keyfile (PEM; no keyfile:
     # the key is in the certfile); clients' certificates checked against ca_certs as ssl_cert_reqs says
     # (Python's ssl.CERT_*: 0 none, 1 optional, 2 required). Re-read on SIGHUP.
@@ -142,6 +148,7 @@ class GatewayConfig:
                              f"{self.gc_freeze_s:g} and {self.gc_full_growth_blocks}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        self._check_prefix_cache()
         timeouts = [*self.heartbeat_timeouts_s.values()] + [t for t in (self.heartbeat_timeout_s,) if t is not None]
         if min(*timeouts, self.health_check_s, self.probe_interval_s) <= 0:
             raise ValueError("heartbeat timeouts, health_check_s and probe_interval_s must be positive")
@@ -155,6 +162,13 @@ class GatewayConfig:
         if self.backend_ssl_certfile is not None and self.backend_ssl_ca_certs is None:
             raise ValueError("backend_ssl_certfile needs backend_ssl_ca_certs: the CA that signs the backends' "
                              "certificates (the gateway trusts no other for them)")
+
+    def _check_prefix_cache(self) -> None:
+        if not self.prefix_cache_balance_ratio >= 1 or self.prefix_cache_balance_slack_tokens < 0:
+            raise ValueError(f"prefix_cache_balance_ratio must be >= 1 and prefix_cache_balance_slack_tokens >= 0, got "
+                             f"{self.prefix_cache_balance_ratio} and {self.prefix_cache_balance_slack_tokens}")
+        if self.prefix_cache_max_blocks is not None and self.prefix_cache_max_blocks < 1:
+            raise ValueError(f"prefix_cache_max_blocks must be >= 1 (or unset), got {self.prefix_cache_max_blocks}")
 
     def _check_listeners(self) -> None:
         """A key needs its certificate, a client check its CA; the admin listener has a port of its own."""

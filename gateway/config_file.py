@@ -1,6 +1,6 @@
 """The gateway's YAML config file (`--config FILE` or BLINK_CONFIG), read at start and again on SIGHUP.
 
-    routing: prefix_affinity          # least_outstanding_tokens (default) | most_free_kv | prefix_affinity
+    routing: prefix_affinity          # least_outstanding_tokens (default) | most_free_kv | prefix_affinity | prefix_cache
     heartbeat_timeout_s: 1.0
     backends:                         # control-plane addresses; a reload adds and drains to match
       - 127.0.0.1:50051

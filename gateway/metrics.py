@@ -58,6 +58,10 @@ class Metrics:
                                "failover, by reason (submit_refused: the backend refused it, e.g. draining, "
                                "dead or out of slots; failed_before_first_token).", MODEL + ["reason"],
                                registry=r)
+        self.prefix_queries = Counter("blink:prefix_cache_queries", "Prompt tokens of finished requests on "
+                                      "backends with a prefix cache (vLLM's prefix_cache_queries).", MODEL, registry=r)
+        self.prefix_hits = Counter("blink:prefix_cache_hits", "Of those, tokens whose KV the engine reused "
+                                   "(usage.prompt_tokens_details.cached_tokens).", MODEL, registry=r)
         self.ttft = Histogram("blink:time_to_first_token_seconds", "Arrival to first token.", MODEL,
                               buckets=TTFT_BUCKETS_S, registry=r)
         self.tpot = Histogram("blink:time_per_output_token_seconds", "Mean time between output tokens, "
@@ -90,6 +94,11 @@ class Metrics:
             ttft.observe(first_token_s - arrival_s)
             if completion_len > 1 and last_token_s is not None:
                 tpot.observe((last_token_s - first_token_s) / (completion_len - 1))
+
+    def prefix_cache_used(self, model: str, prompt_len: int, cached_len: int) -> None:
+        """A prefilled request on a backend with a prefix cache: `cached_len` of its `prompt_len` tokens were reused."""
+        self.prefix_queries.labels(model).inc(prompt_len)
+        self.prefix_hits.labels(model).inc(cached_len)
 
     def retried(self, model: str, reason: str) -> None:
         self.retries.labels(model, reason).inc()
@@ -127,6 +136,8 @@ class BackendCollector(Collector):
                                     "moves, else 0.", labels=BACKEND)
         native = GaugeMetricFamily("blink:native_streams", "Streams the poller's round in C delivers now "
                                    "(gateway/streaming/stream_round.py).", labels=BACKEND)
+        cached = GaugeMetricFamily("blink:kv_cache_cached_blocks", "KV blocks the engine's prefix cache holds "
+                                   "(referenced or kept for reuse), on backends that report it.", labels=BACKEND)
         for b in self._backends():
             labels = [b.info.model_name, b.info.addr]
             try:
@@ -141,4 +152,6 @@ class BackendCollector(Collector):
             slots.add_metric(labels, b.info.geometry.num_slots - b.free_slots)
             healthy.add_metric(labels, 1.0 if serving else 0.0)
             native.add_metric(labels, getattr(b, "num_native_streams", 0))
-        return [running, waiting, kv, slots, healthy, native]
+            if "cached_kv_blocks" in stats:
+                cached.add_metric(labels, stats["cached_kv_blocks"])
+        return [running, waiting, kv, slots, healthy, native, cached]

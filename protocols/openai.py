@@ -128,9 +128,14 @@ class SamplingFields(_Request):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=1e6)] | None = None  # vLLM's: > 1 discourages repeats
     logit_bias: LogitBias | None = None  # token id (a decimal string) -> bias added to its logit
     response_format: ResponseFormat | None = None  # only {"type": "text"}, until structured outputs land
+    # vLLM's: a prefix-cache namespace; requests hit each other's cached blocks only with the same salt
+    # (and the same key's salt, gateway/policy/keys.py)
+    cache_salt: str | None = None
 
     def check(self) -> None:
         self._check_response_format()
+        if self.cache_salt is not None and not self.cache_salt:
+            raise InvalidRequest("'cache_salt' must be a non-empty string if provided", "cache_salt")
         if self.stream_options is not None:
             _refuse_unless("stream_options.continuous_usage_stats", self.stream_options.continuous_usage_stats,
                            (None, False))
@@ -296,15 +301,21 @@ def _refuse_unless(name: str, value: Any, honoured: tuple) -> None:
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV the engine reused from its prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_len: int, completion_len: int) -> Usage:
+    def of(cls, prompt_len: int, completion_len: int, cached_len: int = 0) -> Usage:
         return cls(prompt_tokens=prompt_len, completion_tokens=completion_len,
-                   total_tokens=prompt_len + completion_len)
+                   total_tokens=prompt_len + completion_len,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_len))
 
 
 FinishReasonStr = Literal["stop", "length"]

@@ -4,6 +4,8 @@
     blink bench --workload batch1 --max-output 128 --backend-pid 1234 --weight-bytes 16.1e9 --copy-gbps 3000
     blink bench --rates 4,inf --max-concurrency 64 --interference 12 --gateway-cores 14,15
     blink bench interfere --threads 12 --seconds 60 --gateway-cores 14,15
+    blink bench --workload shared-prefix --num-requests 1000 --system-len 2000 --question-len 50 --answer-len 100
+    blink bench --workload multi-turn --conversations 64 --turns 8 --user-len 64 --answer-len 128
 
 Also `python -m blink.bench ...` (needs only aiohttp and tqdm, not the serving stack).
 """
@@ -24,7 +26,7 @@ from .interference import KINDS, Interference
 from .loadgen import ArrivalConfig, ClientConfig, discover_model, run_requests
 from .metrics import parse_slos, summarize
 from .results import environment, format_table, write_run
-from .workloads import WORKLOADS, BenchRequest, Workload, batch1, scaled
+from .workloads import WORKLOADS, BenchRequest, Workload, batch1, multi_turn, scaled, shared_prefix
 
 NUM_SWEEP_RATES = 13
 
@@ -72,6 +74,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="fold token ids below this (small vocabularies)")
     p.add_argument("--prompt-len", type=int, default=128, help="batch1: prompt tokens")
     p.add_argument("--output-len", type=int, default=256, help="batch1: output tokens")
+    p.add_argument("--system-len", type=int, default=2000, help="shared-prefix: tokens of the shared system prompt")
+    p.add_argument("--question-len", type=int, default=50, help="shared-prefix: tokens of each user's question")
+    p.add_argument("--answer-len", type=int, default=None,
+                   help="shared-prefix and multi-turn: tokens of each answer (default 100 and 128)")
+    p.add_argument("--conversations", type=int, default=16, help="multi-turn: conversations")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--user-len", type=int, default=64, help="multi-turn: tokens of each user message")
     p.add_argument("--temperature", type=float, default=None, help="default: the workload's (nano-vllm 0.6, else 0)")
     p.add_argument("--rates", default=None, help="comma-separated request rates per second, inf = all at once")
     p.add_argument("--sweep", default=None, help="LOW:HIGH: 13 rates spaced geometrically (overrides --rates)")
@@ -104,11 +113,17 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 def build_workload(args: argparse.Namespace) -> Workload:
     if args.workload == "batch1":
         base = batch1(args.num_requests or 4, args.prompt_len, args.output_len, args.seed)
+    elif args.workload == "shared-prefix":
+        base = shared_prefix(args.num_requests or 64, args.system_len, args.question_len, args.answer_len or 100,
+                             args.seed)
+    elif args.workload == "multi-turn":
+        base = multi_turn(args.conversations, args.turns, args.user_len, args.answer_len or 128, args.seed)
     else:
         base = WORKLOADS[args.workload](seed=args.seed)
         if args.num_requests and args.num_requests > len(base.requests):  # more than the default size
             base = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
-    return scaled(base, args.num_requests, args.max_input, args.max_output, args.vocab_size)
+    num_requests = None if args.workload == "shared-prefix" else args.num_requests  # already its N users
+    return scaled(base, num_requests, args.max_input, args.max_output, args.vocab_size)
 
 
 def backend_pid(args: argparse.Namespace) -> int | None:
@@ -130,7 +145,8 @@ def make_interference(args: argparse.Namespace, threads: int, seconds: float) ->
 async def _warm_up(client: ClientConfig, workload: Workload, num: int) -> None:
     if num <= 0:
         return
-    reqs = tuple(BenchRequest(r.prompt_ids[:32], min(r.output_len, 4)) for r in workload.requests[:num])
+    # reversed: no prefix of the measured prompts is left in a server's prefix cache by the warm-up
+    reqs = tuple(BenchRequest(r.prompt_ids[:32][::-1], min(r.output_len, 4)) for r in workload.requests[:num])
     await run_requests(client, Workload("warmup", reqs), ArrivalConfig())
 
 
@@ -198,7 +214,18 @@ def run_bench(args: argparse.Namespace) -> int:
         docs.append(doc)
         print(f"rate {arrivals.describe()['rate']}: {path}", file=sys.stderr, flush=True)
     print(format_table(docs), flush=True)
+    for doc in docs:
+        print(prefix_reuse_line(doc), flush=True)
     return 0 if all(d["metrics"]["failed"] == 0 for d in docs) else 1
+
+
+def prefix_reuse_line(doc: dict) -> str:
+    """What the workload lets a prefix cache skip beside what the server reported skipping (usage)."""
+    total, reusable = doc["workload"]["total_prompt_len"], doc["workload"]["reusable_prompt_tokens"]
+    hits = doc["metrics"]["prefix_cache"]
+    return (f"rate {doc['arrivals']['rate']}: prefix reuse the workload allows {reusable}/{total} prompt tokens "
+            f"({reusable / max(total, 1):.1%}; unavoidable prefill {total - reusable}); measured hit rate "
+            f"{hits['cached_tokens']}/{hits['prompt_tokens']} ({hits['hit_rate']:.1%}, usage cached_tokens)")
 
 
 def run_interfere(args: argparse.Namespace) -> int:

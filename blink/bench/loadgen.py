@@ -6,7 +6,9 @@ Each request streams (`stream: true`, `stream_options: {include_usage: true}`) w
 tokenizer); on `/v1/chat/completions` as the words `w<id>`, exact for the WordLevel `w0..wN`
 vocabularies of random-weight models and approximate elsewhere (usage.prompt_tokens is recorded).
 Arrivals: gamma intervals with shape `burstiness` and mean 1/rate (burstiness 1 is Poisson), seeded;
-rate inf sends everything at once. The clock for TTFT starts when the request is sent, after the gate.
+rate inf sends everything at once. A request with `after` (a conversation's later turn) has no arrival of its
+own: it arrives when that request has finished. The clock for TTFT starts when the request is sent, after the gate.
+Prefix caching: each record keeps usage.prompt_tokens_details.cached_tokens (0 where the server reports none).
 """
 from __future__ import annotations
 
@@ -83,10 +85,19 @@ def build_payload(cfg: ClientConfig, req: BenchRequest, temperature: float) -> d
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": " ".join(f"w{i}" for i in req.prompt_ids)}]
+        body["messages"] = chat_messages(req)
     else:
         body["prompt"] = list(req.prompt_ids)
     return body
+
+
+def chat_messages(req: BenchRequest) -> list[dict]:
+    """The prompt as chat messages of `w<id>` words: one user message, or the roles the request lists."""
+    out, start = [], 0
+    for role, num_ids in req.messages or (("user", req.prompt_len),):
+        out.append({"role": role, "content": " ".join(f"w{i}" for i in req.prompt_ids[start:start + num_ids])})
+        start += num_ids
+    return out
 
 
 def _content(msg: dict) -> bool:
@@ -119,6 +130,7 @@ class _StreamReader:
         if usage:
             self.rec.completion_tokens = usage.get("completion_tokens", 0)
             self.rec.prompt_tokens = usage.get("prompt_tokens", 0)
+            self.rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
     def _count(self, usage: dict) -> None:
         if self.chunk_tokens is None or "completion_tokens" not in usage:
@@ -171,21 +183,29 @@ async def run_requests(cfg: ClientConfig, workload: Workload, arrivals: ArrivalC
     limit = workload.max_concurrency or arrivals.max_concurrency
     gate = asyncio.Semaphore(limit) if limit else None
     temperature = workload.temperature if cfg.temperature is None else cfg.temperature
-    offsets = arrivals.offsets_s(len(workload.requests))
+    offsets = _offsets(workload, arrivals)
+    finished = [asyncio.Event() for _ in workload.requests]  # what a later turn waits for
     bar = _progress_bar(len(offsets), progress)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=cfg.request_timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.perf_counter()
 
-        async def one(i: int, req: BenchRequest, offset_s: float) -> tuple[RequestRecord, float]:
-            rec = RequestRecord(i, req.prompt_len, req.output_len, scheduled_s=offset_s)
-            await asyncio.sleep(max(0.0, start + offset_s - time.perf_counter()))
-            arrived = time.perf_counter()
-            async with gate or _no_gate():
-                rec.sent_s = time.perf_counter() - start
-                rec.queue_s = time.perf_counter() - arrived
-                await send_one(session, cfg, build_payload(cfg, req, temperature), rec)
+        async def one(i: int, req: BenchRequest, offset_s: float | None) -> tuple[RequestRecord, float]:
+            rec = RequestRecord(i, req.prompt_len, req.output_len)
+            try:
+                if offset_s is None:  # a later turn: it arrives when the turn before has finished
+                    await finished[req.after].wait()
+                    offset_s = time.perf_counter() - start
+                rec.scheduled_s = offset_s
+                await asyncio.sleep(max(0.0, start + offset_s - time.perf_counter()))
+                arrived = time.perf_counter()
+                async with gate or _no_gate():
+                    rec.sent_s = time.perf_counter() - start
+                    rec.queue_s = time.perf_counter() - arrived
+                    await send_one(session, cfg, build_payload(cfg, req, temperature), rec)
+            finally:
+                finished[i].set()
             bar.update(1)
             return rec, time.perf_counter() - start
 
@@ -197,6 +217,12 @@ async def run_requests(cfg: ClientConfig, workload: Workload, arrivals: ArrivalC
     first_sent = min((r.sent_s for r in records), default=0.0)
     last_done = max((end for _, end in done), default=0.0)
     return records, last_done - first_sent
+
+
+def _offsets(workload: Workload, arrivals: ArrivalConfig) -> list[float | None]:
+    """Arrival offsets of the requests that arrive on the schedule; None for those that wait on another."""
+    scheduled = iter(arrivals.offsets_s(sum(r.after is None for r in workload.requests)))
+    return [next(scheduled) if r.after is None else None for r in workload.requests]
 
 
 class _no_gate:

@@ -32,6 +32,7 @@ class RequestRecord:
     num_chunks: int = 0
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0     # usage.prompt_tokens_details.cached_tokens: prompt tokens the server's cache held
     finish_reason: str | None = None
     error: str | None = None
 
@@ -104,6 +105,14 @@ def meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
     return r.ok and all(values[name] <= limit for name, limit in slos.items())
 
 
+def prefix_cache_hits(records: list[RequestRecord]) -> dict:
+    """Prompt tokens the server reported cached (usage) and their share of all prompt tokens."""
+    prompt_tokens = sum(r.prompt_tokens for r in records)
+    cached_tokens = sum(r.cached_tokens for r in records)
+    return {"cached_tokens": cached_tokens, "prompt_tokens": prompt_tokens,
+            "hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0}
+
+
 def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, float] | None = None) -> dict:
     """Every figure of one run (one request rate)."""
     ok = [r for r in records if r.ok]
@@ -115,7 +124,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, f
            "request_throughput_req_s": len(ok) / duration_s,
            "ttft_ms": stats_ms([r.ttft_s for r in ok]), "tpot_ms": stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
            "itl_ms": stats_ms([x for r in ok for x in r.itl_s]), "e2el_ms": stats_ms([r.e2el_s for r in ok]),
-           "queue_ms": stats_ms([r.queue_s for r in records])}
+           "queue_ms": stats_ms([r.queue_s for r in records]), "prefix_cache": prefix_cache_hits(ok)}
     if slos:
         good = sum(meets_slos(r, slos) for r in records)
         out["goodput"] = {"slos_ms": {k: v * 1000 for k, v in slos.items()}, "good_requests": good,

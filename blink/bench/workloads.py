@@ -14,6 +14,14 @@ Every request is a prompt of token ids and an output length; the load generator 
     `randint(100, 1024)` ids drawn `randint(0, 10000)`; then 256 output lengths `randint(100, 1024)`.
 `batch1` (batch-1 decode against the roofline): N identical requests, a fixed prompt of
     `prompt_len` ids (seeded) and a fixed output length; the load generator sends them one at a time.
+`shared-prefix` (prefix caching): N users share one system prompt of S ids; each asks one question of Q ids
+    and gets an answer of A tokens. A cache may reuse S of every prompt but the first.
+`multi-turn` (prefix caching): C conversations of T turns; turn 1 is a user message of U ids, turn t+1's
+    prompt is turn t's prompt + an answer of A ids + a new user message of U ids, sent when turn t has
+    finished (`BenchRequest.after`). The answer appended is the workload's own A ids standing for the
+    model's (exact lengths on every server; a cache of decode blocks cannot hit it).
+`reusable_prompt_tokens` (in `describe`): the prompt tokens a perfect cache could skip, each request's longest
+    common prefix with an earlier request's prompt (the prefix reuse the workload allows).
 
 Scale-down (`scaled`): the first `num_requests`, prompts truncated to `max_input`, outputs capped at
 `max_output`; `vocab_size` folds ids into a small vocabulary (id % vocab_size), for random-weight
@@ -37,6 +45,8 @@ class BenchRequest:
 
     prompt_ids: tuple[int, ...]
     output_len: int
+    after: int | None = None  # index of the request that must finish before this one is sent
+    messages: tuple[tuple[str, int], ...] = ()  # (role, ids) splitting the prompt into chat messages; (): one user
 
     @property
     def prompt_len(self) -> int:
@@ -58,6 +68,7 @@ class Workload:
         output_lens = [r.output_len for r in self.requests]
         return {"name": self.name, "params": self.params, "temperature": self.temperature,
                 "num_requests": len(self.requests), "total_prompt_len": sum(prompt_lens),
+                "reusable_prompt_tokens": reusable_prompt_tokens(self.requests),
                 "total_output_len": sum(output_lens), "max_prompt_len": max(prompt_lens, default=0),
                 "max_output_len": max(output_lens, default=0)}
 
@@ -105,7 +116,60 @@ def batch1(num_requests: int = 4, prompt_len: int = 128, output_len: int = 256, 
     return Workload("batch1", (request,) * num_requests, params, max_concurrency=1)
 
 
-WORKLOADS = {"sharegpt": sharegpt, "nano-vllm": nano_vllm, "batch1": batch1}
+def shared_prefix(num_requests: int = 64, system_len: int = 2000, question_len: int = 50, output_len: int = 100,
+                  seed: int = 0) -> Workload:
+    """N users, one shared system prompt, a short question each."""
+    rng = random.Random(seed)
+    system = _ids(rng, system_len)
+    roles = (("system", system_len), ("user", question_len))
+    requests = tuple(BenchRequest(system + _ids(rng, question_len), output_len, messages=roles)
+                     for _ in range(num_requests))
+    params = {"seed": seed, "num_requests": num_requests, "system_len": system_len, "question_len": question_len,
+              "output_len": output_len}
+    return Workload("shared-prefix", requests, params)
+
+
+def multi_turn(num_conversations: int = 16, num_turns: int = 4, user_len: int = 64, output_len: int = 128,
+               seed: int = 0) -> Workload:
+    """Conversations whose every turn resends the whole history (see the module docstring)."""
+    rng = random.Random(seed)
+    turns = [_conversation(rng, num_turns, user_len, output_len) for _ in range(num_conversations)]
+    # turn-major order (every conversation's turn 1 first): request t * C + c is turn t of conversation c
+    requests = tuple(replace(turns[c][t], after=(t - 1) * num_conversations + c if t else None)
+                     for t in range(num_turns) for c in range(num_conversations))
+    params = {"seed": seed, "num_conversations": num_conversations, "num_turns": num_turns, "user_len": user_len,
+              "output_len": output_len}
+    return Workload("multi-turn", requests, params)
+
+
+def _conversation(rng: random.Random, num_turns: int, user_len: int, output_len: int) -> list[BenchRequest]:
+    prompt, roles, out = _ids(rng, user_len), (("user", user_len),), []
+    for _ in range(num_turns):
+        out.append(BenchRequest(prompt, output_len, None, roles))
+        prompt = prompt + _ids(rng, output_len) + _ids(rng, user_len)
+        roles = roles + (("assistant", output_len), ("user", user_len))
+    return out
+
+
+def reusable_prompt_tokens(requests) -> int:
+    """Sum over requests of the longest common prefix with an earlier request's prompt (a token trie)."""
+    root: dict = {}
+    total = 0
+    for r in requests:
+        node, shared, matching = root, 0, True
+        for token in r.prompt_ids:
+            child = node.get(token)
+            if child is None:
+                child, matching = node.setdefault(token, {}), False
+            elif matching:
+                shared += 1
+            node = child
+        total += shared
+    return total
+
+
+WORKLOADS = {"sharegpt": sharegpt, "nano-vllm": nano_vllm, "batch1": batch1, "shared-prefix": shared_prefix,
+             "multi-turn": multi_turn}
 
 
 def scaled(workload: Workload, num_requests: int | None = None, max_input: int | None = None,
@@ -125,4 +189,5 @@ def _cut(r: BenchRequest, max_input: int | None, max_output: int | None, vocab_s
     ids = r.prompt_ids[:max_input] if max_input else r.prompt_ids
     if vocab_size:
         ids = tuple(i % vocab_size for i in ids)
-    return BenchRequest(ids, min(r.output_len, max_output) if max_output else r.output_len)
+    messages = r.messages if len(ids) == r.prompt_len else ()  # a cut prompt is one user message
+    return BenchRequest(ids, min(r.output_len, max_output) if max_output else r.output_len, r.after, messages)

@@ -5,7 +5,7 @@
     POST   /admin/backends/drain      {"addr": "HOST:PORT"}: the router sends it no new request
     POST   /admin/backends/undrain    {"addr": "HOST:PORT"}
     GET    /admin/keys                names, roles, limits (never hashes)
-    POST   /admin/keys                {"name", "role"?, limits...}: the new key, shown once
+    POST   /admin/keys                {"name", "role"?, limits..., "cache_salt"?}: the new key, shown once
     DELETE /admin/keys/{name}
     POST   /admin/reload              re-read the keys file
     POST   /admin/gc                  a full garbage collection now: what it found, by type (gateway/gc_policy.py)
@@ -69,6 +69,8 @@ def backend_report(backend) -> dict:
         total = stats["total_kv_blocks"]
         report.update(serving=backend.serving, heartbeat=backend.heartbeat, running=stats["running"],
                       kv_usage=round((total - stats["free_kv_blocks"]) / total, 3) if total else 0.0)
+        if "cached_kv_blocks" in stats:  # a backend with a prefix cache
+            report["cached_kv_blocks"] = stats["cached_kv_blocks"]
     except (TypeError, ValueError, KeyError):  # the ring is gone: the gateway is stopping
         report["serving"] = False
     return report
@@ -132,14 +134,15 @@ async def list_keys(request: web.Request) -> web.Response:
 
 async def add_key(request: web.Request) -> web.Response:
     body = await _body(request)
-    unknown = set(body) - {"name", "role", *LIMIT_FIELDS}
+    unknown = set(body) - {"name", "role", "cache_salt", *LIMIT_FIELDS}
     if unknown:
         raise bad_request(f"unknown field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
     try:
         limits = KeyLimits(**{k: body[k] for k in LIMIT_FIELDS if body.get(k) is not None})
-        key = _state(request).keys.add(str(body.get("name", "")), body.get("role", "client"), limits)
+        key = _state(request).keys.add(str(body.get("name", "")), body.get("role", "client"), limits,
+                                       body.get("cache_salt"))
     except KeysFileError as exc:
-        raise bad_request(str(exc), "name") from None
+        raise bad_request(str(exc), "cache_salt" if "cache_salt" in str(exc) else "name") from None
     return web.json_response({"name": body["name"], "key": key}, status=201)
 
 

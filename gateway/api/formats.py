@@ -99,8 +99,9 @@ class OutputFormat(Protocol):
     def chunk_json(self, index: int, text: str = "", finish_reason: str | None = None,
                    logprobs: Sequence[LogprobItem] = ()) -> bytes: ...
     def text_parts(self, index: int) -> tuple[bytes, bytes] | bool | None: ...
-    def usage_chunk(self, prompt_len: int, completion_len: int) -> BaseModel: ...
-    def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int) -> BaseModel: ...
+    def usage_chunk(self, prompt_len: int, completion_len: int, cached_len: int = 0) -> BaseModel: ...
+    def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int,
+             cached_len: int = 0) -> BaseModel: ...
 
 
 def clamp_logprob(value: float) -> float:
@@ -141,18 +142,19 @@ class ChatFormat:
         lps = self._logprobs(logprobs) if finish_reason is None else None
         return self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lps, finish_reason=finish_reason)])
 
-    def usage_chunk(self, prompt_len: int, completion_len: int) -> ChatCompletionChunk:
-        return self._chunk([], Usage.of(prompt_len, completion_len))
+    def usage_chunk(self, prompt_len: int, completion_len: int, cached_len: int = 0) -> ChatCompletionChunk:
+        return self._chunk([], Usage.of(prompt_len, completion_len, cached_len))
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
                                    usage=usage)
 
-    def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int) -> ChatCompletion:
+    def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int,
+             cached_len: int = 0) -> ChatCompletion:
         listed = [ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
                              logprobs=self._logprobs(c.logprobs)) for i, c in enumerate(choices)]
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=listed,
-                              usage=Usage.of(prompt_len, completion_len))
+                              usage=Usage.of(prompt_len, completion_len, cached_len))
 
     def _logprobs(self, items: Sequence[LogprobItem]) -> ChatLogprobs | None:
         if self.texts is None:
@@ -207,14 +209,15 @@ class CompletionFormat:
         """A plain text chunk of a choice whose first chunk (the echo's) has gone."""
         return self._make([CompletionChoice(index=index, text=text)])
 
-    def usage_chunk(self, prompt_len: int, completion_len: int) -> Completion:
-        return self._make([], Usage.of(prompt_len, completion_len))
+    def usage_chunk(self, prompt_len: int, completion_len: int, cached_len: int = 0) -> Completion:
+        return self._make([], Usage.of(prompt_len, completion_len, cached_len))
 
-    def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int) -> Completion:
+    def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int,
+             cached_len: int = 0) -> Completion:
         listed = [CompletionChoice(index=i, text=self._echo(i) + c.text, finish_reason=c.finish_reason,
                                    logprobs=self._logprobs(c.logprobs, len(self._echo(i))))
                   for i, c in enumerate(choices)]
-        return self._make(listed, Usage.of(prompt_len, completion_len))
+        return self._make(listed, Usage.of(prompt_len, completion_len, cached_len))
 
     def _echo(self, index: int) -> str:
         return self.echo if isinstance(self.echo, str) else self.echo[index]

@@ -50,7 +50,7 @@ _CODE_STATUSES = {"no_kv_capacity": grpc.StatusCode.RESOURCE_EXHAUSTED}
 # run to the end of the context). protocols/inference.proto documents it.
 GRPC_DEFAULT_MAX_TOKENS = COMPLETION_DEFAULT_MAX_TOKENS
 _SAMPLING_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
-                      "frequency_penalty", "repetition_penalty")
+                      "frequency_penalty", "repetition_penalty", "cache_salt")
 # Chat carries gRPC's `logprobs` count as top_logprobs: errors name the field as sent here.
 _CHAT_RENAMES = {"top_logprobs": "logprobs"}
 

@@ -124,7 +124,7 @@ async def _generate(request: web.Request, req, make_format: Callable[[Choices], 
         if req.stream:
             return await _stream(request, choices, fmt, req.include_usage)
         outputs = await choices.collect()
-        body = fmt.full(outputs, choices.prompt_len, choices.completion_tokens)
+        body = fmt.full(outputs, choices.prompt_len, choices.completion_tokens, choices.cached_tokens)
         return _json(body.model_dump_json(), headers={REQUEST_ID_HEADER: str(choices.request_id)})
     finally:
         choices.close()

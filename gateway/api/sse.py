@@ -101,7 +101,8 @@ class SseBody:
                 self.metrics.rejected(err)
             return event(err.body().model_dump_json().encode())
         if include_usage:
-            usage = self.fmt.usage_chunk(self.choices.prompt_len, self.choices.completion_tokens)
+            usage = self.fmt.usage_chunk(self.choices.prompt_len, self.choices.completion_tokens,
+                                         self.choices.cached_tokens)
             last += event(usage.model_dump_json().encode())
         return last
 

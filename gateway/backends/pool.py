@@ -108,8 +108,9 @@ class BackendPool:
             except ConfigFileError as exc:
                 log.error("reload refused, nothing changed: %s", exc)
                 return
-            self.config = self.config.replace(**fields)
-            self.router.policy = make_policy(self.config)
+            routing_before, self.config = self.config.routing, self.config.replace(**fields)
+            if self.config.routing != routing_before:  # the same policy keeps what it learnt (prefix_cache's index)
+                self.router.policy = make_policy(self.config)
             wanted = self.config.backend_addrs
             for backend in list(self.backends):
                 if backend.info.addr not in wanted:

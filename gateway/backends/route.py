@@ -1,5 +1,7 @@
 """Which backend serves a request: a routing policy over the backends that serve its model, are
-healthy and are not draining. Each policy is a small class with one method, `choose`."""
+healthy and are not draining. Each policy is a small class with one method, `choose(candidates, prompt_ids,
+blocks)` (`blocks`: the request's prefix-cache hashes per backend, or None); `prefix_cache`
+(gateway/backends/prefix_index.py) also hears, through `cached`, what the engine reused."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from ..config import GatewayConfig
 from ..errors import ApiError, unavailable
 from .backend import Backend
+from .prefix_index import Blocks, PrefixCache
 
 AFFINITY_BLOCK_LEN = 16  # tokens per hashed block of the prompt prefix (a KV block's worth)
 
@@ -16,14 +19,14 @@ AFFINITY_BLOCK_LEN = 16  # tokens per hashed block of the prompt prefix (a KV bl
 class LeastOutstandingTokens:
     """The backend with the fewest prompt + output tokens still to produce (the gateway's own count)."""
 
-    def choose(self, candidates: Sequence[Backend], prompt_ids: Sequence[int]) -> Backend:
+    def choose(self, candidates: Sequence[Backend], prompt_ids: Sequence[int], blocks: Blocks | None = None) -> Backend:
         return min(candidates, key=lambda b: b.outstanding_tokens)
 
 
 class MostFreeKv:
     """The backend whose engine last reported the most free KV blocks (ring header); ties by load."""
 
-    def choose(self, candidates: Sequence[Backend], prompt_ids: Sequence[int]) -> Backend:
+    def choose(self, candidates: Sequence[Backend], prompt_ids: Sequence[int], blocks: Blocks | None = None) -> Backend:
         return max(candidates, key=lambda b: (b.engine_stats()["free_kv_blocks"], -b.outstanding_tokens))
 
 
@@ -35,7 +38,7 @@ class PrefixAffinity:
         self.prefix_len = prefix_len
         self.max_extra_tokens = max_extra_tokens
 
-    def choose(self, candidates: Sequence[Backend], prompt_ids: Sequence[int]) -> Backend:
+    def choose(self, candidates: Sequence[Backend], prompt_ids: Sequence[int], blocks: Blocks | None = None) -> Backend:
         key = prefix_key(prompt_ids, self.prefix_len)
         chosen = max(candidates, key=lambda b: hashlib.blake2b(key + b.info.addr.encode(), digest_size=8).digest())
         least = min(candidates, key=lambda b: b.outstanding_tokens)
@@ -56,6 +59,9 @@ def make_policy(config: GatewayConfig):
         return MostFreeKv()
     if config.routing == "prefix_affinity":
         return PrefixAffinity(config.affinity_prefix_len, config.affinity_max_extra_tokens)
+    if config.routing == "prefix_cache":
+        return PrefixCache(config.prefix_cache_balance_ratio, config.prefix_cache_balance_slack_tokens,
+                           config.prefix_cache_max_blocks)
     return LeastOutstandingTokens()
 
 
@@ -95,9 +101,10 @@ class Router:
                            code="model_not_found")
         return candidates
 
-    def pick(self, model: str, prompt_ids: Sequence[int] = (), exclude: Iterable[str] = ()) -> Backend:
+    def pick(self, model: str, prompt_ids: Sequence[int] = (), exclude: Iterable[str] = (),
+             blocks: Blocks | None = None) -> Backend:
         """A backend for a request, never one whose address is in `exclude` (tried already), nor a draining,
-        dead or stalled one; an ejected one only when no other is left."""
+        dead or stalled one; an ejected one only when no other is left. `blocks`: the prompt's block hashes."""
         exclude = set(exclude)
         open_ = [b for b in self.backends_for(model) if not b.draining and b.info.addr not in exclude]
         candidates = [b for b in open_ if b.healthy]
@@ -108,4 +115,10 @@ class Router:
             draining = [b.info.addr for b in self.backends_for(model) if b.draining]
             why = f"; draining: {', '.join(draining)}" if draining else ""
             raise unavailable(f"no healthy backend serving '{model}' is available{tried}{why}; retry later")
-        return self.policy.choose(candidates, prompt_ids)
+        return self.policy.choose(candidates, prompt_ids, blocks)
+
+    def cached(self, backend: Backend, blocks: Blocks, cached_tokens: int, block_size: int) -> None:
+        """The engine of `backend` reused `cached_tokens` of a request's prompt (a policy may learn from it)."""
+        learn = getattr(self.policy, "cached", None)
+        if learn is not None:
+            learn(backend, blocks, cached_tokens, block_size)

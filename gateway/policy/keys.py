@@ -13,6 +13,8 @@ hard to invert as the key is to guess; a slow hash (scrypt) would only add laten
         tokens_per_minute: 20000         # prompt + completion
         max_streams: 4                   # generations in flight at once
         max_tokens_per_request: 512      # completion budget, enforced mid-stream
+        cache_salt: team-a               # prefix-cache namespace (default: the key's name); keys that
+                                         # share one share cached prompts (and can time each other's)
 
 Plain keys from `--api-key`/BLINK_API_KEY and `--admin-key`/BLINK_ADMIN_KEY keep working, unlimited.
 """
@@ -73,18 +75,20 @@ class KeyRecord:
     sha256: str
     role: str = "client"
     limits: KeyLimits = field(default_factory=KeyLimits)
+    cache_salt: str | None = None  # None: the key's name (one prefix-cache namespace per key)
 
     def matches(self, key: str) -> bool:
         return hmac.compare_digest(hash_key(key, self.salt), self.sha256)
 
     def to_yaml(self) -> dict:
-        return {"role": self.role, "salt": self.salt, "sha256": self.sha256, **self.limits.as_dict()}
+        extra = {"cache_salt": self.cache_salt} if self.cache_salt is not None else {}
+        return {"role": self.role, "salt": self.salt, "sha256": self.sha256, **self.limits.as_dict(), **extra}
 
     @classmethod
     def from_yaml(cls, name: str, entry: dict) -> KeyRecord:
         if not isinstance(entry, dict):
             raise KeysFileError(f"key {name!r}: expected a mapping, got {type(entry).__name__}")
-        unknown = set(entry) - {"role", "salt", "sha256", *LIMIT_FIELDS}
+        unknown = set(entry) - {"role", "salt", "sha256", "cache_salt", *LIMIT_FIELDS}
         if unknown:
             raise KeysFileError(f"key {name!r}: unknown field(s) {', '.join(sorted(unknown))}")
         role = entry.get("role", "client")
@@ -96,7 +100,10 @@ class KeyRecord:
             limits = KeyLimits(**{k: entry[k] for k in LIMIT_FIELDS if k in entry})
         except KeysFileError as exc:
             raise KeysFileError(f"key {name!r}: {exc}") from None
-        return cls(name, str(entry["salt"]), str(entry["sha256"]), role, limits)
+        cache_salt = entry.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise KeysFileError(f"key {name!r}: cache_salt must be a non-empty string or absent, got {cache_salt!r}")
+        return cls(name, str(entry["salt"]), str(entry["sha256"]), role, limits, cache_salt)
 
 
 @dataclass(frozen=True)
@@ -107,21 +114,25 @@ class Principal:
     client: bool
     admin: bool
     limits: KeyLimits = field(default_factory=KeyLimits)
+    cache_salt: str = ""  # the key's prefix-cache namespace (gateway/request/prefix.py)
 
 
 def hash_key(key: str, salt_hex: str) -> str:
     return hashlib.sha256(bytes.fromhex(salt_hex) + key.encode()).hexdigest()
 
 
-def new_record(name: str, role: str = "client", limits: KeyLimits | None = None) -> tuple[KeyRecord, str]:
+def new_record(name: str, role: str = "client", limits: KeyLimits | None = None,
+               cache_salt: str | None = None) -> tuple[KeyRecord, str]:
     """A fresh key: its record (to store) and its plain text (to show once)."""
     if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise KeysFileError(f"key name must be letters, digits, '-', '_' or '.', got {name!r}")
     if role not in ROLES:
         raise KeysFileError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise KeysFileError(f"cache_salt must be a non-empty string or absent, got {cache_salt!r}")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     salt = secrets.token_hex(16)
-    return KeyRecord(name, salt, hash_key(key, salt), role, limits or KeyLimits()), key
+    return KeyRecord(name, salt, hash_key(key, salt), role, limits or KeyLimits(), cache_salt), key
 
 
 def read_keys_file(path: str | Path) -> dict[str, KeyRecord]:
@@ -204,9 +215,11 @@ class KeyStore:
         admin = any([hmac.compare_digest(key.encode(), k.encode()) for k in self._plain_admin])
         r = self._record_of(key)
         if r is not None:
-            return Principal(r.name, client or r.role != "admin", admin or r.role != "client", r.limits)
-        if client or admin:
-            return Principal("admin" if admin and not client else "default", client, admin)
+            return Principal(r.name, client or r.role != "admin", admin or r.role != "client", r.limits,
+                             r.cache_salt or r.name)
+        if client or admin:  # a plain key: a namespace of its own, named by its hash
+            return Principal("admin" if admin and not client else "default", client, admin,
+                             cache_salt="plain:" + hashlib.sha256(key.encode()).hexdigest()[:16])
         return None
 
     def _record_of(self, key: str) -> KeyRecord | None:
@@ -222,13 +235,15 @@ class KeyStore:
                 return r
         return None
 
-    def add(self, name: str, role: str = "client", limits: KeyLimits | None = None) -> str:
-        """Create a key, write its hash to the file, return the plain text (shown once)."""
+    def add(self, name: str, role: str = "client", limits: KeyLimits | None = None,
+            cache_salt: str | None = None) -> str:
+        """Create a key, write its hash to the file, return the plain text (shown once). `cache_salt`: its
+        prefix-cache namespace (None: its own, by name)."""
         self._need_file()
         self.reload()
         if name in self.records:
             raise KeysFileError(f"a key named {name!r} exists; remove it first")
-        record, key = new_record(name, role, limits)
+        record, key = new_record(name, role, limits, cache_salt)
         write_keys_file(self.path, [*self.records.values(), record])
         self.reload()
         return key
@@ -243,8 +258,9 @@ class KeyStore:
         return True
 
     def listing(self) -> list[dict]:
-        """Names, roles and limits; never salts or hashes."""
-        return [{"name": r.name, "role": r.role, "limits": r.limits.as_dict()} for r in self.records.values()]
+        """Names, roles, limits and prefix-cache salts; never the hashing salts or hashes."""
+        return [{"name": r.name, "role": r.role, "limits": r.limits.as_dict(), "cache_salt": r.cache_salt or r.name}
+                for r in self.records.values()]
 
     def _need_file(self) -> None:
         if self.path is None:

@@ -19,8 +19,9 @@ from .tokenize import TokenizerService
 
 class Choices:
     def __init__(self, gens: list[Generation], tokenizer: TokenizerService,
-                 on_close: Callable[[int], None] | None = None, prompt_len: int | None = None):
+                 on_close: Callable[[int], None] | None = None, prompt_len: int | None = None, n: int = 1):
         self.gens = gens
+        self.n = n  # choices per prompt: gens[i * n] is prompt i's first
         self._prompt_len = prompt_len  # every prompt's tokens, once each (a batch has several); None: gens[0]'s
         self.tokenizer = tokenizer  # the model's: token texts for logprobs, the echoed prompt
         self.on_close = on_close  # called once with the completion tokens of every choice (quotas)
@@ -37,6 +38,12 @@ class Choices:
     def prompt_len(self) -> int:
         """The prompt tokens usage counts: each prompt once, whatever n."""
         return self.gens[0].prompt_len if self._prompt_len is None else self._prompt_len
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine reused from its prefix cache, counted as `prompt_len` counts: each prompt
+        once (its first choice's)."""
+        return sum(g.cached_tokens for g in self.gens[::self.n])
 
     @property
     def completion_tokens(self) -> int:

@@ -57,7 +57,8 @@ class Generation:
     # The poller reads and writes these per token of every stream (`take`): slots keep each object's
     # fields in one place (hundreds of streams' state do not stay in the caches between two tokens).
     __slots__ = ("handle", "budget_tokens", "on_close", "failover", "stream", "prompt_len", "model", "metrics",
-                 "arrival_s", "finish_reason", "first_token_s", "last_token_s", "_held", "_ids", "_lps", "_closed")
+                 "arrival_s", "finish_reason", "first_token_s", "last_token_s", "cached_tokens", "_held", "_ids", "_lps",
+                 "_closed")
 
     def __init__(self, handle: RequestHandle, stream: TextStream, prompt_len: int, model: str = "",
                  metrics: Metrics | None = None, arrival_s: float | None = None, budget_tokens: int | None = None,
@@ -75,6 +76,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
+        self.cached_tokens = 0  # prompt tokens the engine reused from its prefix cache (TokenUpdate.cached_tokens)
         self._held: Piece | BaseException | None = None  # see `hold`
         self._ids: list[int] = []  # tokens taken since the last piece (no text yet: half a character)
         self._lps: list[TokenLogprob] = []  # and their logprobs
@@ -117,6 +119,7 @@ class Generation:
             self.last_token_s = now_s = time.perf_counter()
             if not self.first_token_s:
                 self.first_token_s = now_s
+                self.cached_tokens = getattr(update, "cached_tokens", 0)  # known once the prefill is done
         num_before = stream.num_tokens
         if self.budget_tokens is not None:
             tokens = tokens[:max(0, self.budget_tokens - num_before)]
@@ -137,6 +140,7 @@ class Generation:
             piece = Piece(text, None, self._ids, self._lps)  # `_piece`, inlined: once per token streamed
             self._ids, self._lps = [], []
             return piece
+        self.cached_tokens = max(self.cached_tokens, getattr(update, "cached_tokens", 0))
         if update.finish not in _FINISH_NAMES:
             if self._may_fail_over(update):
                 raise _MayFailOver
@@ -197,7 +201,19 @@ class Generation:
             if self.metrics is not None and reason != "error":  # errors count as rejections
                 self.metrics.request_finished(self.model, self.prompt_len, self.completion_tokens, reason,
                                               self.arrival_s, self.first_token_s, self.last_token_s, end_s)
+            if self.first_token_s is not None:  # prefilled: what the engine reused is known
+                self._prefix_cache_report()
             self._log(reason, end_s)
+
+    def _prefix_cache_report(self) -> None:
+        """Hits and queries (vLLM's meaning, in tokens) where the backend has a prefix cache; routing's check."""
+        info = getattr(getattr(self.handle, "backend", None), "info", None)  # None: a handle on no ring
+        if info is None or not getattr(info.geometry, "kv_block_size", 0):
+            return
+        if self.metrics is not None:
+            self.metrics.prefix_cache_used(self.model, self.prompt_len, self.cached_tokens)
+        if self.failover is not None and hasattr(self.failover, "cached"):
+            self.failover.cached(self.handle, self.cached_tokens)
 
     def _log(self, reason: str, end_s: float) -> None:
         if not log.isEnabledFor(logging.INFO):  # its fields are built per request: not for nothing
@@ -205,7 +221,7 @@ class Generation:
         ttft_ms = round((self.first_token_s - self.arrival_s) * 1e3, 1) if self.first_token_s else None
         fields = {"request_id": self.request_id, "slot": self.handle.slot, "model": self.model,
                   "prompt_tokens": self.prompt_len, "completion_tokens": self.completion_tokens,
-                  "finish_reason": reason, "ttft_ms": ttft_ms,
+                  "cached_tokens": self.cached_tokens, "finish_reason": reason, "ttft_ms": ttft_ms,
                   "queue_ms": round((self.handle.submitted_s - self.arrival_s) * 1e3, 1),
                   "e2e_ms": round((end_s - self.arrival_s) * 1e3, 1)}
         ttft = "no token" if ttft_ms is None else f"ttft {ttft_ms} ms"  # None: it ended before a first token

@@ -28,6 +28,7 @@ from .choices import Choices
 from .detokenize import TextStream
 from .generate import Generation
 from .limits import build_spec, check_engine_modes, check_token_ids
+from .prefix import PromptBlocks, effective_salt, kv_block_size
 from .tokenize import TemplateError, TokenizerService
 
 log = logging.getLogger("blink.gateway.requests")
@@ -72,13 +73,13 @@ async def start_generation(state: GatewayState, req: GenerateRequest, prompt_par
     poll_checkpoint()  # the set-up's turn came in a new pass, after the poller's round, or not
     admission = state.quotas.admit(principal)
     try:
-        gens, prompt_len = await _start(state, req, prompt_param, arrival_s, admission)
+        gens, prompt_len = await _start(state, req, prompt_param, arrival_s, admission, principal)
     except BaseException:
         admission.close()
         raise
     for gen in gens:
         gen.budget_tokens = principal.limits.max_tokens_per_request if principal else None
-    return Choices(gens, state.tokenizers[req.model], on_close=admission.close, prompt_len=prompt_len)
+    return Choices(gens, state.tokenizers[req.model], on_close=admission.close, prompt_len=prompt_len, n=req.n)
 
 
 async def _prompts_ids(tokenizer: TokenizerService, req: GenerateRequest, vocab_size: int,
@@ -97,7 +98,7 @@ async def _prompts_ids(tokenizer: TokenizerService, req: GenerateRequest, vocab_
 
 
 async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | None, arrival_s: float,
-                 admission: Admission) -> tuple[list[Generation], int]:
+                 admission: Admission, principal: Principal | None = None) -> tuple[list[Generation], int]:
     """The generations in choice-index order (prompt_i * n + j) and the prompts' tokens, each counted once."""
     backends = state.router.backends_for(req.model)
     info = backends[0].info  # backends of one model share its limits
@@ -113,19 +114,22 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
     check_engine_modes(req, [b.info for b in backends])
     prompt_len = sum(len(spec.prompt_ids) for spec in specs)
     admission.charge(prompt_len)
-    return await _submit_choices(state, req, specs, arrival_s), prompt_len
+    salt = effective_salt(principal.cache_salt if principal else "", req.cache_salt)
+    return await _submit_choices(state, req, specs, arrival_s, salt), prompt_len
 
 
 async def _submit_choices(state: GatewayState, req: GenerateRequest, specs: list[RequestSpec],
-                          arrival_s: float) -> list[Generation]:
-    """n generations per spec (seeds seed, seed+1, ... when it has one), in that order; none left if one fails."""
+                          arrival_s: float, salt: str = "") -> list[Generation]:
+    """n generations per spec (seeds seed, seed+1, ... when it has one), in that order; none left if one fails.
+    `salt`: the prefix cache's namespace for these prompts (`prefix.effective_salt`)."""
     tokenizer = state.tokenizers[req.model]
     gens: list[Generation] = []
     try:
         for spec in specs:
+            blocks = PromptBlocks(spec.prompt_ids, salt)  # hashed once per backend model, for all n choices
             for i in range(req.n):
                 choice = spec if spec.seed is None or i == 0 else dataclasses.replace(spec, seed=spec.seed + i)
-                failover = Failover(state.router, req.model, choice, state.metrics)
+                failover = Failover(state.router, req.model, choice, state.metrics, blocks)
                 handle = await failover.submit()
                 stream = TextStream(tokenizer.tokenizer, req.stop_strings, spec.prompt_ids, tokenizer.single_texts,
                                     tokenizer.token_pieces)
@@ -143,11 +147,13 @@ class Failover:
     """Submits one request where routing says; again elsewhere (each backend once) if it fails there
     before its first token."""
 
-    def __init__(self, router: Router, model: str, spec: RequestSpec, metrics: Metrics | None = None):
+    def __init__(self, router: Router, model: str, spec: RequestSpec, metrics: Metrics | None = None,
+                 blocks: PromptBlocks | None = None):
         self.router = router
         self.model = model
         self.spec = spec
         self.metrics = metrics  # counts each resubmission (blink:request_retries_total)
+        self.blocks = blocks  # the prompt's prefix-cache hashes, per backend
         self.tried: list[str] = []  # backend addresses
 
     async def submit(self, retry_reason: str | None = None) -> RequestHandle:
@@ -156,7 +162,7 @@ class Failover:
         refused: ApiError | None = None
         while True:
             try:
-                backend = self.router.pick(self.model, self.spec.prompt_ids, exclude=self.tried)
+                backend = self.router.pick(self.model, self.spec.prompt_ids, exclude=self.tried, blocks=self.blocks)
             except ApiError:
                 if refused is not None:
                     raise refused from None
@@ -165,11 +171,16 @@ class Failover:
             if retry_reason is not None and self.metrics is not None:
                 self.metrics.retried(self.model, retry_reason)
             try:
-                return await backend.submit(self.spec)
+                return await backend.submit(self.spec if self.blocks is None else self.blocks.spec_for(self.spec, backend.info))
             except ApiError as err:
                 if err.status != 503:
                     raise
                 refused, retry_reason = err, "submit_refused"
+
+    def cached(self, handle: RequestHandle, cached_tokens: int) -> None:
+        """The engine reused `cached_tokens` of the prompt where `handle` ran: routing checks its guess."""
+        if self.blocks is not None:
+            self.router.cached(handle.backend, self.blocks, cached_tokens, kv_block_size(handle.backend.info))
 
     async def __call__(self, failed: RequestHandle, reason: str) -> RequestHandle | None:
         try:

@@ -168,7 +168,8 @@ def test_admin_api_needs_the_admin_key(keyed):
     status, _, body = raw(h, "GET", "/admin/status", keys["admin"])
     assert status == 200 and body["backends"][0]["addr"] == "in-process" and body["workers"] == 1
     assert body["backends"][0]["native_stream"].startswith("on") and body["backends"][0]["native_streams"] == 0
-    assert "salt" not in json.dumps(raw(h, "GET", "/admin/keys", keys["admin"])[2])
+    listed = json.dumps(raw(h, "GET", "/admin/keys", keys["admin"])[2])
+    assert '"salt"' not in listed and '"sha256"' not in listed  # the hashing salts and hashes stay in the file
     status, _, body = raw(h, "GET", "/v1/models", keys["admin"])  # an admin key alone is no client key
     assert status == 403 and body["error"]["code"] == "permission_denied"
 
@@ -208,6 +209,20 @@ def test_blinkctl_round_trip(keyed, capsys):
     assert blinkctl(["reload", *base]) == 0
     assert blinkctl(["status", "--url", h.url, "--admin-key", keys["plain"]]) == 1  # a client key: 403
     assert "403" in capsys.readouterr().err
+
+
+def test_a_key_may_be_given_a_shared_cache_salt(keyed, capsys):
+    h, keys, path = keyed
+    base = ["--url", h.url, "--admin-key", keys["admin"]]
+    assert blinkctl(["keys", "add", "erin", "--cache-salt", "team", *base]) == 0
+    capsys.readouterr()
+    assert blinkctl(["keys", "add", "fred", "--cache-salt", "team", "--file", str(path)]) == 0
+    listed = {k["name"]: k for k in raw(h, "GET", "/admin/keys", keys["admin"])[2]["keys"]}
+    assert listed["erin"]["cache_salt"] == listed["fred"]["cache_salt"] == "team"
+    status, _, body = raw(h, "POST", "/admin/keys", keys["admin"], {"name": "gina", "cache_salt": ""})
+    assert status == 400 and body["error"]["param"] == "cache_salt"
+    for name in ("erin", "fred"):
+        assert blinkctl(["keys", "remove", name, *base]) == 0
 
 
 def test_keys_file_edits_reach_a_running_gateway(keyed, capsys):

@@ -248,7 +248,8 @@ def test_several_tokens_per_poll_give_the_same_text_and_event_sequence(byte_toke
         events = _events(last)
         assert [e["choices"][0]["finish_reason"] if e["choices"] else "usage" for e in events][-2:] == \
             ["length", "usage"]
-        assert events[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": len(ids), "total_tokens": 2 + len(ids)}
+        assert events[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": len(ids), "total_tokens": 2 + len(ids),
+                                      "prompt_tokens_details": {"cached_tokens": 0}}
         assert all("usage" not in e for e in events[:-1])
 
 
