@@ -134,7 +134,9 @@ def serve_backend(config: BackendConfig) -> int:
     context_len = config.context_len_for(cfg.max_position_embeddings)
     fingerprint = model_fingerprint(model_dir or cfg)
     runner = _make_runner(config, model, cfg, context_len)
-    geometry = RingGeometry(config.num_slots, context_len, config.max_output_len)
+    # token masks (constrained requests) for every vocabulary token; the persistent loop does not apply them yet
+    mask_words = 0 if config.mode == "persistent" else -(-cfg.vocab_size // 32)
+    geometry = RingGeometry(config.num_slots, context_len, config.max_output_len, mask_words=mask_words)
     try:
         if remove_stale_ring(config.ring_name):
             log.warning("removed the stale ring %r that a backend which died left in %s", config.ring_name, SHM_DIR)

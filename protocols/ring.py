@@ -10,11 +10,15 @@ Memory map (all little-endian, every region 64-byte aligned):
 
     [header 256 B][submission queue: num_slots x u32][requests: num_slots x request_bytes]
     [responses: num_slots x response_bytes][logit biases: num_slots x logit_bias_bytes]
-    [logprobs: num_slots x logprob_bytes]
+    [logprobs: num_slots x logprob_bytes][token masks: num_slots x mask_bytes]
 
 The last two regions (version 2) extend a request slot (gateway writes, before `seq`) and a response
 slot (engine writes, before `produced`); they sit after the older regions so that every offset of
-version 1 stays where it was.
+version 1 stays where it was. Version 3 adds the token masks of constrained requests (FLAG_CONSTRAINED), a
+slot's area written by the gateway only: the mask words (bit t % 32 of word t // 32: token t allowed), then,
+on its own cache line, `mask_seq` = the index of the generated token the words are for, plus one, stored
+last. Mask 0 comes with the request (before `seq`); the gateway writes mask i + 1 after it read token i, so
+the engine, which reads mask i only before it publishes token i, never sees a mask change under it.
 
 Rules (DESIGN.md, "The rings"):
 - every word has exactly one writer, named below; nobody does read-modify-write across processors;
@@ -38,7 +42,7 @@ import numpy as np
 # *_FIELDS dicts and the HEADER/REQUEST/RESPONSE numpy dtypes.
 from protocols.ring_layout import *  # noqa: F401,F403
 from protocols.ring_layout import (ErrorCode, FinishReason, HEADER_BYTES, HEADER_DTYPE, FINGERPRINT_BYTES,
-                                   FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, REQ_STOP_IDS, RESP_TOKENS,
+                                   FLAG_CONSTRAINED, FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, REQ_STOP_IDS, RESP_TOKENS,
                                    REQUEST_FIELDS, RING_MAGIC, RING_VERSION)
 from protocols.layout.views import pack_format
 
@@ -62,12 +66,13 @@ class RingGeometry:
     # Tokens of logprobs a slot holds (at most max_output_len): a request that asks for logprobs runs at
     # most this far ahead of the gateway's reads. Small, so that 256 slots x 20 alternatives stay ~3 MB.
     logprob_window: int = 64
+    mask_words: int = 0  # u32 words of a token mask (ceil(vocab / 32), set by the backend); 0: no masks
 
     def __post_init__(self) -> None:
         for name in _GEOMETRY_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"RingGeometry.{name} must be a positive int, got {value!r}")
+            if not isinstance(value, int) or value < (name != "mask_words"):  # mask_words may be 0
+                raise ValueError(f"RingGeometry.{name} must be a positive int (mask_words: not negative), got {value!r}")
         if self.num_slots > 1 << 20:
             raise ValueError(f"RingGeometry.num_slots {self.num_slots} is over the limit of {1 << 20}")
         object.__setattr__(self, "logprob_window", min(self.logprob_window, self.max_output_len))
@@ -127,12 +132,26 @@ class RingGeometry:
         return self.logit_bias_offset + self.num_slots * self.logit_bias_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def masks_offset(self) -> int:
         return self.logprobs_offset + self.num_slots * self.logprob_bytes
+
+    @property
+    def mask_seq_offset(self) -> int:
+        """Offset of `mask_seq` (u32) inside a slot's mask area: the cache line after the words."""
+        return _align(4 * self.mask_words)
+
+    @property
+    def mask_bytes(self) -> int:
+        """Per slot: the mask words u32[mask_words], then mask_seq on its own line (none without masks)."""
+        return self.mask_seq_offset + CACHE_LINE if self.mask_words else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.masks_offset + self.num_slots * self.mask_bytes
 
 
 _GEOMETRY_FIELDS = ("num_slots", "max_prompt_len", "max_output_len", "max_stop_ids", "max_logit_bias",
-                    "max_logprobs", "logprob_window")
+                    "max_logprobs", "logprob_window", "mask_words")
 
 
 @dataclass(frozen=True)
@@ -155,6 +174,14 @@ class RequestSpec:
     repetition_penalty: float = 1.0
     logit_bias: Sequence[tuple[int, float]] = field(default_factory=tuple)  # (token id, bias)
     num_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and k alternatives
+    # The allowed tokens of generated token 0 (u32 words, little-endian, bit t % 32 of word t // 32 set =
+    # token t allowed; geometry.mask_words of them). Not None: the request is constrained (FLAG_CONSTRAINED)
+    # and generated token i waits for its mask i (`RingProducer.put_mask(slot, i, words)`). Kept as bytes.
+    token_mask: np.ndarray | bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_mask is not None and not isinstance(self.token_mask, bytes):
+            object.__setattr__(self, "token_mask", mask_bytes(self.token_mask))
 
     def validate(self, geometry: RingGeometry) -> None:
         """Raise ValueError naming the field when the request cannot be written into a slot."""
@@ -185,17 +212,45 @@ class RequestSpec:
             raise ValueError("logit_bias: every id must be a non-negative 32-bit int, every bias finite")
         if self.num_logprobs is not None and not 0 <= self.num_logprobs <= geometry.max_logprobs:
             raise ValueError(f"num_logprobs: {self.num_logprobs} is outside 0..{geometry.max_logprobs}")
+        if self.token_mask is not None:
+            check_mask(self.token_mask, geometry, "token_mask")
 
     @property
     def flags(self) -> int:
         return ((FLAG_HAS_SEED if self.seed is not None else 0) | (FLAG_IGNORE_EOS if self.ignore_eos else 0)
-                | (FLAG_LOGPROBS if self.num_logprobs is not None else 0))
+                | (FLAG_LOGPROBS if self.num_logprobs is not None else 0)
+                | (FLAG_CONSTRAINED if self.token_mask is not None else 0))
 
     @functools.cached_property  # the host engine asks for every sampled row of every step
     def uses_sampling_extensions(self) -> bool:
         """Penalties, logit bias or logprobs: what only some engine modes implement."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.num_logprobs is not None)
+
+
+def mask_bytes(words: np.ndarray | bytes | Sequence[int]) -> bytes:
+    """A token mask as the ring holds it: u32 words, little-endian."""
+    if isinstance(words, bytes):
+        return words
+    return np.ascontiguousarray(words, dtype="<u4").tobytes()
+
+
+def check_mask(words: bytes, geometry: RingGeometry, name: str) -> None:
+    """ValueError naming `name` unless `words` is one mask of this ring (geometry.mask_words u32 words)."""
+    if not geometry.mask_words:
+        raise ValueError(f"{name}: this backend's ring takes no token masks (mask_words is 0)")
+    if len(words) != 4 * geometry.mask_words:
+        raise ValueError(f"{name}: {len(words)} bytes, a mask is {geometry.mask_words} u32 words "
+                         f"({4 * geometry.mask_words} bytes)")
+
+
+def put_mask_words(words: np.ndarray | bytes | Sequence[int], token_index: int, geometry: RingGeometry) -> bytes:
+    """A producer's `put_mask` arguments checked (ValueError naming them), the words as the ring holds them."""
+    words = mask_bytes(words)
+    check_mask(words, geometry, "put_mask: words")
+    if not 0 <= token_index < (1 << 32) - 1:
+        raise ValueError(f"put_mask: token_index {token_index} is outside 0..{(1 << 32) - 2}")
+    return words
 
 
 @dataclass(frozen=True)
@@ -233,9 +288,11 @@ def request_head(spec: RequestSpec) -> tuple:
 
 
 def spec_from_head(head: tuple, prompt_ids: Sequence[int], stop_ids: Sequence[int],
-                   logit_bias: Sequence[tuple[int, float]], max_logprobs: int | None = None) -> RequestSpec:
+                   logit_bias: Sequence[tuple[int, float]], max_logprobs: int | None = None,
+                   token_mask: bytes | None = None) -> RequestSpec:
     """The RequestSpec of unpacked REQUEST_HEAD values and the slot's arrays (their lengths are the caller's:
-    clipped to the geometry on a ring, as sent on the wire); `max_logprobs` clips num_logprobs."""
+    clipped to the geometry on a ring, as sent on the wire); `max_logprobs` clips num_logprobs; `token_mask`
+    (mask 0) is kept only with FLAG_CONSTRAINED, which an empty one then still marks."""
     h = dict(zip(REQUEST_HEAD_NAMES, head))
     flags, num_logprobs = h["flags"], h["num_logprobs"]
     if max_logprobs is not None:
@@ -246,7 +303,8 @@ def spec_from_head(head: tuple, prompt_ids: Sequence[int], stop_ids: Sequence[in
         stop_ids=tuple(stop_ids), ignore_eos=bool(flags & FLAG_IGNORE_EOS), priority=h["priority"],
         presence_penalty=h["presence_penalty"], frequency_penalty=h["frequency_penalty"],
         repetition_penalty=h["repetition_penalty"], logit_bias=tuple(logit_bias),
-        num_logprobs=num_logprobs if flags & FLAG_LOGPROBS else None)
+        num_logprobs=num_logprobs if flags & FLAG_LOGPROBS else None,
+        token_mask=(token_mask or b"") if flags & FLAG_CONSTRAINED else None)
 
 
 class RingLayoutError(ValueError):
@@ -259,7 +317,7 @@ def header_view(buf: np.ndarray) -> np.void:
 
 
 _DERIVED_FIELDS = ("request_bytes", "response_bytes", "requests_offset", "responses_offset", "logit_bias_offset",
-                   "total_bytes")
+                   "total_bytes")  # the masks follow the logprobs: total_bytes checks their place
 
 
 def geometry_from_header(buf: memoryview | bytearray | np.ndarray) -> RingGeometry:

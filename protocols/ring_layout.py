@@ -9,29 +9,30 @@ import numpy as np
 
 
 __all__ = ['RING_MAGIC', 'RING_VERSION', 'HEADER_BYTES', 'FINGERPRINT_BYTES', 'FLAG_HAS_SEED',
-           'FLAG_IGNORE_EOS', 'FLAG_LOGPROBS', 'FinishReason', 'ErrorCode', 'EngineState', 'HDR_MAGIC',
-           'HDR_VERSION', 'HDR_HEADER_BYTES', 'HDR_NUM_SLOTS', 'HDR_MAX_PROMPT_LEN', 'HDR_MAX_OUTPUT_LEN',
-           'HDR_MAX_STOP_IDS', 'HDR_REQUEST_BYTES', 'HDR_RESPONSE_BYTES', 'HDR_SQ_OFFSET',
-           'HDR_REQUESTS_OFFSET', 'HDR_RESPONSES_OFFSET', 'HDR_TOTAL_BYTES', 'HDR_MAX_LOGIT_BIAS',
-           'HDR_MAX_LOGPROBS', 'HDR_LOGPROB_WINDOW', 'HDR_LOGIT_BIAS_OFFSET', 'HDR_FINGERPRINT',
-           'HDR_HEARTBEAT', 'HDR_ENGINE_STATE', 'HDR_SQ_HEAD', 'HDR_FREE_KV_BLOCKS', 'HDR_TOTAL_KV_BLOCKS',
-           'HDR_RUNNING', 'HDR_WAITING', 'HDR_GENERATED_TOKENS', 'HDR_SQ_TAIL', 'HEADER_FIELDS',
-           'HEADER_DTYPE', 'REQ_SEQ', 'REQ_REQUEST_ID', 'REQ_PROMPT_LEN', 'REQ_MAX_TOKENS', 'REQ_TEMPERATURE',
-           'REQ_TOP_P', 'REQ_TOP_K', 'REQ_MIN_P', 'REQ_SEED', 'REQ_FLAGS', 'REQ_PRIORITY', 'REQ_NUM_STOP_IDS',
-           'REQ_CANCEL_SEQ', 'REQ_PRESENCE_PENALTY', 'REQ_FREQUENCY_PENALTY', 'REQ_REPETITION_PENALTY',
-           'REQ_NUM_LOGIT_BIAS', 'REQ_NUM_LOGPROBS', 'REQ_STOP_IDS', 'REQUEST_FIELDS', 'REQUEST_DTYPE',
-           'RESP_SEQ', 'RESP_PRODUCED', 'RESP_FINISH_REASON', 'RESP_FIRST_TOKEN_NS', 'RESP_LAST_TOKEN_NS',
-           'RESP_PROMPT_LEN', 'RESP_ERROR_CODE', 'RESP_CONSUMED', 'RESP_TOKENS', 'RESPONSE_FIELDS',
-           'RESPONSE_DTYPE']
+           'FLAG_IGNORE_EOS', 'FLAG_LOGPROBS', 'FLAG_CONSTRAINED', 'FinishReason', 'ErrorCode', 'EngineState',
+           'HDR_MAGIC', 'HDR_VERSION', 'HDR_HEADER_BYTES', 'HDR_NUM_SLOTS', 'HDR_MAX_PROMPT_LEN',
+           'HDR_MAX_OUTPUT_LEN', 'HDR_MAX_STOP_IDS', 'HDR_REQUEST_BYTES', 'HDR_RESPONSE_BYTES',
+           'HDR_SQ_OFFSET', 'HDR_REQUESTS_OFFSET', 'HDR_RESPONSES_OFFSET', 'HDR_TOTAL_BYTES',
+           'HDR_MAX_LOGIT_BIAS', 'HDR_MAX_LOGPROBS', 'HDR_LOGPROB_WINDOW', 'HDR_LOGIT_BIAS_OFFSET',
+           'HDR_FINGERPRINT', 'HDR_HEARTBEAT', 'HDR_ENGINE_STATE', 'HDR_SQ_HEAD', 'HDR_FREE_KV_BLOCKS',
+           'HDR_TOTAL_KV_BLOCKS', 'HDR_RUNNING', 'HDR_WAITING', 'HDR_GENERATED_TOKENS', 'HDR_MASK_WORDS',
+           'HDR_SQ_TAIL', 'HEADER_FIELDS', 'HEADER_DTYPE', 'REQ_SEQ', 'REQ_REQUEST_ID', 'REQ_PROMPT_LEN',
+           'REQ_MAX_TOKENS', 'REQ_TEMPERATURE', 'REQ_TOP_P', 'REQ_TOP_K', 'REQ_MIN_P', 'REQ_SEED',
+           'REQ_FLAGS', 'REQ_PRIORITY', 'REQ_NUM_STOP_IDS', 'REQ_CANCEL_SEQ', 'REQ_PRESENCE_PENALTY',
+           'REQ_FREQUENCY_PENALTY', 'REQ_REPETITION_PENALTY', 'REQ_NUM_LOGIT_BIAS', 'REQ_NUM_LOGPROBS',
+           'REQ_STOP_IDS', 'REQUEST_FIELDS', 'REQUEST_DTYPE', 'RESP_SEQ', 'RESP_PRODUCED',
+           'RESP_FINISH_REASON', 'RESP_FIRST_TOKEN_NS', 'RESP_LAST_TOKEN_NS', 'RESP_PROMPT_LEN',
+           'RESP_ERROR_CODE', 'RESP_CONSUMED', 'RESP_TOKENS', 'RESPONSE_FIELDS', 'RESPONSE_DTYPE']
 
 
 RING_MAGIC = 0x474E49524B4E494C  # b"LINKRING" little-endian
-RING_VERSION = 2  # 2: penalties, logit bias and logprobs
+RING_VERSION = 3  # 2: penalties, logit bias and logprobs; 3: token masks
 HEADER_BYTES = 256
 FINGERPRINT_BYTES = 32
 FLAG_HAS_SEED = 1  # request flags: RequestSpec booleans
 FLAG_IGNORE_EOS = 2
 FLAG_LOGPROBS = 4  # publish the chosen token's logprob and num_logprobs alternatives per token
+FLAG_CONSTRAINED = 8  # every generated token i is sampled under the slot's mask i (the mask area's mask_seq = i + 1)
 
 
 class FinishReason(enum.IntEnum):
@@ -78,7 +79,8 @@ class EngineState(enum.IntEnum):
     STOPPED = 3
 
 
-# ---- blink_ring_header: lines 0-1 by the creator (magic last), line 2 by the engine, line 3 by the gateway
+# ---- blink_ring_header: lines 0-1 by the creator (magic last), line 2 by the engine (but mask_words), line 3
+# by the gateway
 HDR_MAGIC = 0  # uint64_t, creator: RING_MAGIC, stored last
 HDR_VERSION = 8  # uint32_t, creator
 HDR_HEADER_BYTES = 12  # uint32_t, creator
@@ -105,6 +107,7 @@ HDR_TOTAL_KV_BLOCKS = 156  # uint32_t, engine
 HDR_RUNNING = 160  # uint32_t, engine: sequences in the running batch
 HDR_WAITING = 164  # uint32_t, engine: admitted-but-waiting sequences
 HDR_GENERATED_TOKENS = 168  # uint64_t, engine: total tokens published
+HDR_MASK_WORDS = 176  # uint32_t, creator: version 3 (lines 0-1 are full): u32 words of a token mask, ceil(vocab / 32); 0: this ring takes no constrained requests
 HDR_SQ_TAIL = 192  # uint64_t, gateway: submission-queue entries written so far
 HEADER_FIELDS = {
     "magic": (0, "uint64_t"),
@@ -133,6 +136,7 @@ HEADER_FIELDS = {
     "running": (160, "uint32_t"),
     "waiting": (164, "uint32_t"),
     "generated_tokens": (168, "uint64_t"),
+    "mask_words": (176, "uint32_t"),
     "sq_tail": (192, "uint64_t"),
 }
 HEADER_DTYPE = np.dtype({
@@ -140,11 +144,12 @@ HEADER_DTYPE = np.dtype({
         'max_stop_ids', 'request_bytes', 'response_bytes', 'sq_offset', 'requests_offset', 'responses_offset',
         'total_bytes', 'max_logit_bias', 'max_logprobs', 'logprob_window', 'logit_bias_offset', 'fingerprint',
         'heartbeat', 'engine_state', 'sq_head', 'free_kv_blocks', 'total_kv_blocks', 'running', 'waiting',
-        'generated_tokens', 'sq_tail'],
+        'generated_tokens', 'mask_words', 'sq_tail'],
     "formats": ['<u8', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8',
-        '<u4', '<u4', '<u4', '<u8', 'S32', '<u8', '<u4', '<u8', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8'],
+        '<u4', '<u4', '<u4', '<u8', 'S32', '<u8', '<u4', '<u8', '<u4', '<u4', '<u4', '<u4', '<u8', '<u4',
+        '<u8'],
     "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 76, 80, 88, 96, 128, 136, 144, 152, 156,
-        160, 164, 168, 192],
+        160, 164, 168, 176, 192],
     "itemsize": 256,
 })
 

@@ -15,12 +15,13 @@
 #endif
 
 #define BLINK_RING_MAGIC 0x474E49524B4E494CULL  /* b"LINKRING" little-endian */
-#define BLINK_RING_VERSION 2u  /* 2: penalties, logit bias and logprobs */
+#define BLINK_RING_VERSION 3u  /* 2: penalties, logit bias and logprobs; 3: token masks */
 #define BLINK_RING_HEADER_BYTES 256u
 #define BLINK_RING_FINGERPRINT_BYTES 32u
 #define BLINK_RING_FLAG_HAS_SEED 1u  /* request flags: RequestSpec booleans */
 #define BLINK_RING_FLAG_IGNORE_EOS 2u
 #define BLINK_RING_FLAG_LOGPROBS 4u  /* publish the chosen token's logprob and num_logprobs alternatives per token */
+#define BLINK_RING_FLAG_CONSTRAINED 8u  /* every generated token i is sampled under the slot's mask i (the mask area's mask_seq = i + 1) */
 
 /* Why a request ended. Written by the engine into the response area. */
 enum blink_finish_reason {
@@ -49,7 +50,7 @@ enum blink_engine_state {
   BLINK_ENGINE_STOPPED = 3,
 };
 
-/* lines 0-1 by the creator (magic last), line 2 by the engine, line 3 by the gateway */
+/* lines 0-1 by the creator (magic last), line 2 by the engine (but mask_words), line 3 by the gateway */
 typedef struct blink_ring_header {
   uint64_t magic;  /* RING_MAGIC, stored last [creator] */
   uint32_t version;  /* [creator] */
@@ -79,7 +80,8 @@ typedef struct blink_ring_header {
   uint32_t running;  /* sequences in the running batch [engine] */
   uint32_t waiting;  /* admitted-but-waiting sequences [engine] */
   uint64_t generated_tokens;  /* total tokens published [engine] */
-  uint8_t _pad2[16];
+  uint32_t mask_words;  /* version 3 (lines 0-1 are full): u32 words of a token mask, ceil(vocab / 32); 0: this ring takes no constrained requests [creator] */
+  uint8_t _pad2[12];
   uint64_t sq_tail;  /* submission-queue entries written so far [gateway] */
   uint8_t _pad3[56];
 } blink_ring_header;
@@ -109,6 +111,7 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, total_kv_blocks) == 156, "blink_
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, running) == 160, "blink_ring_header.running");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, waiting) == 164, "blink_ring_header.waiting");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, generated_tokens) == 168, "blink_ring_header.generated_tokens");
+BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, mask_words) == 176, "blink_ring_header.mask_words");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, sq_tail) == 192, "blink_ring_header.sq_tail");
 BLINK_LAYOUT_ASSERT(sizeof(blink_ring_header) == 256, "sizeof(blink_ring_header)");
 
