@@ -223,9 +223,9 @@ class RequestSpec:
 
     @functools.cached_property  # the host engine asks for every sampled row of every step
     def uses_sampling_extensions(self) -> bool:
-        """Penalties, logit bias or logprobs: what only some engine modes implement."""
+        """Penalties, logit bias, logprobs or token masks: what only some engine modes implement."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.num_logprobs is not None)
+                    or self.logit_bias or self.num_logprobs is not None or self.token_mask is not None)
 
 
 def mask_bytes(words: np.ndarray | bytes | Sequence[int]) -> bytes:
