@@ -146,20 +146,17 @@ def apply_masks(logits: torch.Tensor, rows: list[SamplingRow],
     after bias and penalties and before temperature and the filters, on a copy of `logits` [N, V] (`logits`
     itself with `inplace`, or when no row is constrained). Also {row: TOKEN_WAIT or TOKEN_MASK_EMPTY} for
     the rows that sample no token: whatever is drawn for them is replaced. One host-to-device copy."""
-    no_token: dict[int, int] = {}
-    picked = []
-    for i, r in enumerate(rows):
-        if not r.constrained:
-            continue
-        if r.token_mask is None:
-            no_token[i] = TOKEN_WAIT
-        elif not r.token_mask.any():
-            no_token[i] = TOKEN_MASK_EMPTY
-        else:
-            picked.append(i)
-    if not picked:
+    no_token = {i: TOKEN_WAIT for i, r in enumerate(rows) if r.constrained and r.token_mask is None}
+    masked = [i for i, r in enumerate(rows) if r.token_mask is not None and r.constrained]
+    if not masked:
         return logits, no_token
-    allowed = torch.from_numpy(mask_bits(np.stack([rows[i].token_mask for i in picked]), logits.shape[1]))
+    bits = mask_bits(np.stack([rows[i].token_mask for i in masked]), logits.shape[1])  # [n, V] bool
+    some = bits.any(axis=1)  # a mask whose tokens are all past the vocabulary allows nothing too
+    no_token.update((i, TOKEN_MASK_EMPTY) for i, ok in zip(masked, some) if not ok)
+    if not some.any():
+        return logits, no_token
+    picked = [i for i, ok in zip(masked, some) if ok]
+    allowed = torch.from_numpy(bits[some])
     idx = torch.tensor(picked, device=logits.device)
     if not inplace:
         logits = logits.clone()

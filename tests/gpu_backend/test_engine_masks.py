@@ -144,19 +144,23 @@ def test_an_empty_mask_ends_the_request_with_invalid_params(engine):
 
 
 def test_the_mask_applies_after_the_bias_and_before_the_draw():
-    logits = torch.zeros(3, VOCAB)
+    logits = torch.zeros(4, VOCAB)
     logits[:, 50] = 10.0  # the model's favourite, allowed by no mask
     biased = SamplingRow(0.0, 1.0, 0, 0.0, seed=1, position=3, logit_bias=((7, -5.0),),
                          constrained=True, token_mask=mask_of(7, 8))
     sampled = SamplingRow(1.0, 1.0, 0, 0.0, seed=2, position=3, constrained=True, token_mask=mask_of(96))
     free = SamplingRow(0.0, 1.0, 0, 0.0, seed=3, position=3)
-    tokens, _ = sample_step(logits, [biased, sampled, free])
+    tokens, _ = sample_step(logits[:3], [biased, sampled, free])
     assert tokens == [8, 96, 50]  # 7 allowed, but the bias put it below 8
     waiting = SamplingRow(0.0, 1.0, 0, 0.0, seed=1, position=3, constrained=True)
     empty = SamplingRow(0.0, 1.0, 0, 0.0, seed=1, position=3, constrained=True, token_mask=mask_of())
-    assert sample_step(logits, [waiting, empty, free])[0] == [TOKEN_WAIT, TOKEN_MASK_EMPTY, 50]
-    same, none = apply_masks(logits, [free])
-    assert same is logits and none == {}
+    past_vocab = SamplingRow(0.0, 1.0, 0, 0.0, seed=1, position=3, constrained=True,
+                             token_mask=mask_of(127))  # past a 97-token vocabulary
+    assert sample_step(logits, [waiting, empty, free, past_vocab])[0] == [TOKEN_WAIT, TOKEN_MASK_EMPTY, 50,
+                                                                            TOKEN_MASK_EMPTY]
+    view = logits[:1]
+    same, none = apply_masks(view, [free])
+    assert same is view and none == {}  # no constrained row: no copy
 
 
 def test_mask_bits_read_bit_t_mod_32_of_word_t_div_32_and_nothing_past_the_words():
