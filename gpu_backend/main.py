@@ -134,8 +134,8 @@ def serve_backend(config: BackendConfig) -> int:
     context_len = config.context_len_for(cfg.max_position_embeddings)
     fingerprint = model_fingerprint(model_dir or cfg)
     runner = _make_runner(config, model, cfg, context_len)
-    # token masks (constrained requests) for every vocabulary token; the persistent loop does not apply them yet
-    mask_words = 0 if config.mode == "persistent" else -(-cfg.vocab_size // 32)
+    # token masks (constrained requests) for every vocabulary token, where the runner has the extended path
+    mask_words = -(-cfg.vocab_size // 32) if getattr(runner, "sampling_extensions", True) else 0
     geometry = RingGeometry(config.num_slots, context_len, config.max_output_len, mask_words=mask_words)
     try:
         if remove_stale_ring(config.ring_name):

@@ -138,8 +138,9 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
   }
   __threadfence_system();
   __syncthreads();
-  for (int32_t i = threadIdx.x; i < h->num_finished; i += blockDim.x)
-    finish_response(a, (uint32_t)s->fin_slot[i], (uint32_t)s->fin_reason[i], 0);
+  for (int32_t i = threadIdx.x; i < h->num_finished; i += blockDim.x)  // an update's ERROR: an empty token mask
+    finish_response(a, (uint32_t)s->fin_slot[i], (uint32_t)s->fin_reason[i],
+                    s->fin_reason[i] == BLINK_FINISH_ERROR ? (uint32_t)BLINK_ERROR_INVALID_PARAMS : 0u);
   for (uint32_t i = threadIdx.x; i < a->num_err; i += blockDim.x)  // a speculation's admission errors
     finish_response(a, (uint32_t)a->err_slot[i], BLINK_FINISH_ERROR, (uint32_t)a->err_code[i]);
   __syncthreads();
