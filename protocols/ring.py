@@ -42,8 +42,8 @@ import numpy as np
 # *_FIELDS dicts and the HEADER/REQUEST/RESPONSE numpy dtypes.
 from protocols.ring_layout import *  # noqa: F401,F403
 from protocols.ring_layout import (ErrorCode, FinishReason, HEADER_BYTES, HEADER_DTYPE, FINGERPRINT_BYTES,
-                                   FLAG_CONSTRAINED, FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, REQ_STOP_IDS, RESP_TOKENS,
-                                   REQUEST_FIELDS, RING_MAGIC, RING_VERSION)
+                                   FLAG_CONSTRAINED, FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, REQ_STOP_IDS,
+                                   RESP_TOKENS, REQUEST_FIELDS, RING_MAGIC, RING_VERSION)
 from protocols.layout.views import pack_format
 
 CACHE_LINE = 64
@@ -72,7 +72,8 @@ class RingGeometry:
         for name in _GEOMETRY_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or value < (name != "mask_words"):  # mask_words may be 0
-                raise ValueError(f"RingGeometry.{name} must be a positive int (mask_words: not negative), got {value!r}")
+                raise ValueError(f"RingGeometry.{name} must be a positive int (mask_words: not negative), "
+                                 f"got {value!r}")
         if self.num_slots > 1 << 20:
             raise ValueError(f"RingGeometry.num_slots {self.num_slots} is over the limit of {1 << 20}")
         object.__setattr__(self, "logprob_window", min(self.logprob_window, self.max_output_len))

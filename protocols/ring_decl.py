@@ -107,7 +107,8 @@ LAYOUT = Layout(
             doc="Engine lifecycle, written by the engine into the header."),
         Struct("blink_ring_header", _HEADER, size=256, prefix="HDR_", fields_dict="HEADER_FIELDS",
                dtype_name="HEADER_DTYPE",
-               doc="lines 0-1 by the creator (magic last), line 2 by the engine (but mask_words), line 3 by the gateway"),
+               doc="lines 0-1 by the creator (magic last), line 2 by the engine (but mask_words), "
+                   "line 3 by the gateway"),
         Struct("blink_request_slot", _REQUEST, prefix="REQ_", fields_dict="REQUEST_FIELDS",
                dtype_name="REQUEST_DTYPE", doc="fixed part of a request slot (gateway writes; seq last)"),
         Struct("blink_response_slot", _RESPONSE, prefix="RESP_", fields_dict="RESPONSE_FIELDS",

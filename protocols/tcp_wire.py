@@ -27,8 +27,8 @@ from typing import ClassVar, Sequence
 
 import dataclasses
 
-from .ring import (FINGERPRINT_BYTES, FLAG_CONSTRAINED, REQUEST_HEAD, REQUEST_HEAD_NAMES, EngineState, ErrorCode, FinishReason,
-                   RequestSpec, RingGeometry, TokenLogprob, request_head, spec_from_head)
+from .ring import (FINGERPRINT_BYTES, FLAG_CONSTRAINED, REQUEST_HEAD, REQUEST_HEAD_NAMES, EngineState, ErrorCode,
+                   FinishReason, RequestSpec, RingGeometry, TokenLogprob, request_head, spec_from_head)
 
 WIRE_VERSION = 4  # 2: ring version 2 (penalties, logit bias, logprobs); 3: Submit carries the ring's request head;
 # 4: ring version 3 (token masks: Hello's geometry has mask_words, Submit carries mask 0, Mask the others)

@@ -54,8 +54,8 @@ class Engine:
         self.ring = create_ring(f"blink-mask-engine-{os.getpid()}-{next(_rings)}", geometry, "test")
         self.prod = ShmProducer(attach_ring(self.ring.name))
         runner = CpuRunner(m, cfg, 32, 4, context_len=CONTEXT_LEN, max_num_batched_tokens=16, max_num_seqs=4)
-        self.loop = EngineLoop(runner, cfg, RingConsumer(self.ring), EngineConfig(block_size=4, max_num_batched_tokens=16,
-                                                                                  max_num_seqs=4), CONTEXT_LEN)
+        config = EngineConfig(block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+        self.loop = EngineLoop(runner, cfg, RingConsumer(self.ring), config, CONTEXT_LEN)
         self.tokens: dict[int, list[int]] = {}
         self.finishes: dict[int, tuple[FinishReason, ErrorCode]] = {}
 
