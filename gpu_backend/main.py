@@ -148,7 +148,10 @@ def serve_backend(config: BackendConfig, tls=None) -> int:
     context_len = config.context_len_for(cfg.max_position_embeddings)
     fingerprint = model_fingerprint(model_dir or cfg, model.quantization)
     runner = _make_runner(config, model, cfg, context_len)
-    geometry = RingGeometry(config.num_slots, context_len, config.max_output_len, kv_block_size=config.block_size)
+    # token masks (constrained requests) for every vocabulary token, where the runner has the extended path
+    mask_words = -(-cfg.vocab_size // 32) if getattr(runner, "sampling_extensions", True) else 0
+    geometry = RingGeometry(config.num_slots, context_len, config.max_output_len, kv_block_size=config.block_size,
+                            mask_words=mask_words)
     try:
         if remove_stale_ring(config.ring_name):
             log.warning("removed the stale ring %r that a backend which died left in %s", config.ring_name, SHM_DIR)

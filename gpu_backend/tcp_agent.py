@@ -132,6 +132,8 @@ class TcpAgent:
             for slot, count in msg.counts:
                 if slot in session.slots:
                     self.producer.set_consumed(slot, count)
+        elif isinstance(msg, W.Mask):
+            self._put_mask(session, msg)
         elif not isinstance(msg, W.Ping):
             raise W.WireError(f"unexpected {type(msg).__name__} from a gateway")
 
@@ -143,6 +145,14 @@ class TcpAgent:
             session.outbox.put(W.Tokens(msg.slot, finish=FinishReason.ERROR, error_code=ErrorCode.INVALID_PARAMS))
             return
         session.slots.add(msg.slot)
+
+    def _put_mask(self, session: Session, msg: W.Mask) -> None:
+        if msg.slot not in session.slots:
+            return  # finished (and released) since the gateway sent it: nothing waits for it
+        try:
+            self.producer.put_mask(msg.slot, msg.token_index, msg.words)
+        except (KeyError, ValueError) as exc:  # the gateway's bug: its request waits until it cancels
+            log.error("gateway %s: mask %d for slot %d refused: %s", session.peer, msg.token_index, msg.slot, exc)
 
     def _drop(self, session: Session, why: str) -> None:
         """End a session: its running requests are cancelled in the engine, reclaimed later."""

@@ -72,6 +72,12 @@ _EXT = (
     Field("num_rows", "uint32_t", 2, writer="loop", doc="sampled rows of the step in buffer b"),
     Field("extended", "uint32_t", 2, writer="loop", doc="1: that step runs its extended branch"),
     Field("pub_buf", "uint32_t", writer="loop", doc="the buffer of the step whose tokens the next publish writes"),
+    Field("mask_state", "int32_t*", writer="host",
+          doc="[2, S] per sampled row of a masked slot: 0, TOKEN_WAIT or TOKEN_MASK_EMPTY (blink_ext_adjust)"),
+    *(Field(n, "uint64_t", writer="host", doc=d) for n, d in (
+        ("masks_offset", "the ring's token-mask areas (version 3)"), ("mask_bytes", ""), ("mask_seq_offset", ""))),
+    Field("mask_words", "uint32_t", writer="host", doc="0: the ring carries no masks"),
+    Field("masked", "uint32_t", 2, writer="loop", doc="1: a row of the step in buffer b samples under a token mask"),
 )
 
 _ARGS = (

@@ -196,10 +196,17 @@ class LoopExt(ctypes.Structure):
         ("extended", ctypes.c_uint32 * 2),
         ("pub_buf", ctypes.c_uint32),
         ("_pad0", ctypes.c_uint8 * 4),
+        ("mask_state", ctypes.c_void_p),
+        ("masks_offset", ctypes.c_uint64),
+        ("mask_bytes", ctypes.c_uint64),
+        ("mask_seq_offset", ctypes.c_uint64),
+        ("mask_words", ctypes.c_uint32),
+        ("masked", ctypes.c_uint32 * 2),
+        ("_pad1", ctypes.c_uint8 * 4),
     ]
 
 
-assert ctypes.sizeof(LoopExt) == 256
+assert ctypes.sizeof(LoopExt) == 304
 
 
 # ---- blink_loop_args: everything the kernels need, in device memory (written once by the host before the

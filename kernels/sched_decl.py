@@ -88,6 +88,10 @@ LAYOUT = Layout(
     items=(
         Const("MAX_EOS", "BLINK_SCHED_MAX_EOS", MAX_EOS, c_suffix=""),
         Const("MAX_BUCKETS", "BLINK_SCHED_MAX_BUCKETS", MAX_BUCKETS, c_suffix=""),
+        Const("TOKEN_WAIT", "BLINK_TOKEN_WAIT", -2147483647, c_suffix="",
+              doc="a sampled row's 'token' when its mask had not come: no token, the same position runs again"),
+        Const("TOKEN_MASK_EMPTY", "BLINK_TOKEN_MASK_EMPTY", -2147483646, c_suffix="",
+              doc="a sampled row's 'token' when its mask allows nothing: the request ends with INVALID_PARAMS"),
         Enum("blink_seq_status", "SeqStatus", "BLINK_SEQ_", (
             ("WAITING", 0, ""), ("RUNNING", 1, ""), ("FINISHED", 2, "the slot is free"),
             ("STOPPING", 3, "the loop's asynchronous take only: a stop token sampled after the next step launched")),

@@ -7,12 +7,14 @@ import ctypes
 import enum
 
 
-__all__ = ['MAX_EOS', 'MAX_BUCKETS', 'SeqStatus', 'SchedError', 'SchedConfig', 'SchedHeader', 'SCHED_DIMS',
-           'SCHED_ALIGN', 'SCHED_ARRAYS', 'SCHED_GROUPS']
+__all__ = ['MAX_EOS', 'MAX_BUCKETS', 'TOKEN_WAIT', 'TOKEN_MASK_EMPTY', 'SeqStatus', 'SchedError',
+           'SchedConfig', 'SchedHeader', 'SCHED_DIMS', 'SCHED_ALIGN', 'SCHED_ARRAYS', 'SCHED_GROUPS']
 
 
 MAX_EOS = 8
 MAX_BUCKETS = 32
+TOKEN_WAIT = -2147483647  # a sampled row's 'token' when its mask had not come: no token, the same position runs again
+TOKEN_MASK_EMPTY = -2147483646  # a sampled row's 'token' when its mask allows nothing: the request ends with INVALID_PARAMS
 
 
 class SeqStatus(enum.IntEnum):

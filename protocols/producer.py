@@ -40,6 +40,12 @@ class RingProducer(Protocol):
     def cancel(self, slot: int) -> None:
         """Ask the engine to stop the slot's request; it reports a finish like any other."""
 
+    def put_mask(self, slot: int, token_index: int, words) -> None:
+        """The allowed tokens of generated token `token_index` of the slot's constrained request: `words`, u32
+        (np.ndarray or little-endian bytes), geometry.mask_words of them, bit t % 32 of word t // 32 = token t.
+        Mask 0 comes with `submit` (RequestSpec.token_mask); mask i + 1 is put after token i was read (the
+        engine's row waits for it, never samples under a stale one). Ignored for a finished request."""
+
     def ready_slots(self, slots: Sequence[int]) -> list[int]:
         """Those of `slots` that may have news: the ones worth a `poll` (false positives allowed, no misses)."""
 

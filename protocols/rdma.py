@@ -102,6 +102,8 @@ class RdmaProducer:
             writes += [(bias, 4 * n), (bias + g.logit_bias_bytes // 2, 4 * n)]
         if spec.block_hashes:  # the slot's block-hash area (ring version 3)
             writes.append((self.ring.hashes(slot), 8 * len(spec.block_hashes)))
+        if spec.token_mask is not None:  # mask 0, its words then mask_seq
+            writes += self._mask_writes(slot)
         writes += [(self.ring.resp(slot) + R.RESP_CONSUMED, 4), (base + R.REQ_SEQ, 8),
                   (g.sq_offset + 4 * ((tail - 1) % g.num_slots), 4), (R.HDR_SQ_TAIL, 8)]
         self._io(self._write_all, writes)
@@ -110,6 +112,15 @@ class RdmaProducer:
     def cancel(self, slot: int) -> None:
         self._local.cancel(slot)
         self._io(self._write_all, [(self.ring.req(slot) + R.REQ_CANCEL_SEQ, 8)])
+
+    def put_mask(self, slot: int, token_index: int, words) -> None:
+        """The words, then mask_seq, as two WRITEs on the one queue pair (delivered in that order)."""
+        self._local.put_mask(slot, token_index, words)
+        self._io(self._write_all, self._mask_writes(slot))
+
+    def _mask_writes(self, slot: int) -> list[tuple[int, int]]:
+        base, g = self.ring.mask(slot), self.geometry
+        return [(base, 4 * g.mask_words), (base + g.mask_seq_offset, 4)]
 
     def ready_slots(self, slots: Sequence[int]) -> list[int]:
         """All of them: finding news takes an RDMA READ per slot, which `poll` does anyway."""

@@ -11,11 +11,16 @@ Memory map (all little-endian, every region 64-byte aligned):
     [header 256 B][submission queue: num_slots x u32][requests: num_slots x request_bytes]
     [responses: num_slots x response_bytes][logit biases: num_slots x logit_bias_bytes]
     [logprobs: num_slots x logprob_bytes][block hashes: num_slots x block_hash_bytes]
+    [token masks: num_slots x mask_bytes]
 
-The last two regions (version 2) extend a request slot (gateway writes, before `seq`) and a response
-slot (engine writes, before `produced`); they sit after the older regions so that every offset of
-version 1 stays where it was. Version 3 adds the block-hash region (a request's prefix-cache keys, gateway
-writes, before `seq`) the same way.
+The version-2 regions extend a request slot (gateway writes, before `seq`) and a response slot (engine
+writes, before `produced`); they sit after the older regions so that every offset of version 1 stays where it
+was. Version 3 adds two the same way: the block-hash region (a request's prefix-cache keys, gateway writes,
+before `seq`) and the token masks of constrained requests (FLAG_CONSTRAINED), a slot's area written by the
+gateway only: the mask words (bit t % 32 of word t // 32: token t allowed), then, on its own cache line,
+`mask_seq` = the index of the generated token the words are for, plus one, stored last. Mask 0 comes with the
+request (before `seq`); the gateway writes mask i + 1 after it read token i, so the engine, which reads mask i
+only before it publishes token i, never sees a mask change under it.
 
 Rules (DESIGN.md, "The rings"):
 - every word has exactly one writer, named below; nobody does read-modify-write across processors;
@@ -39,8 +44,8 @@ import numpy as np
 # *_FIELDS dicts and the HEADER/REQUEST/RESPONSE numpy dtypes.
 from protocols.ring_layout import *  # noqa: F401,F403
 from protocols.ring_layout import (ErrorCode, FinishReason, HEADER_BYTES, HEADER_DTYPE, FINGERPRINT_BYTES,
-                                   FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, REQ_STOP_IDS, RESP_TOKENS,
-                                   REQUEST_FIELDS, RING_MAGIC, RING_VERSION)
+                                   FLAG_CONSTRAINED, FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, REQ_STOP_IDS,
+                                   RESP_TOKENS, REQUEST_FIELDS, RING_MAGIC, RING_VERSION)
 from protocols.layout.views import pack_format
 
 CACHE_LINE = 64
@@ -65,12 +70,14 @@ class RingGeometry:
     logprob_window: int = 64
     # The engine's KV block size: a block hash covers this many prompt tokens (protocols/prefix_hash.py).
     kv_block_size: int = 16
+    mask_words: int = 0  # u32 words of a token mask (ceil(vocab / 32), set by the backend); 0: no masks
 
     def __post_init__(self) -> None:
         for name in _GEOMETRY_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"RingGeometry.{name} must be a positive int, got {value!r}")
+            if not isinstance(value, int) or value < (name != "mask_words"):  # mask_words may be 0
+                raise ValueError(f"RingGeometry.{name} must be a positive int (mask_words: not negative), "
+                                 f"got {value!r}")
         if self.num_slots > 1 << 20:
             raise ValueError(f"RingGeometry.num_slots {self.num_slots} is over the limit of {1 << 20}")
         object.__setattr__(self, "logprob_window", min(self.logprob_window, self.max_output_len))
@@ -144,12 +151,26 @@ class RingGeometry:
         return self.logprobs_offset + self.num_slots * self.logprob_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def masks_offset(self) -> int:
         return self.block_hashes_offset + self.num_slots * self.block_hash_bytes
+
+    @property
+    def mask_seq_offset(self) -> int:
+        """Offset of `mask_seq` (u32) inside a slot's mask area: the cache line after the words."""
+        return _align(4 * self.mask_words)
+
+    @property
+    def mask_bytes(self) -> int:
+        """Per slot: the mask words u32[mask_words], then mask_seq on its own line (none without masks)."""
+        return self.mask_seq_offset + CACHE_LINE if self.mask_words else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.masks_offset + self.num_slots * self.mask_bytes
 
 
 _GEOMETRY_FIELDS = ("num_slots", "max_prompt_len", "max_output_len", "max_stop_ids", "max_logit_bias",
-                    "max_logprobs", "logprob_window", "kv_block_size")
+                    "max_logprobs", "logprob_window", "kv_block_size", "mask_words")
 
 
 @dataclass(frozen=True)
@@ -175,6 +196,15 @@ class RequestSpec:
     # Prefix-cache keys: one nonzero u64 per full prompt block of geometry.kv_block_size tokens, chained
     # (protocols/prefix_hash.block_hashes); may stop early (fewer blocks are then shareable). () = no caching.
     block_hashes: Sequence[int] = field(default_factory=tuple)
+
+    # The allowed tokens of generated token 0 (u32 words, little-endian, bit t % 32 of word t // 32 set =
+    # token t allowed; geometry.mask_words of them). Not None: the request is constrained (FLAG_CONSTRAINED)
+    # and generated token i waits for its mask i (`RingProducer.put_mask(slot, i, words)`). Kept as bytes.
+    token_mask: np.ndarray | bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_mask is not None and not isinstance(self.token_mask, bytes):
+            object.__setattr__(self, "token_mask", mask_bytes(self.token_mask))
 
     def validate(self, geometry: RingGeometry) -> None:
         """Raise ValueError naming the field when the request cannot be written into a slot."""
@@ -214,17 +244,45 @@ class RequestSpec:
                              f"prompt block of {geometry.kv_block_size} tokens)")
         if not all(0 < h < 1 << 64 for h in self.block_hashes):
             raise ValueError("block_hashes: every hash must be a nonzero unsigned 64-bit int")
+        if self.token_mask is not None:
+            check_mask(self.token_mask, geometry, "token_mask")
 
     @property
     def flags(self) -> int:
         return ((FLAG_HAS_SEED if self.seed is not None else 0) | (FLAG_IGNORE_EOS if self.ignore_eos else 0)
-                | (FLAG_LOGPROBS if self.num_logprobs is not None else 0))
+                | (FLAG_LOGPROBS if self.num_logprobs is not None else 0)
+                | (FLAG_CONSTRAINED if self.token_mask is not None else 0))
 
     @functools.cached_property  # the host engine asks for every sampled row of every step
     def uses_sampling_extensions(self) -> bool:
-        """Penalties, logit bias or logprobs: what only some engine modes implement."""
+        """Penalties, logit bias, logprobs or token masks: what only some engine modes implement."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.num_logprobs is not None)
+                    or self.logit_bias or self.num_logprobs is not None or self.token_mask is not None)
+
+
+def mask_bytes(words: np.ndarray | bytes | Sequence[int]) -> bytes:
+    """A token mask as the ring holds it: u32 words, little-endian."""
+    if isinstance(words, bytes):
+        return words
+    return np.ascontiguousarray(words, dtype="<u4").tobytes()
+
+
+def check_mask(words: bytes, geometry: RingGeometry, name: str) -> None:
+    """ValueError naming `name` unless `words` is one mask of this ring (geometry.mask_words u32 words)."""
+    if not geometry.mask_words:
+        raise ValueError(f"{name}: this backend's ring takes no token masks (mask_words is 0)")
+    if len(words) != 4 * geometry.mask_words:
+        raise ValueError(f"{name}: {len(words)} bytes, a mask is {geometry.mask_words} u32 words "
+                         f"({4 * geometry.mask_words} bytes)")
+
+
+def put_mask_words(words: np.ndarray | bytes | Sequence[int], token_index: int, geometry: RingGeometry) -> bytes:
+    """A producer's `put_mask` arguments checked (ValueError naming them), the words as the ring holds them."""
+    words = mask_bytes(words)
+    check_mask(words, geometry, "put_mask: words")
+    if not 0 <= token_index < (1 << 32) - 1:
+        raise ValueError(f"put_mask: token_index {token_index} is outside 0..{(1 << 32) - 2}")
+    return words
 
 
 @dataclass(frozen=True)
@@ -263,9 +321,10 @@ def request_head(spec: RequestSpec) -> tuple:
 
 def spec_from_head(head: tuple, prompt_ids: Sequence[int], stop_ids: Sequence[int],
                    logit_bias: Sequence[tuple[int, float]], max_logprobs: int | None = None,
-                   block_hashes: Sequence[int] = ()) -> RequestSpec:
+                   block_hashes: Sequence[int] = (), token_mask: bytes | None = None) -> RequestSpec:
     """The RequestSpec of unpacked REQUEST_HEAD values and the slot's arrays (their lengths are the caller's:
-    clipped to the geometry on a ring, as sent on the wire); `max_logprobs` clips num_logprobs."""
+    clipped to the geometry on a ring, as sent on the wire); `max_logprobs` clips num_logprobs; `token_mask`
+    (mask 0) is kept only with FLAG_CONSTRAINED, which an empty one then still marks."""
     h = dict(zip(REQUEST_HEAD_NAMES, head))
     flags, num_logprobs = h["flags"], h["num_logprobs"]
     if max_logprobs is not None:
@@ -276,7 +335,8 @@ def spec_from_head(head: tuple, prompt_ids: Sequence[int], stop_ids: Sequence[in
         stop_ids=tuple(stop_ids), ignore_eos=bool(flags & FLAG_IGNORE_EOS), priority=h["priority"],
         presence_penalty=h["presence_penalty"], frequency_penalty=h["frequency_penalty"],
         repetition_penalty=h["repetition_penalty"], logit_bias=tuple(logit_bias),
-        num_logprobs=num_logprobs if flags & FLAG_LOGPROBS else None, block_hashes=tuple(block_hashes))
+        num_logprobs=num_logprobs if flags & FLAG_LOGPROBS else None, block_hashes=tuple(block_hashes),
+        token_mask=(token_mask or b"") if flags & FLAG_CONSTRAINED else None)
 
 
 class RingLayoutError(ValueError):
@@ -289,7 +349,7 @@ def header_view(buf: np.ndarray) -> np.void:
 
 
 _DERIVED_FIELDS = ("request_bytes", "response_bytes", "requests_offset", "responses_offset", "logit_bias_offset",
-                   "total_bytes")
+                   "total_bytes")  # the masks follow the logprobs: total_bytes checks their place
 
 
 def geometry_from_header(buf: memoryview | bytearray | np.ndarray) -> RingGeometry:

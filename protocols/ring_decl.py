@@ -38,6 +38,9 @@ _HEADER = (
     Field("prefix_cache_queries", "uint64_t", writer="engine", doc="version 3: prompt tokens looked up"),
     Field("prefix_cache_hits", "uint64_t", writer="engine", doc="version 3: of those, tokens found cached"),
     Field("sq_tail", "uint64_t", writer="gateway", at=192, doc="submission-queue entries written so far"),
+    Field("mask_words", "uint32_t", writer="creator", doc="version 3: u32 words of a token mask, ceil(vocab / 32); "
+          "0: this ring takes no constrained requests. Lines 0-2 are full; written before anyone attaches and "
+          "never again, so it shares the gateway's line without false sharing"),
 )
 
 _REQUEST = (
@@ -88,13 +91,16 @@ LAYOUT = Layout(
     items=(
         Const("RING_MAGIC", "BLINK_RING_MAGIC", 0x474E_4952_4B4E_494C, 'b"LINKRING" little-endian', hex=True,
               c_suffix="ULL"),
-        Const("RING_VERSION", "BLINK_RING_VERSION", 3, "2: penalties, logit bias and logprobs; 3: block hashes"),
+        Const("RING_VERSION", "BLINK_RING_VERSION", 3, "2: penalties, logit bias and logprobs; 3: block hashes and "
+              "token masks"),
         Const("HEADER_BYTES", "BLINK_RING_HEADER_BYTES", 256),
         Const("FINGERPRINT_BYTES", "BLINK_RING_FINGERPRINT_BYTES", 32),
         Const("FLAG_HAS_SEED", "BLINK_RING_FLAG_HAS_SEED", 1 << 0, "request flags: RequestSpec booleans"),
         Const("FLAG_IGNORE_EOS", "BLINK_RING_FLAG_IGNORE_EOS", 1 << 1),
         Const("FLAG_LOGPROBS", "BLINK_RING_FLAG_LOGPROBS", 1 << 2,
               "publish the chosen token's logprob and num_logprobs alternatives per token"),
+        Const("FLAG_CONSTRAINED", "BLINK_RING_FLAG_CONSTRAINED", 1 << 3,
+              "every generated token i is sampled under the slot's mask i (the mask area's mask_seq = i + 1)"),
         Enum("blink_finish_reason", "FinishReason", "BLINK_FINISH_", (
             ("NONE", 0, "still running"), ("STOP", 1, "EOS or a stop token id"), ("LENGTH", 2, "max_tokens reached"),
             ("CANCELLED", 3, "the producer asked (client gone, stop string matched)"),
@@ -112,7 +118,8 @@ LAYOUT = Layout(
             doc="Engine lifecycle, written by the engine into the header."),
         Struct("blink_ring_header", _HEADER, size=256, prefix="HDR_", fields_dict="HEADER_FIELDS",
                dtype_name="HEADER_DTYPE",
-               doc="lines 0-1 by the creator (magic last), line 2 by the engine, line 3 by the gateway"),
+               doc="lines 0-1 by the creator (magic last), line 2 by the engine, line 3 by the gateway (but the "
+                   "creator's mask_words)"),
         Struct("blink_request_slot", _REQUEST, prefix="REQ_", fields_dict="REQUEST_FIELDS",
                dtype_name="REQUEST_DTYPE", doc="fixed part of a request slot (gateway writes; seq last)"),
         Struct("blink_response_slot", _RESPONSE, prefix="RESP_", fields_dict="RESPONSE_FIELDS",

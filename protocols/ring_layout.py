@@ -9,30 +9,32 @@ import numpy as np
 
 
 __all__ = ['RING_MAGIC', 'RING_VERSION', 'HEADER_BYTES', 'FINGERPRINT_BYTES', 'FLAG_HAS_SEED',
-           'FLAG_IGNORE_EOS', 'FLAG_LOGPROBS', 'FinishReason', 'ErrorCode', 'EngineState', 'HDR_MAGIC',
-           'HDR_VERSION', 'HDR_HEADER_BYTES', 'HDR_NUM_SLOTS', 'HDR_MAX_PROMPT_LEN', 'HDR_MAX_OUTPUT_LEN',
-           'HDR_MAX_STOP_IDS', 'HDR_REQUEST_BYTES', 'HDR_RESPONSE_BYTES', 'HDR_SQ_OFFSET',
-           'HDR_REQUESTS_OFFSET', 'HDR_RESPONSES_OFFSET', 'HDR_TOTAL_BYTES', 'HDR_MAX_LOGIT_BIAS',
-           'HDR_MAX_LOGPROBS', 'HDR_LOGPROB_WINDOW', 'HDR_KV_BLOCK_SIZE', 'HDR_LOGIT_BIAS_OFFSET',
-           'HDR_FINGERPRINT', 'HDR_HEARTBEAT', 'HDR_ENGINE_STATE', 'HDR_CACHED_KV_BLOCKS', 'HDR_SQ_HEAD',
-           'HDR_FREE_KV_BLOCKS', 'HDR_TOTAL_KV_BLOCKS', 'HDR_RUNNING', 'HDR_WAITING', 'HDR_GENERATED_TOKENS',
-           'HDR_PREFIX_CACHE_QUERIES', 'HDR_PREFIX_CACHE_HITS', 'HDR_SQ_TAIL', 'HEADER_FIELDS',
-           'HEADER_DTYPE', 'REQ_SEQ', 'REQ_REQUEST_ID', 'REQ_PROMPT_LEN', 'REQ_MAX_TOKENS', 'REQ_TEMPERATURE',
-           'REQ_TOP_P', 'REQ_TOP_K', 'REQ_MIN_P', 'REQ_SEED', 'REQ_FLAGS', 'REQ_PRIORITY', 'REQ_NUM_STOP_IDS',
-           'REQ_CANCEL_SEQ', 'REQ_PRESENCE_PENALTY', 'REQ_FREQUENCY_PENALTY', 'REQ_REPETITION_PENALTY',
-           'REQ_NUM_LOGIT_BIAS', 'REQ_NUM_LOGPROBS', 'REQ_NUM_BLOCK_HASHES', 'REQ_STOP_IDS', 'REQUEST_FIELDS',
-           'REQUEST_DTYPE', 'RESP_SEQ', 'RESP_PRODUCED', 'RESP_FINISH_REASON', 'RESP_FIRST_TOKEN_NS',
-           'RESP_LAST_TOKEN_NS', 'RESP_PROMPT_LEN', 'RESP_ERROR_CODE', 'RESP_CACHED_TOKENS', 'RESP_CONSUMED',
-           'RESP_TOKENS', 'RESPONSE_FIELDS', 'RESPONSE_DTYPE']
+           'FLAG_IGNORE_EOS', 'FLAG_LOGPROBS', 'FLAG_CONSTRAINED', 'FinishReason', 'ErrorCode', 'EngineState',
+           'HDR_MAGIC', 'HDR_VERSION', 'HDR_HEADER_BYTES', 'HDR_NUM_SLOTS', 'HDR_MAX_PROMPT_LEN',
+           'HDR_MAX_OUTPUT_LEN', 'HDR_MAX_STOP_IDS', 'HDR_REQUEST_BYTES', 'HDR_RESPONSE_BYTES',
+           'HDR_SQ_OFFSET', 'HDR_REQUESTS_OFFSET', 'HDR_RESPONSES_OFFSET', 'HDR_TOTAL_BYTES',
+           'HDR_MAX_LOGIT_BIAS', 'HDR_MAX_LOGPROBS', 'HDR_LOGPROB_WINDOW', 'HDR_KV_BLOCK_SIZE',
+           'HDR_LOGIT_BIAS_OFFSET', 'HDR_FINGERPRINT', 'HDR_HEARTBEAT', 'HDR_ENGINE_STATE',
+           'HDR_CACHED_KV_BLOCKS', 'HDR_SQ_HEAD', 'HDR_FREE_KV_BLOCKS', 'HDR_TOTAL_KV_BLOCKS', 'HDR_RUNNING',
+           'HDR_WAITING', 'HDR_GENERATED_TOKENS', 'HDR_PREFIX_CACHE_QUERIES', 'HDR_PREFIX_CACHE_HITS',
+           'HDR_SQ_TAIL', 'HDR_MASK_WORDS', 'HEADER_FIELDS', 'HEADER_DTYPE', 'REQ_SEQ', 'REQ_REQUEST_ID',
+           'REQ_PROMPT_LEN', 'REQ_MAX_TOKENS', 'REQ_TEMPERATURE', 'REQ_TOP_P', 'REQ_TOP_K', 'REQ_MIN_P',
+           'REQ_SEED', 'REQ_FLAGS', 'REQ_PRIORITY', 'REQ_NUM_STOP_IDS', 'REQ_CANCEL_SEQ',
+           'REQ_PRESENCE_PENALTY', 'REQ_FREQUENCY_PENALTY', 'REQ_REPETITION_PENALTY', 'REQ_NUM_LOGIT_BIAS',
+           'REQ_NUM_LOGPROBS', 'REQ_NUM_BLOCK_HASHES', 'REQ_STOP_IDS', 'REQUEST_FIELDS', 'REQUEST_DTYPE',
+           'RESP_SEQ', 'RESP_PRODUCED', 'RESP_FINISH_REASON', 'RESP_FIRST_TOKEN_NS', 'RESP_LAST_TOKEN_NS',
+           'RESP_PROMPT_LEN', 'RESP_ERROR_CODE', 'RESP_CACHED_TOKENS', 'RESP_CONSUMED', 'RESP_TOKENS',
+           'RESPONSE_FIELDS', 'RESPONSE_DTYPE']
 
 
 RING_MAGIC = 0x474E49524B4E494C  # b"LINKRING" little-endian
-RING_VERSION = 3  # 2: penalties, logit bias and logprobs; 3: block hashes
+RING_VERSION = 3  # 2: penalties, logit bias and logprobs; 3: block hashes and token masks
 HEADER_BYTES = 256
 FINGERPRINT_BYTES = 32
 FLAG_HAS_SEED = 1  # request flags: RequestSpec booleans
 FLAG_IGNORE_EOS = 2
 FLAG_LOGPROBS = 4  # publish the chosen token's logprob and num_logprobs alternatives per token
+FLAG_CONSTRAINED = 8  # every generated token i is sampled under the slot's mask i (the mask area's mask_seq = i + 1)
 
 
 class FinishReason(enum.IntEnum):
@@ -80,6 +82,7 @@ class EngineState(enum.IntEnum):
 
 
 # ---- blink_ring_header: lines 0-1 by the creator (magic last), line 2 by the engine, line 3 by the gateway
+# (but the creator's mask_words)
 HDR_MAGIC = 0  # uint64_t, creator: RING_MAGIC, stored last
 HDR_VERSION = 8  # uint32_t, creator
 HDR_HEADER_BYTES = 12  # uint32_t, creator
@@ -111,6 +114,7 @@ HDR_GENERATED_TOKENS = 168  # uint64_t, engine: total tokens published
 HDR_PREFIX_CACHE_QUERIES = 176  # uint64_t, engine: version 3: prompt tokens looked up
 HDR_PREFIX_CACHE_HITS = 184  # uint64_t, engine: version 3: of those, tokens found cached
 HDR_SQ_TAIL = 192  # uint64_t, gateway: submission-queue entries written so far
+HDR_MASK_WORDS = 200  # uint32_t, creator: version 3: u32 words of a token mask, ceil(vocab / 32); 0: this ring takes no constrained requests. Lines 0-2 are full; written before anyone attaches and never again, so it shares the gateway's line without false sharing
 HEADER_FIELDS = {
     "magic": (0, "uint64_t"),
     "version": (8, "uint32_t"),
@@ -143,6 +147,7 @@ HEADER_FIELDS = {
     "prefix_cache_queries": (176, "uint64_t"),
     "prefix_cache_hits": (184, "uint64_t"),
     "sq_tail": (192, "uint64_t"),
+    "mask_words": (200, "uint32_t"),
 }
 HEADER_DTYPE = np.dtype({
     "names": ['magic', 'version', 'header_bytes', 'num_slots', 'max_prompt_len', 'max_output_len',
@@ -150,12 +155,12 @@ HEADER_DTYPE = np.dtype({
         'total_bytes', 'max_logit_bias', 'max_logprobs', 'logprob_window', 'kv_block_size',
         'logit_bias_offset', 'fingerprint', 'heartbeat', 'engine_state', 'cached_kv_blocks', 'sq_head',
         'free_kv_blocks', 'total_kv_blocks', 'running', 'waiting', 'generated_tokens', 'prefix_cache_queries',
-        'prefix_cache_hits', 'sq_tail'],
+        'prefix_cache_hits', 'sq_tail', 'mask_words'],
     "formats": ['<u8', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8',
         '<u4', '<u4', '<u4', '<u4', '<u8', 'S32', '<u8', '<u4', '<u4', '<u8', '<u4', '<u4', '<u4', '<u4',
-        '<u8', '<u8', '<u8', '<u8'],
+        '<u8', '<u8', '<u8', '<u8', '<u4'],
     "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 76, 80, 84, 88, 96, 128, 136, 140, 144,
-        152, 156, 160, 164, 168, 176, 184, 192],
+        152, 156, 160, 164, 168, 176, 184, 192, 200],
     "itemsize": 256,
 })
 

@@ -62,7 +62,7 @@ class ShmRing:
         self._responses = np.ndarray((g.num_slots,), R.RESPONSE_DTYPE, self.buf, g.responses_offset,
                                      (g.response_bytes,))
 
-    # Byte offsets of a slot's request and response areas, and of their version-2 extensions.
+    # Byte offsets of a slot's request and response areas, and of their version-2 and -3 extensions.
     def req(self, slot: int) -> int:
         return self.geometry.requests_offset + slot * self.geometry.request_bytes
 
@@ -77,6 +77,9 @@ class ShmRing:
 
     def hashes(self, slot: int) -> int:
         return self.geometry.block_hashes_offset + slot * self.geometry.block_hash_bytes
+
+    def mask(self, slot: int) -> int:
+        return self.geometry.masks_offset + slot * self.geometry.mask_bytes
 
     def logprob_words(self, slot: int, index: int, k: int) -> tuple[int, int, int]:
         """Word indices of token `index`'s chosen logprob, first alternative id and first alternative logprob

@@ -9,6 +9,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from protocols import ring as R
 from protocols.ring import ErrorCode, FinishReason, RequestSpec, TokenLogprob
 from protocols.shm import RingFull, ShmRing
@@ -24,7 +26,7 @@ class TakenRequest:
     error: ErrorCode = ErrorCode.NONE  # a slot whose words the geometry cannot hold: finish it with this
 
 
-_KNOWN_FLAGS = R.FLAG_HAS_SEED | R.FLAG_IGNORE_EOS | R.FLAG_LOGPROBS
+_KNOWN_FLAGS = R.FLAG_HAS_SEED | R.FLAG_IGNORE_EOS | R.FLAG_LOGPROBS | R.FLAG_CONSTRAINED
 
 
 class RingConsumer:
@@ -70,10 +72,12 @@ class RingConsumer:
         b0 = ring.bias(slot) // 4
         v0 = (ring.bias(slot) + g.logit_bias_bytes // 2) // 4  # ids, then biases
         p0, s0 = (ring.req(slot) + g.prompt_offset) // 4, (ring.req(slot) + R.REQ_STOP_IDS) // 4
+        constrained = n["flags"] & R.FLAG_CONSTRAINED and g.mask_words
+        mask0 = bytes(ring.buf[ring.mask(slot) : ring.mask(slot) + 4 * g.mask_words]) if constrained else None
         spec = R.spec_from_head(
             head, ring.i32[p0 : p0 + n_prompt].tolist(), ring.i32[s0 : s0 + n_stop].tolist(),
             zip(ring.i32[b0 : b0 + n_bias].tolist(), ring.f32[v0 : v0 + n_bias].tolist()), g.max_logprobs,
-            self._hashes(slot, n["num_block_hashes"], n_prompt))
+            self._hashes(slot, n["num_block_hashes"], n_prompt), mask0)
         self._reset_response(slot, seq, n_prompt)
         self._capacity[slot] = g.logprob_window if spec.num_logprobs is not None else g.max_output_len
         return TakenRequest(slot=slot, seq=seq, spec=spec, error=self._count_error(seq, n))
@@ -94,7 +98,7 @@ class RingConsumer:
         ok = (seq != 0 and 0 < head["prompt_len"] <= g.max_prompt_len and head["num_stop_ids"] <= g.max_stop_ids
               and head["num_logit_bias"] <= g.max_logit_bias and head["num_logprobs"] <= g.max_logprobs
               and head["num_block_hashes"] <= min(head["prompt_len"] // g.kv_block_size, g.max_block_hashes)
-              and not head["flags"] & ~_KNOWN_FLAGS)
+              and not head["flags"] & ~_KNOWN_FLAGS and (g.mask_words or not head["flags"] & R.FLAG_CONSTRAINED))
         return ErrorCode.NONE if ok else ErrorCode.INVALID_PARAMS
 
     def _reset_response(self, slot: int, seq: int, prompt_len: int) -> None:
@@ -111,6 +115,14 @@ class RingConsumer:
     def cancelled(self, slot: int, seq: int) -> bool:
         # per running sequence per step: a word at the generated offset, not a view
         return int(self.ring.u64[(self.ring.req(slot) + R.REQ_CANCEL_SEQ) // 8]) == seq
+
+    def mask(self, slot: int, token_index: int) -> np.ndarray | None:
+        """The slot's mask for generated token `token_index` ([mask_words] uint32, a copy), or None while the
+        gateway has not written it (mask_seq != token_index + 1). Only for a constrained request."""
+        base = self.ring.mask(slot)
+        if int(self.ring.u32[(base + self.geometry.mask_seq_offset) // 4]) != token_index + 1:
+            return None  # mask_seq first: the words are read only after it validated them
+        return self.ring.u32[base // 4 : base // 4 + self.geometry.mask_words].copy()
 
     def room(self, slot: int) -> int:
         """Tokens that may be published now without overwriting unread ones, in 0..capacity (a `consumed` word

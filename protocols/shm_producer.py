@@ -167,6 +167,25 @@ class ShmProducer:
         ring.i32[stop0 : stop0 + len(spec.stop_ids)] = spec.stop_ids
         p0 = (base + self.geometry.prompt_offset) // 4
         ring.i32[p0 : p0 + len(spec.prompt_ids)] = np.asarray(spec.prompt_ids, dtype=np.int32)
+        if spec.token_mask is not None:
+            self._write_mask(slot, 0, spec.token_mask)  # before the request's seq
+
+    def _write_mask(self, slot: int, token_index: int, words: bytes) -> None:
+        """The words, then mask_seq = token_index + 1 (the word that validates them, stored last)."""
+        base = self.ring.mask(slot)
+        self._bytes[base : base + len(words)] = words
+        self._u32[(base + self.geometry.mask_seq_offset) // 4] = token_index + 1
+
+    def put_mask(self, slot: int, token_index: int, words: np.ndarray | bytes) -> None:
+        """The allowed tokens of the slot's generated token `token_index` (u32 words as RequestSpec.token_mask).
+        Write mask i + 1 only after reading token i: the slot holds one mask, which the engine may be reading
+        until it publishes token i. Ignored once the request finished; ValueError for a bad mask or index."""
+        out = self._active.get(slot)
+        if out is None:
+            raise KeyError(f"slot {slot} is not outstanding")
+        words = R.put_mask_words(words, token_index, self.geometry)
+        if not out.finished:
+            self._write_mask(slot, token_index, words)
 
     def wants_logprobs(self, slot: int) -> bool:
         out = self._active.get(slot)

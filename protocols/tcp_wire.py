@@ -10,7 +10,7 @@ Frame: `u32 body_len | u8 type | body`, little-endian. One dataclass per message
 frame and `decode(type, body)` reads one. Order of a session:
 
     agent -> gateway   Hello (geometry, fingerprint, the slots free now)
-    gateway -> agent   Submit, Cancel, Consumed, Ping          (any order; applied in order)
+    gateway -> agent   Submit, Cancel, Consumed, Mask, Ping    (any order; applied in order)
     agent -> gateway   Tokens (per slot, the finish last), Freed (slots drained from earlier sessions),
                        State (every few tens of ms: also the agent's keepalive)
 
@@ -27,11 +27,12 @@ from typing import ClassVar, Sequence
 
 import dataclasses
 
-from .ring import (FINGERPRINT_BYTES, REQUEST_HEAD, REQUEST_HEAD_NAMES, EngineState, ErrorCode, FinishReason,
-                   RequestSpec, RingGeometry, TokenLogprob, request_head, spec_from_head)
+from .ring import (FINGERPRINT_BYTES, FLAG_CONSTRAINED, REQUEST_HEAD, REQUEST_HEAD_NAMES, EngineState, ErrorCode,
+                   FinishReason, RequestSpec, RingGeometry, TokenLogprob, request_head, spec_from_head)
 
 # 2: ring version 2 (penalties, logit bias, logprobs); 3: Submit carries the ring's request head; 4: ring version 3
-# (Submit's block hashes, Tokens' cached_tokens, State's prefix-cache counters, Hello's kv_block_size)
+# (Submit's block hashes and mask 0, Tokens' cached_tokens, State's prefix-cache counters, Hello's kv_block_size
+# and mask_words, Mask for the masks after the first)
 WIRE_VERSION = 4
 _GEOMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(RingGeometry))
 WIRE_MAGIC = 0x4B4E_494C  # b"LINK"
@@ -78,7 +79,8 @@ class Hello:
 class Submit:
     """gateway -> agent: write this request into `slot` and queue it (the ring's `submit`). The body is the
     slot, the ring's fixed request fields as the slot holds them (`ring.REQUEST_HEAD`), then the stop ids,
-    the prompt, the logit bias (ids, then biases) and the block hashes (u64 each)."""
+    the prompt, the logit bias (ids, then biases), the block hashes (u64 each) and, with FLAG_CONSTRAINED, mask 0
+    (u32 count, words)."""
 
     TYPE: ClassVar[int] = 2
     slot: int
@@ -89,8 +91,9 @@ class Submit:
         s = self.spec
         head = self._SLOT.pack(self.slot) + REQUEST_HEAD.pack(*request_head(s))
         bias_ids, biases = [t for t, _ in s.logit_bias], [b for _, b in s.logit_bias]
+        mask = b"" if s.token_mask is None else struct.pack("<I", len(s.token_mask) // 4) + s.token_mask
         return (head + _i32s(s.stop_ids) + _i32s(s.prompt_ids) + _i32s(bias_ids) + _f32s(biases)
-                + struct.pack(f"<{len(s.block_hashes)}Q", *s.block_hashes))
+                + struct.pack(f"<{len(s.block_hashes)}Q", *s.block_hashes) + mask)
 
     @classmethod
     def unpack(cls, body: bytes) -> Submit:
@@ -102,10 +105,13 @@ class Submit:
         stop_ids = _read_i32s(body, offset, n_stop)
         prompt_ids = _read_i32s(body, offset + 4 * n_stop, n_prompt)
         offset += 4 * (n_stop + n_prompt)
-        bias = zip(_read_i32s(body, offset, n_bias), _read_f32s(body, offset + 4 * n_bias, n_bias))
+        bias = tuple(zip(_read_i32s(body, offset, n_bias), _read_f32s(body, offset + 4 * n_bias, n_bias)))
+        offset += 8 * n_bias
         n_hashes = n["num_block_hashes"]
-        hashes = struct.unpack_from(f"<{n_hashes}Q", body, offset + 8 * n_bias)
-        return cls(slot, spec_from_head(head, prompt_ids, stop_ids, bias, block_hashes=hashes))
+        hashes = struct.unpack_from(f"<{n_hashes}Q", body, offset)
+        offset += 8 * n_hashes
+        mask = _read_mask(body, offset) if n["flags"] & FLAG_CONSTRAINED else None
+        return cls(slot, spec_from_head(head, prompt_ids, stop_ids, bias, block_hashes=hashes, token_mask=mask))
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,26 @@ class Consumed:
     def unpack(cls, body: bytes) -> Consumed:
         flat = _read_u32s(body, 4, 2 * struct.unpack_from("<I", body)[0])
         return cls(tuple(zip(flat[::2], flat[1::2])))
+
+
+@dataclass(frozen=True)
+class Mask:
+    """gateway -> agent: the allowed tokens of the slot's generated token `token_index` (`put_mask`): u32
+    words, little-endian, as the ring holds them. The agent writes them, then the slot's mask_seq."""
+
+    TYPE: ClassVar[int] = 9
+    slot: int
+    token_index: int
+    words: bytes
+    _HEAD: ClassVar = struct.Struct("<II")
+
+    def pack(self) -> bytes:
+        return self._HEAD.pack(self.slot, self.token_index) + struct.pack("<I", len(self.words) // 4) + self.words
+
+    @classmethod
+    def unpack(cls, body: bytes) -> Mask:
+        slot, token_index = cls._HEAD.unpack_from(body)
+        return cls(slot, token_index, _read_mask(body, cls._HEAD.size))
 
 
 @dataclass(frozen=True)
@@ -223,8 +249,8 @@ class State:
         return cls(heartbeat, EngineState(state), dict(zip(cls.STAT_NAMES, stats)))
 
 
-MESSAGES = {m.TYPE: m for m in (Hello, Submit, Cancel, Consumed, Ping, Tokens, Freed, State)}
-Message = Hello | Submit | Cancel | Consumed | Ping | Tokens | Freed | State
+MESSAGES = {m.TYPE: m for m in (Hello, Submit, Cancel, Consumed, Ping, Tokens, Freed, State, Mask)}
+Message = Hello | Submit | Cancel | Consumed | Ping | Tokens | Freed | State | Mask
 
 
 def encode(msg: Message) -> bytes:
@@ -292,6 +318,15 @@ def _f32s(values: Sequence[float]) -> bytes:
 
 def _read_f32s(body: bytes, offset: int, n: int) -> tuple[float, ...]:
     return struct.unpack_from(f"<{n}f", body, offset)
+
+
+def _read_mask(body: bytes, offset: int) -> bytes:
+    """A u32 word count, then that many words (as bytes): a mask on the wire."""
+    (n,) = struct.unpack_from("<I", body, offset)
+    words = body[offset + 4 : offset + 4 + 4 * n]
+    if len(words) != 4 * n:
+        raise WireError(f"mask of {n} words runs past the frame")
+    return words
 
 
 def _read_logprobs(body: bytes, offset: int, n: int, num_top: int) -> tuple[TokenLogprob, ...]:

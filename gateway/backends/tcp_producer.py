@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from protocols import tcp_wire as W
-from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry
+from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, RingGeometry, put_mask_words
 from protocols.shm import RingFull
 from protocols.messages import TokenUpdate
 from protocols.shm_producer import pop_finished
@@ -295,6 +295,15 @@ class TcpProducer:
         state = self._active.get(slot)
         if state is not None and not state.finished and self.connected:
             self._send(W.Cancel(slot))
+
+    def put_mask(self, slot: int, token_index: int, words) -> None:
+        """Sent to the agent, which writes it into the ring (ShmProducer.put_mask); ignored once finished."""
+        state = self._active.get(slot)
+        if state is None:
+            raise KeyError(f"slot {slot} is not outstanding")
+        words = put_mask_words(words, token_index, self.geometry)
+        if not state.finished and self.connected:
+            self._send(W.Mask(slot, token_index, words))
 
     def ready_slots(self, slots: Sequence[int]) -> list[int]:
         """Those of `slots` with an update waiting (ShmProducer's counterpart)."""

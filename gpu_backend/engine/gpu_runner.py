@@ -53,7 +53,8 @@ import torch
 
 from gpu_backend.engine.gpu_ops import TritonOps
 from gpu_backend.engine.graph_variant import GraphVariant
-from gpu_backend.engine.sampler import LogitAdjustments, PromptCache, SamplingRow, token_logprobs, top_logprobs
+from gpu_backend.engine.sampler import (LogitAdjustments, PromptCache, SampledSeq, SamplingRow, apply_masks,
+                                        token_logprobs, top_logprobs)
 from gpu_backend.engine.sched_native import StepGeometry
 from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers, token_buckets
 from gpu_backend.models import ModelConfig, allocate_kv_cache
@@ -205,7 +206,7 @@ class GpuRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        self._sample_extended(self.logits_dev[:num_seqs], False, _probe_rows(num_seqs))
+        self._sample_extended(self.logits_dev[:num_seqs], False, _probe_rows(num_seqs, self.cfg.vocab_size))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         if self.loop_logprobs is not None:  # the loop's POST step instead
@@ -262,24 +263,29 @@ class GpuRunner:
         out["vals"][:s].copy_(vals)
         out["ids"][:s].copy_(ids)
 
-    def _step_extended(self, num_tokens: int, greedy: bool, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
-        """A step whose sampled rows (`rows`, in order) include some with extensions: the LOGITS graph (or
-        its eager twin), then the extensions and sampling, eagerly. Writes tokens_dev."""
+    def _step_extended(self, num_tokens: int, greedy: bool,
+                       sampled: tuple[SampledSeq, ...]) -> tuple[list[TokenLogprob | None], dict[int, int]]:
+        """A step whose sampled rows (`sampled`, in order) include some with extensions: the LOGITS graph (or
+        its eager twin), then, while it runs, their rows (token masks are read now: the latest chance for a
+        mask to come), then the extensions and sampling, eagerly. Writes tokens_dev; returns the logprobs
+        and the rows that sample no token (`sampler.apply_masks`)."""
         if self.config.use_graphs:
             self.graphs[(num_tokens, LOGITS)].replay()
         else:
             self._step(num_tokens, LOGITS)
+        rows = self._prompts.rows(sampled)
         return self._sample_extended(self.logits_dev[:self.config.seqs_in(num_tokens)], greedy, rows)
 
     def _sample_extended(self, logits: torch.Tensor, greedy: bool,
-                         rows: list[SamplingRow]) -> list[TokenLogprob | None]:
-        """Bias and penalties in place on `logits` [s, V] (rows past len(rows): padding), the plain path's
-        sampling, then the logprobs of the rows that ask."""
+                         rows: list[SamplingRow]) -> tuple[list[TokenLogprob | None], dict[int, int]]:
+        """Bias and penalties, then token masks, in place on `logits` [s, V] (rows past len(rows): padding),
+        the plain path's sampling, then the logprobs of the rows that ask."""
         adjustments = LogitAdjustments.build(rows, logits.shape[1], self.device)  # host work while the GPU runs
         if adjustments is not None:
             adjustments.apply_(logits)
+        _, no_token = apply_masks(logits, rows, inplace=True)
         self._sample(logits, greedy)
-        return token_logprobs(logits, rows, self.tokens_dev[:len(rows)])
+        return token_logprobs(logits, rows, self.tokens_dev[:len(rows)]), no_token
 
     def _ops(self, num_tokens: int) -> TritonOps:
         """The Triton kernels bound to the current step buffer for a bucket of `num_tokens`."""
@@ -368,10 +374,9 @@ class GpuRunner:
         (empty when none did). The step is already in the pinned step buffer (`bufs.host`, the scheduler's C
         fill). Without `sampling_extensions` the engine loop has refused such rows."""
         self.bufs.upload(step.num_seqs)
-        self.last_logprobs = []
+        self.last_logprobs, no_token = [], {}
         if self.sampling_extensions and any(s.spec.uses_sampling_extensions for s in step.sampled):
-            rows = self._prompts.rows(step.sampled)
-            self.last_logprobs = self._step_extended(step.bucket, step.all_greedy, rows)
+            self.last_logprobs, no_token = self._step_extended(step.bucket, step.all_greedy, step.sampled)
         elif self.config.use_graphs:
             self.graphs[(step.bucket, GraphVariant.sampling(step.all_greedy))].replay()
         else:
@@ -379,7 +384,10 @@ class GpuRunner:
         self.tokens_host.copy_(self.tokens_dev, non_blocking=True)
         self._done.record()
         self._done.synchronize()
-        return self.tokens_host[:step.num_sampled].tolist()
+        tokens = self.tokens_host[:step.num_sampled].tolist()
+        for row, outcome in no_token.items():  # TOKEN_WAIT, TOKEN_MASK_EMPTY: what was drawn does not count
+            tokens[row] = outcome
+        return tokens
 
     @torch.inference_mode()
     def logits(self, step: ScheduledStep) -> torch.Tensor:
@@ -399,9 +407,10 @@ class GpuRunner:
         return self.logits_dev[:step.num_sampled].clone()
 
 
-def _probe_rows(num_rows: int) -> list[SamplingRow]:
-    """Sampled rows with every extension (20 logprobs), for measuring the extension path's memory."""
+def _probe_rows(num_rows: int, vocab: int) -> list[SamplingRow]:
+    """Sampled rows with every extension (20 logprobs, a token mask), for measuring the extension path's memory."""
+    mask = np.full(-(-vocab // 32), 0xFFFFFFFF, dtype=np.uint32)
     row = SamplingRow(1.0, 1.0, 0, 0.0, seed=0, position=2, presence_penalty=0.5, frequency_penalty=0.5,
                       repetition_penalty=1.1, logit_bias=((0, 1.0),), prompt_ids=(0,), output_ids=(0,),
-                      num_logprobs=20)
+                      num_logprobs=20, constrained=True, token_mask=mask)
     return [row] * num_rows

@@ -6,9 +6,10 @@ requests from the ring, honours cancels, and bumps the heartbeat. The model side
 (torch on the CPU, `engine/cpu_runner.py`) or `GpuRunner` (bucketed CUDA graphs, `engine/gpu_runner.py`,
 the `host` mode). A runner has `num_blocks`, `bufs` (its `StepBuffers`), `step_geometry`, and
 `run(step) -> tokens`. A runner with `sampling_extensions` set (both of these; not a GpuRunner built for the
-persistent loop) applies penalties and logit bias and computes logprobs, and keeps `last_logprobs` of its
-last run (per sampled row, or empty when none asked); the loop refuses such requests (INVALID_PARAMS) for
-the others.
+persistent loop) applies penalties and logit bias and token masks and computes logprobs, and keeps
+`last_logprobs` of its last run (per sampled row, or empty when none asked); the loop refuses such requests
+(INVALID_PARAMS) for the others. A constrained row's "token" may be TOKEN_WAIT (its mask had not come: the
+scheduler runs that position again, nothing is published) or TOKEN_MASK_EMPTY (ERROR, INVALID_PARAMS).
 
 Prefix caching (on unless `EngineConfig.enable_prefix_caching` is off): the scheduler starts a request on the
 cached blocks named by its block hashes, so its prefill begins at the cached offset (chunked prefill over
@@ -78,16 +79,20 @@ class Runner(Protocol):
 class LiveSeq:
     """A request the scheduler holds, by ring slot; its tokens are read from the native state."""
 
-    __slots__ = ("slot", "seq", "spec", "rng_seed", "prompt_len", "_sched", "published")
+    __slots__ = ("slot", "seq", "spec", "rng_seed", "prompt_len", "_sched", "_consumer", "published")
 
-    def __init__(self, taken: TakenRequest, rng_seed: int, sched: NativeScheduler):
+    def __init__(self, taken: TakenRequest, rng_seed: int, sched: NativeScheduler, consumer: RingConsumer):
         self.slot, self.seq, self.spec, self.rng_seed = taken.slot, taken.seq, taken.spec, rng_seed
-        self.prompt_len, self._sched = len(taken.spec.prompt_ids), sched
+        self.prompt_len, self._sched, self._consumer = len(taken.spec.prompt_ids), sched, consumer
         self.published = False  # a token of it reached the ring (cached_tokens is written before the first)
 
     @property
     def token_ids(self) -> np.ndarray:
         return self._sched.tokens(self.slot)  # [num_tokens] int32 view of the live state
+
+    def token_mask(self) -> np.ndarray | None:
+        """The ring's mask for the token sampled now (generated token i: mask_seq must be i + 1), or None."""
+        return self._consumer.mask(self.slot, int(self._sched.a["num_tokens"][self.slot]) - self.prompt_len)
 
 
 class EngineLoop:
@@ -154,7 +159,7 @@ class EngineLoop:
                 continue
             seed = t.spec.seed if t.spec.seed is not None else int.from_bytes(os.urandom(8), "little")
             self.scheduler.add(t.slot, t.spec, seed)
-            self.live[t.slot] = LiveSeq(t, seed, self.scheduler)
+            self.live[t.slot] = LiveSeq(t, seed, self.scheduler, self.consumer)
 
     def _admission_error(self, spec: RequestSpec) -> ErrorCode:
         """Every field the engine will use, checked before use: the ring is written by another process (or,
@@ -208,7 +213,9 @@ class EngineLoop:
             self.consumer.publish(slot, [token], now_ns, None if entry is None else [entry])
         for slot, reason in finished:  # their blocks are already free
             del self.live[slot]
-            self.consumer.finish(slot, reason)
+            # the one error a step ends a request with: a token mask that allowed nothing
+            error = ErrorCode.INVALID_PARAMS if reason is FinishReason.ERROR else ErrorCode.NONE
+            self.consumer.finish(slot, reason, error)
 
     def _finish(self, slot: int, reason: FinishReason, error: ErrorCode = ErrorCode.NONE) -> None:
         """End the request in `slot` now (cancel, shutdown): its blocks are freed, the ring is told."""

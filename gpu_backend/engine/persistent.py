@@ -19,6 +19,9 @@ from the request at admission) and runs a step where some sampled row uses one t
 (the runner's LOGITS graph, the loop's adjust kernel, the runner's POST graph); it publishes the logprobs
 into the ring itself (kernels/csrc/include/blink_loop_ext.cuh). A runner built without them gives a loop
 that refuses such requests with INVALID_PARAMS (the gateway refuses them first: Describe says so).
+Token masks (constrained requests, ring version 3) take the same extended branch: the adjust kernel reads a
+row's mask from the ring (a device read of mapped memory, checked by its mask_seq) and applies it; a row whose
+mask has not come samples nothing (TOKEN_WAIT) and runs again; a step with such rows is not speculated past.
 """
 from __future__ import annotations
 
@@ -102,7 +105,8 @@ class PersistentEngine:
                     bias_ids=torch.zeros(n, g.max_logit_bias, dtype=i32, device=dev),
                     bias_vals=torch.zeros(n, g.max_logit_bias, dtype=f32, device=dev),
                     row_slot=torch.full((2, s), -1, dtype=i32, device=dev),
-                    slot_row=torch.zeros(2, n, dtype=i32, device=dev))
+                    slot_row=torch.zeros(2, n, dtype=i32, device=dev),
+                    mask_state=torch.zeros(2, s, dtype=i32, device=dev))
 
     def _ext_args(self) -> int:
         """blink_loop_ext in device memory (kept in self._ext); returns its address."""
@@ -120,7 +124,8 @@ class PersistentEngine:
             off_sample_rows=offs["sample_rows"][0], off_seq_ids=offs["seq_ids"][0],
             off_sample_pos=offs["sample_pos"][0], vocab=runner.logits_dev.shape[1], max_rows=runner.config.max_num_seqs,
             lp_k=LOOP_LOGPROBS, max_bias=g.max_logit_bias, window=g.logprob_window, max_logprobs=g.max_logprobs,
-            num_buckets=len(runner.buckets), context_len=self.context_len)
+            num_buckets=len(runner.buckets), context_len=self.context_len, masks_offset=g.masks_offset,
+            mask_bytes=g.mask_bytes, mask_seq_offset=g.mask_seq_offset, mask_words=g.mask_words)
         raw = bytes(ext)
         t["struct"] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(runner.device)
         return t["struct"].data_ptr()

@@ -10,6 +10,9 @@ same float32 operations in its own kernel, kernels/csrc/include/blink_loop_ext.c
 `LogitAdjustments`, vectorized over rows, on the logits' device), and logprobs (`token_logprobs`, on the
 logits' device too). Logprobs are the log-softmax of the logits after bias, penalties and temperature
 (temperature 1 for greedy rows), before top-k/top-p/min-p filtering: vLLM's "processed_logprobs" mode.
+Token masks (structured output, `apply_masks`): a constrained row's disallowed tokens go to -inf after bias
+and penalties, before temperature, top-k/top-p/min-p or greedy; a row whose mask has not come samples no
+token (TOKEN_WAIT: the scheduler runs its position again), one whose mask allows nothing ends (TOKEN_MASK_EMPTY).
 `sample` is the CPU engine's draw; the GPU runner draws with `kernels/sampling.py`, which matches it.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kernels.sched_layout import TOKEN_MASK_EMPTY, TOKEN_WAIT
 from protocols.ring import RequestSpec, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
@@ -56,6 +60,10 @@ class SampledSeq(Protocol):
     def token_ids(self) -> Sequence[int]:
         """Prompt + generated so far (a list or an int array)."""
 
+    def token_mask(self) -> np.ndarray | None:
+        """A constrained request's (spec.token_mask set) mask for the token sampled now: [mask_words] uint32,
+        or None while it has not come. Not called for other requests."""
+
 
 @dataclass(frozen=True)
 class SamplingRow:
@@ -72,6 +80,8 @@ class SamplingRow:
     prompt_ids: Sequence[int] = ()  # the penalties' history: repetition over both, the others over output
     output_ids: Sequence[int] = ()
     num_logprobs: int | None = None  # None: none; k: the chosen token's logprob and k alternatives
+    constrained: bool = False  # sampled under `token_mask`; with none (it has not come) the row waits
+    token_mask: np.ndarray | None = None  # [mask_words] uint32: bit t % 32 of word t // 32 = token t allowed
 
     @property
     def greedy(self) -> bool:
@@ -92,10 +102,12 @@ def sampling_row(seq: SampledSeq, prompt_ids: np.ndarray | None = None) -> Sampl
     penalized = repetition or spec.presence_penalty or spec.frequency_penalty
     if repetition and prompt_ids is None:
         prompt_ids = ids[:prompt_len]
+    constrained = spec.token_mask is not None
     return SamplingRow(spec.temperature, spec.top_p, spec.top_k, spec.min_p, seq.rng_seed, len(ids),
                        spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty, spec.logit_bias,
                        prompt_ids=prompt_ids if repetition else (),
-                       output_ids=ids[prompt_len:] if penalized else (), num_logprobs=spec.num_logprobs)
+                       output_ids=ids[prompt_len:] if penalized else (), num_logprobs=spec.num_logprobs,
+                       constrained=constrained, token_mask=seq.token_mask() if constrained else None)
 
 
 class PromptCache:
@@ -118,10 +130,47 @@ class PromptCache:
 
 
 def sample_step(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [N, V] float32 -> N token ids and, for rows that ask, their logprobs."""
+    """logits: [N, V] float32 -> N token ids (TOKEN_WAIT / TOKEN_MASK_EMPTY for a constrained row whose mask
+    has not come / allows nothing) and, for rows that ask, their logprobs."""
     logits = apply_penalties(logits, rows)
+    logits, no_token = apply_masks(logits, rows)
     tokens = sample(logits, rows)
+    for i, outcome in no_token.items():
+        tokens[i] = outcome
     return tokens, token_logprobs(logits, rows, tokens)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[SamplingRow],
+                inplace: bool = False) -> tuple[torch.Tensor, dict[int, int]]:
+    """The constrained rows' token masks applied (disallowed tokens, and any past the mask's words, to -inf),
+    after bias and penalties and before temperature and the filters, on a copy of `logits` [N, V] (`logits`
+    itself with `inplace`, or when no row is constrained). Also {row: TOKEN_WAIT or TOKEN_MASK_EMPTY} for
+    the rows that sample no token: whatever is drawn for them is replaced. One host-to-device copy."""
+    no_token = {i: TOKEN_WAIT for i, r in enumerate(rows) if r.constrained and r.token_mask is None}
+    masked = [i for i, r in enumerate(rows) if r.token_mask is not None and r.constrained]
+    if not masked:
+        return logits, no_token
+    bits = mask_bits(np.stack([rows[i].token_mask for i in masked]), logits.shape[1])  # [n, V] bool
+    some = bits.any(axis=1)  # a mask whose tokens are all past the vocabulary allows nothing too
+    no_token.update((i, TOKEN_MASK_EMPTY) for i, ok in zip(masked, some) if not ok)
+    if not some.any():
+        return logits, no_token
+    picked = [i for i, ok in zip(masked, some) if ok]
+    allowed = torch.from_numpy(bits[some])
+    idx = torch.tensor(picked, device=logits.device)
+    if not inplace:
+        logits = logits.clone()
+    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits, no_token
+
+
+def mask_bits(words: np.ndarray, vocab: int) -> np.ndarray:
+    """[n, mask_words] uint32 -> [n, vocab] bool, token t allowed when bit t % 32 of word t // 32 is set (a
+    token past the words is not allowed)."""
+    bits = np.unpackbits(np.ascontiguousarray(words, dtype="<u4").view(np.uint8), axis=1, bitorder="little")
+    if bits.shape[1] < vocab:
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    return bits[:, :vocab].astype(bool)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

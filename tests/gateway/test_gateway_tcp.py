@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 
+import numpy as np
 import pytest
 
 from gateway.backends.backend import Backend, BackendConnectError
@@ -116,6 +117,40 @@ def test_penalties_logit_bias_and_logprobs_cross_the_agent(ring):
                 got.append(await asyncio.wait_for(handle.next(), 2))
             assert [t for u in got for t in u.tokens] == [6, 9] and [e for u in got for e in u.logprobs] == entries
     asyncio.run(main())
+
+
+def test_token_masks_cross_the_agent_into_the_ring():
+    geometry = RingGeometry(num_slots=2, max_prompt_len=16, max_output_len=4, max_stop_ids=2, mask_words=3)
+    masked = create_ring(f"blink-gw-tcp-mask-{os.getpid()}", geometry, "fp")
+
+    async def main():
+        agent, task = await start_agent(masked)
+        info = BackendInfo(addr="test", model_name="m", model_dir="", model_fingerprint="fp", context_len=64,
+                           vocab_size=96, eos_token_ids=(0,), engine_mode="test", ring_name=masked.name,
+                           geometry=geometry, transport="tcp", tcp_endpoint=f"127.0.0.1:{agent.port}")
+        backend = Backend(info, await connect_tcp(info, CONFIG), CONFIG)
+        backend.start()
+        engine = RingConsumer(masked)
+        try:
+            handle = await backend.submit(RequestSpec(request_id=1, prompt_ids=[1], max_tokens=4,
+                                                      token_mask=np.array([1, 0, 1 << 31], dtype=np.uint32)))
+            taken = []
+            await until(lambda: taken.extend(engine.take_new()) or taken)
+            slot = taken[0].slot
+            assert taken[0].spec.token_mask is not None and engine.mask(slot, 0).tolist() == [1, 0, 1 << 31]
+            backend._producer.put_mask(handle.slot, 1, np.array([0, 7, 0], dtype=np.uint32))
+            await until(lambda: engine.mask(slot, 1) is not None)
+            assert engine.mask(slot, 1).tolist() == [0, 7, 0] and engine.mask(slot, 0) is None
+            with pytest.raises(ValueError, match="put_mask: words"):
+                backend._producer.put_mask(handle.slot, 2, np.zeros(2, dtype=np.uint32))
+        finally:
+            await backend.close()
+            agent.stop()
+            await task
+    try:
+        asyncio.run(main())
+    finally:
+        masked.close()
 
 
 def test_client_cancel_reaches_the_engine(ring):

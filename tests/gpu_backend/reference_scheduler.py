@@ -38,6 +38,7 @@ import numpy as np
 
 from gpu_backend.engine.sched_native import SchedulerConfig, penalties_error
 from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers, bucket_for
+from kernels.sched_layout import TOKEN_MASK_EMPTY, TOKEN_WAIT
 from protocols.ring import ErrorCode, FinishReason, RequestSpec
 
 __all__ = ["SchedulerConfig", "Scheduler", "BlockManager", "Batch", "ScheduledSeq", "Sequence", "Status",
@@ -368,6 +369,12 @@ class Scheduler:
             if not entry.samples:
                 continue
             token = sampled[id(seq)]
+            if token == TOKEN_WAIT:  # its mask had not come: no token, the same position runs again
+                seq.num_computed -= 1
+                continue
+            if token == TOKEN_MASK_EMPTY:  # its mask allowed nothing
+                finished.append(self.finish(seq, FinishReason.ERROR, ErrorCode.INVALID_PARAMS))
+                continue
             reason = self._stop_reason(seq, token)
             if reason is not FinishReason.STOP:
                 seq.token_ids.append(token)

@@ -55,9 +55,9 @@ class FuzzEngine:
     """An EngineLoop on a fresh shm ring, and a raw writer in the gateway's place: requests are packed into a
     slot with the ring's generated struct, corrupted word by word, then validated by `seq` and queued."""
 
-    def __init__(self, model):
+    def __init__(self, model, geometry: RingGeometry = GEOMETRY):
         self.cfg, m = model
-        self.ring = create_ring(f"blink-fuzz-{os.getpid()}", GEOMETRY, "fuzz")
+        self.ring = create_ring(f"blink-fuzz-{os.getpid()}", geometry, "fuzz")
         runner = CpuRunner(m, self.cfg, 32, 4, context_len=CONTEXT_LEN, max_num_batched_tokens=16, max_num_seqs=4)
         self.loop = EngineLoop(runner, self.cfg, RingConsumer(self.ring),
                                EngineConfig(block_size=4, max_num_batched_tokens=16, max_num_seqs=4), CONTEXT_LEN)
@@ -159,7 +159,8 @@ def _corruptions(g: RingGeometry, vocab: int) -> dict[str, object]:
                                                  w.put("num_logprobs", g.max_logprobs + 1 + rng.randrange(U32 - 64))),
         "penalty": lambda rng, w: w.put(rng.choice(["presence_penalty", "frequency_penalty", "repetition_penalty"]),
                                         rng.choice([NAN, INF, -INF, -3.0])),
-        "unknown_flags": lambda rng, w: w.put("flags", 1 << rng.randrange(3, 32)),
+        "unknown_flags": lambda rng, w: w.put("flags", 1 << rng.randrange(4, 32)),
+        "constrained_without_masks": lambda rng, w: w.put("flags", R.FLAG_CONSTRAINED),  # mask_words is 0 here
         "seq_zero": lambda rng, w: w.put("seq", 0),
         # a base prompt has at most 6 tokens: one full block of 4, so at most one hash
         "block_hashes_past_prompt": lambda rng, w: w.put("num_block_hashes", rng.randint(2, g.max_block_hashes)),
@@ -262,6 +263,47 @@ def _fuzz(e: FuzzEngine, num_requests: int, seed: int) -> dict[str, int]:
     return counts
 
 
+MASK_GEOMETRY = RingGeometry(num_slots=8, max_prompt_len=32, max_output_len=16, max_stop_ids=4, mask_words=4)
+
+
+def test_constrained_requests_with_random_mask_words_finish_or_wait_and_never_break_the_engine(model):
+    """FLAG_CONSTRAINED with random mask words and mask_seq (as a broken gateway would leave them): a row
+    whose mask_seq is stale waits (and is cancelled here, as the gateway would), an empty mask ends in
+    INVALID_PARAMS, any other mask's tokens are all allowed by it; nothing leaks, and the engine serves."""
+    e, rng = FuzzEngine(model, MASK_GEOMETRY), random.Random(SEED + 2)
+    vocab, words = e.cfg.vocab_size, MASK_GEOMETRY.mask_words
+    outcomes: dict[str, int] = {}
+    try:
+        for _ in range(12):
+            masks = {}
+            for slot in range(MASK_GEOMETRY.num_slots):
+                writer = e.write(slot, _base_spec(rng, vocab))
+                writer.put("flags", R.FLAG_CONSTRAINED)
+                bits = rng.choice([0, 1, 1, 3, 32]) and rng.getrandbits(32 * words) & rng.getrandbits(32 * words)
+                masks[slot] = np.frombuffer(bits.to_bytes(4 * words, "little"), dtype="<u4").copy()
+                base = e.ring.mask(slot)
+                e.ring.u32[base // 4 : base // 4 + words] = masks[slot]
+                e.ring.u32[(base + MASK_GEOMETRY.mask_seq_offset) // 4] = rng.choice([1, 1, 0, 2, U32])
+                e.queue(slot)
+            for _ in range(6):
+                e.advance()
+            for slot in range(MASK_GEOMETRY.num_slots):  # the still-waiting ones: the gateway's cancel
+                e.ring.request_fields(slot)["cancel_seq"] = e.ring.request_fields(slot)["seq"]
+            for slot, (finish, error) in e.drain(list(range(MASK_GEOMETRY.num_slots))).items():
+                produced = int(e.ring.response_fields(slot)["produced"])
+                tokens = e.ring.i32[(e.ring.resp(slot) + R.RESP_TOKENS) // 4:][:produced].tolist()
+                allowed = {t for t in range(32 * words) if masks[slot][t // 32] >> (t % 32) & 1}
+                assert set(tokens) <= allowed, (slot, tokens, sorted(allowed))
+                if finish is FinishReason.ERROR:
+                    assert error is ErrorCode.INVALID_PARAMS and not (allowed & set(range(vocab)))
+                outcomes[finish.name] = outcomes.get(finish.name, 0) + 1
+            assert not e.loop.live and e.loop.scheduler.num_free == e.loop.scheduler.num_blocks
+        assert {"ERROR", "CANCELLED"} <= set(outcomes), outcomes
+        _assert_still_serves(e, model[1], MASK_GEOMETRY)
+    finally:
+        e.ring.close()
+
+
 def test_queue_words_that_name_no_slot_or_jump_ahead_are_refused(model):
     """Submission-queue entries past num_slots, a tail far beyond the head, cancel words on free slots and a
     `consumed` word past `produced`: the engine skips or bounds them and then serves normally."""
@@ -313,13 +355,13 @@ def test_extreme_but_legal_words_run_to_a_normal_finish(model):
         e.ring.close()
 
 
-def _assert_still_serves(e: FuzzEngine, m) -> None:
+def _assert_still_serves(e: FuzzEngine, m, geometry: RingGeometry = GEOMETRY) -> None:
     """A gateway's producer attaches after the raw words (every slot finished or never used: all free) and a
     normal request gets the independent generator's tokens."""
     prompt = [5, 9, 14, 3, 27]
     want = greedy_generate(m, [prompt], 6, block_size=4)[0]
     prod = ShmProducer(attach_ring(e.ring.name))
-    assert prod.free_slots == GEOMETRY.num_slots
+    assert prod.free_slots == geometry.num_slots
     slot = prod.submit(RequestSpec(1, prompt, 6, temperature=0.0, ignore_eos=True))
     tokens = []
     for _ in range(2000):

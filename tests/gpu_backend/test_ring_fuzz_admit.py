@@ -37,7 +37,7 @@ U32, U64 = (1 << 32) - 1, (1 << 64) - 1
 
 class Limits(ctypes.Structure):  # blink_admit_limits
     _fields_ = [(n, ctypes.c_uint32) for n in ("max_prompt_len", "max_stop_ids", "max_logit_bias", "max_logprobs",
-                                                "vocab", "max_block_hashes", "kv_block_size")]
+                                                "vocab", "max_block_hashes", "kv_block_size", "mask_words")]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def _device_error(lib, e: FuzzEngine, slot: int) -> ErrorCode:
     """What the loop's admission decides for the words now in `slot`."""
     ring, g = e.ring, GEOMETRY
     limits = Limits(g.max_prompt_len, g.max_stop_ids, g.max_logit_bias, g.max_logprobs, e.cfg.vocab_size,
-                    g.max_block_hashes, g.kv_block_size)
+                    g.max_block_hashes, g.kv_block_size, g.mask_words)
     base = ring.buf.ctypes.data
     code = lib.blink_admit_host_error(e.loop.scheduler.state.ctypes.data, ctypes.byref(limits), base + ring.req(slot),
                                       g.prompt_offset, base + ring.bias(slot), g.logit_bias_bytes,

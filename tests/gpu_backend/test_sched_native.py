@@ -12,8 +12,9 @@ import pytest
 
 from reference_scheduler import BlockManager, Scheduler, SchedulerConfig, fill_step
 from kernels import sched_host
+from kernels.sched_layout import TOKEN_MASK_EMPTY, TOKEN_WAIT
 from protocols.prefix_hash import block_hashes
-from protocols.ring import ErrorCode, RequestSpec
+from protocols.ring import ErrorCode, FinishReason, RequestSpec
 
 if sched_host.host_compiler() is None:
     pytest.skip("no C++ compiler on PATH (set CXX or install g++): the native scheduler cannot be built",
@@ -66,7 +67,13 @@ def random_spec(rng: random.Random, cfg: SchedulerConfig, shared: list[list[int]
         priority=rng.randint(0, 2))
 
 
-def sampled_token(rng: random.Random, spec: RequestSpec) -> int:
+def sampled_token(rng: random.Random, spec: RequestSpec, masks: bool = False) -> int:
+    if masks and spec.priority == 1:  # the constrained requests of a trace: their masks come late, now and then
+        r = rng.random()
+        if r < 0.3:
+            return TOKEN_WAIT
+        if r < 0.31:
+            return TOKEN_MASK_EMPTY
     r = rng.random()
     if r < 0.08:
         return rng.choice([EOS, 1])
@@ -98,8 +105,9 @@ def assert_same_state(py: Scheduler, nat: NativeScheduler) -> None:
 class Trace:
     """One randomized trace run on both schedulers at once."""
 
-    def __init__(self, seed: int, filler=None, caching: bool = False):
+    def __init__(self, seed: int, filler=None, caching: bool = False, masks: bool = False):
         self.rng = rng = random.Random(seed)
+        self.masks, self.waits, self.errors = masks, 0, 0
         self.cfg, num_blocks, self.block_size = random_setup(rng, caching)
         block_size = self.block_size
         self.py = Scheduler(self.cfg, BlockManager(num_blocks, block_size, caching))
@@ -147,11 +155,13 @@ class Trace:
             self.filler.compare(batch, self.nat, self.rng)
         self.evictions += max(0, self.cached_before - len(self.py.blocks.cached))
         sampling = [e.seq for e in batch.entries if e.samples]
-        tokens = [sampled_token(self.rng, s.spec) for s in sampling]
+        tokens = [sampled_token(self.rng, s.spec, self.masks) for s in sampling]
+        self.waits += tokens.count(TOKEN_WAIT)
         new_py, done_py = self.py.update(batch, {id(s): t for s, t in zip(sampling, tokens)})
         new_nat, done_nat = self.nat.update(tokens)
         assert new_nat == [(s.slot, t) for s, t in new_py]
         assert done_nat == [(f.seq.slot, f.reason) for f in done_py]
+        self.errors += sum(reason is FinishReason.ERROR for _, reason in done_nat)
         for slot, _ in done_nat:
             self._release(slot)
         assert_same_state(self.py, self.nat)
@@ -211,6 +221,33 @@ def test_prefix_cache_matches_reference_on_random_traces():
     print(f"{NUM_CACHE_TRACES} cached traces: {totals}, hit {hits} of {queries} tokens")
     assert totals["preemptions"] > 50 and totals["finishes"] > 1000 and totals["evictions"] > 100
     assert 0.05 < hits / queries < 0.95 and totals["stalls"] == 0
+
+
+def test_rows_that_wait_for_their_mask_or_get_an_empty_one_match_the_reference():
+    """Constrained rows (a trace's priority-1 requests) sample no token 30% of the time (their mask had not
+    come: the same position runs again) and an empty mask 1% (ERROR): both schedulers agree step by step."""
+    waits = errors = 0
+    for seed in range(NUM_TRACES // 2):
+        trace = Trace(1000 + seed, masks=True)
+        trace.run(NUM_STEPS // 2)
+        waits += trace.waits
+        errors += trace.errors
+    assert waits > 500 and errors > 5
+
+
+def test_a_waiting_row_runs_its_last_position_again_and_publishes_nothing():
+    cfg = SchedulerConfig(8, 4, 64, (EOS,))
+    nat = NativeScheduler(cfg, 16, 4, MAX_SLOTS, max_stop_ids=4)
+    nat.add(3, RequestSpec(request_id=1, prompt_ids=[5, 6, 7], max_tokens=4), 0)
+    nat.add(4, RequestSpec(request_id=2, prompt_ids=[8], max_tokens=4), 0)
+    room = np.full(MAX_SLOTS, 8, np.int32)
+    assert [(e.slot, e.q_len) for e in nat.schedule(room)] == [(3, 3), (4, 1)]
+    assert nat.update([TOKEN_WAIT, 9]) == ([(4, 9)], [])  # slot 3: no token, its prompt's last row again
+    assert nat.a["num_computed"][3] == 2 and nat.token_ids(3) == [5, 6, 7]
+    assert [(e.slot, e.q_len, e.samples) for e in nat.schedule(room)] == [(3, 1, True), (4, 1, True)]
+    assert nat.update([11, TOKEN_MASK_EMPTY]) == ([(3, 11)], [(4, FinishReason.ERROR)])
+    assert nat.token_ids(3) == [5, 6, 7, 11] and nat.a["num_computed"][3] == 3
+    assert nat.num_free == 16 - 1  # slot 4's block went back the same step
 
 
 def test_check_and_free_slot_errors():

@@ -199,3 +199,21 @@ def test_the_gateway_backend_runs_on_the_rdma_producer(ring):
         assert backend.free_slots == GEOM.num_slots and backend.heartbeat == 1
         await backend.close()
     asyncio.run(main())
+
+
+def test_masks_cross_the_link_words_before_mask_seq():
+    geometry = RingGeometry(num_slots=2, max_prompt_len=8, max_output_len=4, mask_words=2)
+    remote = create_ring(f"blink-rdma-mask-{os.getpid()}", geometry, "fp")
+    try:
+        link = MemoryLink(remote)
+        prod, engine = RdmaProducer(link), RingConsumer(remote)
+        slot = prod.submit(spec(2, token_mask=b"\x02\0\0\0\0\0\0\x80"))
+        [taken] = engine.take_new()
+        assert taken.spec.token_mask == b"\x02\0\0\0\0\0\0\x80" and engine.mask(slot, 0).tolist() == [2, 1 << 31]
+        link.writes.clear()
+        prod.put_mask(slot, 1, [0, 5])
+        base = remote.mask(slot)
+        assert link.writes == [base, base + geometry.mask_seq_offset]  # the words, then the word validating them
+        assert engine.mask(slot, 1).tolist() == [0, 5] and engine.mask(slot, 0) is None
+    finally:
+        remote.close()

@@ -10,7 +10,9 @@ from protocols import ring as R
 
 HEADER = Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "include" / "blink_ring.h"
 GEOMETRIES = [R.RingGeometry(), R.RingGeometry(num_slots=3, max_prompt_len=17, max_output_len=5, max_stop_ids=3,
-                                               max_logit_bias=7, max_logprobs=3, logprob_window=4)]
+                                               max_logit_bias=7, max_logprobs=3, logprob_window=4, mask_words=5,
+                                               kv_block_size=4),
+              R.RingGeometry(num_slots=2, mask_words=4008)]
 
 STRUCTS = {"blink_ring_header": R.HEADER_FIELDS, "blink_request_slot": R.REQUEST_FIELDS,
            "blink_response_slot": R.RESPONSE_FIELDS}
@@ -33,7 +35,13 @@ def _c_program() -> str:
         lines.append(f'printf("\\"g{i}.logprob_top_offset\\": %llu, ", (unsigned long long)blink_logprob_top_offset({g.logprob_window}, {g.max_logprobs}));')
         lines.append(f'{{ blink_ring_header h = {{0}}; h.num_slots = {g.num_slots}; h.max_logit_bias = {g.max_logit_bias}; '
                      f'h.logit_bias_offset = {g.logit_bias_offset}; '
-                     f'printf("\\"g{i}.logprobs_offset\\": %llu, ", (unsigned long long)blink_logprobs_offset(&h)); }}')
+                     f'printf("\\"g{i}.logprobs_offset\\": %llu, ", (unsigned long long)blink_logprobs_offset(&h)); '
+                     f'h.logprob_window = {g.logprob_window}; h.max_logprobs = {g.max_logprobs}; '
+                     f'printf("\\"g{i}.block_hashes_offset\\": %llu, ", (unsigned long long)blink_block_hashes_offset(&h)); '
+                     f'h.max_prompt_len = {g.max_prompt_len}; h.kv_block_size = {g.kv_block_size}; '
+                     f'printf("\\"g{i}.masks_offset\\": %llu, ", (unsigned long long)blink_masks_offset(&h)); }}')
+        lines.append(f'printf("\\"g{i}.mask_bytes\\": %llu, ", (unsigned long long)blink_mask_bytes({g.mask_words}));')
+        lines.append(f'printf("\\"g{i}.mask_seq_offset\\": %llu, ", (unsigned long long)blink_mask_seq_offset({g.mask_words}));')
     lines += ['printf("\\"magic\\": %llu, \\"version\\": %u}", (unsigned long long)BLINK_RING_MAGIC, BLINK_RING_VERSION);',
               "return 0; }"]
     return "\n".join(lines)
@@ -74,6 +82,10 @@ def test_geometry_derived_sizes_match(c_layout):
         assert c_layout[f"g{i}.logprob_top_ids_offset"] == g.logprob_top_ids_offset
         assert c_layout[f"g{i}.logprob_top_offset"] == g.logprob_top_offset
         assert c_layout[f"g{i}.logprobs_offset"] == g.logprobs_offset
+        assert c_layout[f"g{i}.block_hashes_offset"] == g.block_hashes_offset
+        assert c_layout[f"g{i}.masks_offset"] == g.masks_offset
+        assert c_layout[f"g{i}.mask_bytes"] == g.mask_bytes
+        assert c_layout[f"g{i}.mask_seq_offset"] == g.mask_seq_offset
 
 
 def test_version_1_offsets_did_not_move():

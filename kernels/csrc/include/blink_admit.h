@@ -22,7 +22,8 @@
 #include "blink_ring.h"
 #include "blink_sched.h"
 
-#define BLINK_ADMIT_KNOWN_FLAGS (BLINK_RING_FLAG_HAS_SEED | BLINK_RING_FLAG_IGNORE_EOS | BLINK_RING_FLAG_LOGPROBS)
+#define BLINK_ADMIT_KNOWN_FLAGS \
+  (BLINK_RING_FLAG_HAS_SEED | BLINK_RING_FLAG_IGNORE_EOS | BLINK_RING_FLAG_LOGPROBS | BLINK_RING_FLAG_CONSTRAINED)
 
 // The ring's geometry and the model's vocabulary: trusted (the engine's own), never read from the ring.
 typedef struct blink_admit_limits {
@@ -33,6 +34,7 @@ typedef struct blink_admit_limits {
   uint32_t vocab;
   uint32_t max_block_hashes;  // the slot's hash area (ring geometry)
   uint32_t kv_block_size;     // tokens per KV block: at most one hash per full prompt block
+  uint32_t mask_words;        // the slot's token-mask words; 0: the ring takes no constrained request
 } blink_admit_limits;
 
 // ---- the submission queue ------------------------------------------------------------------------------
@@ -56,7 +58,8 @@ BLINK_HD int blink_admit_counts_ok(const blink_admit_limits* l, const blink_requ
   return r->seq != 0 && r->prompt_len >= 1 && r->prompt_len <= l->max_prompt_len &&
          r->num_stop_ids <= l->max_stop_ids && r->num_logit_bias <= l->max_logit_bias &&
          r->num_logprobs <= l->max_logprobs && (r->flags & ~(uint32_t)BLINK_ADMIT_KNOWN_FLAGS) == 0 &&
-         r->num_block_hashes <= l->max_block_hashes && r->num_block_hashes <= r->prompt_len / l->kv_block_size;
+         r->num_block_hashes <= l->max_block_hashes && r->num_block_hashes <= r->prompt_len / l->kv_block_size &&
+         (l->mask_words != 0u || (r->flags & BLINK_RING_FLAG_CONSTRAINED) == 0u);
 }
 
 // The array elements, each checked as the caller copies it (the value it keeps is the value checked).
@@ -70,10 +73,10 @@ BLINK_HD int blink_admit_penalties_ok(const blink_request_slot* r) {
   return -2.0f <= p && p <= 2.0f && -2.0f <= f && f <= 2.0f && 0.0f < rep && rep - rep == 0.0f;
 }
 
-// Penalties, logit bias or logprobs (RequestSpec.uses_sampling_extensions).
+// Penalties, logit bias, logprobs or a token mask (RequestSpec.uses_sampling_extensions).
 BLINK_HD int blink_admit_uses_ext(const blink_request_slot* r) {
   return r->presence_penalty != 0.0f || r->frequency_penalty != 0.0f || r->repetition_penalty != 1.0f ||
-         r->num_logit_bias != 0u || (r->flags & BLINK_RING_FLAG_LOGPROBS) != 0u;
+         r->num_logit_bias != 0u || (r->flags & (BLINK_RING_FLAG_LOGPROBS | BLINK_RING_FLAG_CONSTRAINED)) != 0u;
 }
 
 // Why the request in snapshot `r` can never run (blink_sched_error / the ring's ErrorCode), or 0.

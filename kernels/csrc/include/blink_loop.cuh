@@ -151,8 +151,10 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
   }
   __threadfence_system();
   __syncthreads();
-  for (int32_t i = threadIdx.x; i < h->num_finished; i += blockDim.x)  // -1 - slot: dropped (drop_old_request)
-    if (s->fin_slot[i] >= 0) finish_response(a, (uint32_t)s->fin_slot[i], (uint32_t)s->fin_reason[i], 0);
+  for (int32_t i = threadIdx.x; i < h->num_finished; i += blockDim.x)  // -1 - slot: dropped (drop_old_request);
+    if (s->fin_slot[i] >= 0)  // an update's ERROR: an empty token mask
+      finish_response(a, (uint32_t)s->fin_slot[i], (uint32_t)s->fin_reason[i],
+                      s->fin_reason[i] == BLINK_FINISH_ERROR ? (uint32_t)BLINK_ERROR_INVALID_PARAMS : 0u);
   for (uint32_t i = threadIdx.x; i < a->num_err; i += blockDim.x)  // a speculation's admission errors
     finish_response(a, (uint32_t)a->err_slot[i], BLINK_FINISH_ERROR, (uint32_t)a->err_code[i]);
   __syncthreads();
@@ -178,7 +180,7 @@ static_assert(BLINK_LOOP_THREADS >= BLINK_REQUEST_WORDS, "read_request: one thre
 
 __device__ __forceinline__ blink_admit_limits admit_limits(const blink_loop_args* a, const blink_sched* s) {
   return blink_admit_limits{a->max_prompt_len, a->max_stop_ids, a->max_logit_bias, a->max_logprobs, a->vocab,
-                            a->max_block_hashes, (uint32_t)s->h->cfg.block_size};
+                            a->max_block_hashes, (uint32_t)s->h->cfg.block_size, a->ext ? a->ext->mask_words : 0u};
 }
 
 // The first BLINK_REQUEST_WORDS threads: the request's fixed part into `snap`, one load per word (the only

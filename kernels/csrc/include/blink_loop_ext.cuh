@@ -5,15 +5,20 @@
 // (blink_loop_args.ext != 0; gpu_backend/engine/persistent.py allocates everything below).
 //
 // Per slot, copied from the request at admission: the penalties, the logit bias, the logprob count, the
-// prompt length, the output room (a logprobs request runs at most logprob_window tokens ahead of the reads).
+// prompt length, the output room (a logprobs request runs at most logprob_window tokens ahead of the reads),
+// whether it is constrained (FLAG_CONSTRAINED: its token masks are read from the ring's mask area per step).
 // Per step buffer, written by the fill: the sampled row -> slot map of the rows that use an extension, the
 // slot -> row map for the publish, and whether the step needs the extended graph. A step where some sampled
 // row uses an extension runs branch 4 * num_buckets + p instead of its plain branch p = 2 * (b * num_buckets
 // + i) + greedy:
 //   the bucket's LOGITS graph (float32 logits [S, V] into gpu_runner.logits_dev)
-//   -> blink_ext_adjust: per extended row, bias, then repetition, then frequency/presence, in place
+//   -> blink_ext_adjust: per extended row, bias, then repetition, then frequency/presence, then the token
+//      mask of a constrained row (its mask from the ring, checked by mask_seq), in place
 //   -> the bucket's POST graph, greedy or not (argmax or the sampler, as the plain graphs and the host
-//      engine's extended step pick; then log-softmax and top-k per row into this buffer's logprob outputs).
+//      engine's extended step pick; then log-softmax and top-k per row into this buffer's logprob outputs)
+//   -> (a ring with masks) blink_ext_mask_fix: TOKEN_WAIT / TOKEN_MASK_EMPTY for the rows that sample nothing.
+// A step with a constrained row is not speculated past (blink_loop_spec): the full step's update applies its
+// tokens, where a TOKEN_WAIT row is not advanced and runs its position again.
 // The penalties need each row's token counts: the adjust kernel builds them per row from the scheduler's
 // token history (prompt + output, device memory) in a zeroed scratch row, and every entry it sets it also
 // claims and clears (atomicExch), so the scratch is zero again when the kernel ends: no per-slot [V] table,
@@ -30,6 +35,8 @@
 #define BLINK_EXT_PROMPT 2u      // repetition penalty: the prompt counts too
 #define BLINK_EXT_OUTPUT 4u      // any penalty: the output's counts
 #define BLINK_EXT_LOGPROBS 8u
+#define BLINK_EXT_MASK 16u       // a constrained request: every token sampled under its token mask (ring version 3)
+#define BLINK_EXT_MASK_CHUNK 2048u  // mask words staged in shared memory at a time (65,536 tokens)
 #define BLINK_EXT_SEEN 0x80000000u  // scratch: the token occurs in the prompt (repetition penalty)
 
 // struct blink_loop_ext (the per-slot and per-buffer tables above, the ring's areas, the loop's words):
@@ -46,13 +53,14 @@ __device__ __forceinline__ void ext_keep_bias(blink_loop_args* a, uint32_t slot,
   e->bias_vals[(uint64_t)slot * e->max_bias + j] = bias;
 }
 
-// Thread 0: the slot's extension parameters, from the checked snapshot `w` of its request.
+// Thread 0: the slot's extension parameters, from the checked snapshot `w` of its request (blink_admit_error
+// refused a request that wants an extension, or a mask, this engine or ring lacks).
 __device__ void ext_admit(blink_loop_args* a, uint32_t slot, const blink_request_slot* w) {
   blink_loop_ext* e = a->ext;
   if (!e) return;
   const float presence = w->presence_penalty, frequency = w->frequency_penalty, repetition = w->repetition_penalty;
-  const bool logprobs = w->flags & BLINK_RING_FLAG_LOGPROBS;
-  uint32_t f = 0;
+  const bool logprobs = w->flags & BLINK_RING_FLAG_LOGPROBS, masked = w->flags & BLINK_RING_FLAG_CONSTRAINED;
+  uint32_t f = masked ? BLINK_EXT_MASK : 0u;
   if (repetition != 1.0f) f |= BLINK_EXT_ADJUST | BLINK_EXT_PROMPT | BLINK_EXT_OUTPUT;
   if (presence != 0.0f || frequency != 0.0f) f |= BLINK_EXT_ADJUST | BLINK_EXT_OUTPUT;
   if (w->num_logit_bias != 0u) f |= BLINK_EXT_ADJUST;
@@ -81,18 +89,21 @@ __device__ void ext_fill(blink_loop_args* a, const blink_sched* s, const uint8_t
   const int32_t n = s->h->num_sampled;
   const int64_t* rows = (const int64_t*)(buf + e->off_sample_rows);
   const int32_t* seq_ids = (const int32_t*)(buf + e->off_seq_ids);
-  int any = 0;
+  int any = 0, masked = 0;
   for (int32_t k = threadIdx.x; k < n; k += blockDim.x) {
     const int32_t slot = s->entry_slot[seq_ids[rows[k]]];
     const int on = e->flags[slot] != 0u;
     e->row_slot[b * e->max_rows + k] = on ? slot : -1;
     e->slot_row[(uint64_t)b * a->num_slots + slot] = k;
     any |= on;
+    masked |= (e->flags[slot] & BLINK_EXT_MASK) != 0u;
   }
   any = __syncthreads_or(any);
+  masked = __syncthreads_or(masked);
   if (threadIdx.x == 0) {
     e->num_rows[b] = (uint32_t)n;
     e->extended[b] = (uint32_t)any;
+    e->masked[b] = (uint32_t)masked;
   }
 }
 
@@ -137,12 +148,7 @@ __device__ __forceinline__ int32_t ext_token(const int32_t* hist, int64_t i, int
 // the rows that use bias or penalties, in its float32 order (bias added; seen tokens' positive logits divided
 // by the repetition penalty, others multiplied; then frequency * count + presence subtracted), rounding
 // each operation as torch's separate kernels do (no contraction into fma).
-__global__ void __launch_bounds__(BLINK_EXT_THREADS) blink_ext_adjust(blink_loop_args* a, uint32_t b) {
-  const blink_loop_ext* e = a->ext;
-  const uint32_t row = blockIdx.x;
-  if (row >= e->num_rows[b]) return;
-  const int32_t slot = e->row_slot[b * e->max_rows + row];
-  if (slot < 0 || !(e->flags[slot] & BLINK_EXT_ADJUST)) return;
+__device__ void ext_adjust_row(blink_loop_args* a, const blink_loop_ext* e, uint32_t b, uint32_t row, int32_t slot) {
   const uint32_t f = e->flags[slot], vocab = e->vocab;
   float* logits = e->logits + (uint64_t)row * vocab;
   uint32_t* marks = e->scratch + (uint64_t)row * vocab;
@@ -183,6 +189,76 @@ __global__ void __launch_bounds__(BLINK_EXT_THREADS) blink_ext_adjust(blink_loop
   }
 }
 
+// The row's token mask (sampler.apply_masks), after the bias and penalties: generated token i = len - prompt_len
+// is sampled under mask i, valid when the slot's mask_seq (the gateway's word, stored last) is i + 1. Disallowed
+// tokens, and any past the mask's words, go to -inf. A mask not there yet (the row waits) or one that allows
+// nothing leaves the logits as they are and marks the row: blink_ext_mask_fix replaces what is drawn for it.
+// The words are read from the ring (mapped host memory) a chunk at a time into shared memory: one PCIe read
+// per word and pass, not per token.
+__device__ void ext_mask_row(blink_loop_args* a, const blink_loop_ext* e, uint32_t b, uint32_t row, int32_t slot) {
+  __shared__ uint32_t sh_words[BLINK_EXT_MASK_CHUNK];
+  __shared__ int32_t sh_state;
+  const uint8_t* area = a->ring + e->masks_offset + (uint64_t)slot * e->mask_bytes;
+  const uint32_t* ring_words = (const uint32_t*)area;
+  const int64_t len = ((const int64_t*)(step_buf_of(a, b) + e->off_sample_pos))[row];  // prompt + output so far
+  if (threadIdx.x == 0) {
+    const uint32_t seq = ld_v((const uint32_t*)(area + e->mask_seq_offset));
+    sh_state = (int64_t)seq == len - e->prompt_len[slot] + 1 ? 0 : BLINK_TOKEN_WAIT;
+    __threadfence_system();  // the words below are read after the word that validates them
+  }
+  __syncthreads();
+  const uint32_t vocab = e->vocab, vocab_words = (vocab + 31u) / 32u;
+  const uint32_t words = e->mask_words < vocab_words ? e->mask_words : vocab_words;
+  int any = 0;
+  for (uint32_t w = threadIdx.x; sh_state == 0 && w < words; w += blockDim.x) {  // pass 1: any token allowed?
+    const uint32_t inside = vocab - 32u * w;  // tokens of word w inside the vocabulary
+    any |= (ld_v(ring_words + w) & (inside >= 32u ? 0xFFFFFFFFu : (1u << inside) - 1u)) != 0u;
+  }
+  any = __syncthreads_or(any);
+  if (sh_state != 0 || !any) {
+    if (threadIdx.x == 0) e->mask_state[b * e->max_rows + row] = sh_state != 0 ? sh_state : BLINK_TOKEN_MASK_EMPTY;
+    return;
+  }
+  float* logits = e->logits + (uint64_t)row * vocab;
+  for (uint32_t w0 = 0; w0 < vocab_words; w0 += BLINK_EXT_MASK_CHUNK) {  // pass 2: the logits
+    for (uint32_t w = w0 + threadIdx.x; w < w0 + BLINK_EXT_MASK_CHUNK; w += blockDim.x)
+      sh_words[w - w0] = w < words ? ld_v(ring_words + w) : 0u;
+    __syncthreads();
+    for (uint32_t t = 32u * w0 + threadIdx.x; t < vocab && t < 32u * (w0 + BLINK_EXT_MASK_CHUNK); t += blockDim.x)
+      if (!(sh_words[t / 32u - w0] >> (t % 32u) & 1u)) logits[t] = -INFINITY;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) e->mask_state[b * e->max_rows + row] = 0;
+}
+
+// One block per sampled row of the step in buffer `b` (grid: the bucket's rows): the bias and penalties of the
+// rows that have them, then the token masks of the constrained rows.
+__global__ void __launch_bounds__(BLINK_EXT_THREADS) blink_ext_adjust(blink_loop_args* a, uint32_t b) {
+  const blink_loop_ext* e = a->ext;
+  const uint32_t row = blockIdx.x;
+  if (row >= e->num_rows[b]) return;
+  const int32_t slot = e->row_slot[b * e->max_rows + row];
+  if (slot < 0) return;
+  if (e->flags[slot] & BLINK_EXT_ADJUST) ext_adjust_row(a, e, b, row, slot);
+  if (!(e->flags[slot] & BLINK_EXT_MASK)) return;
+  __syncthreads();  // every thread's adjusted logits, before the mask
+  ext_mask_row(a, e, b, row, slot);
+}
+
+// After the POST graph of a step in buffer `b` with masked rows: the rows that sample no token get their
+// TOKEN_WAIT / TOKEN_MASK_EMPTY in place of what was drawn (the full step's update reads them; such a step
+// is never speculated past: blink_loop_spec). One block.
+__global__ void blink_ext_mask_fix(blink_loop_args* a, uint32_t b) {
+  const blink_loop_ext* e = a->ext;
+  if (!e->masked[b]) return;
+  for (uint32_t row = threadIdx.x; row < e->num_rows[b]; row += blockDim.x) {
+    const int32_t slot = e->row_slot[b * e->max_rows + row];
+    if (slot < 0 || !(e->flags[slot] & BLINK_EXT_MASK)) continue;
+    const int32_t state = e->mask_state[b * e->max_rows + row];
+    if (state != 0) a->sampled[row] = state;
+  }
+}
+
 // ---- host: the loop graph's extended branches ---------------------------------------------------------------
 // Branches 4 * num_buckets + p (p: a plain branch) exist when a->ext is set.
 static uint32_t ext_num_branches(const blink_loop_ext* host_ext, uint32_t num_buckets) {
@@ -209,10 +285,19 @@ static cudaError_t ext_finish_branch(const blink_loop_ext* host_ext, blink_loop_
   k.blockDim = dim3(BLINK_EXT_THREADS);
   k.kernelParams = params;
   k.func = (void*)blink_ext_adjust;
-  cudaGraphNode_t adjust;
+  cudaGraphNode_t adjust, post;
   cudaError_t err = cudaGraphAddKernelNode(&adjust, body, &logits_node, 1, &k);
   if (err != cudaSuccess) return err;
-  return cudaGraphAddChildGraphNode(post_out, body, &adjust, 1, (cudaGraph_t)host_ext->post_graphs[j]);
+  err = cudaGraphAddChildGraphNode(&post, body, &adjust, 1, (cudaGraph_t)host_ext->post_graphs[j]);
+  if (err != cudaSuccess || !host_ext->mask_words) {
+    *post_out = post;
+    return err;
+  }
+  cudaKernelNodeParams fix = k;  // the token masks' rows that sample nothing, after the sampler
+  fix.gridDim = dim3(1);
+  fix.blockDim = dim3(256);
+  fix.func = (void*)blink_ext_mask_fix;
+  return cudaGraphAddKernelNode(post_out, body, &post, 1, &fix);
 }
 
 #endif  // BLINK_LOOP_EXT_CUH

@@ -159,6 +159,13 @@ typedef struct blink_loop_ext {
   uint32_t extended[2];  /* 1: that step runs its extended branch [loop] */
   uint32_t pub_buf;  /* the buffer of the step whose tokens the next publish writes [loop] */
   uint8_t _pad0[4];
+  int32_t* mask_state;  /* [2, S] per sampled row of a masked slot: 0, TOKEN_WAIT or TOKEN_MASK_EMPTY (blink_ext_adjust) [host] */
+  uint64_t masks_offset;  /* the ring's token-mask areas (version 3) [host] */
+  uint64_t mask_bytes;  /* [host] */
+  uint64_t mask_seq_offset;  /* [host] */
+  uint32_t mask_words;  /* 0: the ring carries no masks [host] */
+  uint32_t masked[2];  /* 1: a row of the step in buffer b samples under a token mask [loop] */
+  uint8_t _pad1[4];
 } blink_loop_ext;
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, logits) == 0, "blink_loop_ext.logits");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, scratch) == 8, "blink_loop_ext.scratch");
@@ -196,7 +203,13 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, context_len) == 228, "blink_loop_ex
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, num_rows) == 232, "blink_loop_ext.num_rows");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, extended) == 240, "blink_loop_ext.extended");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, pub_buf) == 248, "blink_loop_ext.pub_buf");
-BLINK_LAYOUT_ASSERT(sizeof(blink_loop_ext) == 256, "sizeof(blink_loop_ext)");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, mask_state) == 256, "blink_loop_ext.mask_state");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, masks_offset) == 264, "blink_loop_ext.masks_offset");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, mask_bytes) == 272, "blink_loop_ext.mask_bytes");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, mask_seq_offset) == 280, "blink_loop_ext.mask_seq_offset");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, mask_words) == 288, "blink_loop_ext.mask_words");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ext, masked) == 292, "blink_loop_ext.masked");
+BLINK_LAYOUT_ASSERT(sizeof(blink_loop_ext) == 304, "sizeof(blink_loop_ext)");
 
 /* everything the kernels need, in device memory (written once by the host before the launch) */
 typedef struct blink_loop_args {

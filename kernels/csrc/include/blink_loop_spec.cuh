@@ -275,7 +275,9 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
   __shared__ blink_sched s;
   const uint64_t t0 = now_ns();
   const uint32_t cur = a->cur, next_buf = 1u - a->buf;
-  if (a->exiting || ((const blink_sched_header*)hot_of(a, cur))->num_entries == 0) {  // no step runs
+  // no step runs, or one with a token mask whose rows may sample nothing (only the full step's update knows)
+  if (a->exiting || ((const blink_sched_header*)hot_of(a, cur))->num_entries == 0 ||
+      (a->ext && a->ext->masked[a->buf])) {
     if (threadIdx.x == 0) st_v(&a->spec_done, 1u);  // it wrote nothing
     return;
   }

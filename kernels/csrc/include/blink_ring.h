@@ -47,4 +47,24 @@ static inline uint64_t blink_logprobs_offset(const blink_ring_header *h) {
   return h->logit_bias_offset + (uint64_t)h->num_slots * blink_logit_bias_bytes(h->max_logit_bias);
 }
 
+/* Version 3, after the logprobs: per slot the request's block hashes (gateway writes, before seq),
+ * uint64_t[max_prompt_len / kv_block_size]; then per slot a token mask area (gateway writes, constrained requests only):
+ * uint32_t words[mask_words] at 0 (bit t % 32 of word t / 32: token t allowed), then uint32_t mask_seq at
+ * blink_mask_seq_offset (its own cache line), stored last: the generated token index the words are for, plus 1. */
+static inline uint64_t blink_mask_seq_offset(uint32_t mask_words) { return blink_align64(4ull * mask_words); }
+static inline uint64_t blink_mask_bytes(uint32_t mask_words) {
+  return mask_words ? blink_mask_seq_offset(mask_words) + 64u : 0u;
+}
+static inline uint64_t blink_block_hash_bytes(uint32_t max_prompt_len, uint32_t kv_block_size) {
+  return blink_align64(8ull * (max_prompt_len / kv_block_size));
+}
+static inline uint64_t blink_block_hashes_offset(const blink_ring_header *h) {
+  return blink_logprobs_offset(h) +
+         (uint64_t)h->num_slots * blink_logprob_bytes(h->logprob_window, h->max_logprobs);
+}
+static inline uint64_t blink_masks_offset(const blink_ring_header *h) {
+  return blink_block_hashes_offset(h) +
+         (uint64_t)h->num_slots * blink_block_hash_bytes(h->max_prompt_len, h->kv_block_size);
+}
+
 #endif /* BLINK_RING_H */

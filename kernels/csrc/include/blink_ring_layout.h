@@ -15,12 +15,13 @@
 #endif
 
 #define BLINK_RING_MAGIC 0x474E49524B4E494CULL  /* b"LINKRING" little-endian */
-#define BLINK_RING_VERSION 3u  /* 2: penalties, logit bias and logprobs; 3: block hashes */
+#define BLINK_RING_VERSION 3u  /* 2: penalties, logit bias and logprobs; 3: block hashes and token masks */
 #define BLINK_RING_HEADER_BYTES 256u
 #define BLINK_RING_FINGERPRINT_BYTES 32u
 #define BLINK_RING_FLAG_HAS_SEED 1u  /* request flags: RequestSpec booleans */
 #define BLINK_RING_FLAG_IGNORE_EOS 2u
 #define BLINK_RING_FLAG_LOGPROBS 4u  /* publish the chosen token's logprob and num_logprobs alternatives per token */
+#define BLINK_RING_FLAG_CONSTRAINED 8u  /* every generated token i is sampled under the slot's mask i (the mask area's mask_seq = i + 1) */
 
 /* Why a request ended. Written by the engine into the response area. */
 enum blink_finish_reason {
@@ -49,7 +50,7 @@ enum blink_engine_state {
   BLINK_ENGINE_STOPPED = 3,
 };
 
-/* lines 0-1 by the creator (magic last), line 2 by the engine, line 3 by the gateway */
+/* lines 0-1 by the creator (magic last), line 2 by the engine, line 3 by the gateway (but the creator's mask_words) */
 typedef struct blink_ring_header {
   uint64_t magic;  /* RING_MAGIC, stored last [creator] */
   uint32_t version;  /* [creator] */
@@ -82,7 +83,8 @@ typedef struct blink_ring_header {
   uint64_t prefix_cache_queries;  /* version 3: prompt tokens looked up [engine] */
   uint64_t prefix_cache_hits;  /* version 3: of those, tokens found cached [engine] */
   uint64_t sq_tail;  /* submission-queue entries written so far [gateway] */
-  uint8_t _pad0[56];
+  uint32_t mask_words;  /* version 3: u32 words of a token mask, ceil(vocab / 32); 0: this ring takes no constrained requests. Lines 0-2 are full; written before anyone attaches and never again, so it shares the gateway's line without false sharing [creator] */
+  uint8_t _pad0[52];
 } blink_ring_header;
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, magic) == 0, "blink_ring_header.magic");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, version) == 8, "blink_ring_header.version");
@@ -115,6 +117,7 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, generated_tokens) == 168, "blink
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, prefix_cache_queries) == 176, "blink_ring_header.prefix_cache_queries");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, prefix_cache_hits) == 184, "blink_ring_header.prefix_cache_hits");
 BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, sq_tail) == 192, "blink_ring_header.sq_tail");
+BLINK_LAYOUT_ASSERT(offsetof(blink_ring_header, mask_words) == 200, "blink_ring_header.mask_words");
 BLINK_LAYOUT_ASSERT(sizeof(blink_ring_header) == 256, "sizeof(blink_ring_header)");
 
 /* fixed part of a request slot (gateway writes; seq last) */

@@ -557,9 +557,17 @@ BLINK_HD int32_t blink_stop_reason(const blink_sched* s, int32_t slot, int32_t t
   return 0;
 }
 
+// The FinishReason a sampled `token` gives the sequence in `slot` (0: it goes on); BLINK_TOKEN_MASK_EMPTY
+// (its token mask allowed nothing) ends it with ERROR (4; the engine reports INVALID_PARAMS).
+BLINK_HD int32_t blink_token_reason(const blink_sched* s, int32_t slot, int32_t token) {
+  return token == BLINK_TOKEN_MASK_EMPTY ? 4 : blink_stop_reason(s, slot, token);
+}
+
 // Apply a step's sampled tokens (one per sampling entry, in entry order), as Scheduler.update: tokens to
 // publish go to new_slot/new_token (stop tokens are not published), finishes to fin_slot/fin_reason,
 // with their blocks already free. Serial: one thread.
+// BLINK_TOKEN_WAIT (a constrained row whose mask had not come) is no token: the sequence is not advanced,
+// its last position runs again next step (writing the same KV), nothing is published.
 // A STOPPING sequence (only the GPU loop's asynchronous take sets it; its finish is already published)
 // keeps its row's place in the new list as -1 - slot with token 0, and is freed after the step's finishes,
 // in slot order, wherever it is.
@@ -582,8 +590,12 @@ BLINK_HD void blink_sched_update(blink_sched* s, const int32_t* sampled) {
       s->new_token[h->num_new++] = 0;
       continue;
     }
-    const int32_t reason = blink_stop_reason(s, slot, token);
-    if (reason != 1) {
+    if (token == BLINK_TOKEN_WAIT) {
+      s->num_computed[slot] -= 1;
+      continue;
+    }
+    const int32_t reason = blink_token_reason(s, slot, token);
+    if (reason != 1 && reason != 4) {
       s->tokens[slot * ctx + s->num_tokens[slot]++] = token;
       s->new_slot[h->num_new] = slot;
       s->new_token[h->num_new++] = token;

@@ -16,6 +16,8 @@
 
 #define BLINK_SCHED_MAX_EOS 8
 #define BLINK_SCHED_MAX_BUCKETS 32
+#define BLINK_TOKEN_WAIT -2147483647  /* a sampled row's 'token' when its mask had not come: no token, the same position runs again */
+#define BLINK_TOKEN_MASK_EMPTY -2147483646  /* a sampled row's 'token' when its mask allows nothing: the request ends with INVALID_PARAMS */
 
 /* A slot's sequence */
 enum blink_seq_status {

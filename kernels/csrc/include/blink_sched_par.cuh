@@ -72,9 +72,11 @@ __device__ inline int32_t blink_sched_update_par(blink_sched* s, const int32_t* 
       atomicAdd(&sh_dropped, 1);
     } else if (s->entry_samples[e]) {
       const int32_t token = sampled[k_of[e]];
-      const int32_t reason = blink_stop_reason(s, slot, token);
-      if (reason != 1) s->tokens[slot * ctx + s->num_tokens[slot]++] = token;
-      p = reason != 1;
+      const int32_t reason = token == BLINK_TOKEN_WAIT ? 0 : blink_token_reason(s, slot, token);
+      const int32_t keep = token != BLINK_TOKEN_WAIT && reason != 1 && reason != 4;  // as blink_sched_update
+      if (token == BLINK_TOKEN_WAIT) s->num_computed[slot] -= 1;
+      if (keep) s->tokens[slot * ctx + s->num_tokens[slot]++] = token;
+      p = keep;
       f = reason != 0;
       tok[e] = token;
       why[e] = reason;
