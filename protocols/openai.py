@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .openai_fields import (MEDIA_PARTS, REFUSED_CHAT_FIELDS, REFUSED_COMPLETION_FIELDS, REFUSED_FIELDS,
-                            RESPONSE_FORMAT_TYPES, refusal_message, short_value)
+                            RESPONSE_FORMAT_TYPES, TOOL_CHOICES, refusal_message, short_value)
 
 MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1  # top_k and token ids travel as int32 in the ring
@@ -50,8 +50,64 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = None  # vLLM's usage in every chunk: refused (SamplingFields.check)
 
 
+class JsonSchemaFormat(_Request):
+    """response_format's json_schema: the schema the message content must match."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str
+    json_schema: dict[str, Any] | bool = Field(default=True, alias="schema")  # absent: any JSON
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(_Request):
     type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` object: exactly one of its constraints."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDef(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no parameters
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class MessageToolCall(_Request):
+    """An assistant turn's tool call, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class TextPart(_Request):
@@ -70,8 +126,9 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None  # refused (no tool calling): see ChatCompletionRequest.check
-    function_call: Any = None  # the legacy form of tool_calls: refused likewise
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    function_call: Any = None  # the legacy form of tool_calls: refused (ChatCompletionRequest.check)
 
     def check_media(self, index: int) -> None:
         """Refuse a part of another medium than text, naming it: the models served here read text only."""
@@ -127,10 +184,17 @@ class SamplingFields(_Request):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=1e6)] | None = None  # vLLM's: > 1 discourages repeats
     logit_bias: LogitBias | None = None  # token id (a decimal string) -> bias added to its logit
-    response_format: ResponseFormat | None = None  # only {"type": "text"}, until structured outputs land
+    response_format: ResponseFormat | None = None
+    # Structured outputs, vLLM's names: one object, and the older top-level fields vLLM clients still send.
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     def check(self) -> None:
         self._check_response_format()
+        self.constraint_spec()
         if self.stream_options is not None:
             _refuse_unless("stream_options.continuous_usage_stats", self.stream_options.continuous_usage_stats,
                            (None, False))
@@ -147,10 +211,42 @@ class SamplingFields(_Request):
         if kind not in RESPONSE_FORMAT_TYPES:
             raise InvalidRequest(f"invalid value for 'response_format.type': {short_value(kind)}; OpenAI's types are "
                                  f"{', '.join(map(json.dumps, RESPONSE_FORMAT_TYPES))}", "response_format.type")
-        if kind != "text":
-            raise InvalidRequest(f"'response_format' of type {short_value(kind)} is not supported by this server yet "
-                                 f"(no structured outputs): send {{\"type\": \"text\"}} or leave it out",
-                                 "response_format")
+        if kind == "json_schema" and self.response_format.json_schema is None:
+            raise InvalidRequest("'response_format.json_schema' is required with type \"json_schema\"",
+                                 "response_format.json_schema")
+
+    def constraint_spec(self) -> tuple[str, Any, str] | None:
+        """The output's constraint as (kind, value, field): kind "json_schema" (value a schema, a dict or a
+        bool, or its JSON text), "regex", "choice" (a list of strings) or "grammar" (Lark or GBNF); None when
+        the output is free. A 400 when the request sets more than one."""
+        found = [spec for spec in self._constraint_specs() if spec is not None]
+        if len(found) > 1:
+            raise InvalidRequest(f"'{found[0][2]}' and '{found[1][2]}' both constrain the output: send one",
+                                 found[1][2])
+        return found[0] if found else None
+
+    def _constraint_specs(self):
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            yield "json_schema", {"type": "object"}, "response_format"
+        elif fmt is not None and fmt.type == "json_schema":
+            yield "json_schema", fmt.json_schema.json_schema, "response_format.json_schema.schema"
+        so = self.structured_outputs
+        if so is not None:
+            named = [(n, v) for n, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                         ("grammar", so.grammar)) if v is not None]
+            if so.json_object:
+                named.append(("json_object", {"type": "object"}))
+            if len(named) != 1:
+                raise InvalidRequest("'structured_outputs' must set exactly one of json, regex, choice, grammar "
+                                     "or json_object", "structured_outputs")
+            name, value = named[0]
+            kind = {"json": "json_schema", "json_object": "json_schema"}.get(name, name)
+            yield kind, value, f"structured_outputs.{name}"
+        for kind, name in (("json_schema", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
+                           ("grammar", "guided_grammar")):
+            if getattr(self, name) is not None:
+                yield kind, getattr(self, name), name
 
     @property
     def logit_bias_ids(self) -> list[tuple[int, float]]:
@@ -184,19 +280,65 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # default true: several calls in one turn
     refused_fields: ClassVar[dict[str, tuple]] = REFUSED_CHAT_FIELDS
 
     def check(self) -> None:
         super().check()
         for i, message in enumerate(self.messages):
             message.check_media(i)
-            for name in ("tool_calls", "function_call"):
-                if getattr(message, name):
-                    raise InvalidRequest(f"'messages[{i}].{name}' is not supported by this server (no tool "
-                                         f"calling): send the assistant's turn as text content",
-                                         f"messages[{i}].{name}")
+            self._check_message_tools(i, message)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+        self._check_tools()
+
+    @staticmethod
+    def _check_message_tools(i: int, message: ChatMessage) -> None:
+        if message.function_call is not None:
+            raise InvalidRequest(f"'messages[{i}].function_call' (the legacy form) is not supported: send "
+                                 f"'tool_calls'", f"messages[{i}].function_call")
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidRequest(f"'messages[{i}].tool_calls' belongs to an assistant message, not a "
+                                 f"{message.role!r} one", f"messages[{i}].tool_calls")
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidRequest(f"'messages[{i}].tool_call_id' is required in a tool message",
+                                 f"messages[{i}].tool_call_id")
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or ()]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise InvalidRequest(f"'tools[{i}].function.name': {name!r} names two tools",
+                                     f"tools[{i}].function.name")
+        choice = self.tool_choice
+        if isinstance(choice, str) and choice not in TOOL_CHOICES:
+            raise InvalidRequest(f"invalid value for 'tool_choice': {short_value(choice)}; send "
+                                 f"{', '.join(map(json.dumps, TOOL_CHOICES))} or a named function", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequest(f"'tool_choice.function.name': {choice.function.name!r} is not among 'tools'",
+                                 "tool_choice.function.name")
+        if choice == "required" and not names:
+            raise InvalidRequest("'tool_choice' \"required\" needs 'tools'", "tool_choice")
+        if self.forced_tools and self.constraint_spec() is not None:
+            raise InvalidRequest(f"'tool_choice' {short_value(choice) if isinstance(choice, str) else 'naming a function'}"
+                                 f" and '{self.constraint_spec()[2]}' both constrain the output: send one",
+                                 "tool_choice")
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named" (tool_choice as it applies: auto when tools came without one)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def forced_tools(self) -> bool:
+        """The output must be tool calls (required, or a named function)."""
+        return self.tool_mode in ("required", "named")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -307,12 +449,24 @@ class Usage(BaseModel):
                    total_tokens=prompt_len + completion_len)
 
 
-FinishReasonStr = Literal["stop", "length"]
+FinishReasonStr = Literal["stop", "length", "tool_calls"]
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: not v)
 
 
 class TopLogprob(BaseModel):
@@ -359,9 +513,25 @@ def _omit_none(default: Any = None) -> Any:
     return Field(default=default, exclude_if=lambda v: v is None)
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = _omit_none()
+    arguments: str | None = _omit_none()
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed tool call: the first delta of a call carries its id, type and name, the next ones pieces
+    of its arguments; `index` says which call of the message."""
+
+    index: int
+    id: str | None = _omit_none()
+    type: Literal["function"] | None = _omit_none()
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = _omit_none()
     content: str | None = _omit_none()
+    tool_calls: list[ToolCallDelta] | None = _omit_none()
 
 
 class ChatChunkChoice(BaseModel):

@@ -213,6 +213,21 @@ class Backend:
     def cancel(self, handle: RequestHandle) -> None:
         self._producer.cancel(handle.slot)
 
+    def put_mask(self, handle: RequestHandle, token_index: int, words) -> None:
+        """The mask of the request's generated token `token_index` into its slot (the engine waits for it);
+        nothing once the request has left this ring."""
+        if self.poller.requests.get(handle.slot) is handle and not handle.finished:
+            self._producer.put_mask(handle.slot, token_index, words)
+
+    def fail_request(self, handle: RequestHandle, message: str) -> None:
+        """End one request with an error (its reader gets `message`); cancelled in the engine."""
+        self.take_back(handle)
+        if not handle.abandoned:
+            handle.queue.put_nowait(_error_update(message))
+            handle.abandoned = True
+        if self.poller.requests.get(handle.slot) is handle:
+            self._producer.cancel(handle.slot)
+
     # ---------------------------------------------------------------- poller
     def start(self) -> None:
         self.poller.start()

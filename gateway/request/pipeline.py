@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from protocols.openai import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               DetokenizeResponse, InvalidRequest, TokenizeRequest, TokenizeResponse,
@@ -29,10 +29,14 @@ from .detokenize import TextStream
 from .generate import Generation
 from .limits import build_spec, check_engine_modes, check_token_ids
 from .tokenize import TemplateError, TokenizerService
+from ..structured.setup import compile_for, mask_attacher, with_first_mask
+from ..structured.grammar import check as check_grammars
+from ..structured.tools import output_constraint, template_inputs, tools_param_constraints
 
 log = logging.getLogger("blink.gateway.requests")
 
 GenerateRequest = ChatCompletionRequest | CompletionRequest
+Attach = Callable[[RequestHandle], None]
 
 
 def parse(cls, body: bytes, rename: dict[str, str] | None = None):
@@ -48,16 +52,13 @@ def parse(cls, body: bytes, rename: dict[str, str] | None = None):
         raise bad_request(message, param) from None
 
 
-def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
-    """Chat messages as chat templates read them."""
-    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
-
-
 async def encode_messages(tokenizer: TokenizerService, messages: Sequence[ChatMessage],
-                          add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
+                          add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                          req: ChatCompletionRequest | None = None) -> list[int]:
+    """The prompt's tokens; `req`: the request whose tools the prompt lists (gateway/structured/tools.py)."""
+    rendered, tools = template_inputs(messages, req, tokenizer.template_source)
     try:
-        return await tokenizer.encode_chat(template_messages(messages), add_generation_prompt,
-                                           add_special_tokens)
+        return await tokenizer.encode_chat(rendered, add_generation_prompt, add_special_tokens, tools)
     except TemplateError as exc:
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
 
@@ -85,7 +86,7 @@ async def _prompts_ids(tokenizer: TokenizerService, req: GenerateRequest, vocab_
                        prompt_param: str) -> list[tuple[list[int], str]]:
     """Each prompt's token ids and the parameter its errors name (prompt[i] in a batch)."""
     if isinstance(req, ChatCompletionRequest):
-        return [(await encode_messages(tokenizer, req.messages), prompt_param)]
+        return [(await encode_messages(tokenizer, req.messages, req=req), prompt_param)]
     out = []
     for i, prompt in enumerate(req.prompts):
         param = f"{prompt_param}[{i}]" if req.is_batch else prompt_param
@@ -103,6 +104,8 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
     info = backends[0].info  # backends of one model share its limits
     tokenizer = state.tokenizers[req.model]
     prompt_param = prompt_param or ("messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+    if isinstance(req, ChatCompletionRequest) and req.tool_mode != "none":
+        await check_grammars(tools_param_constraints(req))  # a bad parameters schema is a 400 in auto mode too
     prompts = await _prompts_ids(tokenizer, req, info.vocab_size, prompt_param)
     poll_checkpoint()
     specs = [build_spec(next(state.request_ids), req, ids, info, param, state.config.default_max_tokens)
@@ -111,13 +114,19 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
         raise bad_request(f"{len(specs)} prompts x n={req.n} are {len(specs) * req.n} choices, over this "
                           f"backend's {info.geometry.num_slots} request slots", prompt_param)
     check_engine_modes(req, [b.info for b in backends])
+    attach = None
+    constraint = output_constraint(req, tokenizer)
+    if constraint is not None:
+        grammars, compiled = await compile_for(tokenizer, [b.info for b in backends], constraint)
+        specs = [with_first_mask(spec, compiled) for spec in specs]
+        attach = mask_attacher(grammars, compiled)
     prompt_len = sum(len(spec.prompt_ids) for spec in specs)
     admission.charge(prompt_len)
-    return await _submit_choices(state, req, specs, arrival_s), prompt_len
+    return await _submit_choices(state, req, specs, arrival_s, attach), prompt_len
 
 
 async def _submit_choices(state: GatewayState, req: GenerateRequest, specs: list[RequestSpec],
-                          arrival_s: float) -> list[Generation]:
+                          arrival_s: float, attach: Attach | None = None) -> list[Generation]:
     """n generations per spec (seeds seed, seed+1, ... when it has one), in that order; none left if one fails."""
     tokenizer = state.tokenizers[req.model]
     gens: list[Generation] = []
@@ -125,7 +134,7 @@ async def _submit_choices(state: GatewayState, req: GenerateRequest, specs: list
         for spec in specs:
             for i in range(req.n):
                 choice = spec if spec.seed is None or i == 0 else dataclasses.replace(spec, seed=spec.seed + i)
-                failover = Failover(state.router, req.model, choice, state.metrics)
+                failover = Failover(state.router, req.model, choice, state.metrics, attach)
                 handle = await failover.submit()
                 stream = TextStream(tokenizer.tokenizer, req.stop_strings, spec.prompt_ids, tokenizer.single_texts,
                                     tokenizer.token_pieces)
@@ -143,8 +152,10 @@ class Failover:
     """Submits one request where routing says; again elsewhere (each backend once) if it fails there
     before its first token."""
 
-    def __init__(self, router: Router, model: str, spec: RequestSpec, metrics: Metrics | None = None):
+    def __init__(self, router: Router, model: str, spec: RequestSpec, metrics: Metrics | None = None,
+                 attach: Attach | None = None):
         self.router = router
+        self.attach = attach  # what each handle gets before the poller sees it (a constrained request's mask loop)
         self.model = model
         self.spec = spec
         self.metrics = metrics  # counts each resubmission (blink:request_retries_total)
@@ -165,11 +176,15 @@ class Failover:
             if retry_reason is not None and self.metrics is not None:
                 self.metrics.retried(self.model, retry_reason)
             try:
-                return await backend.submit(self.spec)
+                handle = await backend.submit(self.spec)
             except ApiError as err:
                 if err.status != 503:
                     raise
                 refused, retry_reason = err, "submit_refused"
+                continue
+            if self.attach is not None:  # no await since the submission: the poller has not polled it yet
+                self.attach(handle)
+            return handle
 
     async def __call__(self, failed: RequestHandle, reason: str) -> RequestHandle | None:
         try:
