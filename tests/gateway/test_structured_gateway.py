@@ -66,7 +66,7 @@ def live(model_dir, byte_tokenizer, pick_free_port):
         return spec
     patch.setattr("gateway.request.pipeline.with_first_mask", first_mask)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0, timeout=30)
-    yield client, engine
+    yield client, engine, f"127.0.0.1:{server.grpc_port}"
     patch.undo()
 
     async def stop():
@@ -99,7 +99,7 @@ def streamed(client, **kw) -> tuple[str, dict, str]:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_json_schema_outputs_validate(live, seed):
-    client, engine = live
+    client, engine, _ = live
     schema = json_schemas()[seed * 37]
     fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
     r = chat(client, response_format=fmt, seed=seed)
@@ -110,7 +110,7 @@ def test_json_schema_outputs_validate(live, seed):
 
 
 def test_every_kind_of_constraint_and_field(live):
-    client, engine = live
+    client, engine, _ = live
     before = engine.num_waits
     r = chat(client, response_format={"type": "json_object"}, seed=1)
     assert isinstance(json.loads(r.choices[0].message.content), dict)
@@ -128,7 +128,7 @@ def test_every_kind_of_constraint_and_field(live):
 
 
 def test_tool_choice_required_always_calls_and_validates(live):
-    client, _ = live
+    client, _, _ = live
     for seed in range(3):
         r = chat(client, tools=TOOLS, tool_choice="required", seed=seed)
         message = r.choices[0].message
@@ -144,7 +144,7 @@ def test_tool_choice_required_always_calls_and_validates(live):
 
 
 def test_a_named_tool_choice_calls_that_tool_once(live):
-    client, _ = live
+    client, _, _ = live
     named = {"type": "function", "function": {"name": "get_time"}}
     r = chat(client, tools=TOOLS, tool_choice=named, parallel_tool_calls=False, seed=4)
     calls = r.choices[0].message.tool_calls
@@ -153,7 +153,7 @@ def test_a_named_tool_choice_calls_that_tool_once(live):
 
 
 def test_auto_parses_a_call_and_leaves_text_as_text(live):
-    client, _ = live
+    client, _, _ = live
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>'
     r = chat(client, tools=TOOLS, messages=[{"role": "user", "content": "SAY:" + call}])
     assert r.choices[0].finish_reason == "tool_calls"
@@ -167,7 +167,7 @@ def test_auto_parses_a_call_and_leaves_text_as_text(live):
 
 
 def test_a_multi_turn_exchange_with_tool_results(live):
-    client, _ = live
+    client, _, _ = live
     first = chat(client, tools=TOOLS, tool_choice="required", seed=7).choices[0].message
     history = [{"role": "user", "content": "weather?"}, first.model_dump(exclude_none=True)]
     history += [{"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in first.tool_calls]
@@ -177,7 +177,7 @@ def test_a_multi_turn_exchange_with_tool_results(live):
 
 
 def test_a_token_outside_the_grammar_ends_the_request_clearly(live):
-    client, _ = live
+    client, _, _ = live
     with pytest.raises(openai.InternalServerError) as info:
         chat(client, response_format={"type": "json_object"}, seed=BREAK_SEED)
     assert "outside the requested grammar" in info.value.body["message"]
@@ -196,7 +196,29 @@ def test_a_token_outside_the_grammar_ends_the_request_clearly(live):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(live, kw, param):
-    client, _ = live
+    client, _, _ = live
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, **kw)
     assert info.value.body["param"] == param
+
+
+def test_grpc_generate_takes_the_same_constraints(live):
+    import grpc
+
+    from protocols import inference_pb2 as pb, inference_pb2_grpc
+
+    _, _, addr = live
+    auth = [("authorization", "Bearer k")]
+    with grpc.insecure_channel(addr) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        def text(**so) -> str:
+            request = pb.GenerateRequest(model=MODEL, prompt="x", max_tokens=200,
+                                         structured_outputs=pb.StructuredOutputs(**so))
+            return "".join(m.text for m in stub.Generate(request, metadata=auth))
+        assert re.fullmatch("[0-9]{4}", text(regex="[0-9]{4}"))
+        assert text(choice=pb.ChoiceList(choices=["left", "right"])) in ("left", "right")
+        jsonschema.validate(json.loads(text(json=json.dumps(WEATHER))), WEATHER)
+        with pytest.raises(grpc.RpcError) as info:
+            text(regex="a((")
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert ("error-param", "structured_outputs.regex") in info.value.trailing_metadata()
