@@ -81,7 +81,8 @@ def live(model_dir, byte_tokenizer, pick_free_port):
 
 def chat(client, stream=False, **kw):
     messages = kw.pop("messages", [{"role": "user", "content": "hi"}])
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=230, stream=stream, **kw)
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=kw.pop("max_tokens", 230),
+                                          stream=stream, **kw)
 
 
 def streamed(client, **kw) -> tuple[str, dict, str]:
@@ -222,3 +223,38 @@ def test_grpc_generate_takes_the_same_constraints(live):
             text(regex="a((")
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert ("error-param", "structured_outputs.regex") in info.value.trailing_metadata()
+
+
+def _deep(levels: int) -> dict:
+    """A pathological schema: `levels` nested objects around an unbounded-looking string."""
+    schema = {"type": "string", "maxLength": 100000}
+    for i in range(levels):
+        schema = {"type": "object", "properties": {f"k{i}": schema, "n": {"type": "string",
+                                                                            "pattern": "^(a|b|c){1,5000}$"}},
+                  "required": [f"k{i}"]}
+    return schema
+
+
+def test_pathological_schemas_beside_plain_streams(live):
+    """Deep nesting and long bounds get a clear 400 (or compile within bounds) while plain streams go on."""
+    client, _, _ = live
+    from concurrent.futures import ThreadPoolExecutor
+
+    def plain() -> str:
+        r = chat(client, messages=[{"role": "user", "content": "SAY:" + "the quick brown fox " * 4}])
+        return r.choices[0].message.content
+
+    def pathological(levels: int):
+        fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": _deep(levels)}}
+        try:
+            return chat(client, response_format=fmt, max_tokens=60).choices[0].finish_reason
+        except openai.BadRequestError as err:
+            return err.body
+    with ThreadPoolExecutor(6) as pool:
+        plains = [pool.submit(plain) for _ in range(4)]
+        deep = [pool.submit(pathological, n) for n in (40, 400)]
+        assert all(p.result(timeout=30) == "the quick brown fox " * 4 for p in plains)
+        assert deep[0].result(timeout=30) in ("stop", "length")
+        error = deep[1].result(timeout=30)
+        # too deep for the JSON parser of the body or for the schema compiler: a 400 that says so, either way
+        assert error["param"] in (None, "response_format.json_schema.schema") and "recursion" in error["message"]
