@@ -24,14 +24,14 @@ from ..policy.quotas import Admission
 from ..state import GatewayState
 from ..streaming.poller import poll_checkpoint
 from ..streaming.request_handle import RequestHandle
+from ..structured.grammar import check as check_grammars
+from ..structured.setup import compile_for, mask_attacher, with_first_mask
+from ..structured.tools import output_constraint, template_inputs, tools_param_constraints
 from .choices import Choices
 from .detokenize import TextStream
 from .generate import Generation
 from .limits import build_spec, check_engine_modes, check_token_ids
 from .tokenize import TemplateError, TokenizerService
-from ..structured.setup import compile_for, mask_attacher, with_first_mask
-from ..structured.grammar import check as check_grammars
-from ..structured.tools import output_constraint, template_inputs, tools_param_constraints
 
 log = logging.getLogger("blink.gateway.requests")
 

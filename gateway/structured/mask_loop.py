@@ -94,6 +94,11 @@ class MaskLoop:
             self.closed = True
             self.on_error(result)
             return
-        self.put_mask(self.num_consumed, result)
+        try:
+            self.put_mask(self.num_consumed, result)
+        except Exception as exc:  # a transport that cannot carry it: the request ends, never hangs waiting
+            self.closed = True
+            self.on_error(f"the token mask could not be sent to the engine: {exc!r}")
+            return
         if self._pending:
             self._start()
