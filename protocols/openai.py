@@ -14,8 +14,13 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .openai_base import InvalidRequest, StrictRequest as _Request, omit_none as _omit_none
 from .openai_fields import (MEDIA_PARTS, REFUSED_CHAT_FIELDS, REFUSED_COMPLETION_FIELDS, REFUSED_FIELDS,
-                            RESPONSE_FORMAT_TYPES, TOOL_CHOICES, refusal_message, short_value)
+                            refusal_message)
+# FunctionCall and FunctionCallDelta are re-exported: the response schemas are all importable from here.
+from .openai_structured import (FunctionCall, FunctionCallDelta, MessageToolCall, NamedToolChoice,  # noqa: F401
+                                ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolCallDelta, check_message_tools,
+                                check_response_format, check_tools, constraint_spec)
 
 MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1  # top_k and token ids travel as int32 in the ring
@@ -29,85 +34,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI
 ENGINE_SAMPLING_PARAMS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
 
 
-class InvalidRequest(ValueError):
-    """A request body that does not fit the schema; `param` names the field (None for the whole body)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    def check(self) -> None:
-        """Rules beyond types and ranges; raise `InvalidRequest` naming the field."""
-
-
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool | None = None  # vLLM's usage in every chunk: refused (SamplingFields.check)
-
-
-class JsonSchemaFormat(_Request):
-    """response_format's json_schema: the schema the message content must match."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
-    name: str
-    json_schema: dict[str, Any] | bool = Field(default=True, alias="schema")  # absent: any JSON
-    strict: bool | None = None
-    description: str | None = None
-
-
-class ResponseFormat(_Request):
-    type: str
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputs(_Request):
-    """vLLM's `structured_outputs` object: exactly one of its constraints."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: Annotated[list[str], Field(min_length=1)] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-
-class FunctionDef(_Request):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no parameters
-    strict: bool | None = None
-
-
-class Tool(_Request):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class FunctionName(_Request):
-    name: str
-
-
-class NamedToolChoice(_Request):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class ToolCallFunction(_Request):
-    name: str
-    arguments: str  # JSON, as the model wrote it
-
-
-class MessageToolCall(_Request):
-    """An assistant turn's tool call, sent back in the history."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
 
 
 class TextPart(_Request):
@@ -193,8 +122,8 @@ class SamplingFields(_Request):
     guided_grammar: str | None = None
 
     def check(self) -> None:
-        self._check_response_format()
-        self.constraint_spec()
+        check_response_format(self)
+        constraint_spec(self)
         if self.stream_options is not None:
             _refuse_unless("stream_options.continuous_usage_stats", self.stream_options.continuous_usage_stats,
                            (None, False))
@@ -206,47 +135,9 @@ class SamplingFields(_Request):
                 raise InvalidRequest(f"invalid key {key!r} in 'logit_bias': keys are token ids, "
                                      f"as decimal strings", "logit_bias")
 
-    def _check_response_format(self) -> None:
-        kind = self.response_format.type if self.response_format else "text"
-        if kind not in RESPONSE_FORMAT_TYPES:
-            raise InvalidRequest(f"invalid value for 'response_format.type': {short_value(kind)}; OpenAI's types are "
-                                 f"{', '.join(map(json.dumps, RESPONSE_FORMAT_TYPES))}", "response_format.type")
-        if kind == "json_schema" and self.response_format.json_schema is None:
-            raise InvalidRequest("'response_format.json_schema' is required with type \"json_schema\"",
-                                 "response_format.json_schema")
-
     def constraint_spec(self) -> tuple[str, Any, str] | None:
-        """The output's constraint as (kind, value, field): kind "json_schema" (value a schema, a dict or a
-        bool, or its JSON text), "regex", "choice" (a list of strings) or "grammar" (Lark or GBNF); None when
-        the output is free. A 400 when the request sets more than one."""
-        found = [spec for spec in self._constraint_specs() if spec is not None]
-        if len(found) > 1:
-            raise InvalidRequest(f"'{found[0][2]}' and '{found[1][2]}' both constrain the output: send one",
-                                 found[1][2])
-        return found[0] if found else None
-
-    def _constraint_specs(self):
-        fmt = self.response_format
-        if fmt is not None and fmt.type == "json_object":
-            yield "json_schema", {"type": "object"}, "response_format"
-        elif fmt is not None and fmt.type == "json_schema":
-            yield "json_schema", fmt.json_schema.json_schema, "response_format.json_schema.schema"
-        so = self.structured_outputs
-        if so is not None:
-            named = [(n, v) for n, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                         ("grammar", so.grammar)) if v is not None]
-            if so.json_object:
-                named.append(("json_object", {"type": "object"}))
-            if len(named) != 1:
-                raise InvalidRequest("'structured_outputs' must set exactly one of json, regex, choice, grammar "
-                                     "or json_object", "structured_outputs")
-            name, value = named[0]
-            kind = {"json": "json_schema", "json_object": "json_schema"}.get(name, name)
-            yield kind, value, f"structured_outputs.{name}"
-        for kind, name in (("json_schema", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
-                           ("grammar", "guided_grammar")):
-            if getattr(self, name) is not None:
-                yield kind, getattr(self, name), name
+        """The output's constraint (`openai_structured.constraint_spec`); None when the output is free."""
+        return constraint_spec(self)
 
     @property
     def logit_bias_ids(self) -> list[tuple[int, float]]:
@@ -289,42 +180,10 @@ class ChatCompletionRequest(SamplingFields):
         super().check()
         for i, message in enumerate(self.messages):
             message.check_media(i)
-            self._check_message_tools(i, message)
+            check_message_tools(i, message)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
-        self._check_tools()
-
-    @staticmethod
-    def _check_message_tools(i: int, message: ChatMessage) -> None:
-        if message.function_call is not None:
-            raise InvalidRequest(f"'messages[{i}].function_call' (the legacy form) is not supported: send "
-                                 f"'tool_calls'", f"messages[{i}].function_call")
-        if message.tool_calls and message.role != "assistant":
-            raise InvalidRequest(f"'messages[{i}].tool_calls' belongs to an assistant message, not a "
-                                 f"{message.role!r} one", f"messages[{i}].tool_calls")
-        if message.role == "tool" and not message.tool_call_id:
-            raise InvalidRequest(f"'messages[{i}].tool_call_id' is required in a tool message",
-                                 f"messages[{i}].tool_call_id")
-
-    def _check_tools(self) -> None:
-        names = [tool.function.name for tool in self.tools or ()]
-        for i, name in enumerate(names):
-            if name in names[:i]:
-                raise InvalidRequest(f"'tools[{i}].function.name': {name!r} names two tools",
-                                     f"tools[{i}].function.name")
-        choice = self.tool_choice
-        if isinstance(choice, str) and choice not in TOOL_CHOICES:
-            raise InvalidRequest(f"invalid value for 'tool_choice': {short_value(choice)}; send "
-                                 f"{', '.join(map(json.dumps, TOOL_CHOICES))} or a named function", "tool_choice")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise InvalidRequest(f"'tool_choice.function.name': {choice.function.name!r} is not among 'tools'",
-                                 "tool_choice.function.name")
-        if choice == "required" and not names:
-            raise InvalidRequest("'tool_choice' \"required\" needs 'tools'", "tool_choice")
-        if self.forced_tools and self.constraint_spec() is not None:
-            raise InvalidRequest(f"'tool_choice' {short_value(choice) if isinstance(choice, str) else 'naming a function'}"
-                                 f" and '{self.constraint_spec()[2]}' both constrain the output: send one",
-                                 "tool_choice")
+        check_tools(self)
 
     @property
     def tool_mode(self) -> str:
@@ -452,17 +311,6 @@ class Usage(BaseModel):
 FinishReasonStr = Literal["stop", "length", "tool_calls"]
 
 
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # a JSON object, as a string
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
@@ -507,25 +355,6 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-
-
-def _omit_none(default: Any = None) -> Any:
-    return Field(default=default, exclude_if=lambda v: v is None)
-
-
-class FunctionCallDelta(BaseModel):
-    name: str | None = _omit_none()
-    arguments: str | None = _omit_none()
-
-
-class ToolCallDelta(BaseModel):
-    """A streamed tool call: the first delta of a call carries its id, type and name, the next ones pieces
-    of its arguments; `index` says which call of the message."""
-
-    index: int
-    id: str | None = _omit_none()
-    type: Literal["function"] | None = _omit_none()
-    function: FunctionCallDelta
 
 
 class ChatDelta(BaseModel):

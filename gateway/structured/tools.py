@@ -60,9 +60,8 @@ def _template_message(m: ChatMessage, takes_tools: bool) -> dict:
     if m.name:
         out["name"] = m.name
     if m.tool_calls and takes_tools:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
-                             for c in m.tool_calls]
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}} for c in m.tool_calls]
     elif m.tool_calls:
         calls = "".join(f"{TOOL_CALL_OPEN}{_call_json(c.function.name, c.function.arguments)}{TOOL_CALL_CLOSE}"
                         for c in m.tool_calls)
