@@ -461,6 +461,8 @@ def _to_invalid(exc: ValidationError, body: bytes) -> InvalidRequest:
     # A union field yields one error per alternative: say them all.
     if errors[0][0]["type"] == "missing":
         return InvalidRequest(f"'{param}' is a required field", param)
+    if errors[0][0]["type"] == "extra_forbidden":  # an object whose keys are all known (structured_outputs)
+        return InvalidRequest(f"unknown field '{param}'", param)
     msgs = dict.fromkeys(e["msg"].removeprefix("Value error, ") for e, p in errors if p == param)
     return InvalidRequest(f"invalid value for '{param}': {' or '.join(msgs)}", param)
 

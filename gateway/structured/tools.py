@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from protocols.openai import ChatCompletionRequest, ChatMessage, SamplingFields, Tool
 
+from ..errors import bad_request
 from .constraint import Constraint
 from .grammar import JSON_OPTIONS
 from .setup import constraint_of
@@ -127,10 +128,15 @@ def output_constraint(req: SamplingFields, tokenizer) -> Constraint | None:
     tool_choice is "required" or names a function; None for free output."""
     spec = req.constraint_spec()
     if spec is not None:
-        return constraint_of(*spec)
-    if isinstance(req, ChatCompletionRequest) and req.forced_tools:
-        return tool_call_constraint(req, tool_format_of(tokenizer.template_source))
-    return None
+        constraint = constraint_of(*spec)
+    elif isinstance(req, ChatCompletionRequest) and req.forced_tools:
+        constraint = tool_call_constraint(req, tool_format_of(tokenizer.template_source))
+    else:
+        return None
+    if req.ignore_eos:  # a finished grammar allows EOS only: the output must be able to end there
+        raise bad_request(f"'ignore_eos' cannot go with '{constraint.param}': a constrained output ends with EOS "
+                          f"once it is complete", "ignore_eos")
+    return constraint
 
 
 def _strict_json(schema: dict) -> dict:

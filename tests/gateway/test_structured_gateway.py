@@ -258,3 +258,13 @@ def test_pathological_schemas_beside_plain_streams(live):
         error = deep[1].result(timeout=30)
         # too deep for the JSON parser of the body or for the schema compiler: a 400 that says so, either way
         assert error["param"] in (None, "response_format.json_schema.schema") and "recursion" in error["message"]
+
+
+def test_fields_that_cannot_go_with_a_constraint(live):
+    client, _, _ = live
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, response_format={"type": "json_object"}, extra_body={"ignore_eos": True})
+    assert info.value.body["param"] == "ignore_eos"
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, extra_body={"structured_outputs": {"regexp": "a+"}})
+    assert info.value.body["param"] == "structured_outputs.regexp" and "unknown field" in info.value.body["message"]
