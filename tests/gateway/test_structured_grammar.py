@@ -160,3 +160,17 @@ def test_the_mask_loop_delivers_each_next_mask_on_the_event_loop(grammars, byte_
         await asyncio.sleep(0.05)
         assert len(delivered) == len(ids)  # a closed loop delivers nothing
     asyncio.run(run())
+
+
+def test_a_constrained_stream_never_goes_to_the_native_round():
+    """The native round sends tokens without the poller seeing them: a constrained stream would get no masks."""
+    from types import SimpleNamespace
+
+    from gateway.streaming.native import NativeStreams
+    from protocols.ring import RingGeometry
+
+    native = NativeStreams(None, RingGeometry(num_slots=2), None)  # on: nothing says off
+    handle = SimpleNamespace(native=None, abandoned=False, finished=False, mask_loop=object())
+    asked = []
+    assert native.go(handle, 0, True, b"", b"", None, 0, lambda: asked.append(1), lambda taken: None) is False
+    assert not asked  # refused before the stream's state was even asked for
