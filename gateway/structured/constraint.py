@@ -26,7 +26,7 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict | bool, param: str) -> Constraint:
-        return cls("json_schema", json.dumps(schema, sort_keys=True), param)
+        return cls("json_schema", json.dumps(schema), param)  # key order kept: properties come out in it
 
     @property
     def key(self) -> tuple[str, str]:

@@ -153,7 +153,7 @@ def _call_schema(tool: Tool, fmt: ToolFormat) -> dict:
 
 def tool_call_grammar(tools: Sequence[Tool], fmt: ToolFormat, parallel: bool) -> str:
     """A Lark grammar (llguidance's, with inline %json) of one call of `tools`, or one or more if `parallel`."""
-    rules = [f"fn{i}: %json {json.dumps(_call_schema(t, fmt), sort_keys=True)}" for i, t in enumerate(tools)]
+    rules = [f"fn{i}: %json {json.dumps(_call_schema(t, fmt))}" for i, t in enumerate(tools)]  # name first
     fns = " | ".join(f"fn{i}" for i in range(len(tools)))
     if fmt == "hermes":
         call, sep, head, tail = f'"{TOOL_CALL_OPEN}\\n" ({fns}) "\\n{TOOL_CALL_CLOSE}"', '"\\n"', "", ""

@@ -175,3 +175,17 @@ def test_a_text_answer_with_tools_on_is_text():
     assert full.choices[0].message.content == "It is sunny." and full.choices[0].message.tool_calls is None
     assert full.choices[0].finish_reason == "stop"
     assert "tool_calls" not in full.model_dump_json()
+
+
+def test_forced_calls_and_schemas_keep_the_key_order(byte_tokenizer):
+    """Properties come out in the schema's order (a call's name before its arguments, as models are trained)."""
+    eos = byte_tokenizer.token_to_id("<|im_end|>")
+    grammars = Grammars(byte_tokenizer, byte_tokenizer.get_vocab_size(), [eos])
+    sampler = RandomSampler(byte_tokenizer, eos, seed=5, soft_budget=20)
+    grammar = tool_call_grammar(chat_request().tools, "hermes", False)
+    text = byte_tokenizer.decode(generate(grammars, grammars.compile_sync(Constraint("grammar", grammar, "t")), sampler))
+    assert text.startswith('<tool_call>\n{"name": '), text
+    schema = {"type": "object", "properties": {"zeta": {"const": 1}, "alpha": {"const": 2}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    compiled = grammars.compile_sync(Constraint.json_schema(schema, "s"))
+    assert byte_tokenizer.decode(generate(grammars, compiled, sampler)) == '{"zeta": 1, "alpha": 2}'
