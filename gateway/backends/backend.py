@@ -213,6 +213,11 @@ class Backend:
     def cancel(self, handle: RequestHandle) -> None:
         self._producer.cancel(handle.slot)
 
+    @property
+    def takes_masks(self) -> bool:
+        """Its ring has a token-mask area and its transport carries masks: structured outputs can run here."""
+        return bool(getattr(self.info.geometry, "mask_words", 0)) and hasattr(self._producer, "put_mask")
+
     def put_mask(self, handle: RequestHandle, token_index: int, words) -> None:
         """The mask of the request's generated token `token_index` into its slot (the engine waits for it);
         nothing once the request has left this ring."""

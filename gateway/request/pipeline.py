@@ -117,7 +117,7 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
     attach = None
     constraint = output_constraint(req, tokenizer)
     if constraint is not None:
-        grammars, compiled = await compile_for(tokenizer, [b.info for b in backends], constraint)
+        grammars, compiled = await compile_for(tokenizer, backends, constraint)
         specs = [with_first_mask(spec, compiled) for spec in specs]
         attach = mask_attacher(grammars, compiled)
     prompt_len = sum(len(spec.prompt_ids) for spec in specs)

@@ -18,7 +18,8 @@ from .constraint import Constraint
 from .grammar import Compiled, Grammars
 from .mask_loop import MaskLoop
 
-NO_MASKS = "this backend does not support structured output (its ring has no token mask area)"
+NO_MASKS = ("this backend does not support structured output (no token-mask area in its ring, or its transport "
+            "does not carry masks)")
 
 
 def constraint_of(kind: str, value: Any, param: str) -> Constraint:
@@ -38,10 +39,11 @@ def constraint_of(kind: str, value: Any, param: str) -> Constraint:
     return Constraint(kind, value, param)
 
 
-def mask_words_of(infos: Sequence[BackendInfo], param: str) -> int:
-    """The ring's mask words, the same on every backend of the model; a 400 naming `param` when one has none."""
-    words = {getattr(info.geometry, "mask_words", 0) for info in infos}
-    if 0 in words or len(words) != 1:
+def mask_words_of(backends: Sequence, param: str) -> int:
+    """The ring's mask words, the same on every backend of the model; a 400 naming `param` when one cannot take
+    masks (no mask area in its ring, or a transport that does not carry them)."""
+    words = {getattr(b.info.geometry, "mask_words", 0) for b in backends}
+    if not all(b.takes_masks for b in backends) or len(words) != 1:
         raise bad_request(f"'{param}': {NO_MASKS}", param)
     return words.pop()
 
@@ -54,10 +56,10 @@ def grammars_for(tokenizer, info: BackendInfo, num_words: int) -> Grammars:
     return grammars
 
 
-async def compile_for(tokenizer, infos: Sequence[BackendInfo], constraint: Constraint) -> tuple[Grammars, Compiled]:
-    """The constraint compiled for this model (400s name its field)."""
-    num_words = mask_words_of(infos, constraint.param)
-    grammars = grammars_for(tokenizer, infos[0], num_words)
+async def compile_for(tokenizer, backends: Sequence, constraint: Constraint) -> tuple[Grammars, Compiled]:
+    """The constraint compiled for this model, whose `backends` must all take masks (400s name its field)."""
+    num_words = mask_words_of(backends, constraint.param)
+    grammars = grammars_for(tokenizer, backends[0].info, num_words)
     return grammars, await grammars.compile(constraint)
 
 
