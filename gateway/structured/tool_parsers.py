@@ -117,9 +117,10 @@ class ToolCallStream:
         while True:
             start = self._buffer.find(TOOL_CALL_OPEN)
             if start < 0:  # hold back only what may begin the opening tag
-                keep = _partial_suffix(self._buffer, TOOL_CALL_OPEN)
-                cut = len(self._buffer) - keep
-                content += self._buffer[:cut] if not (self.calls and not self._buffer[:cut].strip()) else ""
+                cut = len(self._buffer) - _partial_suffix(self._buffer, TOOL_CALL_OPEN)
+                if self.calls and not self._buffer[:cut].strip():
+                    return content, calls  # whitespace after a call: held until what follows says whether it goes
+                content += self._buffer[:cut]
                 self._buffer = self._buffer[cut:]
                 return content, calls
             if start:

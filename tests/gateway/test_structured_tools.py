@@ -61,6 +61,11 @@ def test_parsers_find_the_calls_whatever_the_pieces(fmt, text, content):
         assert run_stream(fmt, text, cut) == (content, BOTH), cut
 
 
+def test_text_after_a_call_streams_as_it_completes():
+    text = HERMES + "\n\n  Done."
+    assert run_stream("hermes", text, 1) == run_stream("hermes", text, len(text)) == ("Let me check.\n\n\n  Done.", BOTH)
+
+
 @pytest.mark.parametrize("fmt, text", [
     ("hermes", "The weather is fine <tool_call is a tag"),
     ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'),  # not an offered tool
