@@ -12,9 +12,20 @@ from protocols.openai import (AssistantMessage, ChatChoice, ChatChunkChoice, Cha
 
 from ..request.generate import Piece
 from ..request.token_text import TokenTexts
-from ..structured.tool_parsers import ParsedCall, ToolCallStream
+from ..structured.tool_parsers import CallDelta, ToolCallStream
 from ..structured.tools import ToolFormat
 from .formats import ChatFormat, ChoiceOutput, LogprobItem
+
+
+def assemble(deltas: list[CallDelta]) -> list[CallDelta]:
+    """Call deltas joined into whole calls (id, name, every argument fragment), in index order."""
+    calls: dict[int, CallDelta] = {}
+    for delta in deltas:
+        if delta.id is not None:
+            calls[delta.index] = CallDelta(delta.index, delta.id, delta.name, delta.arguments)
+        else:
+            calls[delta.index].arguments += delta.arguments
+    return [calls[i] for i in sorted(calls)]
 
 
 def finish_reason_of(reason: str | None, num_calls: int) -> str | None:
@@ -41,36 +52,36 @@ class ToolChatFormat(ChatFormat):
         return self._streams[index]
 
     def piece_events(self, index: int, piece: Piece) -> bytes:
-        """SSE events of one piece: content that can go out, each completed call, and the finish."""
+        """SSE events of one piece: content that can go out, call heads and argument fragments, the finish."""
         stream = self._stream(index)
-        content, calls = stream.feed(piece.text)
+        content, deltas = stream.feed(piece.text)
         if piece.finish_reason:
             rest, more = stream.finish()
-            content, calls = content + rest, calls + more
+            content, deltas = content + rest, deltas + more
         lps = self._pending_lps.setdefault(index, [])
         lps += zip(piece.token_ids, piece.logprobs) if piece.logprobs else ()
         chunks = []
-        if content or (lps and piece.finish_reason and not calls):
+        if content or (lps and piece.finish_reason and not deltas):
             chunks.append(self.chunk(index, content, logprobs=lps))
             lps.clear()
-        first_call = len(stream.calls) - len(calls)
-        for k, call in enumerate(calls):
-            chunks += self._call_chunks(index, first_call + k, call, lps)
+        for delta in deltas:
+            chunks.append(self._call_chunk(index, delta, lps))
             lps.clear()
         if piece.finish_reason:
-            reason = finish_reason_of(piece.finish_reason, len(stream.calls))
-            chunks.append(self.chunk(index, finish_reason=reason))
+            chunks.append(self.chunk(index, finish_reason=finish_reason_of(piece.finish_reason, stream.num_calls)))
         return b"".join(b"data: %s\n\n" % c.model_dump_json().encode() for c in chunks)
 
-    def _call_chunks(self, index: int, call_index: int, call: ParsedCall, lps: list[LogprobItem]):
-        head = ToolCallDelta(index=call_index, id=call.id, type="function",
-                             function=FunctionCallDelta(name=call.name, arguments=""))
-        args = ToolCallDelta(index=call_index, function=FunctionCallDelta(arguments=call.arguments))
+    def _call_chunk(self, index: int, delta: CallDelta, lps: list[LogprobItem]):
+        """A call's head (id, type, name, arguments "") or a fragment of its arguments, as OpenAI streams them."""
+        if delta.id is not None:
+            call = ToolCallDelta(index=delta.index, id=delta.id, type="function",
+                                 function=FunctionCallDelta(name=delta.name, arguments=""))
+        else:
+            call = ToolCallDelta(index=delta.index, function=FunctionCallDelta(arguments=delta.arguments))
         first = index not in self._role_sent
         self._role_sent.add(index)
-        delta = ChatDelta(role="assistant" if first else None, tool_calls=[head])
-        return [self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(lps) if lps else None)]),
-                self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[args]))])]
+        message = ChatDelta(role="assistant" if first else None, tool_calls=[call])
+        return self._chunk([ChatChunkChoice(index=index, delta=message, logprobs=self._logprobs(lps) if lps else None)])
 
     def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int) -> ChatCompletion:
         listed = [self._full_choice(i, c) for i, c in enumerate(choices)]
@@ -79,9 +90,9 @@ class ToolChatFormat(ChatFormat):
 
     def _full_choice(self, index: int, out: ChoiceOutput) -> ChatChoice:
         stream = ToolCallStream(self.tool_format, self.names)
-        content, calls = stream.feed(out.text)
+        content, deltas = stream.feed(out.text)
         rest, more = stream.finish()
-        content, calls = content + rest, calls + more
+        content, calls = content + rest, assemble(deltas + more)
         tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         message = AssistantMessage(content=content if content or not calls else None, tool_calls=tool_calls or None)
         return ChatChoice(index=index, message=message, finish_reason=finish_reason_of(out.finish_reason, len(calls)),

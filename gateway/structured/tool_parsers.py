@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolFormat
 
+_HERMES_HEAD = re.compile(re.escape(TOOL_CALL_OPEN) + r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 _HERMES_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 _LEADS = {"llama3_json": ("<|python_tag|>", "{"), "mistral": ("[TOOL_CALLS]", "[")}  # how a calls-only output opens
 
@@ -85,60 +86,116 @@ def parse_hermes_call(body: str, names: Collection[str]) -> ParsedCall | None:
     return _call_of(obj, ("arguments", "parameters"), names)
 
 
+@dataclass(slots=True)
+class CallDelta:
+    """A piece of call `index` of the message: its head (`id` and `name` set, no arguments yet) or a fragment
+    of its arguments (`id` and `name` None). A call's fragments joined are its arguments' JSON text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
 class ToolCallStream:
-    """One choice's text in, content and calls out (`feed` per piece, `finish` at the end)."""
+    """One choice's text in, content and call deltas out (`feed` per piece, `finish` at the end).
+
+    Hermes calls stream as they are written: the head once `<tool_call>{"name": ..., "arguments": ` names an
+    offered tool, then the arguments as they come (what may be the call's closing is held back). The other
+    formats give each call whole at the end (only a complete parse says an output is calls)."""
 
     def __init__(self, fmt: ToolFormat, names: Collection[str]):
         self.fmt, self.names = fmt, frozenset(names)
         self._buffer = ""  # text held back: a call (or what may be the start of one)
         self._in_calls = False  # llama3_json / mistral: the output opened as calls
-        self.calls: list[ParsedCall] = []
+        self.num_calls = 0
+        self._open: CallDelta | None = None  # the Hermes call whose arguments are streaming
+        self._args_sent = 0  # characters of `_buffer` (its arguments) sent so far
 
-    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """Content that can go out now, and the calls completed by this piece."""
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        """Content that can go out now, and the call deltas this piece completes."""
         self._buffer += text
         if self.fmt == "hermes":
             return self._feed_hermes()
         return self._feed_json()
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         """The rest, at the end of the output: what did not parse as calls is content."""
+        if self._open is not None:  # cut short (max_tokens): its arguments as far as they got
+            rest, self._buffer = self._buffer[self._args_sent:], ""
+            return "", [CallDelta(self._open.index, arguments=rest)] if rest else []
         rest, self._buffer = self._buffer, ""
-        if self.fmt == "hermes":  # a call cut short stays text; whitespace after calls goes
-            return ("" if self.calls and not rest.strip() else rest), []
+        if self.fmt == "hermes":  # a call cut short before its arguments stays text; whitespace after calls goes
+            return ("" if self.num_calls and not rest.strip() else rest), []
         calls = parse_json_calls(rest, self.fmt, self.names) if rest.strip() else None
         if calls is None:
             return rest, []
-        self.calls += calls
-        return "", calls
+        return "", [d for call in calls for d in self._whole(call)]
 
-    def _feed_hermes(self) -> tuple[str, list[ParsedCall]]:
-        content, calls = "", []
+    def _whole(self, call: ParsedCall) -> list[CallDelta]:
+        index, self.num_calls = self.num_calls, self.num_calls + 1
+        return [CallDelta(index, call.id, call.name), CallDelta(index, arguments=call.arguments)]
+
+    def _feed_hermes(self) -> tuple[str, list[CallDelta]]:
+        content, deltas = "", []
         while True:
+            if self._open is not None:
+                if not self._stream_arguments(deltas):
+                    return content, deltas
+                continue
             start = self._buffer.find(TOOL_CALL_OPEN)
             if start < 0:  # hold back only what may begin the opening tag
                 cut = len(self._buffer) - _partial_suffix(self._buffer, TOOL_CALL_OPEN)
-                if self.calls and not self._buffer[:cut].strip():
-                    return content, calls  # whitespace after a call: held until what follows says whether it goes
+                if self.num_calls and not self._buffer[:cut].strip():
+                    return content, deltas  # whitespace after a call: held until what follows says whether it goes
                 content += self._buffer[:cut]
                 self._buffer = self._buffer[cut:]
-                return content, calls
+                return content, deltas
             if start:
                 before = self._buffer[:start]
-                content += before if not (self.calls and not before.strip()) else ""  # no newlines between calls
+                content += before if not (self.num_calls and not before.strip()) else ""  # none between calls
                 self._buffer = self._buffer[start:]
-            match = _HERMES_CALL.match(self._buffer)
-            if match is None:
-                return content, calls  # the call is not complete yet
-            call = parse_hermes_call(match.group(1), self.names)
-            if call is None:  # not a call of an offered tool: its text is content
-                content += match.group(0)
-            else:
-                calls.append(call)
-                self.calls.append(call)
-            self._buffer = self._buffer[match.end():]
+            text = self._open_call(deltas)
+            if text is None:
+                return content, deltas
+            content += text
 
-    def _feed_json(self) -> tuple[str, list[ParsedCall]]:
+    def _open_call(self, deltas: list[CallDelta]) -> str | None:
+        """At an opening tag: start streaming the call, or take a whole one (""), or give the text of one that
+        is not a call of an offered tool; None: wait for more text."""
+        head = _HERMES_HEAD.match(self._buffer)
+        if head is not None and head.group(1) in self.names:
+            self._open = CallDelta(self.num_calls, new_call_id(), head.group(1))
+            self.num_calls += 1
+            deltas.append(self._open)
+            self._buffer, self._args_sent = self._buffer[head.end():], 0
+            return ""
+        match = _HERMES_CALL.match(self._buffer)
+        if match is None:
+            return None  # the call is not complete yet
+        self._buffer = self._buffer[match.end():]
+        call = parse_hermes_call(match.group(1), self.names)  # another key order, or not an offered tool
+        if call is None:
+            return match.group(0)
+        deltas += self._whole(call)
+        return ""
+
+    def _stream_arguments(self, deltas: list[CallDelta]) -> bool:
+        """The open call's arguments so far; True once its closing tag was met (the call is done)."""
+        close = self._buffer.find(TOOL_CALL_CLOSE)
+        held = close if close >= 0 else len(self._buffer) - _partial_suffix(self._buffer, TOOL_CALL_CLOSE)
+        self._send(deltas, _arguments_end(self._buffer[:held]))
+        if close < 0:
+            return False
+        self._buffer, self._open = self._buffer[close + len(TOOL_CALL_CLOSE):], None
+        return True
+
+    def _send(self, deltas: list[CallDelta], end: int) -> None:
+        if end > self._args_sent:
+            deltas.append(CallDelta(self._open.index, arguments=self._buffer[self._args_sent:end]))
+            self._args_sent = end
+
+    def _feed_json(self) -> tuple[str, list[CallDelta]]:
         if not self._in_calls:
             head = self._buffer.lstrip()
             if not head:
@@ -154,6 +211,13 @@ class ToolCallStream:
             content, self._buffer = self._buffer, ""
             return content, []
         return "", []
+
+
+def _arguments_end(body: str) -> int:
+    """Where a Hermes call's arguments end in `body` (the text after `"arguments": `): before trailing whitespace
+    and a last `}` that may close the call's object (held until more text shows whether it does)."""
+    body = body.rstrip()
+    return len(body[:-1].rstrip()) if body.endswith("}") else len(body)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from gateway.api.tool_format import ToolChatFormat
+from gateway.api.tool_format import ToolChatFormat, assemble
 from gateway.api.formats import ChoiceOutput
 from gateway.request.generate import Piece
 from gateway.request.tokenize import ChatTemplate
@@ -38,12 +38,12 @@ def chat_request(**kw) -> ChatCompletionRequest:
 
 def run_stream(fmt: str, text: str, cut: int) -> tuple[str, list]:
     """The text fed in pieces of `cut` characters: all content, all calls (name, arguments)."""
-    stream, content, calls = ToolCallStream(fmt, NAMES), "", []
+    stream, content, deltas = ToolCallStream(fmt, NAMES), "", []
     for i in range(0, len(text), cut):
         c, k = stream.feed(text[i:i + cut])
-        content, calls = content + c, calls + k
+        content, deltas = content + c, deltas + k
     c, k = stream.finish()
-    return content + c, [(call.name, json.loads(call.arguments)) for call in calls + k]
+    return content + c, [(call.name, json.loads(call.arguments)) for call in assemble(deltas + k)]
 
 
 HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
@@ -61,6 +61,30 @@ def test_parsers_find_the_calls_whatever_the_pieces(fmt, text, content):
         assert run_stream(fmt, text, cut) == (content, BOTH), cut
 
 
+def run_raw(text: str, cut: int) -> list:
+    stream, deltas = ToolCallStream("hermes", NAMES), []
+    for i in range(0, len(text), cut):
+        deltas += stream.feed(text[i:i + cut])[1]
+    return deltas + stream.finish()[1]
+
+
+def test_hermes_arguments_stream_as_they_are_written():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    deltas = run_raw(text, 4)
+    assert deltas[0].id and deltas[0].name == "get_weather" and deltas[0].arguments == ""
+    fragments = [d.arguments for d in deltas[1:]]
+    assert len(fragments) > 3 and all(d.id is None for d in deltas[1:])  # pieces, as they came
+    assert "".join(fragments) == '{"city": "Paris", "unit": "c"}'
+    for cut in (1, 2, 5, len(text)):
+        assert [(c.name, c.arguments) for c in assemble(run_raw(text, cut))] == [("get_weather", "".join(fragments))]
+
+
+def test_a_call_cut_short_keeps_its_arguments_so_far():
+    text = '<tool_call>{"name": "get_time", "arguments": {"tz": "C'
+    for cut in (1, 3, len(text)):
+        assert [(c.name, c.arguments) for c in assemble(run_raw(text, cut))] == [("get_time", '{"tz": "C')]
+
+
 def test_text_after_a_call_streams_as_it_completes():
     text = HERMES + "\n\n  Done."
     assert run_stream("hermes", text, 1) == run_stream("hermes", text, len(text)) == ("Let me check.\n\n\n  Done.", BOTH)
@@ -69,7 +93,7 @@ def test_text_after_a_call_streams_as_it_completes():
 @pytest.mark.parametrize("fmt, text", [
     ("hermes", "The weather is fine <tool_call is a tag"),
     ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'),  # not an offered tool
-    ("hermes", '<tool_call>{"name": "get_time", "arguments": {"tz": '),  # cut short
+    ("hermes", '<tool_call>{"name": "get_time"'),  # cut short before its arguments
     ("llama3_json", "It is sunny in Paris."),
     ("llama3_json", '{"answer": 42}'),
     ("mistral", "[1, 2, 3]"),
