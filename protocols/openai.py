@@ -14,8 +14,13 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .openai_base import InvalidRequest, StrictRequest as _Request, omit_none as _omit_none
 from .openai_fields import (MEDIA_PARTS, REFUSED_CHAT_FIELDS, REFUSED_COMPLETION_FIELDS, REFUSED_FIELDS,
-                            RESPONSE_FORMAT_TYPES, refusal_message, short_value)
+                            refusal_message)
+# FunctionCall and FunctionCallDelta are re-exported: the response schemas are all importable from here.
+from .openai_structured import (FunctionCall, FunctionCallDelta, MessageToolCall, NamedToolChoice,  # noqa: F401
+                                ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolCallDelta, check_message_tools,
+                                check_response_format, check_tools, constraint_spec)
 
 MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1  # top_k and token ids travel as int32 in the ring
@@ -29,29 +34,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI
 ENGINE_SAMPLING_PARAMS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
 
 
-class InvalidRequest(ValueError):
-    """A request body that does not fit the schema; `param` names the field (None for the whole body)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    def check(self) -> None:
-        """Rules beyond types and ranges; raise `InvalidRequest` naming the field."""
-
-
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool | None = None  # vLLM's usage in every chunk: refused (SamplingFields.check)
-
-
-class ResponseFormat(_Request):
-    type: str
 
 
 class TextPart(_Request):
@@ -70,8 +55,9 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None  # refused (no tool calling): see ChatCompletionRequest.check
-    function_call: Any = None  # the legacy form of tool_calls: refused likewise
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    function_call: Any = None  # the legacy form of tool_calls: refused (ChatCompletionRequest.check)
 
     def check_media(self, index: int) -> None:
         """Refuse a part of another medium than text, naming it: the models served here read text only."""
@@ -127,13 +113,20 @@ class SamplingFields(_Request):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=1e6)] | None = None  # vLLM's: > 1 discourages repeats
     logit_bias: LogitBias | None = None  # token id (a decimal string) -> bias added to its logit
-    response_format: ResponseFormat | None = None  # only {"type": "text"}, until structured outputs land
+    response_format: ResponseFormat | None = None
+    # Structured outputs, vLLM's names: one object, and the older top-level fields vLLM clients still send.
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
     # vLLM's: a prefix-cache namespace; requests hit each other's cached blocks only with the same salt
     # (and the same key's salt, gateway/policy/keys.py)
     cache_salt: str | None = None
 
     def check(self) -> None:
-        self._check_response_format()
+        check_response_format(self)
+        constraint_spec(self)
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidRequest("'cache_salt' must be a non-empty string if provided", "cache_salt")
         if self.stream_options is not None:
@@ -147,15 +140,9 @@ class SamplingFields(_Request):
                 raise InvalidRequest(f"invalid key {key!r} in 'logit_bias': keys are token ids, "
                                      f"as decimal strings", "logit_bias")
 
-    def _check_response_format(self) -> None:
-        kind = self.response_format.type if self.response_format else "text"
-        if kind not in RESPONSE_FORMAT_TYPES:
-            raise InvalidRequest(f"invalid value for 'response_format.type': {short_value(kind)}; OpenAI's types are "
-                                 f"{', '.join(map(json.dumps, RESPONSE_FORMAT_TYPES))}", "response_format.type")
-        if kind != "text":
-            raise InvalidRequest(f"'response_format' of type {short_value(kind)} is not supported by this server yet "
-                                 f"(no structured outputs): send {{\"type\": \"text\"}} or leave it out",
-                                 "response_format")
+    def constraint_spec(self) -> tuple[str, Any, str] | None:
+        """The output's constraint (`openai_structured.constraint_spec`); None when the output is free."""
+        return constraint_spec(self)
 
     @property
     def logit_bias_ids(self) -> list[tuple[int, float]]:
@@ -189,19 +176,33 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # default true: several calls in one turn
     refused_fields: ClassVar[dict[str, tuple]] = REFUSED_CHAT_FIELDS
 
     def check(self) -> None:
         super().check()
         for i, message in enumerate(self.messages):
             message.check_media(i)
-            for name in ("tool_calls", "function_call"):
-                if getattr(message, name):
-                    raise InvalidRequest(f"'messages[{i}].{name}' is not supported by this server (no tool "
-                                         f"calling): send the assistant's turn as text content",
-                                         f"messages[{i}].{name}")
+            check_message_tools(i, message)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+        check_tools(self)
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named" (tool_choice as it applies: auto when tools came without one)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def forced_tools(self) -> bool:
+        """The output must be tool calls (required, or a named function)."""
+        return self.tool_mode in ("required", "named")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -318,12 +319,13 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_len))
 
 
-FinishReasonStr = Literal["stop", "length"]
+FinishReasonStr = Literal["stop", "length", "tool_calls"]
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: not v)
 
 
 class TopLogprob(BaseModel):
@@ -366,13 +368,10 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-def _omit_none(default: Any = None) -> Any:
-    return Field(default=default, exclude_if=lambda v: v is None)
-
-
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = _omit_none()
     content: str | None = _omit_none()
+    tool_calls: list[ToolCallDelta] | None = _omit_none()
 
 
 class ChatChunkChoice(BaseModel):
@@ -473,6 +472,8 @@ def _to_invalid(exc: ValidationError, body: bytes) -> InvalidRequest:
     # A union field yields one error per alternative: say them all.
     if errors[0][0]["type"] == "missing":
         return InvalidRequest(f"'{param}' is a required field", param)
+    if errors[0][0]["type"] == "extra_forbidden":  # an object whose keys are all known (structured_outputs)
+        return InvalidRequest(f"unknown field '{param}'", param)
     msgs = dict.fromkeys(e["msg"].removeprefix("Value error, ") for e, p in errors if p == param)
     return InvalidRequest(f"invalid value for '{param}': {' or '.join(msgs)}", param)
 

@@ -16,18 +16,17 @@ REFUSED_FIELDS: dict[str, tuple] = {
     "spaces_between_special_tokens": (None, True), "allowed_token_ids": (None,), "bad_words": (None, []),
     "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1.0), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "prompt_embeds": (None,),
+    "prompt_embeds": (None,),
 }
 REFUSED_CHAT_FIELDS: dict[str, tuple] = {
-    **REFUSED_FIELDS, "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    **REFUSED_FIELDS, "functions": (None, []),
     "function_call": (None, "none", "auto"), "audio": (None,), "modalities": (None, ["text"]),
     "web_search_options": (None,), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,), "echo": (None, False),
     "add_special_tokens": (None, False),
 }
 REFUSED_COMPLETION_FIELDS: dict[str, tuple] = {**REFUSED_FIELDS, "add_special_tokens": (None, True)}
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")  # OpenAI's; only "text" is honoured
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")  # OpenAI's
 
 # Content parts of other media, by OpenAI's (and vLLM's) type names: parsed only to be refused by name.
 MEDIA_PARTS = {"image_url": "images are", "input_image": "images are", "image": "images are",
@@ -53,3 +52,5 @@ def short_value(value: Any) -> str:
         return "an object"
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+TOOL_CHOICES = ("none", "auto", "required")  # OpenAI's; or {"type": "function", "function": {"name": ...}}

@@ -94,6 +94,8 @@ def generate_request(request: inference_pb2.GenerateRequest) -> tuple[ChatComple
         body["stop_token_ids"] = list(request.stop_token_ids)
     if request.logit_bias:
         body["logit_bias"] = {str(token_id): bias for token_id, bias in request.logit_bias.items()}
+    if request.HasField("structured_outputs"):
+        body["structured_outputs"] = _structured_outputs(request.structured_outputs)
     which = request.WhichOneof("input")
     if which == "messages":
         if request.HasField("logprobs"):
@@ -110,6 +112,17 @@ def generate_request(request: inference_pb2.GenerateRequest) -> tuple[ChatComple
             raise bad_request(f"'{which}' holds a negative token id ({min(ids)})", which)
         return parse(_CompletionRequest, _json(body), {"prompt": which}), which
     raise bad_request("set one of 'prompt', 'messages' or 'prompt_token_ids'", "prompt")
+
+
+def _structured_outputs(message: inference_pb2.StructuredOutputs) -> dict:
+    """The message as HTTP's `structured_outputs` object (a 400 names a field of it, as sent here)."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise bad_request("'structured_outputs' sets no constraint: set one of json, regex, choice, grammar or "
+                          "json_object", "structured_outputs")
+    if kind == "choice":
+        return {"choice": list(message.choice.choices)}
+    return {kind: getattr(message, kind)}
 
 
 def tokenize_request(request: inference_pb2.TokenizeRequest) -> TokenizeRequest:

@@ -18,7 +18,10 @@ from ..request.choices import Choices
 from ..request.pipeline import detokenize, parse, start_generation, tokenize
 from ..state import GatewayState
 from ..streaming.poller import poll_checkpoint
+from ..request.token_text import TokenTexts
+from ..structured.tools import tool_format_of
 from .formats import ChatFormat, CompletionFormat, OutputFormat
+from .tool_format import ToolChatFormat
 from .sse import SSE_HEADERS, SseBody
 
 REQUEST_ID_HEADER = "X-Request-Id"  # the gateway's request number, as in its logs and the ring
@@ -49,8 +52,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     async def make_format(choices: Choices) -> ChatFormat:
         texts = choices.tokenizer.token_texts if req.num_logprobs is not None else None
-        return ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, texts)
+        return chat_format(req, f"chatcmpl-{uuid.uuid4().hex}", texts, choices.tokenizer.template_source)
     return await _generate(request, req, make_format, arrival_s)
+
+
+def chat_format(req: ChatCompletionRequest, response_id: str, texts: TokenTexts | None,
+                template_source: str | None) -> ChatFormat:
+    """The response's format: tool calls parsed out of the text when tools are on (and no other constraint
+    holds the output to another form)."""
+    if req.tool_mode == "none" or req.constraint_spec() is not None:
+        return ChatFormat(response_id, req.model, texts)
+    return ToolChatFormat(response_id, req.model, texts, tool_format_of(template_source),
+                          [t.function.name for t in req.tools])
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -108,7 +108,7 @@ class SseBody:
 
     # ---------------------------------------------------------------- the poller's way
     def _attach(self) -> None:
-        if not self._attached:
+        if not self._attached and not getattr(self.fmt, "streams_in_task", False):
             self._attached = True
             for index, gen in enumerate(self.choices.gens):
                 gen.handle.sink = self._sink(index, gen)
@@ -217,7 +217,11 @@ def _frame_parts(parts: tuple[bytes, bytes] | bool | None) -> tuple[bytes, bytes
 
 
 def piece_events(fmt: OutputFormat, index: int, piece: Piece) -> bytes:
-    """The SSE events of one piece: its text (and logprobs) chunk, then its finish chunk."""
+    """The SSE events of one piece: its text (and logprobs) chunk, then its finish chunk (or what a format
+    of its own makes of the piece: tool calls)."""
+    own = getattr(fmt, "piece_events", None)
+    if own is not None:
+        return own(index, piece)
     events = b""
     if piece.text or piece.logprobs:
         logprobs = list(zip(piece.token_ids, piece.logprobs)) if piece.logprobs else ()

@@ -233,6 +233,26 @@ class Backend:
     def cancel(self, handle: RequestHandle) -> None:
         self._producer.cancel(handle.slot)
 
+    @property
+    def takes_masks(self) -> bool:
+        """Its ring has a token-mask area and its transport carries masks: structured outputs can run here."""
+        return bool(getattr(self.info.geometry, "mask_words", 0)) and hasattr(self._producer, "put_mask")
+
+    def put_mask(self, handle: RequestHandle, token_index: int, words) -> None:
+        """The mask of the request's generated token `token_index` into its slot (the engine waits for it);
+        nothing once the request has left this ring."""
+        if self.poller.requests.get(handle.slot) is handle and not handle.finished:
+            self._producer.put_mask(handle.slot, token_index, words)
+
+    def fail_request(self, handle: RequestHandle, message: str) -> None:
+        """End one request with an error (its reader gets `message`); cancelled in the engine."""
+        self.take_back(handle)
+        if not handle.abandoned:
+            handle.queue.put_nowait(_error_update(message))
+            handle.abandoned = True
+        if self.poller.requests.get(handle.slot) is handle:
+            self._producer.cancel(handle.slot)
+
     # ---------------------------------------------------------------- poller
     def start(self) -> None:
         self.poller.start()

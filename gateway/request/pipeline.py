@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from protocols.openai import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               DetokenizeResponse, InvalidRequest, TokenizeRequest, TokenizeResponse,
@@ -24,6 +24,9 @@ from ..policy.quotas import Admission
 from ..state import GatewayState
 from ..streaming.poller import poll_checkpoint
 from ..streaming.request_handle import RequestHandle
+from ..structured.grammar import check as check_grammars
+from ..structured.setup import compile_for, mask_attacher, with_first_mask
+from ..structured.tools import output_constraint, template_inputs, tools_param_constraints
 from .choices import Choices
 from .detokenize import TextStream
 from .generate import Generation
@@ -34,6 +37,7 @@ from .tokenize import TemplateError, TokenizerService
 log = logging.getLogger("blink.gateway.requests")
 
 GenerateRequest = ChatCompletionRequest | CompletionRequest
+Attach = Callable[[RequestHandle], None]
 
 
 def parse(cls, body: bytes, rename: dict[str, str] | None = None):
@@ -49,16 +53,13 @@ def parse(cls, body: bytes, rename: dict[str, str] | None = None):
         raise bad_request(message, param) from None
 
 
-def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
-    """Chat messages as chat templates read them."""
-    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
-
-
 async def encode_messages(tokenizer: TokenizerService, messages: Sequence[ChatMessage],
-                          add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
+                          add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                          req: ChatCompletionRequest | None = None) -> list[int]:
+    """The prompt's tokens; `req`: the request whose tools the prompt lists (gateway/structured/tools.py)."""
+    rendered, tools = template_inputs(messages, req, tokenizer.template_source)
     try:
-        return await tokenizer.encode_chat(template_messages(messages), add_generation_prompt,
-                                           add_special_tokens)
+        return await tokenizer.encode_chat(rendered, add_generation_prompt, add_special_tokens, tools)
     except TemplateError as exc:
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
 
@@ -86,7 +87,7 @@ async def _prompts_ids(tokenizer: TokenizerService, req: GenerateRequest, vocab_
                        prompt_param: str) -> list[tuple[list[int], str]]:
     """Each prompt's token ids and the parameter its errors name (prompt[i] in a batch)."""
     if isinstance(req, ChatCompletionRequest):
-        return [(await encode_messages(tokenizer, req.messages), prompt_param)]
+        return [(await encode_messages(tokenizer, req.messages, req=req), prompt_param)]
     out = []
     for i, prompt in enumerate(req.prompts):
         param = f"{prompt_param}[{i}]" if req.is_batch else prompt_param
@@ -104,6 +105,8 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
     info = backends[0].info  # backends of one model share its limits
     tokenizer = state.tokenizers[req.model]
     prompt_param = prompt_param or ("messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+    if isinstance(req, ChatCompletionRequest) and req.tool_mode != "none":
+        await check_grammars(tools_param_constraints(req))  # a bad parameters schema is a 400 in auto mode too
     prompts = await _prompts_ids(tokenizer, req, info.vocab_size, prompt_param)
     poll_checkpoint()
     specs = [build_spec(next(state.request_ids), req, ids, info, param, state.config.default_max_tokens)
@@ -112,14 +115,20 @@ async def _start(state: GatewayState, req: GenerateRequest, prompt_param: str | 
         raise bad_request(f"{len(specs)} prompts x n={req.n} are {len(specs) * req.n} choices, over this "
                           f"backend's {info.geometry.num_slots} request slots", prompt_param)
     check_engine_modes(req, [b.info for b in backends])
+    attach = None
+    constraint = output_constraint(req, tokenizer)
+    if constraint is not None:
+        grammars, compiled = await compile_for(tokenizer, backends, constraint)
+        specs = [with_first_mask(spec, compiled) for spec in specs]
+        attach = mask_attacher(grammars, compiled)
     prompt_len = sum(len(spec.prompt_ids) for spec in specs)
     admission.charge(prompt_len)
     salt = effective_salt(principal.cache_salt if principal else "", req.cache_salt)
-    return await _submit_choices(state, req, specs, arrival_s, salt), prompt_len
+    return await _submit_choices(state, req, specs, arrival_s, salt, attach), prompt_len
 
 
 async def _submit_choices(state: GatewayState, req: GenerateRequest, specs: list[RequestSpec],
-                          arrival_s: float, salt: str = "") -> list[Generation]:
+                          arrival_s: float, salt: str = "", attach: Attach | None = None) -> list[Generation]:
     """n generations per spec (seeds seed, seed+1, ... when it has one), in that order; none left if one fails.
     `salt`: the prefix cache's namespace for these prompts (`prefix.effective_salt`)."""
     tokenizer = state.tokenizers[req.model]
@@ -129,7 +138,7 @@ async def _submit_choices(state: GatewayState, req: GenerateRequest, specs: list
             blocks = PromptBlocks(spec.prompt_ids, salt)  # hashed once per backend model, for all n choices
             for i in range(req.n):
                 choice = spec if spec.seed is None or i == 0 else dataclasses.replace(spec, seed=spec.seed + i)
-                failover = Failover(state.router, req.model, choice, state.metrics, blocks)
+                failover = Failover(state.router, req.model, choice, state.metrics, blocks, attach)
                 handle = await failover.submit()
                 stream = TextStream(tokenizer.tokenizer, req.stop_strings, spec.prompt_ids, tokenizer.single_texts,
                                     tokenizer.token_pieces)
@@ -148,8 +157,9 @@ class Failover:
     before its first token."""
 
     def __init__(self, router: Router, model: str, spec: RequestSpec, metrics: Metrics | None = None,
-                 blocks: PromptBlocks | None = None):
+                 blocks: PromptBlocks | None = None, attach: Attach | None = None):
         self.router = router
+        self.attach = attach  # what each handle gets before the poller sees it (a constrained request's mask loop)
         self.model = model
         self.spec = spec
         self.metrics = metrics  # counts each resubmission (blink:request_retries_total)
@@ -171,11 +181,16 @@ class Failover:
             if retry_reason is not None and self.metrics is not None:
                 self.metrics.retried(self.model, retry_reason)
             try:
-                return await backend.submit(self.spec if self.blocks is None else self.blocks.spec_for(self.spec, backend.info))
+                spec = self.spec if self.blocks is None else self.blocks.spec_for(self.spec, backend.info)
+                handle = await backend.submit(spec)
             except ApiError as err:
                 if err.status != 503:
                     raise
                 refused, retry_reason = err, "submit_refused"
+                continue
+            if self.attach is not None:  # no await since the submission: the poller has not polled it yet
+                self.attach(handle)
+            return handle
 
     def cached(self, handle: RequestHandle, cached_tokens: int) -> None:
         """The engine reused `cached_tokens` of the prompt where `handle` ran: routing checks its guess."""

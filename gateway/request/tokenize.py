@@ -63,12 +63,16 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(source)
+        self.source = source  # read for tool support and the model's tool-call format (gateway/structured/tools.py)
         self._special_tokens = special_tokens
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+               tools: Sequence[dict] | None = None) -> str:
+        """`tools`: OpenAI-shaped tool definitions, for a template that lists them itself (None: not passed)."""
+        extra = {"tools": list(tools)} if tools is not None else {}
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         **self._special_tokens)
+                                         **self._special_tokens, **extra)
         except TemplateError:
             raise
         except jinja2.TemplateError as exc:
@@ -98,19 +102,24 @@ class TokenizerService:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_source(self) -> str | None:
+        return self.chat_template.source if self.chat_template is not None else None
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> str:
         if self.chat_template is None:
             raise TemplateError(f"the model in {self.model_dir} has no chat template; use /v1/completions")
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt, tools)
 
     def encode_chat_sync(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                         add_special_tokens: bool = False) -> list[int]:
+                         add_special_tokens: bool = False, tools: Sequence[dict] | None = None) -> list[int]:
         # The template writes BOS and the role markers itself: by default no special tokens on top.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens)
 
     async def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> list[int]:
-        return await self._run(self.encode_chat_sync, messages, add_generation_prompt, add_special_tokens)
+                          add_special_tokens: bool = False, tools: Sequence[dict] | None = None) -> list[int]:
+        return await self._run(self.encode_chat_sync, messages, add_generation_prompt, add_special_tokens, tools)
 
     async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._run(self.encode, text, add_special_tokens)

@@ -43,7 +43,8 @@ class NativeStreams:
         (None: no limit). `hand_over()` gives the stream's (TokenPieces, pending bytes), or None when it
         cannot go; `on_take_back` gets what the round did when the stream comes back. False (nothing
         changed) when the stream stays on the Python path."""
-        if self.off is not None or handle.native is not None or handle.abandoned or handle.finished:
+        if self.off is not None or handle.native is not None or handle.abandoned or handle.finished \
+                or handle.mask_loop is not None:  # a constrained stream's tokens go through its grammar here
             return False
         given = hand_over()
         if given is None:

@@ -184,6 +184,11 @@ class Poller:
             if not tokens and not update.finish:  # FinishReason.NONE is 0
                 continue
             num_updates += 1
+            if handle.mask_loop is not None:  # the next token's mask first: the engine waits for it
+                if update.finish:
+                    handle.mask_loop.close()
+                elif tokens and not handle.abandoned:
+                    handle.mask_loop.advance(tokens)
             if not handle.abandoned:
                 if tokens:
                     self.outstanding -= handle.produced(len(tokens))

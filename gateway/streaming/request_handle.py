@@ -79,7 +79,7 @@ class RequestHandle:
     """The gateway's side of one submitted request: updates arrive in `queue`, or go to `sink` first."""
 
     __slots__ = ("backend", "slot", "spec", "queue", "finished", "abandoned", "submitted_s", "num_produced", "sink",
-                 "native", "native_base")
+                 "native", "native_base", "mask_loop")
 
     def __init__(self, backend: Owner, slot: int, spec: RequestSpec):
         self.backend = backend
@@ -93,6 +93,8 @@ class RequestHandle:
         self.sink: Sink | None = None  # set by a reader that can take updates in the poller
         self.native: OnTakeBack | None = None  # set while the native round delivers this stream (`Backend.go_native`)
         self.native_base = 0  # the stream's token count when it went native
+        # A constrained request's grammar (gateway/structured/mask_loop.py): the poller advances it per token.
+        self.mask_loop = None
 
     @property
     def outstanding_tokens(self) -> int:
@@ -126,6 +128,8 @@ class RequestHandle:
 
     def close(self) -> None:
         """Done reading. If the engine has not finished, cancel it there; the poller releases the slot."""
+        if self.mask_loop is not None:
+            self.mask_loop.close()
         if not self.abandoned:
             self.take_back()
             self.abandoned = True

@@ -107,14 +107,15 @@ def _refused(call, param: str) -> dict:
     return error
 
 
-@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
-def test_structured_response_formats_are_refused_until_they_land(client, harness, kind):
+@pytest.mark.parametrize("kind, param", [("json_object", "response_format"),
+                                         ("json_schema", "response_format.json_schema.schema")])
+def test_structured_outputs_on_a_backend_without_masks_are_refused_clearly(client, harness, kind, param):
     schema = {"json_schema": {"name": "x", "schema": {"type": "object"}}} if kind == "json_schema" else {}
     fmt = {"type": kind, **schema}
-    error = _refused(lambda: _chat(client, harness, response_format=fmt), "response_format")
-    assert kind in error["message"] and "not supported" in error["message"]
+    error = _refused(lambda: _chat(client, harness, response_format=fmt), param)
+    assert "does not support structured output" in error["message"]
     _refused(lambda: client.completions.create(model=harness.model, prompt="hi", max_tokens=3,
-                                               extra_body={"response_format": fmt}), "response_format")
+                                               extra_body={"response_format": fmt}), param)
 
 
 def test_a_bogus_response_format_is_refused(client, harness):
@@ -141,13 +142,14 @@ def test_fields_that_would_change_the_output_are_refused(client, harness, kw, pa
     _refused(lambda: _chat(client, harness, **kw), param)
 
 
-def test_assistant_tool_calls_in_the_history_are_refused(client, harness):
+def test_assistant_tool_calls_in_the_history_are_taken(client, harness):
     messages = [{"role": "user", "content": "weather?"},
                 {"role": "assistant", "content": None,
                  "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
-    error = _refused(lambda: _chat(client, harness, messages=messages), "messages[1].tool_calls")
-    assert "tool calling" in error["message"]
+    assert _chat(client, harness, messages=messages).choices[0].finish_reason in ("stop", "length")
+    messages[2].pop("tool_call_id")
+    _refused(lambda: _chat(client, harness, messages=messages), "messages[2].tool_call_id")
 
 
 def test_completion_fields_that_would_change_the_output_are_refused(client, harness):
@@ -164,11 +166,11 @@ def test_fields_that_change_nothing_pass(client, harness):
 # ---------------------------------------------------------------- item 8: error messages
 
 
-def test_the_tools_refusal_does_not_echo_the_tools(client, harness):
+def test_a_tools_refusal_does_not_echo_the_tools(client, harness):
     tools = [{"type": "function", "function": {"name": "lookup_secret_weather", "description": "x" * 500,
-                                                "parameters": {"type": "object", "properties": {}}}}]
-    error = _refused(lambda: _chat(client, harness, tools=tools), "tools")
-    assert "lookup_secret_weather" not in error["message"] and len(error["message"]) < 200
+                                                "parameters": {"type": "object", "properties": {"a": {"type": 5}}}}}]
+    error = _refused(lambda: _chat(client, harness, tools=tools), "tools[0].function.parameters")
+    assert "x" * 50 not in error["message"] and len(error["message"]) < 400
 
 
 @pytest.mark.parametrize("part, says", [
