@@ -7,7 +7,8 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (CI may not install it)")
 
 from gpu_backend.models.moe import expert_mlp, moe_reference, route  # noqa: E402
-from kernels.moe import block_m, block_n, fused_moe, moe_align, moe_experts, moe_route  # noqa: E402
+from kernels.moe import (block_m, block_n, fused_moe, max_row_blocks, moe_align, moe_block_table,  # noqa: E402
+                         moe_experts, moe_route)
 
 
 def _experts(num_experts, hidden, inter, device, gen, dtype=torch.bfloat16):
@@ -56,6 +57,23 @@ def test_align_is_a_stable_counting_sort_by_expert(device):
         assert torch.equal(counts.cpu().long(), want_counts) and counts[:5].sum() == 0
         assert torch.equal(offsets.cpu().long(), torch.cumsum(want_counts, 0) - want_counts)
         assert torch.equal(sorted_pairs.cpu().long(), torch.sort(flat, stable=True).indices)
+
+
+def test_block_table_lists_the_row_blocks_that_hold_pairs(device):
+    gen = torch.Generator().manual_seed(5)
+    for num_experts, top_k, num_tokens, bm in ((128, 8, 1, 16), (16, 4, 37, 16), (8, 2, 300, 64), (6, 3, 5, 16)):
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+        ids = ids.to(device, torch.int32)
+        _, counts, offsets = moe_align(ids, num_experts)
+        max_blocks = max_row_blocks(num_tokens, top_k, num_experts, bm)
+        expert, start, end = (t.cpu().tolist() for t in moe_block_table(counts, offsets, bm, max_blocks))
+        want = [(e, o + i, o + c) for e, (c, o) in enumerate(zip(counts.tolist(), offsets.tolist()))
+                for i in range(0, c, bm)]
+        assert len(want) <= max_blocks and len(expert) == max_blocks
+        assert list(zip(expert, start, end))[:len(want)] == want
+        assert all(e == -1 for e in expert[len(want):])
+    assert max_row_blocks(1, 8, 128, 16) == 8 and max_row_blocks(256, 8, 128, 16) == 256
+    assert max_row_blocks(2, 2, 8, 64) == 4 and max_row_blocks(512, 2, 8, 64) == 1024 // 64 + 8
 
 
 def test_experts_match_the_torch_op_with_empty_experts(device):
