@@ -11,7 +11,7 @@ choice. Five launches, each with a grid fixed by the shapes:
 3. `_block_table_kernel` (one program): the row blocks of BLOCK_M pairs that hold pairs, listed expert by
    expert (expert, start, end); at most P // BLOCK_M + min(E, P) of them (each expert with pairs rounds up
    once), and never more than E * cdiv(T, BLOCK_M). The GEMM grids have that many row programs; the unused
-   ones (expert -1) return at once, so experts without pairs cost no program: at T = 1 the grids hold 8 (+1)
+   ones (expert -1) return at once, so experts without pairs cost no program: at T = 1 the grids hold 8
    row blocks, not 128.
 4. `_expert_gemm_kernel`, gate_up: one program per (row block, block of the intermediate width). Rows are
    gathered from x by token; SwiGLU is fused; h [P, I] is written by pair.
