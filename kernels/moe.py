@@ -2,7 +2,7 @@
 over the experts' stacked weights, with no host synchronisation (graph-capturable).
 
 A step of T tokens with top_k experts each has P = T * top_k pairs; pair p = t * top_k + j is token t's j-th
-choice. Five launches, each with a grid fixed by the shapes:
+choice. Six launches (after the router GEMM), each with a grid fixed by the shapes:
 1. `_route_kernel` (one program per token): softmax of the router logits over all E experts in float32,
    the top_k (ties to the lower expert id), renormalised when asked -> weights [T, k] f32, ids [T, k] i32.
 2. `_align_kernel` (one program per expert): a counting sort of the pairs by expert, stable (pairs of one
@@ -16,7 +16,8 @@ choice. Five launches, each with a grid fixed by the shapes:
 4. `_expert_gemm_kernel`, gate_up: one program per (row block, block of the intermediate width). Rows are
    gathered from x by token; SwiGLU is fused; h [P, I] is written by pair.
 5. The same kernel over the down weights: h rows by pair -> y [P, hidden] f32, scaled by the pair's weight.
-Then each token's k rows of y are summed in a fixed order (deterministic: no atomics anywhere).
+6. `_combine_kernel`: each token's k rows of y summed in a fixed order, rounded once (deterministic: no
+   atomics anywhere).
 
 Weights read: only the experts some token chose (programs of experts without pairs load nothing); each
 chosen expert's tiles are read once per BLOCK_M of its pairs. Rounding follows the plain torch op
@@ -35,6 +36,7 @@ from ._common import check, next_pow2
 _DTYPES = (torch.bfloat16, torch.float16)
 _BLOCK_K = 64
 _ALIGN_BLOCK = 1024
+_COMBINE_BLOCK = 1024
 
 
 @triton.jit
@@ -148,6 +150,18 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, blo
         tl.store(out_ptrs, acc.to(act).to(tl.float32) * weight[:, None], mask=out_mask)
 
 
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # out[t] = sum over j in order of y[t * TOP_K + j]: float32, rounded once
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + j) * hidden + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int32), best first: softmax
     over all E in float32, top_k (ties to the lower id), weights renormalised to sum 1 when `renormalize`.
@@ -236,7 +250,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     _expert_gemm_kernel[(row_blocks, triton.cdiv(hidden, bn))](
         h, experts_down, y, sorted_pairs, *table, weights, hidden, inter, h.stride(0),
         experts_down.stride(0), experts_down.stride(1), y.stride(0), 0, SWIGLU=False, **common)
-    return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    out = torch.empty_like(x)
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, _COMBINE_BLOCK))](y, out, hidden, TOP_K=top_k,
+                                                                       BLOCK=_COMBINE_BLOCK, num_warps=4)
+    return out
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, experts_gate_up: torch.Tensor,
