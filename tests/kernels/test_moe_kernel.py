@@ -27,6 +27,15 @@ def _reference_with_routing(x, weights, ids, gate_up, down):
     return out.to(x.dtype)
 
 
+def _clear_rows(x, router, top_k):
+    """Rows whose k-th and (k+1)-th router probabilities are apart: a near-tie may fall either way between
+    two softmax implementations, and then the rows legitimately differ."""
+    probs = torch.softmax(torch.nn.functional.linear(x, router).float(), dim=-1).sort(dim=-1, descending=True).values
+    if probs.shape[1] == top_k:
+        return torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    return (probs[:, top_k - 1] - probs[:, top_k]) > 1e-4
+
+
 def _token_counts(device):
     return (1, 3, 9) if device == "cpu" else (1, 8, 64, 256)
 
@@ -104,7 +113,9 @@ def test_fused_moe_matches_the_torch_op(device):
         want = moe_reference(x, router, gate_up, down, top_k, True)
         used = route(x, router, top_k, True)[1].unique().numel()
         assert num_tokens > 8 or used < num_experts        # small batches leave experts without tokens
-        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+        clear = _clear_rows(x, router, top_k)
+        assert clear.float().mean() > 0.8
+        torch.testing.assert_close(got[clear].float(), want[clear].float(), atol=3e-2, rtol=3e-2)
 
 
 def test_block_m_follows_the_pairs_per_expert():
@@ -152,4 +163,5 @@ def test_fused_moe_replays_in_a_cuda_graph():
         torch.cuda.synchronize()
         torch.testing.assert_close(out, step(), atol=0, rtol=0)
         want = moe_reference(x, router, gate_up, down, top_k, True)
-        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+        clear = _clear_rows(x, router, top_k)
+        torch.testing.assert_close(out[clear].float(), want[clear].float(), atol=3e-2, rtol=3e-2)
