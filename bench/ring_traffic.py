@@ -34,7 +34,8 @@ With BLINK_ROUNDS=FILE (and the probe) the result also has `poll_rounds_all_open
 the poller's rounds and what filled the gaps between them: the gateway's own work, or its thread not
 running), with BLINK_GC_EVENTS=FILE `gc_all_open` (the collections in the all-open window, those over 1 ms).
 `--workers N` runs the N processes of `blink gateway --workers N`, one per gateway core; `--keep-alive` sends
-each refill on the ended stream's connection.
+each refill on the ended stream's connection. `--tls` serves HTTPS (a throwaway certificate made with
+`openssl`; the gateway's own TLS, `gateway/tls.py`) and the client speaks it.
 """
 from __future__ import annotations
 
@@ -46,10 +47,13 @@ import json
 import os
 import platform
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -113,18 +117,40 @@ def openai_ttft_ms(url: str, key: str, samples: int) -> list[float]:
     return out[5:]
 
 
+def self_signed_certificate(cwd: Path) -> tuple[str, str]:
+    """A throwaway certificate for 127.0.0.1 (its own CA; EC P-256, as an operator's would be): (cert, key)."""
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-keyout", "key.pem", "-out", "cert.pem", "-days", "1", "-subj", "/CN=blink-bench",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], cwd=cwd, check=True, capture_output=True)
+    return str(cwd / "cert.pem"), str(cwd / "key.pem")
+
+
+def _wait_https(url: str, proc: subprocess.Popen, context: ssl.SSLContext, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=1, context=context) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"the gateway did not answer {url} within {timeout_s:g} s")
+
+
 @contextlib.contextmanager
 def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | None = None,
                      profile: str | None = None, poll_spin_s: float | None = None, extra: Sequence[str] = (),
-                     nice: int = 0, workers: int = 1):
+                     nice: int = 0, workers: int = 1, tls: tuple[str, str] | None = None):
     """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL and its pids. With
     `probe`, the gateway runs under `bench/gateway_probe.py` and writes its emit times and token ids there;
     with `profile`, a cProfile dump. With `workers` N > 1, the N worker processes of `--workers N` on one port,
     started here as its supervisor would (one usage table), worker i pinned to the i-th of `cores` (modulo)
-    and writing `probe`.i (and BLINK_ROUNDS.i)."""
+    and writing `probe`.i (and BLINK_ROUNDS.i). `tls`: (certificate, key): HTTPS."""
     port = free_port()
     env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
     args = ["--port", str(port), "--grpc-port", "0", "--backend", control, "--log-level", "WARNING", *extra]
+    if tls:
+        args += ["--ssl-certfile", tls[0], "--ssl-keyfile", tls[1]]
     if poll_spin_s is not None:  # 0: no back-to-back polls, so its CPU time is its work, not its spinning
         config = Path(f"/tmp/blink-traffic-gateway-{os.getpid()}.yaml")
         config.write_text(f"poll_spin_s: {poll_spin_s}\n")
@@ -156,9 +182,12 @@ def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | N
                 if nice:
                     os.setpriority(os.PRIO_PROCESS, 0, nice)
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=worker_env, preexec_fn=placed if core or nice else None))
-        _wait_health(f"http://127.0.0.1:{port}/health", procs[0], 60)
+        if tls:
+            _wait_https(f"https://127.0.0.1:{port}/health", procs[0], ssl.create_default_context(cafile=tls[0]))
+        else:
+            _wait_health(f"http://127.0.0.1:{port}/health", procs[0], 60)
         _wait_listening(port, workers, procs)
-        yield f"http://127.0.0.1:{port}/v1", [p.pid for p in procs]
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}/v1", [p.pid for p in procs]
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -214,7 +243,8 @@ def ttft(args: argparse.Namespace) -> None:
 
 def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pid: int | list[int] | None = None,
                    tick_s: float = 0.0, connect_batch: int = 0, at_end: Callable[[], None] | None = None,
-                   refill_s: float = 0.0, tokens_spread: float = 0.0, keep_alive: bool = False) -> dict:
+                   refill_s: float = 0.0, tokens_spread: float = 0.0, keep_alive: bool = False,
+                   ssl_context: ssl.SSLContext | None = None) -> dict:
     """`streams` concurrent streaming completions (`bench/stream_client.py`); per-token publish-to-receipt
     latency from the ids. With `gateway_pid`: the gateway's CPU per token received after every stream
     started (steady state). `at_end` is called when every stream is done, before the bodies are parsed.
@@ -237,7 +267,7 @@ def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pi
         marks["done"] = cpu_s(gateway_pid), time.monotonic_ns(), thread_sched_ns(gateway_pid)
         if at_end is not None:
             at_end()
-    warm_up = run_streams(url, key, {**body, "max_tokens": 2}, 8, tick_s)[0]  # what the gateway does once only
+    warm_up = run_streams(url, key, {**body, "max_tokens": 2}, 8, tick_s, ssl_context=ssl_context)[0]  # once-only work
     assert all(c.ok for c in warm_up), "warm-up requests failed"
     gc.collect()
     gc.freeze()  # the client's collections must not walk torch's objects (imported with the engine's code)
@@ -245,7 +275,7 @@ def stream_clients(url: str, key: str, streams: int, max_tokens: int, gateway_pi
     lengths = iter(lambda: rng.randint(max(low, 1), high), None) if tokens_spread else None
     counters, stats, wall = run_streams(url, key, body, streams, tick_s, mark("started"), mark("first_end"),
                                         connect_batch, on_done=done if gateway_pid else at_end, refill_s=refill_s,
-                                        lengths=lengths, keep_alive=keep_alive)
+                                        lengths=lengths, keep_alive=keep_alive, ssl_context=ssl_context)
     samples = list(zip(stats.times_ns, (lag_us(t, r) for t, r in zip(stats.tokens, stats.times_ns))))
     windows = {"steady_ns": sorted(stats.first_ns)[streams - 1],  # every stream has started: the ramp is over
                # until here, every stream was open (no stream had ended, or each one ended was replaced)
@@ -361,10 +391,12 @@ def stream(args: argparse.Namespace) -> None:
     gw_cores, other = set(cores[-args.gateway_cores:]), set(cores[:-args.gateway_cores]) or set(cores[:1])
     probe = None if args.no_probe else f"/tmp/blink-emit-lags-{os.getpid()}.json"
     engine_stats = Path(f"/tmp/blink-engine-stats-{os.getpid()}.json")
+    tls = self_signed_certificate(Path(tempfile.mkdtemp(prefix="blink-bench-tls-"))) if args.tls else None
+    client_tls = ssl.create_default_context(cafile=tls[0]) if tls else None
     with traffic_engine(args.tok_s, idle_s=0.0005, cores=other, stats_path=str(engine_stats)) as (_, control, engine):
         with gateway_in_front(control, gw_cores, probe=probe, profile=args.profile,
                               poll_spin_s=args.poll_spin_s, extra=args.gateway_arg, nice=args.gateway_nice,
-                              workers=args.workers) as (url, gateway):
+                              workers=args.workers, tls=tls) as (url, gateway):
             os.sched_setaffinity(0, other)
             awake = set() if args.let_cores_halt else other - gw_cores
             with isolate_cores(gw_cores - other if args.isolate else set(), keep=set(gateway)) as moved, \
@@ -373,7 +405,7 @@ def stream(args: argparse.Namespace) -> None:
                         **{f"keep_awake_{core}": pid for core, pid in zip(sorted(awake), spinners)}}
                 result = with_cpu_use(pids, lambda at_end: stream_clients(
                     url, "traffic-key", args.streams, args.tokens, gateway, args.client_tick_ms / 1e3,
-                    args.connect_batch, at_end, args.refill_s, args.tokens_spread, args.keep_alive))
+                    args.connect_batch, at_end, args.refill_s, args.tokens_spread, args.keep_alive, client_tls))
             result["threads_moved_off_gateway_cores"] = sorted(moved)
     result.update(json.loads(engine_stats.read_text()))
     engine_stats.unlink()
@@ -396,7 +428,7 @@ def stream(args: argparse.Namespace) -> None:
     samples = result.pop("samples")
     if args.samples_out:  # every token's (time ns, lag us), for looking at a run's course
         np.savez_compressed(args.samples_out, emit=np.array(emit).reshape(-1, 2), client=np.array(samples).reshape(-1, 2))
-    result = {"bench": "gateway_stream", "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
+    result = {"bench": "gateway_stream", "tls": bool(tls), "gateway_cores": sorted(gw_cores), "other_cores": sorted(other),
               "gateway_nice": args.gateway_nice, "gateway_cores_isolated": args.isolate,
               "keep_awake_cores": sorted(awake),
               "gateway_workers": args.workers, "gateway_poll_spin_s": args.poll_spin_s, "gateway_args": args.gateway_arg, "engine_tok_s_per_stream": args.tok_s, **result,
@@ -406,7 +438,7 @@ def stream(args: argparse.Namespace) -> None:
            + ("" if args.client_tick_ms else "_woken") + ("_halt" if args.let_cores_halt else "")
            + (f"_nice{args.gateway_nice}" if args.gateway_nice else "") + (f"_w{args.workers}" if args.workers > 1 else "")
            + ("_iso" if args.isolate else "") + (f"_refill{args.refill_s:g}" if args.refill_s else "")
-           + ("_keepalive" if args.keep_alive else "") + (f"_spread{args.tokens_spread:g}" if args.tokens_spread else "")
+           + ("_keepalive" if args.keep_alive else "") + ("_tls" if args.tls else "") + (f"_spread{args.tokens_spread:g}" if args.tokens_spread else "")
            + (f"_{args.tag}" if args.tag else ""))
     print(summary(result))
 
@@ -536,6 +568,8 @@ def main() -> None:
     st.add_argument("--keep-alive", action="store_true",
                     help="with --refill-s: send each replacement on the connection of the stream it replaces "
                          "(HTTP/1.1 keep-alive, as the openai client's connection pool does) instead of a new one")
+    st.add_argument("--tls", action="store_true", help="HTTPS: the gateway serves TLS (a throwaway certificate "
+                    "made here with openssl) and the client speaks it")
     st.add_argument("--tag", help="appended to the result file's name (repeated runs)")
     st.add_argument("--samples-out", help="also write every token's emit and client (time, lag) here (.npz)")
     st.add_argument("--out", default=str(ROOT / "bench" / "results"))

@@ -18,6 +18,11 @@ the first end that was not replaced: until then every stream slot was open.
 `tick_s` > 0: the client sleeps `tick_s` between rounds and then reads whatever arrived (never blocked in
 epoll): a gateway's write then finds no reader to wake on another core, as with a client on another host;
 0: it blocks in epoll and each write wakes it (on loopback the sender pays for that wake-up).
+
+`ssl_context`: HTTPS. Each connection's TLS handshake is stepped in the same epoll loop (never blocking
+another stream); then reads go through the SSL object (`recv_into` as before), and a read that leaves
+decrypted bytes buffered (a record larger than the buffer's room) is followed by another at once, since
+epoll cannot see those.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import json
 import re
 import select
 import socket
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
@@ -91,7 +97,10 @@ class StreamBody:
         """Reads what the socket holds into the buffer (the hot path: one syscall, no bytes object)."""
         if self.size == len(self.buf):
             self._grow()
-        n = sock.recv_into(self.view[self.size:])
+        try:
+            n = sock.recv_into(self.view[self.size:])
+        except ssl.SSLWantReadError:  # TLS: only part of a record has arrived
+            return False
         return self.add(n, clock()) if n else True
 
     def feed(self, data: bytes, now_ns: int) -> bool:
@@ -193,7 +202,7 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
                 on_first_end: Callable[[StreamStats], None] | None = None, connect_batch: int = 0,
                 connect_gap_s: float = 0.005, on_done: Callable[[], None] | None = None,
                 refill_s: float = 0.0, lengths: Iterator[int] | None = None, keep_alive: bool = False,
-                ) -> tuple[list[StreamBody], StreamStats, float]:
+                ssl_context: ssl.SSLContext | None = None) -> tuple[list[StreamBody], StreamStats, float]:
     """All streams, `connect_batch` connections every `connect_gap_s` (0: all at once), read as they go;
     returns each stream's body (parsed), the token samples and the wall time (s) of the streaming, which
     ends with `on_done()` (before the parse, whose CPU time is not the run's). Connections are opened
@@ -201,7 +210,7 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
     them; it waits a second or more for the retransmit) holds up no other stream. `lengths`: each new
     stream's `max_tokens` (else `body`'s); `refill_s`: see the module's doc; `keep_alive`: a replacement is
     sent on the connection of the stream it replaces when that one ended whole (HTTP/1.1 keep-alive, as
-    the `openai` client's connection pool does), else on a new connection."""
+    the `openai` client's connection pool does), else on a new connection. `ssl_context`: HTTPS."""
     connect_batch = connect_batch or num_streams
     addr = (urlsplit(url).hostname, urlsplit(url).port)
     stats = StreamStats(num_streams, on_all_started, on_first_end)
@@ -213,11 +222,12 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
             requests[max_tokens] = completion_request(url, key, {**body, "max_tokens": max_tokens})
         stream = StreamBody(stats, 4096 + BODY_BYTES_PER_TOKEN * max_tokens, max_tokens)
         if sock is None:
-            return _connect(addr, stream, requests[max_tokens], poller, open_socks)
+            return _connect(addr, stream, requests[max_tokens], poller, open_socks, unsent)
         open_socks[sock.fileno()] = (sock, stream, requests[max_tokens])
         sock.send(requests[max_tokens])  # the connection's previous response is complete: its send buffer is empty
         return stream
     poller, open_socks, bodies = select.epoll(), {}, []
+    unsent: set[int] = set()  # connections still connecting (TCP, then TLS): their request is not sent yet
     t0, t0_ns, monotonic_ns = time.perf_counter(), time.monotonic_ns(), time.monotonic_ns
     next_connect_s = t0
     while open_socks or len(bodies) < num_streams:
@@ -233,10 +243,17 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
             timeout = max(0.0, next_connect_s - time.perf_counter()) if connecting else -1
         for fd, events in poller.poll(timeout):
             sock, stream, request = open_socks[fd]
-            if events & select.EPOLLOUT:  # connected: the request fits the empty send buffer
+            if fd in unsent:  # connecting: TCP, then (HTTPS) TLS, then the request into the empty send buffer
+                if ssl_context is not None:
+                    if not isinstance(sock, ssl.SSLSocket):
+                        sock = ssl_context.wrap_socket(sock, server_hostname=addr[0], do_handshake_on_connect=False)
+                        open_socks[fd] = (sock, stream, request)
+                    if not _handshake_step(sock, poller, fd):
+                        continue
                 sock.send(request)
+                unsent.discard(fd)
                 poller.modify(fd, select.EPOLLIN)
-            elif stream.recv(sock, monotonic_ns):
+            elif _read(stream, sock, monotonic_ns):
                 replaced = not connecting and time.perf_counter() - t0 < refill_s
                 stats.ended(monotonic_ns(), replaced)
                 if replaced and keep_alive and stream.buf.endswith(END, 0, stream.size):
@@ -258,11 +275,33 @@ def run_streams(url: str, key: str, body: dict, num_streams: int, tick_s: float 
     return bodies, stats, wall_s
 
 
+def _read(stream: StreamBody, sock: socket.socket, clock: Callable[[], int]) -> bool:
+    """`stream.recv`, again while TLS holds decrypted bytes that epoll cannot see."""
+    done = stream.recv(sock, clock)
+    while not done and isinstance(sock, ssl.SSLSocket) and sock.pending():
+        done = stream.recv(sock, clock)
+    return done
+
+
+def _handshake_step(sock: ssl.SSLSocket, poller: select.epoll, fd: int) -> bool:
+    """One step of a non-blocking TLS handshake; True once done, else waits for what it wants."""
+    try:
+        sock.do_handshake()
+    except ssl.SSLWantReadError:
+        poller.modify(fd, select.EPOLLIN)
+        return False
+    except ssl.SSLWantWriteError:
+        poller.modify(fd, select.EPOLLOUT)
+        return False
+    return True
+
+
 def _connect(addr: tuple[str, int], stream: StreamBody, request: bytes, poller: select.epoll,
-             open_socks: dict) -> StreamBody:
+             open_socks: dict, unsent: set[int]) -> StreamBody:
     sock = socket.socket()
     sock.setblocking(False)
     sock.connect_ex(addr)  # EINPROGRESS: writable once connected
     open_socks[sock.fileno()] = (sock, stream, request)
+    unsent.add(sock.fileno())
     poller.register(sock.fileno(), select.EPOLLOUT)
     return stream

@@ -4,7 +4,9 @@
     blinkctl keys list | add NAME [--role R] [--rpm N] [--tpm N] [--max-streams N] [--max-tokens N] | remove NAME
 
 The URL defaults to BLINK_URL or http://127.0.0.1:8000 (the OpenAI base URL, ending in /v1, works too),
-the key to BLINK_ADMIN_KEY (without one, blinkctl says so and exits 2). `keys --file FILE`
+the key to BLINK_ADMIN_KEY (without one, blinkctl says so and exits 2). Over HTTPS, `--ssl-ca-certs FILE`
+trusts the gateway's CA (else the system's), and `--ssl-certfile/--ssl-keyfile` present a client
+certificate to a gateway started with `--ssl-cert-reqs 2`. `keys --file FILE`
 edits a keys file directly instead (no gateway needed; running gateways re-read it when it changes).
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import urllib.error
 import urllib.request
 
@@ -35,7 +38,7 @@ def call(args: argparse.Namespace, method: str, path: str, body: dict | None = N
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=args.timeout) as resp:
+        with urllib.request.urlopen(req, timeout=args.timeout, context=_tls_context(args, url)) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as err:
         try:
@@ -45,6 +48,20 @@ def call(args: argparse.Namespace, method: str, path: str, body: dict | None = N
         raise AdminError(f"{method} {path}: {err.code} {message}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise AdminError(f"cannot reach the gateway at {url}: {exc}", exit_code=2) from None
+
+
+def _tls_context(args: argparse.Namespace, url: str) -> ssl.SSLContext | None:
+    """For https URLs: trust --ssl-ca-certs (else the system's CAs) and present --ssl-certfile if given."""
+    if not url.startswith("https:"):
+        return None
+    try:
+        context = ssl.create_default_context(cafile=getattr(args, "ssl_ca_certs", None))
+        if getattr(args, "ssl_certfile", None):
+            context.load_cert_chain(args.ssl_certfile, getattr(args, "ssl_keyfile", None))
+    except (OSError, ssl.SSLError) as exc:  # the library's reason: never the key
+        raise AdminError(f"cannot load the TLS files given to blinkctl: "
+                         f"{getattr(exc, 'reason', None) or exc.strerror or type(exc).__name__}", exit_code=2) from None
+    return context
 
 
 def gateway_root(url: str) -> str:
@@ -58,6 +75,10 @@ def add_admin_commands(sub) -> None:
     common.add_argument("--url", help=f"the gateway, with or without /v1 (default BLINK_URL or {DEFAULT_URL})")
     common.add_argument("--admin-key", help="the admin key (default BLINK_ADMIN_KEY)")
     common.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    common.add_argument("--ssl-ca-certs", metavar="FILE", help="https: the CA that signed the gateway's certificate")
+    common.add_argument("--ssl-certfile", metavar="FILE", help="https: a client certificate (gateways started "
+                        "with --ssl-cert-reqs 2 ask for one)")
+    common.add_argument("--ssl-keyfile", metavar="FILE", help="its private key (default: in the certfile)")
     common.add_argument("--json", action="store_true", help="print the gateway's JSON reply")
     sub.add_parser("status", parents=[common], help="uptime, backends, requests in flight").set_defaults(
         func=cmd_status)

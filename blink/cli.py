@@ -24,7 +24,8 @@ from protocols.shm import stable_ring_name
 # backend's dependencies (torch), and must not load them.
 BACKEND_PACKAGES = ("torch", "safetensors", "gguf", "tqdm", "triton")  # pyproject's `backend` extra, as imported
 # `serve` flags passed on to the gateway as given (TLS and the admin listener; BLINK_METRICS_KEY by the environment).
-GATEWAY_FLAGS = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs", "admin_host", "admin_port")
+GATEWAY_FLAGS = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs", "admin_host", "admin_port",
+                 "backend_ssl_certfile", "backend_ssl_keyfile", "backend_ssl_ca_certs")
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:

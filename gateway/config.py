@@ -102,9 +102,17 @@ class GatewayConfig:
     admin_host: str | None = None
     admin_port: int | None = None
     metrics_key: str | None = field(default=None, repr=False)  # /metrics then needs `Bearer <metrics_key>`
+    # Mutual TLS toward the backends (their gRPC control planes and tcp agents; gateway/tls.py): their
+    # certificates are checked against backend_ssl_ca_certs (and must name the address dialled), and the
+    # gateway presents backend_ssl_certfile + keyfile (no keyfile: the key is in the certfile). Files are
+    # read at each new connection. None: plaintext, as backends without --control-ssl-* serve.
+    backend_ssl_certfile: str | None = None
+    backend_ssl_keyfile: str | None = None
+    backend_ssl_ca_certs: str | None = None
 
     def __post_init__(self) -> None:
         self._check_listeners()
+        self._check_backend_tls()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.grpc_port < 65536:
@@ -140,6 +148,14 @@ class GatewayConfig:
         if "default" not in self.heartbeat_timeouts_s:
             raise ValueError("heartbeat_timeouts_s needs a 'default' entry (for modes it does not name)")
 
+    def _check_backend_tls(self) -> None:
+        """Backend TLS needs the CA that signs the backends' certificates; a key needs its certificate."""
+        if self.backend_ssl_keyfile is not None and self.backend_ssl_certfile is None:
+            raise ValueError("backend_ssl_keyfile needs backend_ssl_certfile (the client certificate it belongs to)")
+        if self.backend_ssl_certfile is not None and self.backend_ssl_ca_certs is None:
+            raise ValueError("backend_ssl_certfile needs backend_ssl_ca_certs: the CA that signs the backends' "
+                             "certificates (the gateway trusts no other for them)")
+
     def _check_listeners(self) -> None:
         """A key needs its certificate, a client check its CA; the admin listener has a port of its own."""
         if self.ssl_keyfile is not None and self.ssl_certfile is None:
@@ -164,6 +180,11 @@ class GatewayConfig:
     @property
     def tls(self) -> bool:
         return self.ssl_certfile is not None
+
+    @property
+    def backend_tls(self) -> bool:
+        """Backends are dialled over TLS (control planes and tcp agents)."""
+        return self.backend_ssl_ca_certs is not None
 
     @property
     def separate_admin(self) -> bool:

@@ -91,6 +91,15 @@ METRICS_KEY = EnvVar(f"{PREFIX}METRICS_KEY", "key /metrics asks for as a bearer 
                      field="metrics_key")
 VARIABLES += (SSL_CERTFILE, SSL_KEYFILE, SSL_CA_CERTS, SSL_CERT_REQS, ADMIN_HOST, ADMIN_PORT, METRICS_KEY)
 
+# Mutual TLS toward the backends (control planes and tcp agents; docs/operations.md "TLS to the backends").
+BACKEND_SSL_CERTFILE = EnvVar(f"{PREFIX}BACKEND_SSL_CERTFILE", "the gateway's client certificate toward backends, "
+                              "PEM (--backend-ssl-certfile)", field="backend_ssl_certfile")
+BACKEND_SSL_KEYFILE = EnvVar(f"{PREFIX}BACKEND_SSL_KEYFILE", "its private key, PEM (--backend-ssl-keyfile)",
+                             field="backend_ssl_keyfile")
+BACKEND_SSL_CA_CERTS = EnvVar(f"{PREFIX}BACKEND_SSL_CA_CERTS", "CA that signs the backends' certificates, PEM; "
+                              "set: backends are dialled over TLS (--backend-ssl-ca-certs)", field="backend_ssl_ca_certs")
+VARIABLES += (BACKEND_SSL_CERTFILE, BACKEND_SSL_KEYFILE, BACKEND_SSL_CA_CERTS)
+
 
 def config_overrides(environ: Mapping[str, str] | None = None) -> dict:
     """The `GatewayConfig` fields the set variables give (unset ones give nothing)."""

@@ -89,6 +89,12 @@ def _tls_args(p: argparse.ArgumentParser) -> None:
                    "API's (0: a free one; also BLINK_ADMIN_PORT)")
     p.add_argument("--metrics-key", metavar="KEY", help="/metrics asks for 'Authorization: Bearer KEY' (prefer "
                    "BLINK_METRICS_KEY: a flag shows in ps)")
+    p.add_argument("--backend-ssl-certfile", metavar="FILE", help="mutual TLS toward backends: the gateway's client "
+                   "certificate (PEM; also BLINK_BACKEND_SSL_CERTFILE)")
+    p.add_argument("--backend-ssl-keyfile", metavar="FILE", help="its private key (PEM; default: in the "
+                   "--backend-ssl-certfile; also BLINK_BACKEND_SSL_KEYFILE)")
+    p.add_argument("--backend-ssl-ca-certs", metavar="FILE", help="dial backends' control planes and tcp agents over "
+                   "TLS, trusting this CA only (PEM; also BLINK_BACKEND_SSL_CA_CERTS)")
 
 
 def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
@@ -109,7 +115,9 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
              "limits_table": args.limits_table, "setup_pacing": args.setup_pacing,
              "native_stream": args.native_stream, "ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile,
              "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs, "admin_host": args.admin_host,
-             "admin_port": args.admin_port, "metrics_key": args.metrics_key}
+             "admin_port": args.admin_port, "metrics_key": args.metrics_key,
+             "backend_ssl_certfile": args.backend_ssl_certfile, "backend_ssl_keyfile": args.backend_ssl_keyfile,
+             "backend_ssl_ca_certs": args.backend_ssl_ca_certs}
     fields.update({k: v for k, v in flags.items() if v is not None})
     return GatewayConfig(**fields)
 

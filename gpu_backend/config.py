@@ -62,6 +62,13 @@ class BackendConfig:
     advertise: str | None = None           # tcp: the agent address Describe announces (default: listen)
     rdma_device: str | None = None         # rdma: device name (default: the first)
     rdma_gid_index: int = 0                # rdma: GID table index (RoCE v2: often 3)
+    # TLS on the control plane and the tcp agent (gpu_backend/control_tls.py; one set of files for both):
+    # certificate chain + key (PEM; no keyfile: the key is in the certfile), and the CA gateways' client
+    # certificates must chain to, checked as control_ssl_cert_reqs says (0 none, 1 optional, 2 required).
+    control_ssl_certfile: str | None = None
+    control_ssl_keyfile: str | None = None
+    control_ssl_ca_certs: str | None = None
+    control_ssl_cert_reqs: int = 2
     # The persistent loop's knobs (idle sleep, heartbeat interval, ...) are compiled into or read by
     # kernels/csrc/persistent_loop.cu today; once kernels/persistent_loop.py takes an options struct,
     # its fields go here and PersistentEngine hands them to blink_loop_create.
@@ -79,10 +86,24 @@ class BackendConfig:
             self._check(getattr(self, name) >= 1, name, f"{getattr(self, name)} must be at least 1")
         for name in ("context_len", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "threads", "rdma_gid_index"):
             self._check(getattr(self, name) >= 0, name, f"{getattr(self, name)} must not be negative")
+        self._check_control_tls()
         self._check(self.context_len != 1, "context_len", "1 leaves no room for a generated token")
         self._check(self.mode == "cpu" or self.num_seqs <= self.batched_tokens, "max_num_seqs",
                     f"{self.num_seqs} is over max_num_batched_tokens {self.batched_tokens}: a GPU step buffer has a "
                     f"row per sequence and at most one sequence per token")
+
+    def _check_control_tls(self) -> None:
+        """No half TLS configuration: a key needs its certificate, a client check its CA."""
+        self._check(self.control_ssl_cert_reqs in (0, 1, 2), "control_ssl_cert_reqs",
+                    f"{self.control_ssl_cert_reqs!r} is not 0 (none), 1 (optional) or 2 (required)")
+        if self.control_ssl_certfile is None:
+            for name in ("control_ssl_keyfile", "control_ssl_ca_certs"):
+                self._check(getattr(self, name) is None, name, "needs control_ssl_certfile (the backend's TLS "
+                            "certificate): set it too, or neither")
+            return
+        self._check(self.control_ssl_cert_reqs == 0 or self.control_ssl_ca_certs is not None, "control_ssl_ca_certs",
+                    f"control_ssl_cert_reqs {self.control_ssl_cert_reqs} checks the gateways' client certificates "
+                    f"against this CA: set it (or control_ssl_cert_reqs 0 for TLS without client certificates)")
 
     @staticmethod
     def _check(ok: bool, name: str, problem: str) -> None:
@@ -103,6 +124,11 @@ class BackendConfig:
         if self.max_num_seqs:
             return self.max_num_seqs
         return 64 if self.mode == "cpu" else min(256, self.batched_tokens)
+
+    @property
+    def control_tls(self) -> bool:
+        """The control plane (and a tcp agent) serve TLS."""
+        return self.control_ssl_certfile is not None
 
     @property
     def ring_name(self) -> str:
@@ -138,6 +164,7 @@ class BackendConfig:
         its default (`defaults`: the parser's defaults; None: every flag counts)."""
         path = getattr(args, "config", None) or env.get("BACKEND_CONFIG")
         settings = read_config_file(path) if path else {}
+        settings.update(_env_settings())
         for dest, value in vars(args).items():
             if dest == "config" or (defaults is not None and getattr(defaults, dest, object()) == value):
                 continue
@@ -149,6 +176,22 @@ class BackendConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(BackendConfig)}
+# Fields that BLINK_<NAME> sets (over the config file, under flags): the TLS files, as on the gateway.
+ENV_FIELDS = ("control_ssl_certfile", "control_ssl_keyfile", "control_ssl_ca_certs", "control_ssl_cert_reqs")
+
+
+def _env_settings() -> dict:
+    settings = {}
+    for name in ENV_FIELDS:
+        value = env.get(name.upper())
+        if value is not None and _FIELDS[name].type == "int":
+            try:
+                value = int(value)
+            except ValueError:
+                raise ConfigError(f"{env.PREFIX}{name.upper()}: {value!r} is not an integer") from None
+        if value is not None:
+            settings[name] = value
+    return settings
 
 
 def read_config_file(path: str | Path) -> dict:

@@ -2,6 +2,9 @@
 
 It reads liveness from the ring header (the engine's heartbeat), never from the engine's Python state,
 so it reports the same thing whichever engine mode runs, including a GPU loop with no host thread.
+With `tls` (BackendConfig.control_ssl_*, protocols/mtls.py) every service on it, health included, is
+served over TLS, and with client certificates required a gateway without one signed by the CA is refused
+at the handshake; `tls.reload()` (SIGHUP) gives new connections the files' new certificate.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protocols import control_pb2, control_pb2_grpc
 from protocols.messages import STALL_AFTER_OTHER_S, STALL_AFTER_S
+from protocols.mtls import ServerTls
 from protocols.messages import BackendDescription as Description  # the shared message, by the name used here
 from protocols.ring import EngineState
 from protocols.shm import ShmRing
@@ -75,7 +79,7 @@ class ControlServer:
     """gRPC server plus a thread that mirrors the heartbeat into grpc.health.v1 once a second."""
 
     def __init__(self, address: str, desc: Description, ring: ShmRing, stale_after_s: float | None = None,
-                 rdma=None):
+                 rdma=None, tls: ServerTls | None = None):
         if stale_after_s is None:
             stale_after_s = STALL_AFTER_S.get(desc.engine_mode, STALL_AFTER_OTHER_S)
         self.watch = HeartbeatWatch(ring, stale_after_s)
@@ -85,8 +89,12 @@ class ControlServer:
         control_pb2_grpc.add_ControlServicer_to_server(ControlService(desc, ring, self.watch, rdma), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.tls = tls
         try:
-            self.port = self.server.add_insecure_port(address)
+            if tls is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, tls.grpc_credentials())
         except RuntimeError:  # grpc's "Failed to bind": the port is taken or the address is not local
             self.port = 0
         if self.port == 0:

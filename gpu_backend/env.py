@@ -25,6 +25,11 @@ VARS = {v.name: v for v in (
     EnvVar("CACHE", "where the demo model, random-model tokenizers and compiled kernels are cached",
            "~/.cache/blink"),
     EnvVar("BACKEND_CONFIG", "the backend's YAML config file when --config is not given (gpu_backend/config.py)"),
+    EnvVar("CONTROL_SSL_CERTFILE", "TLS certificate of the control plane and tcp agent, PEM (--control-ssl-certfile)"),
+    EnvVar("CONTROL_SSL_KEYFILE", "its private key, PEM (--control-ssl-keyfile)"),
+    EnvVar("CONTROL_SSL_CA_CERTS", "CA that signs gateways' client certificates, PEM (--control-ssl-ca-certs)"),
+    EnvVar("CONTROL_SSL_CERT_REQS", "gateways' client certificates: 0 none, 1 optional, 2 required "
+           "(--control-ssl-cert-reqs; default 2)"),
 )}
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gpu_backend import env
 from gpu_backend.config import MODES, BackendConfig, ConfigError
+from gpu_backend.control_tls import add_control_tls_args, agent_tls_argv, control_tls
 from protocols.ring import RingGeometry
 from protocols.shm import SHM_DIR, RingInUseError, check_ring_free, create_ring, remove_stale_ring
 
@@ -66,6 +67,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="tcp transport: the agent address Describe announces (default: --listen)")
     p.add_argument("--rdma-device", default=None, help="rdma transport: device name (default: the first)")
     p.add_argument("--rdma-gid-index", type=int, default=0, help="rdma transport: GID table index (RoCE v2: often 3)")
+    add_control_tls_args(p)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -110,13 +112,15 @@ def run_backend(args: argparse.Namespace) -> int:
         return 2
     try:
         check_ring_free(config.ring_name)  # likewise: a live backend's ring is not stale
-    except RingInUseError as exc:
+        tls = control_tls(config)  # likewise: a bad TLS file, named, before the model loads
+    except (RingInUseError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    return serve_backend(config)
+    return serve_backend(config, tls)
 
 
-def serve_backend(config: BackendConfig) -> int:
+def serve_backend(config: BackendConfig, tls=None) -> int:
+    """Load, create the ring, serve until stopped. `tls`: the control plane's loaded files (`control_tls`)."""
     if config.mode == "persistent":
         env.use_eager_module_loading()
     import torch
@@ -160,9 +164,9 @@ def serve_backend(config: BackendConfig) -> int:
                        tuple(cfg.eos_token_ids), config.mode, config.transport, endpoint,
                        sampling_extensions=getattr(runner, "sampling_extensions", True))
     rdma = _export_rdma(ring, config) if config.transport == "rdma" else None
-    agent = _start_agent(ring.name, config.listen, engine.stop_event) if config.transport == "tcp" else None
+    agent = _start_agent(ring.name, config, engine.stop_event) if config.transport == "tcp" else None
     try:
-        control = ControlServer(config.control, desc, ring, rdma=rdma)
+        control = ControlServer(config.control, desc, ring, rdma=rdma, tls=tls)
     except OSError as exc:  # taken since the check in run_backend
         log.error("%s; choose another address with --control", exc)
         if agent is not None:
@@ -172,6 +176,7 @@ def serve_backend(config: BackendConfig) -> int:
     control.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: engine.stop_event.set())
+    signal.signal(signal.SIGHUP, lambda *_: _reload_tls(tls, agent))
     host = split_address(config.control)[0]
     print(f"backend ready: model={name} mode={config.mode} ring={ring.name} control={host}:{control.port} "
           f"kv_blocks={runner.num_blocks}", file=sys.stderr, flush=True)
@@ -216,12 +221,23 @@ def _export_rdma(ring, config: BackendConfig):
         raise SystemExit(f"blink backend: --transport rdma: {exc}")
 
 
-def _start_agent(ring_name: str, listen: str, stop_event: threading.Event) -> subprocess.Popen:
-    """The tcp agent as a child process (its own interpreter: it never contends with the engine's).
+def _reload_tls(tls, agent: subprocess.Popen | None) -> None:
+    """SIGHUP: the control plane's TLS files again (new connections), and the tcp agent's likewise."""
+    if tls is None:
+        log.info("SIGHUP: no TLS files to reload (no --control-ssl-certfile)")
+        return
+    tls.reload()
+    if agent is not None and agent.poll() is None:
+        agent.send_signal(signal.SIGHUP)
+
+
+def _start_agent(ring_name: str, config: BackendConfig, stop_event: threading.Event) -> subprocess.Popen:
+    """The tcp agent as a child process (its own interpreter: it never contends with the engine's), with
+    the control plane's TLS files.
 
     A backend whose agent died is unreachable: it stops, so that its supervisor restarts both."""
-    cmd = [sys.executable, "-m", "blink.cli", "agent", "--ring", ring_name, "--listen", listen,
-           "--parent-pid", str(os.getpid())]
+    cmd = [sys.executable, "-m", "blink.cli", "agent", "--ring", ring_name, "--listen", config.listen,
+           "--parent-pid", str(os.getpid()), *agent_tls_argv(config)]
     agent = subprocess.Popen(cmd)
 
     def watch() -> None:

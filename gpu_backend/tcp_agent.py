@@ -11,6 +11,10 @@ Failure handling, so that nothing is lost silently:
 - the gateway fails the requests a lost session carried (it sees the connection drop);
 - the agent exits when its ring is gone or replaced (the backend restarted) or its parent died, so a
   supervisor (systemd, the backend that spawned it) starts a fresh one on the new ring.
+
+With TLS (`--control-ssl-*`, the backend's control-plane files: protocols/mtls.py) every connection is
+TLS-handshaken before it may touch the session: a gateway without a certificate signed by the CA, or one
+speaking plaintext, is logged and closed, and the session in progress goes on. SIGHUP re-reads the files.
 """
 from __future__ import annotations
 
@@ -18,15 +22,20 @@ import argparse
 import asyncio
 import logging
 import os
+import ssl
 import sys
 from dataclasses import dataclass, field
 
 from protocols import tcp_wire as W
+from protocols.mtls import ServerTls
 from protocols.ring import ErrorCode, FinishReason
 from protocols.shm import SHM_DIR, RingAttachError, RingFull, attach_ring
 from protocols.shm_producer import ShmProducer
 
+from gpu_backend.control_tls import add_control_tls_args, agent_tls_config, control_tls
+
 log = logging.getLogger("blink.agent")
+HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not finished its TLS handshake by then is closed
 
 
 @dataclass
@@ -45,11 +54,13 @@ class TcpAgent:
     """Producer of one shm ring on behalf of a remote gateway."""
 
     def __init__(self, producer: ShmProducer, poll_s: float = 0.001, state_s: float = 0.05,
-                 idle_timeout_s: float = 5.0, parent_pid: int = 0):
+                 idle_timeout_s: float = 5.0, parent_pid: int = 0, tls: ServerTls | None = None):
         self.producer = producer
         self.ring = producer.ring
         self.poll_s, self.state_s, self.idle_timeout_s = poll_s, state_s, idle_timeout_s
         self.parent_pid = parent_pid
+        self.tls = tls
+        self.num_refused = 0  # connections whose TLS handshake failed
         self.session: Session | None = None
         self._ring_inode = _inode(self.ring.name)
         self._stop = asyncio.Event()
@@ -73,6 +84,10 @@ class TcpAgent:
     # ---------------------------------------------------------------- sessions
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = "%s:%s" % writer.get_extra_info("peername")[:2]
+        if self.tls is not None:
+            if not await self._handshake(writer, peer):
+                return
+            peer += f" ({_subject(writer)})"
         if self.session is not None:
             self._drop(self.session, f"replaced by a new session from {peer}")
         session = self.session = Session(reader, writer, peer)
@@ -94,6 +109,18 @@ class TcpAgent:
             why = f"protocol error: {exc}"
         if self.session is session:
             self._drop(session, why)
+
+    async def _handshake(self, writer: asyncio.StreamWriter, peer: str) -> bool:
+        """TLS on the new connection before anything else (a refused one never disturbs the session)."""
+        try:
+            await writer.start_tls(self.tls.context, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
+            return True
+        except (ssl.SSLError, OSError, asyncio.TimeoutError) as exc:
+            why = getattr(exc, "verify_message", None) or getattr(exc, "reason", None) or type(exc).__name__
+            self.num_refused += 1
+            log.warning("refused a connection from %s: TLS handshake failed (%s)", peer, why)
+            writer.close()
+            return False
 
     def _apply(self, session: Session, msg: W.Message) -> None:
         if isinstance(msg, W.Submit):
@@ -193,6 +220,13 @@ class TcpAgent:
         return False
 
 
+def _subject(writer: asyncio.StreamWriter) -> str:
+    """The client certificate's common name, for logs (no certificate: said so)."""
+    cert = writer.get_extra_info("peercert") or {}
+    names = dict(entry[0] for entry in cert.get("subject", ()))
+    return f"certificate CN={names['commonName']}" if "commonName" in names else "no client certificate"
+
+
 def _inode(name: str) -> int:
     try:
         return os.stat(os.path.join(SHM_DIR, name)).st_ino
@@ -212,24 +246,28 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="address gateways connect to")
     p.add_argument("--idle-timeout", type=float, default=5.0, help="drop a gateway silent this long (s)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is no longer the parent")
+    add_control_tls_args(p)
     p.set_defaults(func=run_agent)
 
 
 def run_agent(args: argparse.Namespace) -> int:
     try:
         host, port = split_host_port(args.listen)
+        tls = control_tls(agent_tls_config(args))
         ring = attach_ring(args.ring)
-    except (ValueError, RingAttachError) as exc:
+    except (ValueError, OSError, RingAttachError) as exc:  # ConfigError is a ValueError; OSError: a TLS file
         print(f"blink agent: {exc}", file=sys.stderr)
         return 2
     agent = TcpAgent(ShmProducer(ring, defer_consumed=True), idle_timeout_s=args.idle_timeout,
-                     parent_pid=args.parent_pid)
+                     parent_pid=args.parent_pid, tls=tls)
 
     async def main() -> None:
         import signal
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, agent.stop)
+        if tls is not None:
+            loop.add_signal_handler(signal.SIGHUP, tls.reload)
         await agent.serve(host, port)
 
     try:

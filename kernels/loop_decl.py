@@ -79,6 +79,9 @@ _ARGS = (
     *(Field(n, "uint64_t", writer="host") for n in ("sq_offset", "requests_offset", "responses_offset",
                                                      "request_bytes", "response_bytes", "prompt_offset")),
     *(Field(n, "uint32_t", writer="host") for n in ("num_slots", "max_prompt_len", "max_output_len", "max_stop_ids")),
+    # admission's checks (blink_admit.h): the rest of the geometry and the vocabulary, never read from the ring
+    *(Field(n, "uint64_t", writer="host") for n in ("bias_offset", "bias_bytes")),
+    *(Field(n, "uint32_t", writer="host") for n in ("max_logit_bias", "max_logprobs", "vocab")),
     Field("sched_mem", "uint8_t*", writer="host", doc="blink_sched state (device)"),
     Field("hot_bytes", "uint64_t", writer="create", doc="its hot prefix (blink_sched_bind_split)"),
     Field("smem_bytes", "uint32_t", writer="create", doc="0: the hot prefix does not fit in shared memory"),

@@ -222,10 +222,16 @@ class LoopArgs(ctypes.Structure):
         ("max_prompt_len", ctypes.c_uint32),
         ("max_output_len", ctypes.c_uint32),
         ("max_stop_ids", ctypes.c_uint32),
+        ("bias_offset", ctypes.c_uint64),
+        ("bias_bytes", ctypes.c_uint64),
+        ("max_logit_bias", ctypes.c_uint32),
+        ("max_logprobs", ctypes.c_uint32),
+        ("vocab", ctypes.c_uint32),
+        ("_pad0", ctypes.c_uint8 * 4),
         ("sched_mem", ctypes.c_void_p),
         ("hot_bytes", ctypes.c_uint64),
         ("smem_bytes", ctypes.c_uint32),
-        ("_pad0", ctypes.c_uint8 * 4),
+        ("_pad1", ctypes.c_uint8 * 4),
         ("step_buf", ctypes.c_void_p),
         ("sampled", ctypes.c_void_p),
         ("sampled32", ctypes.c_void_p),
@@ -273,4 +279,4 @@ class LoopArgs(ctypes.Structure):
     ]
 
 
-assert ctypes.sizeof(LoopArgs) == 536
+assert ctypes.sizeof(LoopArgs) == 568

@@ -1,5 +1,5 @@
 """Loader of the GPU-resident loop (`csrc/persistent_loop.cu` over `blink_loop.cuh`, `blink_loop_build.cuh`,
-`blink_loop_spec.cuh`, `blink_loop_ext.cuh`, `blink_sched.h` and `blink_ring.h`):
+`blink_loop_spec.cuh`, `blink_loop_ext.cuh`, `blink_sched.h`, `blink_ring.h` and `blink_admit.h`):
 compiled with nvcc for sm_90 on first use, cached by a hash of the sources, loaded with ctypes.
 
 `LoopArgs`, `LoopCtl`, `LoopExt` and the options struct are generated from `kernels/loop_decl.py` (as is
@@ -30,7 +30,7 @@ _INCLUDE = CSRC / "include"
 SOURCES = (CSRC / "persistent_loop.cu", *(_INCLUDE / name for name in (
     "blink_loop.cuh", "blink_loop_build.cuh", "blink_loop_spec.cuh", "blink_loop_ext.cuh", "blink_loop_layout.h",
     "blink_sched.h", "blink_sched_layout.h", "blink_step_layout.h", "blink_sched_par.cuh", "blink_ring.h",
-    "blink_ring_layout.h")))
+    "blink_ring_layout.h", "blink_admit.h")))
 BENCH_SOURCES = (_INCLUDE / "blink_loop_bench.cuh", _INCLUDE / "blink_graph_measure.cuh")
 ARCH = os.environ.get("BLINK_CUDA_ARCH", "sm_90")
 _u32, _u64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p

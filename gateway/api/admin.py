@@ -62,7 +62,8 @@ def backend_report(backend) -> dict:
               "draining": getattr(backend, "draining", False), "load": round(backend.load, 3),
               "in_flight": backend.num_in_flight, "waiting": backend.num_waiting, "free_slots": backend.free_slots,
               "native_stream": getattr(backend, "native_stream", "off"),  # gateway/streaming/stream_round.py
-              "native_streams": getattr(backend, "num_native_streams", 0)}
+              "native_streams": getattr(backend, "num_native_streams", 0),
+              "link_error": getattr(backend, "link_error", None)}  # e.g. its tcp agent refused our certificate
     try:
         stats = backend.engine_stats()
         total = stats["total_kv_blocks"]

@@ -98,7 +98,8 @@ async def health(request: web.Request) -> web.Response:
     report = [{"addr": b.info.addr, "model": b.info.model_name, "heartbeat": b.heartbeat,
                "stalled": b.stalled, "ejected": b.ejected, "draining": b.draining,
                "in_flight": b.num_in_flight, "free_slots": b.free_slots,
-               "outstanding_tokens": b.outstanding_tokens, "requests": b.num_requests}
+               "outstanding_tokens": b.outstanding_tokens, "requests": b.num_requests,
+               "link_error": getattr(b, "link_error", None)}  # e.g. its tcp agent refused our certificate
               for b in backends]
     ok = any(b.healthy and not b.draining for b in backends)
     return web.json_response({"status": "ok" if ok else "stalled", "backends": report},

@@ -23,24 +23,37 @@ from ..errors import overloaded, unavailable
 from ..streaming.native import NativeStreams
 from ..streaming.poller import Poller
 from ..streaming.request_handle import RequestHandle
-from .transports import BackendConnectError, connect_transport
+from ..tls import plaintext_refusal, tls_refusal
+from .transports import BackendConnectError, connect_transport, control_channel
 
 log = logging.getLogger("blink.gateway.backends")
 
 # The longest spin (`GatewayConfig.poll_spin_s`) of a poller whose engine is `cpu`: that engine computes on
 # this host's cores, and a spinning poller would take them from it.
 CPU_ENGINE_SPIN_S = 0.002
+TLS_CHECK_S = 1.0  # how often a Describe that waits checks the session (TLS or not) itself
 
 
-def describe(addr: str, timeout_s: float) -> control_pb2.DescribeReply:
-    """Blocking Describe that waits up to `timeout_s` for the backend to come up."""
-    with grpc.insecure_channel(addr) as channel:
+def describe(addr: str, timeout_s: float, config: GatewayConfig) -> control_pb2.DescribeReply:
+    """Blocking Describe that waits up to `timeout_s` for the backend to come up.
+
+    gRPC reports a failed TLS handshake as a mere wait: every `TLS_CHECK_S` of waiting the session is tried
+    directly, and a refused one (wrong certificate, wrong CA; TLS to a plaintext backend or plaintext to a
+    TLS one) ends the wait at once with its reason."""
+    deadline = time.monotonic() + timeout_s
+    with control_channel(addr, config) as channel:
         stub = control_pb2_grpc.ControlStub(channel)
-        try:
-            return stub.Describe(control_pb2.DescribeRequest(), timeout=timeout_s, wait_for_ready=True)
-        except grpc.RpcError as exc:
-            raise BackendConnectError(f"backend {addr} did not answer Describe within {timeout_s:g} s: "
-                                      f"{exc.code().name} {exc.details()}") from None
+        while True:
+            remaining_s = max(deadline - time.monotonic(), 0.0)
+            step_s = min(remaining_s, TLS_CHECK_S)
+            try:
+                return stub.Describe(control_pb2.DescribeRequest(), timeout=step_s, wait_for_ready=True)
+            except grpc.RpcError as exc:
+                refused = tls_refusal(addr, config) if config.backend_tls else plaintext_refusal(addr)
+                if refused is None and step_s < remaining_s and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue
+                raise BackendConnectError(refused or f"backend {addr} did not answer Describe within {timeout_s:g} s: "
+                                          f"{exc.code().name} {exc.details()}") from None
 
 
 class Backend:
@@ -70,7 +83,7 @@ class Backend:
     @classmethod
     async def connect(cls, addr: str, config: GatewayConfig) -> Backend:
         loop = asyncio.get_running_loop()
-        reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s)
+        reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s, config)
         info = BackendInfo.from_reply(addr, reply)
         if config.expect_ring is not None and info.ring_name != config.expect_ring:
             raise BackendConnectError(f"backend {addr} serves ring {info.ring_name!r}, not {config.expect_ring!r} "
@@ -96,6 +109,13 @@ class Backend:
     @property
     def heartbeat(self) -> int:
         return self._producer.heartbeat
+
+    @property
+    def link_error(self) -> str | None:
+        """Why the link to a remote ring (tcp agent) is down, e.g. a refused TLS handshake; None while up."""
+        if self._producer.connected:
+            return None
+        return getattr(self._producer, "last_error", "") or "down"
 
     @property
     def num_waiting(self) -> int:

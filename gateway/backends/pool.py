@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ..config import GatewayConfig
 from ..config_file import ConfigFileError, reload_fields
 from .backend import Backend
+from .transports import BackendConnectError, aio_control_channel
 from .route import Router, make_policy
 
 log = logging.getLogger("blink.gateway.pool")
@@ -56,7 +57,7 @@ class BackendPool:
         backends = await asyncio.gather(*(Backend.connect(addr, self.config) for addr in addrs))
         for backend in backends:
             try:
-                await self.add(backend, grpc.aio.insecure_channel(backend.info.addr))
+                await self.add(backend, aio_control_channel(backend.info.addr, self.config))
             except Exception:  # e.g. its tokenizer does not load: close it rather than leak its poller
                 await backend.close()
                 raise
@@ -202,14 +203,18 @@ class BackendPool:
     async def _revive(self, addr: str) -> None:
         """Connect again to a lost backend (restarted, or a new one at its address) while it stays listed."""
         config = self.config.replace(connect_timeout_s=max(2.0, self.config.probe_interval_s))
+        last_error = ""
         while addr in self.config.backend_addrs and self.router.find(addr) is None:
             try:
                 backend = await Backend.connect(addr, config)
-            except Exception:  # not back yet
+            except Exception as exc:  # not back yet; or refused (TLS): said once per change, as it is no wait
+                if isinstance(exc, BackendConnectError) and str(exc) != last_error and "TLS" in str(exc):
+                    log.error("backend %s: %s", addr, exc)
+                last_error = str(exc)
                 await asyncio.sleep(self.config.probe_interval_s)
                 continue
             log.warning("backend %s is back", addr)
-            await self.add(backend, grpc.aio.insecure_channel(addr))
+            await self.add(backend, aio_control_channel(addr, self.config))
 
     # ---------------------------------------------------------------- lifecycle
     def stop_watching(self) -> None:

@@ -9,13 +9,20 @@ A lost connection (EOF, error, or no frame for `idle_timeout_s`: the agent sends
 of ms) fails every request it carried with an error the client sees; those slots come back only when
 the agent says the engine has finished them (Hello's free list or Freed). It then reconnects with
 exponential backoff for as long as it runs.
+
+With `ssl_context` (the gateway's `backend_ssl_*`: mutual TLS; a function, called at each connection, so
+that a reconnection reads replaced files) the stream is TLS, the agent's certificate is checked against
+the CA and the endpoint's host, and the gateway presents its own. A TLS failure at
+start-up (the agent refused the gateway's certificate, or its own does not verify) is a configuration
+error: `start` raises it at once instead of retrying until the timeout.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
-from collections.abc import Sequence
+import ssl
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from protocols import tcp_wire as W
@@ -28,7 +35,16 @@ log = logging.getLogger("blink.gateway.tcp")
 
 
 class AgentMismatch(RuntimeError):
-    """The agent serves a ring other than the one Describe announced."""
+    """The agent serves a ring other than the one Describe announced, or TLS with it failed at start-up."""
+
+
+def tls_failure(endpoint: str, exc: ssl.SSLError) -> str:
+    """A failed TLS session with an agent, in words (the library's reason; never key material)."""
+    why = getattr(exc, "verify_message", None) or exc.reason or type(exc).__name__
+    hint = {"TLSV13_ALERT_CERTIFICATE_REQUIRED": "the agent requires a client certificate: set --backend-ssl-certfile",
+            "TLSV1_ALERT_UNKNOWN_CA": "the agent does not trust the CA of the gateway's certificate",
+            "WRONG_VERSION_NUMBER": "is the agent serving plaintext (no --control-ssl-certfile)?"}.get(exc.reason)
+    return f"TLS with the tcp agent at {endpoint} failed: {why}" + (f" ({hint})" if hint else "")
 
 
 @dataclass
@@ -45,13 +61,15 @@ class TcpProducer:
     """Ring producer over TCP. Use from the event loop only; `await start()` before anything else."""
 
     def __init__(self, endpoint: str, geometry: RingGeometry, fingerprint: str | None = None, *,
-                 ping_s: float = 0.5, idle_timeout_s: float = 3.0, backoff_s: tuple[float, float] = (0.05, 2.0)):
+                 ping_s: float = 0.5, idle_timeout_s: float = 3.0, backoff_s: tuple[float, float] = (0.05, 2.0),
+                 ssl_context: Callable[[], ssl.SSLContext] | None = None):
         host, _, port = endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"tcp endpoint {endpoint!r} must look like HOST:PORT")
         self.endpoint, self._host, self._port = endpoint, host.strip("[]"), int(port)
         self.geometry, self.fingerprint = geometry, fingerprint
         self.ping_s, self.idle_timeout_s, self.backoff_s = ping_s, idle_timeout_s, backoff_s
+        self.ssl_context = ssl_context
         self.session = 0  # bumped on every Hello
         self.state = W.State(0, EngineState.STARTING)
         self._writer: asyncio.StreamWriter | None = None
@@ -89,14 +107,18 @@ class TcpProducer:
         while True:
             session = self.session
             try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(self._host, self._port),
-                                                        self.idle_timeout_s)
+                reader, writer = await asyncio.wait_for(self._open(), self.idle_timeout_s)
                 await self._session(reader, writer)  # returns only by raising
             except AgentMismatch as exc:
                 if self.session == 0:
                     raise  # at start-up: the gateway's configuration is wrong, say so
                 self.last_error = str(exc)
                 log.error("%s; retrying", exc)
+            except ssl.SSLError as exc:
+                self.last_error = tls_failure(self.endpoint, exc)
+                if self.session == 0:
+                    raise AgentMismatch(self.last_error) from None
+                log.error("%s; retrying", self.last_error)
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, W.WireError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
             self._disconnect(f"lost the connection to the backend's tcp agent at {self.endpoint} ({self.last_error})")
@@ -105,9 +127,15 @@ class TcpProducer:
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, self.backoff_s[1])
 
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.ssl_context is None:
+            return await asyncio.open_connection(self._host, self._port)
+        return await asyncio.open_connection(self._host, self._port, ssl=self.ssl_context(),
+                                             server_hostname=self._host, ssl_handshake_timeout=self.idle_timeout_s)
+
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            hello = await asyncio.wait_for(W.read_message(reader), self.idle_timeout_s)
+            hello = await asyncio.wait_for(self._read_hello(reader), self.idle_timeout_s)
             self._check_hello(hello)
             self._writer = writer
             self._on_hello(hello)
@@ -121,6 +149,17 @@ class TcpProducer:
             raise asyncio.TimeoutError(f"no frame from the agent for {self.idle_timeout_s:g} s") from None
         finally:
             writer.close()
+
+    async def _read_hello(self, reader: asyncio.StreamReader) -> W.Message:
+        try:
+            return await W.read_message(reader)
+        except asyncio.IncompleteReadError:
+            if self.ssl_context is None:
+                raise
+            # an agent refuses a client certificate once our side of the TLS 1.3 handshake is done: it closes
+            raise AgentMismatch(f"the tcp agent at {self.endpoint} closed the connection after the TLS handshake: "
+                                f"it refused the gateway's client certificate (none, or not signed by the CA in "
+                                f"its --control-ssl-ca-certs)") from None
 
     def _check_hello(self, hello: W.Message) -> None:
         if not isinstance(hello, W.Hello):

@@ -6,6 +6,7 @@ heartbeat, free_slots, connected, close), so nothing above this module depends o
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import tempfile
 
@@ -19,11 +20,25 @@ from protocols.shm import RingAttachError, SqLock, attach_ring
 from protocols.shm_producer import ShmProducer
 
 from ..config import GatewayConfig
+from ..tls import backend_channel_credentials, backend_ssl_context
 from .tcp_producer import AgentMismatch, TcpProducer
 
 
 class BackendConnectError(RuntimeError):
     """A backend did not answer Describe, or its ring could not be attached."""
+
+
+def control_channel(addr: str, config: GatewayConfig) -> grpc.Channel:
+    """A blocking channel to a backend's control plane: over TLS with the gateway's client certificate when
+    `backend_ssl_ca_certs` is set (files read now), else plaintext."""
+    credentials = backend_channel_credentials(config)
+    return grpc.insecure_channel(addr) if credentials is None else grpc.secure_channel(addr, credentials)
+
+
+def aio_control_channel(addr: str, config: GatewayConfig) -> grpc.aio.Channel:
+    """`control_channel` for asyncio (the pool's liveness probes)."""
+    credentials = backend_channel_credentials(config)
+    return grpc.aio.insecure_channel(addr) if credentials is None else grpc.aio.secure_channel(addr, credentials)
 
 
 async def connect_transport(info: BackendInfo, config: GatewayConfig) -> RingProducer:
@@ -57,7 +72,8 @@ async def connect_tcp(info: BackendInfo, config: GatewayConfig) -> TcpProducer:
     """The producer end of a ring reached through the backend host's tcp agent (`blink agent`)."""
     try:
         producer = TcpProducer(info.tcp_endpoint, info.geometry, info.model_fingerprint or None,
-                               idle_timeout_s=config.tcp_idle_timeout_s)
+                               idle_timeout_s=config.tcp_idle_timeout_s,
+                               ssl_context=functools.partial(backend_ssl_context, config) if config.backend_tls else None)
         await producer.start(config.connect_timeout_s)
     except (ValueError, TimeoutError, AgentMismatch) as exc:
         raise BackendConnectError(f"backend {info.addr}: {exc}") from None
@@ -70,7 +86,7 @@ def connect_rdma(info: BackendInfo, config: GatewayConfig) -> RdmaProducer:
                                       endpoint_to_proto)
     try:
         qp = RcQueuePair(Device(config.rdma_device))
-        with grpc.insecure_channel(info.addr) as channel:
+        with control_channel(info.addr, config) as channel:
             reply = control_pb2_grpc.ControlStub(channel).ConnectRdma(endpoint_to_proto(qp.local), timeout=10)
         remote = endpoint_from_proto(reply)
         qp.connect(remote)

@@ -56,6 +56,7 @@ class PersistentEngine:
         if not runner.config.use_graphs or not runner.keep_graphs:
             raise ValueError("the persistent loop runs the runner's bucket graphs: build it with graphs kept")
         self.runner, self.ring, self.geometry, self.context_len = runner, ring, ring.geometry, context_len
+        self.vocab = model_cfg.vocab_size  # admission refuses prompt ids past it (blink_admit.h)
         self.watch_interval_s, self.stale_after_s = watch_interval_s, stale_after_s
         self.loop_options = native.LoopOptions.from_env() if loop_options is None else loop_options
         self.lib = native.load(bench=self.loop_options.needs_bench_build)
@@ -160,6 +161,8 @@ class PersistentEngine:
             responses_offset=g.responses_offset, request_bytes=g.request_bytes, response_bytes=g.response_bytes,
             prompt_offset=g.prompt_offset, num_slots=g.num_slots, max_prompt_len=g.max_prompt_len,
             max_output_len=g.max_output_len, max_stop_ids=g.max_stop_ids,
+            bias_offset=g.logit_bias_offset, bias_bytes=g.logit_bias_bytes, max_logit_bias=g.max_logit_bias,
+            max_logprobs=g.max_logprobs, vocab=self.vocab,
             sched_mem=self.sched_state.data_ptr(), step_buf=runner.buffer_sets[0].dev.data_ptr(),
             step_buf_alt=runner.buffer_sets[1].dev.data_ptr(),
             sampled=runner.tokens_dev.data_ptr(), ctl=ctl_dev.value, clock_offset_ns=self._clock_offset_ns(),

@@ -148,3 +148,27 @@ def test_refills_go_on_the_ended_streams_connection_with_keep_alive(keep_alive):
         listener.close()
     assert len(bodies) > 6 and all(b.ok and b.num_tokens == 4 for b in bodies)
     assert len(accepted) == (3 if keep_alive else len(bodies))
+
+
+def test_streams_over_https(tmp_path):
+    """`ssl_context`: the handshakes are stepped in the epoll loop, bodies read whole through TLS."""
+    import ssl
+    import subprocess
+
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-keyout", "key.pem", "-out", "cert.pem", "-days", "1", "-subj", "/CN=bench",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], cwd=tmp_path, check=True, capture_output=True)
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    listener = server_context.wrap_socket(socket.create_server(("127.0.0.1", 0)), server_side=True)
+    stop = threading.Event()
+    threading.Thread(target=_serve_bodies, args=(listener, stop), daemon=True).start()
+    try:
+        url = f"https://127.0.0.1:{listener.getsockname()[1]}/v1"
+        client = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+        bodies, stats, _ = run_streams(url, "k", {"max_tokens": 300}, 6, ssl_context=client)
+    finally:
+        stop.set()
+        listener.close()
+    assert len(bodies) == 6 and all(b.ok and b.num_tokens == 300 for b in bodies)
+    assert len(stats.tokens) == 6 * 300

@@ -203,12 +203,17 @@ def test_keys_and_the_private_key_never_reach_the_log(start_gateway, pki, tmp_pa
 
 @pytest.mark.slow
 def test_blink_serve_over_mutual_tls_with_the_demo_model(pki, tmp_path, pick_free_port):
-    """`blink serve` passes the TLS flags to its gateway: the official client chats with the demo model."""
+    """`blink serve` passes the TLS flags to its gateway, and mutual TLS between them (control plane and tcp
+    agent): the official client chats with the demo model, and no private key's PEM lines reach the output."""
     port, grpc_port, key = pick_free_port(), pick_free_port(), "serve-" + os.urandom(6).hex()
     cmd = [sys.executable, "-m", "blink.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
            "--ring", f"blink-tls-test-{os.getpid()}", "--context-len", "2048", "--kv-cache-mb", "128",
            "--num-slots", "4", "--ssl-certfile", str(pki.server.cert), "--ssl-keyfile", str(pki.server.key),
-           "--ssl-ca-certs", str(pki.ca), "--ssl-cert-reqs", "2"]
+           "--ssl-ca-certs", str(pki.ca), "--ssl-cert-reqs", "2",
+           "--transport", "tcp", "--listen", f"127.0.0.1:{pick_free_port()}",
+           "--control-ssl-certfile", str(pki.server2.cert), "--control-ssl-keyfile", str(pki.server2.key),
+           "--control-ssl-ca-certs", str(pki.ca), "--backend-ssl-certfile", str(pki.client.cert),
+           "--backend-ssl-keyfile", str(pki.client.key), "--backend-ssl-ca-certs", str(pki.ca)]
     out_path = tmp_path / "serve.out"
     with out_path.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "BLINK_API_KEY": key, "PYTHONUNBUFFERED": "1"},
@@ -232,3 +237,8 @@ def test_blink_serve_over_mutual_tls_with_the_demo_model(pki, tmp_path, pick_fre
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+    out = out_path.read_text(errors="replace")
+    assert "control-plane TLS on" in out and "CN=client" in out  # the agent's session is the gateway's certificate
+    for key_file in (pki.server.key, pki.server2.key, pki.client.key):
+        assert not [line for line in _pem_body(key_file) if line in out], f"{key_file.name}'s PEM body is in the output"
+    assert "PRIVATE KEY" not in out

@@ -1,6 +1,7 @@
 """A throwaway PKI for the TLS tests, made with the `openssl` command: a CA, two server certificates for
 127.0.0.1 and localhost (the second to swap in on reload), a client certificate, and a client
-certificate from another CA (which the gateway must refuse)."""
+certificate from another CA (which the gateway must refuse). `ips`: more addresses the leaf certificates
+name (hosts other than loopback, as in the two-namespace test)."""
 
 from __future__ import annotations
 
@@ -53,19 +54,19 @@ def _ca(cwd: Path, name: str) -> None:
              "-days", "2")
 
 
-def _leaf(cwd: Path, name: str, ca: str) -> Pair:
+def _leaf(cwd: Path, name: str, ca: str, ips: tuple[str, ...] = ()) -> Pair:
     _openssl(cwd, "req", *_new_key(name, name), "-out", f"{name}.csr")
-    (cwd / "san.cnf").write_text(SAN)
+    (cwd / "san.cnf").write_text(SAN.rstrip("\n") + "".join(f",IP:{ip}" for ip in ips) + "\n")
     _openssl(cwd, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
              "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", "san.cnf")
     return Pair(cwd / f"{name}.pem", cwd / f"{name}.key")
 
 
-def make_pki(cwd: Path) -> Pki:
+def make_pki(cwd: Path, ips: tuple[str, ...] = ()) -> Pki:
     _ca(cwd, "ca")
     _ca(cwd, "rogue-ca")
-    return Pki(cwd / "ca.pem", _leaf(cwd, "server", "ca"), _leaf(cwd, "server2", "ca"), _leaf(cwd, "client", "ca"),
-               _leaf(cwd, "rogue-client", "rogue-ca"))
+    return Pki(cwd / "ca.pem", _leaf(cwd, "server", "ca", ips), _leaf(cwd, "server2", "ca", ips),
+               _leaf(cwd, "client", "ca", ips), _leaf(cwd, "rogue-client", "rogue-ca", ips))
 
 
 def served_name(port: int, context: ssl.SSLContext, alpn: str | None = None) -> str:

@@ -94,3 +94,49 @@ def test_environment_is_read_in_one_place(monkeypatch):
     assert env.cache_dir() == Path("~/.cache/blink").expanduser()
     with pytest.raises(KeyError):
         env.get("NOT_DECLARED")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"control_ssl_keyfile": "k.pem"}, "control_ssl_keyfile: needs control_ssl_certfile"),
+    ({"control_ssl_ca_certs": "ca.pem"}, "control_ssl_ca_certs: needs control_ssl_certfile"),
+    ({"control_ssl_certfile": "c.pem"}, "control_ssl_ca_certs: control_ssl_cert_reqs 2 checks"),
+    ({"control_ssl_certfile": "c.pem", "control_ssl_cert_reqs": 1}, "control_ssl_ca_certs: control_ssl_cert_reqs 1"),
+    ({"control_ssl_certfile": "c.pem", "control_ssl_ca_certs": "ca.pem", "control_ssl_cert_reqs": 3},
+     "control_ssl_cert_reqs: 3 is not 0"),
+])
+def test_half_a_tls_configuration_is_refused(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        BackendConfig(**fields)
+
+
+def test_tls_without_client_certificates_is_a_choice():
+    config = BackendConfig(control_ssl_certfile="c.pem", control_ssl_cert_reqs=0)
+    assert config.control_tls and not BackendConfig().control_tls
+
+
+def test_tls_settings_come_from_file_env_and_flags_and_reach_the_agent(tmp_path, monkeypatch):
+    from gpu_backend.control_tls import agent_tls_argv, agent_tls_config
+    from gpu_backend.tcp_agent import add_agent_args
+
+    path = tmp_path / "backend.yaml"
+    path.write_text("control_ssl_certfile: /file/cert.pem\ncontrol_ssl_ca_certs: /file/ca.pem\n")
+    monkeypatch.setenv("BLINK_BACKEND_CONFIG", str(path))
+    monkeypatch.setenv("BLINK_CONTROL_SSL_KEYFILE", "/env/key.pem")
+    monkeypatch.setenv("BLINK_CONTROL_SSL_CA_CERTS", "/env/ca.pem")
+    config = config_from_args(_parse("--control-ssl-certfile", "/flag/cert.pem"))
+    assert (config.control_ssl_certfile, config.control_ssl_keyfile, config.control_ssl_ca_certs,
+            config.control_ssl_cert_reqs) == ("/flag/cert.pem", "/env/key.pem", "/env/ca.pem", 2)
+    agent = argparse.ArgumentParser()
+    add_agent_args(agent)
+    args = agent.parse_args(["--ring", "r", "--listen", "127.0.0.1:1", *agent_tls_argv(config)])
+    assert agent_tls_config(args).control_ssl_keyfile == "/env/key.pem"
+    monkeypatch.setenv("BLINK_CONTROL_SSL_CERT_REQS", "two")
+    with pytest.raises(ConfigError, match="BLINK_CONTROL_SSL_CERT_REQS: 'two' is not an integer"):
+        config_from_args(_parse())
+
+
+def test_a_missing_tls_file_stops_the_backend_before_the_model_loads(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "blink.cli", "backend", "--control", "127.0.0.1:0",
+                          "--control-ssl-certfile", str(tmp_path / "absent.pem"), "--control-ssl-ca-certs",
+                          str(tmp_path / "ca.pem")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and f"cannot read the TLS key {tmp_path / 'absent.pem'}" in run.stderr

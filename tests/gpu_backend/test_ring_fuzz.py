@@ -81,20 +81,10 @@ class FuzzEngine:
             time.sleep(0.0005)
 
     def write(self, slot: int, spec: RequestSpec) -> "SlotWriter":
-        """The payload of a well-formed request in `slot` (not yet validated or queued)."""
-        ring = self.ring
-        R.REQUEST_HEAD.pack_into(ring.buf, ring.req(slot) + R.REQ_REQUEST_ID, *R.request_head(spec))
-        p0 = (ring.req(slot) + GEOMETRY.prompt_offset) // 4
-        ring.i32[p0 : p0 + len(spec.prompt_ids)] = spec.prompt_ids
-        ring.u32[(ring.resp(slot) + R.RESP_CONSUMED) // 4] = 0
-        writer = SlotWriter(ring, slot)
-        writer.put("seq", ring.hdr_u64(R.HDR_SQ_TAIL) + 1)
-        return writer
+        return write_request(self.ring, slot, spec)
 
     def queue(self, slot: int) -> None:
-        tail = self.ring.hdr_u64(R.HDR_SQ_TAIL)
-        self.ring.u32[(GEOMETRY.sq_offset + 4 * (tail % GEOMETRY.num_slots)) // 4] = slot
-        self.ring.u64[R.HDR_SQ_TAIL // 8] = tail + 1
+        queue_slot(self.ring, slot)
 
     def drain(self, slots: list[int], max_steps: int = 500,
               consume: bool = True) -> dict[int, tuple[FinishReason, ErrorCode]]:
@@ -112,6 +102,25 @@ class FuzzEngine:
             if len(done) == len(slots):
                 return done
         raise AssertionError(f"no finish for slots {sorted(set(slots) - set(done))} after {max_steps} steps")
+
+
+def write_request(ring, slot: int, spec: RequestSpec) -> "SlotWriter":
+    """The payload of a well-formed request in `slot` of a GEOMETRY ring (not yet validated or queued), as a raw
+    writer in the gateway's place stores it (also the GPU fuzzer's, test_ring_fuzz_gpu.py)."""
+    R.REQUEST_HEAD.pack_into(ring.buf, ring.req(slot) + R.REQ_REQUEST_ID, *R.request_head(spec))
+    p0 = (ring.req(slot) + GEOMETRY.prompt_offset) // 4
+    ring.i32[p0 : p0 + len(spec.prompt_ids)] = spec.prompt_ids
+    ring.u32[(ring.resp(slot) + R.RESP_CONSUMED) // 4] = 0
+    writer = SlotWriter(ring, slot)
+    writer.put("seq", ring.hdr_u64(R.HDR_SQ_TAIL) + 1)
+    return writer
+
+
+def queue_slot(ring, slot: int) -> None:
+    """The submission-queue entry for `slot`, then the tail."""
+    tail = ring.hdr_u64(R.HDR_SQ_TAIL)
+    ring.u32[(GEOMETRY.sq_offset + 4 * (tail % GEOMETRY.num_slots)) // 4] = slot
+    ring.u64[R.HDR_SQ_TAIL // 8] = tail + 1
 
 
 # ---- adversarial words ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "blink_admit.h"
 #include "blink_ring.h"
 #include "blink_sched.h"
 
@@ -138,8 +139,8 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
   }
   __threadfence_system();
   __syncthreads();
-  for (int32_t i = threadIdx.x; i < h->num_finished; i += blockDim.x)
-    finish_response(a, (uint32_t)s->fin_slot[i], (uint32_t)s->fin_reason[i], 0);
+  for (int32_t i = threadIdx.x; i < h->num_finished; i += blockDim.x)  // -1 - slot: dropped (drop_old_request)
+    if (s->fin_slot[i] >= 0) finish_response(a, (uint32_t)s->fin_slot[i], (uint32_t)s->fin_reason[i], 0);
   for (uint32_t i = threadIdx.x; i < a->num_err; i += blockDim.x)  // a speculation's admission errors
     finish_response(a, (uint32_t)a->err_slot[i], BLINK_FINISH_ERROR, (uint32_t)a->err_code[i]);
   __syncthreads();
@@ -156,29 +157,100 @@ __device__ void publish(blink_loop_args* a, const blink_sched* s) {
   }
 }
 
-// ---- admission (RingConsumer.take_new + EngineLoop._admit) ------------------------------------------------
-// Thread 0: read the request's fixed part, reset its response, check it, queue it or fail it.
+// ---- admission (RingConsumer.take_new + EngineLoop._admit; the checks are blink_admit.h's) -----------------
+// The ring is a trust boundary (over RDMA another machine writes it): every word is read once into a
+// snapshot or a register, checked, and only then used; a bad request ends with FINISH_ERROR and its error
+// code in its own response, exactly as the host engines write it, and the loop goes on.
+#define BLINK_REQUEST_WORDS (sizeof(blink_request_slot) / 8)  // its fixed part, in 8-byte words
+static_assert(BLINK_LOOP_THREADS >= BLINK_REQUEST_WORDS, "read_request: one thread per word of the fixed part");
+
+__device__ __forceinline__ blink_admit_limits admit_limits(const blink_loop_args* a) {
+  return blink_admit_limits{a->max_prompt_len, a->max_stop_ids, a->max_logit_bias, a->max_logprobs, a->vocab};
+}
+
+// The first BLINK_REQUEST_WORDS threads: the request's fixed part into `snap`, one load per word (the only
+// read of those words: what is checked is what is used, whatever a racing writer stores meanwhile).
+__device__ __forceinline__ void read_request(const blink_loop_args* a, uint32_t slot, uint64_t* snap) {
+  const uint64_t* src = (const uint64_t*)request(a, slot);
+  if (threadIdx.x < BLINK_REQUEST_WORDS) snap[threadIdx.x] = ld_v(&src[threadIdx.x]);
+}
+
+// All threads (spec kernel): whether `slot` is still in use in the speculated state: live, or named by the
+// running step's new or finish list, or by an error of this admission. Taking it now would write its token
+// history and response under the running step, whose commit still writes them: the speculation is dropped
+// instead, and the full step takes the request after that commit. Returns it to every thread.
+__device__ int slot_in_use_spec(const blink_loop_args* a, const blink_sched* s, uint32_t slot) {
+  const int32_t id = (int32_t)slot;
+  int busy = 0;
+  if (threadIdx.x == 0) {
+    busy = s->status[slot] != BLINK_SEQ_FINISHED;
+    for (uint32_t i = 0; i < a->num_err; ++i) busy |= a->err_slot[i] == id;
+  }
+  for (int32_t i = threadIdx.x; i < s->h->num_new; i += blockDim.x) busy |= s->new_slot[i] == id;
+  for (int32_t i = threadIdx.x; i < s->h->num_finished; i += blockDim.x) busy |= s->fin_slot[i] == id;
+  return __syncthreads_or(busy);
+}
+
+// All threads (full step): `slot` taken again while it still holds a request (a producer's error; the host
+// engines drop that request too): the old sequence is freed with no finish (the response area is the new
+// request's now), and its token and finish not yet published are dropped (-1 - slot: the publish skips them).
+__device__ void drop_old_request(blink_sched* s, uint32_t slot) {
+  const int32_t id = (int32_t)slot;
+  for (int32_t i = threadIdx.x; i < s->h->num_new; i += blockDim.x)
+    if (s->new_slot[i] == id) s->new_slot[i] = -1 - id;
+  for (int32_t i = threadIdx.x; i < s->h->num_finished; i += blockDim.x)
+    if (s->fin_slot[i] == id) s->fin_slot[i] = -1 - id;
+  if (threadIdx.x == 0 && s->status[slot] != BLINK_SEQ_FINISHED) blink_sched_finish(s, id);
+  __syncthreads();
+}
+
+// All threads: the request's arrays, each element checked as it is copied (the value kept is the value
+// checked): the prompt into the scheduler's token history (its first context_len ids; a longer prompt is
+// refused, but every id is checked, as the host engines check ids first), the stop ids into the scheduler's,
+// the logit bias into the extension tables. No count is read past the geometry. Returns whether every element
+// passed (to every thread).
+__device__ int copy_arrays(blink_loop_args* a, blink_sched* s, uint32_t slot, const blink_request_slot* w) {
+  const blink_request_slot* req = request(a, slot);
+  const uint32_t n_prompt = w->prompt_len < a->max_prompt_len ? w->prompt_len : a->max_prompt_len;
+  const uint32_t n_stop = w->num_stop_ids < a->max_stop_ids ? w->num_stop_ids : a->max_stop_ids;
+  const uint32_t n_bias = w->num_logit_bias < a->max_logit_bias ? w->num_logit_bias : a->max_logit_bias;
+  const uint32_t ctx = (uint32_t)s->h->cfg.context_len;
+  const int32_t* prompt = (const int32_t*)((const uint8_t*)req + a->prompt_offset);
+  int32_t* tokens = s->tokens + (int64_t)slot * ctx;
+  int ok = 1;
+  for (uint32_t i = threadIdx.x; i < n_prompt; i += blockDim.x) {
+    const int32_t id = ld_v(&prompt[i]);
+    ok &= blink_admit_prompt_id_ok(id, a->vocab);
+    if (i < ctx) tokens[i] = id;
+  }
+  int32_t* stops = s->stop_ids + (int64_t)slot * s->h->cfg.max_stop_ids;
+  for (uint32_t i = threadIdx.x; i < n_stop; i += blockDim.x) {
+    const int32_t id = ld_v(&req->stop_ids[i]);
+    ok &= blink_admit_stop_id_ok(id);
+    stops[i] = id;
+  }
+  const uint8_t* area = a->ring + a->bias_offset + (uint64_t)slot * a->bias_bytes;  // ids, then values
+  for (uint32_t j = threadIdx.x; j < n_bias; j += blockDim.x) {
+    const int32_t id = ld_v((const int32_t*)area + j);
+    const float bias = ld_v((const float*)(area + a->bias_bytes / 2) + j);
+    ok &= blink_admit_bias_ok(id, bias);
+    ext_keep_bias(a, slot, j, id, bias);
+  }
+  return __syncthreads_and(ok);
+}
+
+// Thread 0: reset the response of the request in snapshot `w`, check it, queue it or fail it.
 // With `spec` (the spec kernel) an error is deferred to the publish that follows the speculation's
 // acceptance: a dropped speculation must leave no trace the gateway could act on. (The response reset is
 // written at once: the slot is free in the real state too, and the full step writes the same words.)
 __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint32_t slot,
-                             int32_t prompt_len, bool spec) {
-  const blink_request_slot* req = request(a, slot);
-  const uint64_t seq = ld_v(&req->seq);
-  const uint32_t flags = ld_v(&req->flags);
-  const int64_t max_tokens = ld_v(&req->max_tokens);
-  const float temperature = ld_v(&req->temperature), top_p = ld_v(&req->top_p), min_p = ld_v(&req->min_p);
-  const int32_t top_k = ld_v(&req->top_k);
-  const uint32_t priority = ld_v(&req->priority);
-  uint32_t num_stop = ld_v(&req->num_stop_ids);
-  if (num_stop > a->max_stop_ids) num_stop = a->max_stop_ids;
-  int32_t* stops = s->stop_ids + (int64_t)slot * s->h->cfg.max_stop_ids;  // copied in, then added in place
-  for (uint32_t i = 0; i < num_stop; ++i) stops[i] = ld_v(&req->stop_ids[i]);
-  reset_response(a, slot, seq, (uint32_t)prompt_len);
-  int32_t err = blink_sched_check(s, prompt_len, max_tokens, temperature, top_p, top_k, min_p);
-  if (err == BLINK_ERR_NONE && !ext_admit(a, slot, req, flags, prompt_len)) err = BLINK_ERR_INVALID_PARAMS;
+                             const blink_request_slot* w, int arrays_ok, bool spec) {
+  const int32_t prompt_len = (int32_t)(w->prompt_len < a->max_prompt_len ? w->prompt_len : a->max_prompt_len);
+  reset_response(a, slot, w->seq, (uint32_t)prompt_len);
+  const blink_admit_limits limits = admit_limits(a);
+  const int32_t err = blink_admit_error(s, &limits, w, arrays_ok, a->ext != nullptr);
   if (err != BLINK_ERR_NONE) {
-    if (spec) {
+    if (spec) {  // at most num_slots entries per admission (blink_admit_first): the list holds them
       a->err_slot[a->num_err] = (int32_t)slot;
       a->err_code[a->num_err++] = err;
     } else {
@@ -186,48 +258,55 @@ __device__ void take_request(blink_loop_args* a, blink_sched* s, const loop_scra
     }
     return;
   }
-  const uint64_t seed = flags & BLINK_RING_FLAG_HAS_SEED
-                            ? ld_v(&req->seed)
-                            : mix64(now_ns() ^ ((uint64_t)slot << 40) ^ ld_v(&req->request_id));
-  const int32_t* prompt = s->tokens + (int64_t)slot * s->h->cfg.context_len;  // already copied there
-  blink_sched_add(s, (int32_t)slot, prompt, prompt_len, max_tokens, priority, stops, (int32_t)num_stop,
-                  (flags & BLINK_RING_FLAG_IGNORE_EOS) ? 1 : 0, temperature, top_k, top_p, min_p, seed);
-  a->slot_seq[slot] = seq;
+  ext_admit(a, slot, w);
+  const uint64_t seed = w->flags & BLINK_RING_FLAG_HAS_SEED ? w->seed
+                                                             : mix64(now_ns() ^ ((uint64_t)slot << 40) ^ w->request_id);
+  const int64_t ctx = s->h->cfg.context_len;
+  const int32_t* prompt = s->tokens + (int64_t)slot * ctx;  // copied and checked there by copy_arrays
+  const int32_t* stops = s->stop_ids + (int64_t)slot * s->h->cfg.max_stop_ids;
+  blink_sched_add(s, (int32_t)slot, prompt, prompt_len, (int64_t)w->max_tokens, w->priority, stops,
+                  (int32_t)w->num_stop_ids, (w->flags & BLINK_RING_FLAG_IGNORE_EOS) ? 1 : 0, w->temperature, w->top_k,
+                  w->top_p, w->min_p, seed);
+  a->slot_seq[slot] = w->seq;
   a->slot_produced[slot] = 0;
   x.room[slot] = ext_capacity(a, slot);  // a new request's output area is empty
 }
 
-// All threads: take every request queued from `head` up to `tail`, in submission order; *head_out = tail.
-// The ring's copy of the head is written here, or (spec) by the publish after the acceptance.
+// All threads: take the requests queued from `head_in` up to `tail`, in submission order: at most one lap
+// (older entries were overwritten), entries that name no slot skipped, a tail behind the head taking nothing.
+// *head_out = the new head. The ring's copy of the head is written here, or (spec) by the publish after the
+// acceptance. The spec kernel stops at a slot still in use (slot_in_use_spec) and taints its speculation.
 __device__ void admit(blink_loop_args* a, blink_sched* s, const loop_scratch& x, uint64_t head_in, uint64_t tail,
                       uint64_t* head_out, bool spec) {
+  __shared__ __align__(16) uint64_t sh_req[BLINK_REQUEST_WORDS];
   __shared__ uint32_t sh_slot;
-  __shared__ int32_t sh_len;
+  const blink_request_slot* w = (const blink_request_slot*)sh_req;
   const uint32_t* sq = (const uint32_t*)(a->ring + a->sq_offset);
-  const int32_t ctx = s->h->cfg.context_len;
+  const uint64_t end = blink_admit_end(head_in, tail);
+  uint64_t head = blink_admit_first(head_in, tail, a->num_slots);
   __threadfence_system();  // the tail was read relaxed: what it covers is read after it
-  for (uint64_t head = head_in; head < tail; ++head) {
-    if (threadIdx.x == 0) {
-      const uint32_t slot = ld_v(&sq[head % a->num_slots]);
-      uint32_t len = ld_v(&request(a, slot)->prompt_len);
-      if (len > a->max_prompt_len) len = a->max_prompt_len;
-      sh_slot = slot;
-      sh_len = (int32_t)len;
+  for (; head < end; ++head) {
+    if (threadIdx.x == 0) sh_slot = ld_v(&sq[head % a->num_slots]);
+    __syncthreads();
+    const uint32_t slot = sh_slot;
+    if (!blink_admit_slot_ok(slot, a->num_slots)) {  // no response area to report an error in
+      __syncthreads();
+      continue;
     }
-    __syncthreads();
-    // the prompt goes straight to the scheduler's token array (at most context_len of it: longer is refused)
-    const int32_t n = sh_len < ctx ? sh_len : ctx;
-    const int32_t* src = (const int32_t*)((const uint8_t*)request(a, sh_slot) + a->prompt_offset);
-    int32_t* dst = s->tokens + (int64_t)sh_slot * ctx;
-    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = ld_v(&src[i]);
-    ext_copy_bias(a, sh_slot);
-    __syncthreads();
-    if (threadIdx.x == 0) take_request(a, s, x, sh_slot, sh_len, spec);
+    if (spec && slot_in_use_spec(a, s, slot)) {
+      if (threadIdx.x == 0) s->h->spec_tainted = 1;
+      break;
+    }
+    read_request(a, slot, sh_req);
+    if (spec) __syncthreads();
+    else drop_old_request(s, slot);  // ends with a barrier
+    const int arrays_ok = copy_arrays(a, s, slot, w);
+    if (threadIdx.x == 0) take_request(a, s, x, slot, w, arrays_ok, spec);
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    *head_out = tail;
-    if (!spec) st_v(&ring_header(a)->sq_head, tail);
+    *head_out = head;
+    if (!spec) st_v(&ring_header(a)->sq_head, head);
   }
   __syncthreads();
 }
@@ -263,7 +342,7 @@ __device__ __forceinline__ int look_slot(blink_loop_args* a, const blink_sched* 
   uint8_t cancelled = 0;
   if (s->status[slot] != BLINK_SEQ_FINISHED) {
     cancelled = cancel_seq == a->slot_seq[slot];
-    x.room[slot] = ext_capacity(a, slot) - (int32_t)(a->slot_produced[slot] - consumed);
+    x.room[slot] = blink_admit_room(ext_capacity(a, slot), a->slot_produced[slot], consumed);
   }
   x.cancel[slot] = cancelled;
   return cancelled;

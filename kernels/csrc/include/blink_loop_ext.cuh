@@ -35,46 +35,36 @@
 // struct blink_loop_ext (the per-slot and per-buffer tables above, the ring's areas, the loop's words):
 // blink_loop_layout.h, generated from kernels/loop_decl.py.
 
-// ---- admission -------------------------------------------------------------------------------------------
-// All threads, after the prompt copy: the request's logit bias, ring -> device.
-__device__ void ext_copy_bias(blink_loop_args* a, uint32_t slot) {
+// ---- admission ----------------------------------------------------------------------------------------------
+// The admission checks (blink_admit.h) refuse what an engine without the extensions cannot serve and every
+// out-of-range count, id or value before these run.
+// The thread copying logit-bias entry j of `slot` (already checked): kept for the adjust kernel.
+__device__ __forceinline__ void ext_keep_bias(blink_loop_args* a, uint32_t slot, uint32_t j, int32_t id, float bias) {
   blink_loop_ext* e = a->ext;
   if (!e) return;
-  uint32_t n = ld_v(&request(a, slot)->num_logit_bias);
-  if (n > e->max_bias) n = e->max_bias;
-  const uint8_t* area = a->ring + e->bias_offset + (uint64_t)slot * e->bias_bytes;
-  const int32_t* ids = (const int32_t*)area;
-  const float* vals = (const float*)(area + e->bias_bytes / 2);
-  for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
-    e->bias_ids[(uint64_t)slot * e->max_bias + j] = ld_v(&ids[j]);
-    e->bias_vals[(uint64_t)slot * e->max_bias + j] = ld_v(&vals[j]);
-  }
+  e->bias_ids[(uint64_t)slot * e->max_bias + j] = id;
+  e->bias_vals[(uint64_t)slot * e->max_bias + j] = bias;
 }
 
-// Thread 0: the slot's extension parameters. False: the request wants an extension and the engine runs
-// without them (INVALID_PARAMS; the gateway refuses such requests for such a backend first).
-__device__ bool ext_admit(blink_loop_args* a, uint32_t slot, const blink_request_slot* req, uint32_t flags,
-                          int32_t prompt_len) {
-  const float presence = ld_v(&req->presence_penalty), frequency = ld_v(&req->frequency_penalty);
-  const float repetition = ld_v(&req->repetition_penalty);
-  const uint32_t num_bias = ld_v(&req->num_logit_bias), num_logprobs = ld_v(&req->num_logprobs);
-  const bool logprobs = flags & BLINK_RING_FLAG_LOGPROBS;
+// Thread 0: the slot's extension parameters, from the checked snapshot `w` of its request.
+__device__ void ext_admit(blink_loop_args* a, uint32_t slot, const blink_request_slot* w) {
   blink_loop_ext* e = a->ext;
-  if (!e) return !(logprobs || presence != 0.0f || frequency != 0.0f || repetition != 1.0f || num_bias != 0u);
+  if (!e) return;
+  const float presence = w->presence_penalty, frequency = w->frequency_penalty, repetition = w->repetition_penalty;
+  const bool logprobs = w->flags & BLINK_RING_FLAG_LOGPROBS;
   uint32_t f = 0;
   if (repetition != 1.0f) f |= BLINK_EXT_ADJUST | BLINK_EXT_PROMPT | BLINK_EXT_OUTPUT;
   if (presence != 0.0f || frequency != 0.0f) f |= BLINK_EXT_ADJUST | BLINK_EXT_OUTPUT;
-  if (num_bias != 0u) f |= BLINK_EXT_ADJUST;
+  if (w->num_logit_bias != 0u) f |= BLINK_EXT_ADJUST;
   if (logprobs) f |= BLINK_EXT_LOGPROBS;
   e->flags[slot] = f;
-  e->num_logprobs[slot] = (int32_t)(num_logprobs < e->max_logprobs ? num_logprobs : e->max_logprobs);
-  e->prompt_len[slot] = prompt_len;
-  e->num_bias[slot] = (int32_t)(num_bias < e->max_bias ? num_bias : e->max_bias);
+  e->num_logprobs[slot] = (int32_t)(w->num_logprobs < e->max_logprobs ? w->num_logprobs : e->max_logprobs);
+  e->prompt_len[slot] = (int32_t)w->prompt_len;
+  e->num_bias[slot] = (int32_t)(w->num_logit_bias < e->max_bias ? w->num_logit_bias : e->max_bias);
   e->capacity[slot] = (int32_t)(logprobs ? e->window : a->max_output_len);
   e->penalties[3 * slot] = presence;
   e->penalties[3 * slot + 1] = frequency;
   e->penalties[3 * slot + 2] = repetition;
-  return true;
 }
 
 // Tokens a slot may run ahead of the gateway's reads (RingConsumer's capacity).

@@ -211,10 +211,16 @@ typedef struct blink_loop_args {
   uint32_t max_prompt_len;  /* [host] */
   uint32_t max_output_len;  /* [host] */
   uint32_t max_stop_ids;  /* [host] */
+  uint64_t bias_offset;  /* [host] */
+  uint64_t bias_bytes;  /* [host] */
+  uint32_t max_logit_bias;  /* [host] */
+  uint32_t max_logprobs;  /* [host] */
+  uint32_t vocab;  /* [host] */
+  uint8_t _pad0[4];
   uint8_t* sched_mem;  /* blink_sched state (device) [host] */
   uint64_t hot_bytes;  /* its hot prefix (blink_sched_bind_split) [create] */
   uint32_t smem_bytes;  /* 0: the hot prefix does not fit in shared memory [create] */
-  uint8_t _pad0[4];
+  uint8_t _pad1[4];
   uint8_t* step_buf;  /* step_buffers.StepBuffers.dev [host] */
   int64_t* sampled;  /* gpu_runner.tokens_dev: the graphs' sampled tokens (-1: not yet) [host] */
   int32_t* sampled32;  /* [max_seqs] scratch [host] */
@@ -271,54 +277,59 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, num_slots) == 56, "blink_loop_args
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, max_prompt_len) == 60, "blink_loop_args.max_prompt_len");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, max_output_len) == 64, "blink_loop_args.max_output_len");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, max_stop_ids) == 68, "blink_loop_args.max_stop_ids");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sched_mem) == 72, "blink_loop_args.sched_mem");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hot_bytes) == 80, "blink_loop_args.hot_bytes");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, smem_bytes) == 88, "blink_loop_args.smem_bytes");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, step_buf) == 96, "blink_loop_args.step_buf");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sampled) == 104, "blink_loop_args.sampled");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sampled32) == 112, "blink_loop_args.sampled32");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, slot_seq) == 120, "blink_loop_args.slot_seq");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, slot_produced) == 128, "blink_loop_args.slot_produced");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, room) == 136, "blink_loop_args.room");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, order) == 144, "blink_loop_args.order");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, cancel) == 152, "blink_loop_args.cancel");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, par) == 160, "blink_loop_args.par");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ctl) == 168, "blink_loop_args.ctl");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, full_exec) == 176, "blink_loop_args.full_exec");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, branch_execs) == 184, "blink_loop_args.branch_execs");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, num_branches) == 192, "blink_loop_args.num_branches");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, check_tail) == 196, "blink_loop_args.check_tail");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, clock_offset_ns) == 200, "blink_loop_args.clock_offset_ns");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sq_head) == 208, "blink_loop_args.sq_head");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, beats) == 216, "blink_loop_args.beats");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, generated) == 224, "blink_loop_args.generated");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, last_commit_ns) == 232, "blink_loop_args.last_commit_ns");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ready_ns) == 240, "blink_loop_args.ready_ns");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, take_wait_ns) == 248, "blink_loop_args.take_wait_ns");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, c) == 256, "blink_loop_args.c");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, step_buf_alt) == 376, "blink_loop_args.step_buf_alt");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hot_alt) == 384, "blink_loop_args.hot_alt");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, tokens) == 392, "blink_loop_args.tokens");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, stop_ids) == 400, "blink_loop_args.stop_ids");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, rows) == 408, "blink_loop_args.rows");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, err_slot) == 416, "blink_loop_args.err_slot");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, err_code) == 424, "blink_loop_args.err_code");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, new_token_offset) == 432, "blink_loop_args.new_token_offset");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sq_head_alt) == 440, "blink_loop_args.sq_head_alt");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_tail) == 448, "blink_loop_args.spec_tail");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, cur) == 456, "blink_loop_args.cur");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, buf) == 460, "blink_loop_args.buf");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_ok) == 464, "blink_loop_args.spec_ok");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_branch) == 468, "blink_loop_args.spec_branch");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_rows) == 472, "blink_loop_args.spec_rows");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, num_err) == 476, "blink_loop_args.num_err");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, exiting) == 480, "blink_loop_args.exiting");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, num_eos) == 484, "blink_loop_args.num_eos");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_done) == 488, "blink_loop_args.spec_done");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, async_take) == 492, "blink_loop_args.async_take");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, eos_ids) == 496, "blink_loop_args.eos_ids");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ext) == 528, "blink_loop_args.ext");
-BLINK_LAYOUT_ASSERT(sizeof(blink_loop_args) == 536, "sizeof(blink_loop_args)");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, bias_offset) == 72, "blink_loop_args.bias_offset");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, bias_bytes) == 80, "blink_loop_args.bias_bytes");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, max_logit_bias) == 88, "blink_loop_args.max_logit_bias");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, max_logprobs) == 92, "blink_loop_args.max_logprobs");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, vocab) == 96, "blink_loop_args.vocab");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sched_mem) == 104, "blink_loop_args.sched_mem");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hot_bytes) == 112, "blink_loop_args.hot_bytes");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, smem_bytes) == 120, "blink_loop_args.smem_bytes");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, step_buf) == 128, "blink_loop_args.step_buf");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sampled) == 136, "blink_loop_args.sampled");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sampled32) == 144, "blink_loop_args.sampled32");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, slot_seq) == 152, "blink_loop_args.slot_seq");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, slot_produced) == 160, "blink_loop_args.slot_produced");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, room) == 168, "blink_loop_args.room");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, order) == 176, "blink_loop_args.order");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, cancel) == 184, "blink_loop_args.cancel");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, par) == 192, "blink_loop_args.par");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ctl) == 200, "blink_loop_args.ctl");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, full_exec) == 208, "blink_loop_args.full_exec");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, branch_execs) == 216, "blink_loop_args.branch_execs");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, num_branches) == 224, "blink_loop_args.num_branches");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, check_tail) == 228, "blink_loop_args.check_tail");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, clock_offset_ns) == 232, "blink_loop_args.clock_offset_ns");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sq_head) == 240, "blink_loop_args.sq_head");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, beats) == 248, "blink_loop_args.beats");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, generated) == 256, "blink_loop_args.generated");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, last_commit_ns) == 264, "blink_loop_args.last_commit_ns");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ready_ns) == 272, "blink_loop_args.ready_ns");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, take_wait_ns) == 280, "blink_loop_args.take_wait_ns");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, c) == 288, "blink_loop_args.c");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, step_buf_alt) == 408, "blink_loop_args.step_buf_alt");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hot_alt) == 416, "blink_loop_args.hot_alt");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, tokens) == 424, "blink_loop_args.tokens");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, stop_ids) == 432, "blink_loop_args.stop_ids");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, rows) == 440, "blink_loop_args.rows");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, err_slot) == 448, "blink_loop_args.err_slot");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, err_code) == 456, "blink_loop_args.err_code");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, new_token_offset) == 464, "blink_loop_args.new_token_offset");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sq_head_alt) == 472, "blink_loop_args.sq_head_alt");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_tail) == 480, "blink_loop_args.spec_tail");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, cur) == 488, "blink_loop_args.cur");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, buf) == 492, "blink_loop_args.buf");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_ok) == 496, "blink_loop_args.spec_ok");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_branch) == 500, "blink_loop_args.spec_branch");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_rows) == 504, "blink_loop_args.spec_rows");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, num_err) == 508, "blink_loop_args.num_err");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, exiting) == 512, "blink_loop_args.exiting");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, num_eos) == 516, "blink_loop_args.num_eos");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_done) == 520, "blink_loop_args.spec_done");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, async_take) == 524, "blink_loop_args.async_take");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, eos_ids) == 528, "blink_loop_args.eos_ids");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ext) == 560, "blink_loop_args.ext");
+BLINK_LAYOUT_ASSERT(sizeof(blink_loop_args) == 568, "sizeof(blink_loop_args)");
 
 
 #endif /* BLINK_LOOP_LAYOUT_H */

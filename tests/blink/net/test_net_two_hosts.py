@@ -1,7 +1,9 @@
 """Two hosts in network namespaces: the gateway in one, a CPU backend and its tcp agent in the other,
-joined by a veth pair that a network profile configures (MTU 9000). OpenAI requests through the tcp
-transport across the link: plain and streamed, a client that disconnects mid-stream (its slot comes
-back), the link going down and up, and a backend restart (requests fail cleanly, then it serves again).
+joined by a veth pair that a network profile configures (MTU 9000), with mutual TLS between them (a CA made
+here: the backend's control plane and agent require the gateway's client certificate). A gateway with a
+certificate from another CA is refused and says so; then OpenAI requests through the tcp transport across
+the link: plain and streamed, a client that disconnects mid-stream (its slot comes back), the link going
+down and up, and a backend restart (requests fail cleanly, then it serves again).
 
 Skips with a message where namespaces cannot be created (not root). Slow: it loads the demo model.
 """
@@ -23,6 +25,9 @@ import pytest
 
 from blink import ctl
 from netns_helpers import drop_netns, make_netns
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "gateway"))
+from tls_pki import make_pki  # noqa: E402  (the TLS tests' throwaway CA)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +62,8 @@ class Hosts:
             raise
         self.pool = concurrent.futures.ThreadPoolExecutor(2, initializer=enter_netns, initargs=(self.gw,))
         self.ring = f"blink-net-{os.getpid()}"
+        (tmp_path / "pki").mkdir()
+        self.pki = make_pki(tmp_path / "pki", ips=(GW_IP, BE_IP))
 
     def profiles(self) -> None:
         gw = self.tmp / "gw.yaml"
@@ -77,10 +84,15 @@ class Hosts:
     def start_backend(self) -> None:
         self.spawn("backend", self.be, "backend", "--mode", "cpu", "--model", "demo", "--ring", self.ring,
                    "--control", f"{BE_IP}:50051", "--transport", "tcp", "--listen", f"{BE_IP}:50053",
-                   "--context-len", "512", "--kv-cache-mb", "32", "--num-slots", str(NUM_SLOTS), "--threads", "1")
+                   "--context-len", "512", "--kv-cache-mb", "32", "--num-slots", str(NUM_SLOTS), "--threads", "1",
+                   "--control-ssl-certfile", str(self.pki.server.cert), "--control-ssl-keyfile", str(self.pki.server.key),
+                   "--control-ssl-ca-certs", str(self.pki.ca))
 
-    def start_gateway(self) -> None:
-        self.spawn("gateway", self.gw, "gateway", "--host", GW_IP, "--port", "8000", "--backend", f"{BE_IP}:50051")
+    def start_gateway(self, name: str = "gateway", pair: str = "client") -> None:
+        cert = getattr(self.pki, pair)
+        self.spawn(name, self.gw, "gateway", "--host", GW_IP, "--port", "8000", "--backend", f"{BE_IP}:50051",
+                   "--backend-ssl-certfile", str(cert.cert), "--backend-ssl-keyfile", str(cert.key),
+                   "--backend-ssl-ca-certs", str(self.pki.ca))
 
     def stop(self, name: str) -> None:
         proc = self.procs.pop(name)
@@ -177,6 +189,12 @@ def hosts(tmp_path):
 def test_two_hosts_over_tcp(hosts):
     hosts.profiles()
     hosts.start_backend()
+    # a gateway whose certificate another CA signed: refused by the backend, it stops and says why
+    hosts.start_gateway("rogue-gateway", "rogue_client")
+    wait_until(lambda: hosts.procs["rogue-gateway"].poll() is not None, 180, "the rogue gateway gave up", hosts)
+    rogue_log = (hosts.tmp / "rogue-gateway.log").read_text()
+    assert hosts.procs.pop("rogue-gateway").returncode == 1, hosts.logs()
+    assert "refused the gateway's client certificate" in rogue_log, hosts.logs()
     hosts.start_gateway()
     wait_until(lambda: hosts.run(health)["status"] == "ok", 180, "gateway up", hosts)
 
