@@ -2,18 +2,22 @@
 over the experts' stacked weights, with no host synchronisation (graph-capturable).
 
 A step of T tokens with top_k experts each has P = T * top_k pairs; pair p = t * top_k + j is token t's j-th
-choice. Four launches, each with a grid fixed by the shapes:
+choice. Six launches (after the router GEMM), each with a grid fixed by the shapes:
 1. `_route_kernel` (one program per token): softmax of the router logits over all E experts in float32,
    the top_k (ties to the lower expert id), renormalised when asked -> weights [T, k] f32, ids [T, k] i32.
 2. `_align_kernel` (one program per expert): a counting sort of the pairs by expert, stable (pairs of one
    expert keep their order): expert e's pairs land in sorted[offsets[e] : offsets[e] + counts[e]].
    No capacity is exceeded: P slots hold every pair whatever the routing.
-3. `_expert_gemm_kernel`, gate_up: one program per (expert, block of BLOCK_M of its pairs, block of the
-   intermediate width). An expert takes at most T pairs (a token picks it once), so the grid covers
-   E * cdiv(T, BLOCK_M) row blocks; a block past its expert's count returns at once, before any load.
-   Rows are gathered from x by token; SwiGLU is fused; h [P, I] is written by pair.
-4. The same kernel over the down weights: h rows by pair -> y [P, hidden] f32, scaled by the pair's weight.
-Then each token's k rows of y are summed in a fixed order (deterministic: no atomics anywhere).
+3. `_block_table_kernel` (one program): the row blocks of BLOCK_M pairs that hold pairs, listed expert by
+   expert (expert, start, end); at most P // BLOCK_M + min(E, P) of them (each expert with pairs rounds up
+   once), and never more than E * cdiv(T, BLOCK_M). The GEMM grids have that many row programs; the unused
+   ones (expert -1) return at once, so experts without pairs cost no program: at T = 1 the grids hold 8
+   row blocks, not 128.
+4. `_expert_gemm_kernel`, gate_up: one program per (row block, block of the intermediate width). Rows are
+   gathered from x by token; SwiGLU is fused; h [P, I] is written by pair.
+5. The same kernel over the down weights: h rows by pair -> y [P, hidden] f32, scaled by the pair's weight.
+6. `_combine_kernel`: each token's k rows of y summed in a fixed order, rounded once (deterministic: no
+   atomics anywhere).
 
 Weights read: only the experts some token chose (programs of experts without pairs load nothing); each
 chosen expert's tiles are read once per BLOCK_M of its pairs. Rounding follows the plain torch op
@@ -32,6 +36,7 @@ from ._common import check, next_pow2
 _DTYPES = (torch.bfloat16, torch.float16)
 _BLOCK_K = 64
 _ALIGN_BLOCK = 1024
+_COMBINE_BLOCK = 1024
 
 
 @triton.jit
@@ -78,20 +83,43 @@ def _align_kernel(ids_ptr, num_pairs, sorted_ptr, counts_ptr, offsets_ptr, BLOCK
 
 
 @triton.jit
-def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, counts_ptr, offsets_ptr, pair_weights_ptr,
-                        n_out, k_dim, a_stride, w_stride_e, w_stride_n, out_stride, blocks_per_expert, up_offset,
+def _block_table_kernel(counts_ptr, offsets_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, num_experts,
+                        max_blocks, BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr):
+    # one program: the row blocks of BLOCK_M pairs that hold pairs, expert by expert; the rest get expert -1
+    experts = tl.arange(0, E_P)
+    ok = experts < num_experts
+    counts = tl.load(counts_ptr + experts, mask=ok, other=0)
+    offsets = tl.load(offsets_ptr + experts, mask=ok, other=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    blocks_end = tl.cumsum(blocks, axis=0)                # inclusive: expert e's blocks end before this
+    used = tl.sum(blocks, axis=0)
+    for b0 in range(0, max_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        # block b belongs to the first expert whose blocks end after it
+        owner = tl.sum((blocks_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        pick = (experts[None, :] == owner[:, None]).to(tl.int32)              # [CHUNK, E_P] one-hot
+        first_block = tl.sum(pick * (blocks_end - blocks)[None, :], axis=1)
+        offset = tl.sum(pick * offsets[None, :], axis=1)
+        count = tl.sum(pick * counts[None, :], axis=1)
+        in_range = b < max_blocks
+        tl.store(block_expert_ptr + b, tl.where(b < used, owner, -1), mask=in_range)
+        tl.store(block_start_ptr + b, offset + (b - first_block) * BLOCK_M, mask=in_range)
+        tl.store(block_end_ptr + b, offset + count, mask=in_range)
+
+
+@triton.jit
+def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
+                        pair_weights_ptr, n_out, k_dim, a_stride, w_stride_e, w_stride_n, out_stride, up_offset,
                         TOP_K: tl.constexpr, SWIGLU: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # SWIGLU: a = x rows by token, w = gate_up [E, 2 I, hidden], out = h [P, I] in a's dtype
     # else:   a = h rows by pair,  w = down [E, hidden, I],      out = y [P, hidden] f32, scaled by the weight
-    expert = tl.program_id(0) // blocks_per_expert
-    first = (tl.program_id(0) % blocks_per_expert) * BLOCK_M
-    count = tl.load(counts_ptr + expert)
-    if first >= count:
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert < 0:
         return
-    rows = first + tl.arange(0, BLOCK_M)
-    row_ok = rows < count
-    pairs = tl.load(sorted_ptr + tl.load(offsets_ptr + expert) + rows, mask=row_ok, other=0)
+    rows = tl.load(block_start_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(block_end_ptr + tl.program_id(0))
+    pairs = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
     a_rows = (pairs // TOP_K if SWIGLU else pairs).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
@@ -120,6 +148,18 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, counts_ptr, offsets_p
     else:
         weight = tl.load(pair_weights_ptr + pairs, mask=row_ok, other=0.0)
         tl.store(out_ptrs, acc.to(act).to(tl.float32) * weight[:, None], mask=out_mask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # out[t] = sum over j in order of y[t * TOP_K + j]: float32, rounded once
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + j) * hidden + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,6 +194,26 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     return sorted_pairs, counts, offsets
 
 
+def max_row_blocks(num_tokens: int, top_k: int, num_experts: int, bm: int) -> int:
+    """Row blocks of `bm` pairs that any routing of num_tokens * top_k pairs can fill: each expert with pairs
+    rounds up once, and an expert takes at most num_tokens pairs."""
+    num_pairs = num_tokens * top_k
+    return min(num_experts * triton.cdiv(num_tokens, bm), num_pairs // bm + min(num_experts, num_pairs))
+
+
+def moe_block_table(counts: torch.Tensor, offsets: torch.Tensor, bm: int,
+                    max_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The row blocks the expert GEMMs run, from `moe_align`'s counts and offsets: (expert [B] int32, -1 past
+    the used ones; start [B], end [B] int32: the block's pairs are sorted[start : min(start + bm, end)]).
+    B = max_blocks (`max_row_blocks`). Graph-capturable; no host sync."""
+    num_experts = counts.shape[0]
+    e_p = next_pow2(num_experts)
+    table = torch.empty((3, max_blocks), dtype=torch.int32, device=counts.device)
+    _block_table_kernel[(1,)](counts, offsets, table[0], table[1], table[2], num_experts, max_blocks, BLOCK_M=bm,
+                              E_P=e_p, CHUNK=max(16, min(128, 4096 // e_p)), num_warps=4)
+    return table[0], table[1], table[2]
+
+
 def block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per program: about the pairs an expert gets (16, tl.dot's least, for decode)."""
     per_expert = -(-num_pairs // num_experts)
@@ -178,20 +238,22 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         return torch.empty_like(x)
     sorted_pairs, counts, offsets = moe_align(ids, num_experts)
     bm = block_m(num_pairs, num_experts)
-    row_blocks = num_experts * triton.cdiv(num_tokens, bm)
+    row_blocks = max_row_blocks(num_tokens, top_k, num_experts, bm)
+    table = moe_block_table(counts, offsets, bm, row_blocks)
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     bn = block_n(bm)
     common = dict(TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_BLOCK_K, num_warps=4)
     _expert_gemm_kernel[(row_blocks, triton.cdiv(inter, bn))](
-        x, experts_gate_up, h, sorted_pairs, counts, offsets, weights, inter, hidden, x.stride(0),
-        experts_gate_up.stride(0), experts_gate_up.stride(1), h.stride(0), row_blocks // num_experts, inter,
-        SWIGLU=True, **common)
+        x, experts_gate_up, h, sorted_pairs, *table, weights, inter, hidden, x.stride(0),
+        experts_gate_up.stride(0), experts_gate_up.stride(1), h.stride(0), inter, SWIGLU=True, **common)
     _expert_gemm_kernel[(row_blocks, triton.cdiv(hidden, bn))](
-        h, experts_down, y, sorted_pairs, counts, offsets, weights, hidden, inter, h.stride(0),
-        experts_down.stride(0), experts_down.stride(1), y.stride(0), row_blocks // num_experts, 0,
-        SWIGLU=False, **common)
-    return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+        h, experts_down, y, sorted_pairs, *table, weights, hidden, inter, h.stride(0),
+        experts_down.stride(0), experts_down.stride(1), y.stride(0), 0, SWIGLU=False, **common)
+    out = torch.empty_like(x)
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, _COMBINE_BLOCK))](y, out, hidden, TOP_K=top_k,
+                                                                       BLOCK=_COMBINE_BLOCK, num_warps=4)
+    return out
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, experts_gate_up: torch.Tensor,

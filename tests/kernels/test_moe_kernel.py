@@ -7,7 +7,8 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (CI may not install it)")
 
 from gpu_backend.models.moe import expert_mlp, moe_reference, route  # noqa: E402
-from kernels.moe import block_m, block_n, fused_moe, moe_align, moe_experts, moe_route  # noqa: E402
+from kernels.moe import (block_m, block_n, fused_moe, max_row_blocks, moe_align, moe_block_table,  # noqa: E402
+                         moe_experts, moe_route)
 
 
 def _experts(num_experts, hidden, inter, device, gen, dtype=torch.bfloat16):
@@ -24,6 +25,15 @@ def _reference_with_routing(x, weights, ids, gate_up, down):
             e = int(ids[t, j])
             out[t] += expert_mlp(x[t:t + 1], gate_up[e], down[e])[0].float() * weights[t, j]
     return out.to(x.dtype)
+
+
+def _clear_rows(x, router, top_k):
+    """Rows whose k-th and (k+1)-th router probabilities are apart: a near-tie may fall either way between
+    two softmax implementations, and then the rows legitimately differ."""
+    probs = torch.softmax(torch.nn.functional.linear(x, router).float(), dim=-1).sort(dim=-1, descending=True).values
+    if probs.shape[1] == top_k:
+        return torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    return (probs[:, top_k - 1] - probs[:, top_k]) > 1e-4
 
 
 def _token_counts(device):
@@ -58,6 +68,23 @@ def test_align_is_a_stable_counting_sort_by_expert(device):
         assert torch.equal(sorted_pairs.cpu().long(), torch.sort(flat, stable=True).indices)
 
 
+def test_block_table_lists_the_row_blocks_that_hold_pairs(device):
+    gen = torch.Generator().manual_seed(5)
+    for num_experts, top_k, num_tokens, bm in ((128, 8, 1, 16), (16, 4, 37, 16), (8, 2, 300, 64), (6, 3, 5, 16)):
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+        ids = ids.to(device, torch.int32)
+        _, counts, offsets = moe_align(ids, num_experts)
+        max_blocks = max_row_blocks(num_tokens, top_k, num_experts, bm)
+        expert, start, end = (t.cpu().tolist() for t in moe_block_table(counts, offsets, bm, max_blocks))
+        want = [(e, o + i, o + c) for e, (c, o) in enumerate(zip(counts.tolist(), offsets.tolist()))
+                for i in range(0, c, bm)]
+        assert len(want) <= max_blocks and len(expert) == max_blocks
+        assert list(zip(expert, start, end))[:len(want)] == want
+        assert all(e == -1 for e in expert[len(want):])
+    assert max_row_blocks(1, 8, 128, 16) == 8 and max_row_blocks(256, 8, 128, 16) == 256
+    assert max_row_blocks(2, 2, 8, 64) == 4 and max_row_blocks(512, 2, 8, 64) == 1024 // 64 + 8
+
+
 def test_experts_match_the_torch_op_with_empty_experts(device):
     gen = torch.Generator().manual_seed(2)
     num_experts, top_k, hidden, inter = 8, 2, 96, 80       # widths not multiples of the 64-wide tiles
@@ -86,7 +113,9 @@ def test_fused_moe_matches_the_torch_op(device):
         want = moe_reference(x, router, gate_up, down, top_k, True)
         used = route(x, router, top_k, True)[1].unique().numel()
         assert num_tokens > 8 or used < num_experts        # small batches leave experts without tokens
-        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+        clear = _clear_rows(x, router, top_k)
+        assert clear.float().mean() > 0.8
+        torch.testing.assert_close(got[clear].float(), want[clear].float(), atol=3e-2, rtol=3e-2)
 
 
 def test_block_m_follows_the_pairs_per_expert():
@@ -134,4 +163,5 @@ def test_fused_moe_replays_in_a_cuda_graph():
         torch.cuda.synchronize()
         torch.testing.assert_close(out, step(), atol=0, rtol=0)
         want = moe_reference(x, router, gate_up, down, top_k, True)
-        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+        clear = _clear_rows(x, router, top_k)
+        torch.testing.assert_close(out[clear].float(), want[clear].float(), atol=3e-2, rtol=3e-2)
