@@ -124,7 +124,14 @@ def _backend_argv(args: argparse.Namespace) -> list[str]:
     argv = []
     for action in probe._actions:
         value = getattr(args, action.dest, action.default)
-        if action.option_strings and action.dest not in ("ring", "control") and value != action.default:
+        if not action.option_strings or action.dest in ("ring", "control") or value is None or value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+            argv.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # store_true / store_false / store_const: its flag sets `value` or does nothing
+            if value == action.const:
+                argv.append(action.option_strings[0])
+        else:
             argv += [action.option_strings[0], str(value)]
     return argv
 

@@ -83,10 +83,11 @@ class ToolChatFormat(ChatFormat):
         message = ChatDelta(role="assistant" if first else None, tool_calls=[call])
         return self._chunk([ChatChunkChoice(index=index, delta=message, logprobs=self._logprobs(lps) if lps else None)])
 
-    def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int) -> ChatCompletion:
+    def full(self, choices: Sequence[ChoiceOutput], prompt_len: int, completion_len: int,
+             cached_len: int = 0) -> ChatCompletion:
         listed = [self._full_choice(i, c) for i, c in enumerate(choices)]
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=listed,
-                              usage=Usage.of(prompt_len, completion_len))
+                              usage=Usage.of(prompt_len, completion_len, cached_len))
 
     def _full_choice(self, index: int, out: ChoiceOutput) -> ChatChoice:
         stream = ToolCallStream(self.tool_format, self.names)
