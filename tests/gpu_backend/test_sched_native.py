@@ -3,6 +3,8 @@ Python reference (tests/gpu_backend/reference_scheduler.py) on randomized reques
 included), small block pools that force preemption, full output buffers. Step by step: the same batch
 entries (slot, q_len, samples), the same preemptions, the same published tokens and finishes, the same
 block tables, free list (block ids and order) and queue order; every block back in the pool at the end.
+With the prefix cache on (shared prefixes, gateway hash chains, some cut short or crafted), also the same
+hash table, reference counts, evictable list and counters, and every reference given back at the end.
 A second pass fills the step buffer from both (the reference's fill_step) and compares it byte for byte."""
 import dataclasses
 import random

@@ -107,9 +107,11 @@ BLINK_HD int32_t blink_take_block(blink_sched* s) {
 }
 
 // A holder lets go: the last one puts a hashed block on the evictable list, any other on the free list.
+// (A private block a dropped speculation let go of is let go of again by the real state: its count stays 0.)
 BLINK_HD void blink_drop_block(blink_sched* s, int32_t b) {
   blink_sched_header* h = s->h;
-  if (--s->block_ref[b] > 0) return;
+  if (s->block_ref[b] > 0) s->block_ref[b] -= 1;
+  if (s->block_ref[b] > 0) return;
   if (s->block_hash[b]) {
     blink_lru_push(s, b);
   } else {
