@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.backends.backend import Backend, BackendConnectError, describe
-from gateway.backends.transports import aio_control_channel, connect_tcp
+from gateway.backends.transports import TlsRefused, aio_control_channel, connect_tcp
 from gateway.config import GatewayConfig
 from gpu_backend.control_server import ControlServer
 from gpu_backend.tcp_agent import TcpAgent
@@ -85,7 +85,7 @@ def test_describe_and_health_over_mutual_tls(control, pki):
 def test_a_gateway_without_a_valid_certificate_is_refused_at_once(control, pki, pair):
     addr, _ = control
     start = time.monotonic()
-    with pytest.raises(BackendConnectError, match="refused the gateway's client certificate") as info:
+    with pytest.raises(TlsRefused, match="refused the gateway's client certificate") as info:
         describe(addr, 30, gateway_config(pki, pair))
     assert time.monotonic() - start < REFUSED_WITHIN_S
     assert (pair is None) == ("presents no certificate" in str(info.value))
@@ -94,7 +94,7 @@ def test_a_gateway_without_a_valid_certificate_is_refused_at_once(control, pki, 
 def test_a_plaintext_gateway_is_told_the_backend_serves_tls(control):
     addr, _ = control
     start = time.monotonic()
-    with pytest.raises(BackendConnectError, match="closed a plaintext connection: it serves TLS"):
+    with pytest.raises(TlsRefused, match="closed a plaintext connection: it serves TLS"):
         describe(addr, 30, GatewayConfig())
     assert time.monotonic() - start < REFUSED_WITHIN_S
 
@@ -125,7 +125,7 @@ def test_health_refuses_a_gateway_without_a_certificate(control):
 
 def test_a_backend_certificate_from_another_ca_is_named(control, pki):
     addr, _ = control
-    with pytest.raises(BackendConnectError, match="certificate verify failed|unable to get local issuer"):
+    with pytest.raises(TlsRefused, match="certificate verify failed|unable to get local issuer"):
         describe(addr, 30, gateway_config(pki, ca=pki.rogue_client.cert))  # trusts another CA only
 
 
@@ -133,7 +133,7 @@ def test_a_plaintext_backend_is_named(ring, pki):
     server = ControlServer("127.0.0.1:0", BackendDescription("m", "", "fp", 64, 100, (0,), "cpu"), ring)
     server.start()
     try:
-        with pytest.raises(BackendConnectError, match="TLS with the backend at .* failed"):
+        with pytest.raises(TlsRefused, match="TLS with the backend at .* failed"):
             describe(f"127.0.0.1:{server.port}", 30, gateway_config(pki))
     finally:
         server.stop(0)
@@ -241,7 +241,7 @@ def test_tcp_agent_refuses_a_gateway_without_a_valid_certificate(ring, pki, pair
         agent, task = await start_agent(ring, pki)
         start = time.monotonic()
         try:
-            with pytest.raises(BackendConnectError, match="refused the gateway's client certificate"):
+            with pytest.raises(TlsRefused, match="refused the gateway's client certificate"):
                 await connect_backend(ring, agent.port, gateway_config(pki, pair))
             assert time.monotonic() - start < REFUSED_WITHIN_S and agent.session is None
             assert agent.num_refused >= 1
