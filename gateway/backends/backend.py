@@ -84,6 +84,7 @@ class Backend:
 
     @classmethod
     async def connect(cls, addr: str, config: GatewayConfig) -> Backend:
+        config = config.for_backend(addr)  # its own TLS settings, if the config file gives it some
         loop = asyncio.get_running_loop()
         reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s, config)
         info = BackendInfo.from_reply(addr, reply)

@@ -57,7 +57,7 @@ class BackendPool:
         backends = await asyncio.gather(*(Backend.connect(addr, self.config) for addr in addrs))
         for backend in backends:
             try:
-                await self.add(backend, aio_control_channel(backend.info.addr, self.config))
+                await self.add(backend, aio_control_channel(backend.info.addr, self.config.for_backend(backend.info.addr)))
             except Exception:  # e.g. its tokenizer does not load: close it rather than leak its poller
                 await backend.close()
                 raise
@@ -214,7 +214,7 @@ class BackendPool:
                 await asyncio.sleep(self.config.probe_interval_s)
                 continue
             log.warning("backend %s is back", addr)
-            await self.add(backend, aio_control_channel(addr, self.config))
+            await self.add(backend, aio_control_channel(addr, self.config.for_backend(addr)))
 
     # ---------------------------------------------------------------- lifecycle
     def stop_watching(self) -> None:

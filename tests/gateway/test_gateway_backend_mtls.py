@@ -350,3 +350,26 @@ def test_blinkctl_reaches_an_admin_api_that_requires_client_certificates(start_h
     assert "cannot reach the gateway" in capsys.readouterr().err
     assert ctl.main(["status", *common, "--ssl-certfile", str(pki.ca.parent / "absent.pem")]) == 2
     assert "cannot load the TLS files given to blinkctl" in capsys.readouterr().err
+
+
+def test_a_backend_of_its_own_ca_in_the_config_file(control, pki, tmp_path):
+    """`backends: [{addr, ssl_*}]`: that backend is dialled with its own files, the others with backend_ssl_*."""
+    from gateway.config_file import ConfigFileError, read_config_file
+
+    addr, _ = control
+    path = tmp_path / "gateway.yaml"
+    path.write_text(f"backend_ssl_ca_certs: {pki.rogue_client.cert}\nbackends:\n  - 127.0.0.1:1\n"
+                    f"  - addr: {addr}\n    ssl_certfile: {pki.client.cert}\n    ssl_keyfile: {pki.client.key}\n"
+                    f"    ssl_ca_certs: {pki.ca}\n")
+    config = GatewayConfig(**read_config_file(path))
+    assert config.for_backend("127.0.0.1:1") is config and not config.for_backend(addr).backend_tls_by_addr
+    assert describe(addr, 10, config.for_backend(addr)).model_name == "m"
+    with pytest.raises(TlsRefused):  # the file-wide CA does not sign this backend's certificate
+        describe(addr, 10, config)
+    path.write_text("backends:\n  - addr: 127.0.0.1:2\n    ssl_certfile: gw.pem\n")
+    with pytest.raises(ValueError, match="backend 127.0.0.1:2: backend_ssl_certfile needs backend_ssl_ca_certs"):
+        GatewayConfig(**read_config_file(path))
+    path.write_text("backends:\n  - addr: 127.0.0.1:2\n    ssl_cert: gw.pem\n")
+    with pytest.raises(ConfigFileError, match=r"backends\[0\]: unknown settings ssl_cert"):
+        read_config_file(path)
+
