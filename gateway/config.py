@@ -11,6 +11,7 @@ from protocols.messages import STALL_AFTER_OTHER_S, STALL_AFTER_S
 MiB = 1 << 20
 # Seconds of an unchanged heartbeat, with work pending, before ejection; per engine mode (see GatewayConfig).
 HEARTBEAT_TIMEOUTS_S = {**STALL_AFTER_S, "default": STALL_AFTER_OTHER_S}  # protocols/messages.py
+BACKEND_TLS_FIELDS = ("backend_ssl_certfile", "backend_ssl_keyfile", "backend_ssl_ca_certs")
 ROUTING_POLICIES = ("least_outstanding_tokens", "most_free_kv", "prefix_affinity", "prefix_cache")  # gateway/backends/route.py
 
 
@@ -115,6 +116,9 @@ class GatewayConfig:
     backend_ssl_certfile: str | None = None
     backend_ssl_keyfile: str | None = None
     backend_ssl_ca_certs: str | None = None
+    # Per backend (the config file's `backends: [{addr, ssl_certfile, ssl_keyfile, ssl_ca_certs}]`): these
+    # backend_ssl_* fields for that address instead (`for_backend`), e.g. a backend of another site and CA.
+    backend_tls_by_addr: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_listeners()
@@ -162,6 +166,14 @@ class GatewayConfig:
         if self.backend_ssl_certfile is not None and self.backend_ssl_ca_certs is None:
             raise ValueError("backend_ssl_certfile needs backend_ssl_ca_certs: the CA that signs the backends' "
                              "certificates (the gateway trusts no other for them)")
+        for addr, fields in self.backend_tls_by_addr.items():
+            unknown = set(fields) - set(BACKEND_TLS_FIELDS)
+            if unknown:
+                raise ValueError(f"backend {addr}: unknown TLS settings {', '.join(sorted(unknown))}")
+            try:
+                self.for_backend(addr)
+            except ValueError as exc:
+                raise ValueError(f"backend {addr}: {exc}") from None
 
     def _check_prefix_cache(self) -> None:
         if not self.prefix_cache_balance_ratio >= 1 or self.prefix_cache_balance_slack_tokens < 0:
@@ -194,6 +206,11 @@ class GatewayConfig:
     @property
     def tls(self) -> bool:
         return self.ssl_certfile is not None
+
+    def for_backend(self, addr: str) -> GatewayConfig:
+        """This config with the backend's own TLS settings, when the config file gives it some."""
+        fields = self.backend_tls_by_addr.get(addr)
+        return self if not fields else dataclasses.replace(self, backend_tls_by_addr={}, **fields)
 
     @property
     def backend_tls(self) -> bool:

@@ -5,6 +5,10 @@
     backends:                         # control-plane addresses; a reload adds and drains to match
       - 127.0.0.1:50051
       - addr: 127.0.0.1:50061
+      - addr: 10.20.0.7:50051         # mutual TLS settings of its own (else backend_ssl_* apply)
+        ssl_ca_certs: /etc/blink/tls/site-b-ca.crt
+        ssl_certfile: /etc/blink/tls/site-b-gateway.crt
+        ssl_keyfile: /etc/blink/tls/site-b-gateway.key
 
 Any other top-level key names a `GatewayConfig` field. Flags and BLINK_* variables override the file
 at start; a reload takes only `backends` and `routing` (other fields need a restart). The same SIGHUP re-reads
@@ -20,8 +24,9 @@ import yaml
 
 from .config import GatewayConfig
 
-RELOADABLE = ("backend_addrs", "routing")
+RELOADABLE = ("backend_addrs", "backend_tls_by_addr", "routing")
 _FIELDS = {f.name for f in dataclasses.fields(GatewayConfig)} - {"config_file", "api_keys", "admin_keys", "backend_addrs",
+                                                                  "backend_tls_by_addr",
                                                                   "worker_index"}  # keys: hashed, in the keys file
 
 
@@ -41,6 +46,8 @@ def read_config_file(path: str | Path) -> dict:
     for key, value in data.items():
         if key == "backends":
             out["backend_addrs"] = _backend_addrs(path, value)
+            if tls := _backend_tls(path, value):
+                out["backend_tls_by_addr"] = tls
         elif key in _FIELDS:
             out[key] = value
         else:
@@ -60,9 +67,27 @@ def _backend_addrs(path, value) -> tuple[str, ...]:
     return tuple(addrs)
 
 
+def _backend_tls(path, value: list) -> dict:
+    """{addr: {backend_ssl_*: path}} for the entries that carry ssl_certfile, ssl_keyfile or ssl_ca_certs."""
+    out = {}
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            continue
+        unknown = set(item) - {"addr", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs"}
+        if unknown:
+            raise ConfigFileError(f"{path}: backends[{i}]: unknown settings {', '.join(sorted(unknown))} "
+                                  f"(known: addr, ssl_certfile, ssl_keyfile, ssl_ca_certs)")
+        tls = {f"backend_{k}": v for k, v in item.items() if k != "addr"}
+        if tls:
+            out[item["addr"]] = tls
+    return out
+
+
 def reload_fields(config: GatewayConfig) -> dict:
     """What a SIGHUP changes: the file's backends and routing, validated as a whole config."""
     fields = {k: v for k, v in read_config_file(config.config_file).items() if k in RELOADABLE}
+    if "backend_addrs" in fields:
+        fields.setdefault("backend_tls_by_addr", {})  # entries that lost their TLS settings lose them here too
     try:
         config.replace(**fields)
     except (TypeError, ValueError) as exc:

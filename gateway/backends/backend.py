@@ -24,7 +24,7 @@ from ..streaming.native import NativeStreams
 from ..streaming.poller import Poller
 from ..streaming.request_handle import RequestHandle
 from ..tls import plaintext_refusal, tls_refusal
-from .transports import BackendConnectError, connect_transport, control_channel
+from .transports import BackendConnectError, TlsRefused, connect_transport, control_channel
 
 log = logging.getLogger("blink.gateway.backends")
 
@@ -52,7 +52,9 @@ def describe(addr: str, timeout_s: float, config: GatewayConfig) -> control_pb2.
                 refused = tls_refusal(addr, config) if config.backend_tls else plaintext_refusal(addr)
                 if refused is None and step_s < remaining_s and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     continue
-                raise BackendConnectError(refused or f"backend {addr} did not answer Describe within {timeout_s:g} s: "
+                if refused is not None:
+                    raise TlsRefused(refused) from None
+                raise BackendConnectError(f"backend {addr} did not answer Describe within {timeout_s:g} s: "
                                           f"{exc.code().name} {exc.details()}") from None
 
 
@@ -82,6 +84,7 @@ class Backend:
 
     @classmethod
     async def connect(cls, addr: str, config: GatewayConfig) -> Backend:
+        config = config.for_backend(addr)  # its own TLS settings, if the config file gives it some
         loop = asyncio.get_running_loop()
         reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s, config)
         info = BackendInfo.from_reply(addr, reply)

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ..config import GatewayConfig
 from ..config_file import ConfigFileError, reload_fields
 from .backend import Backend
-from .transports import BackendConnectError, aio_control_channel
+from .transports import TlsRefused, aio_control_channel
 from .route import Router, make_policy
 
 log = logging.getLogger("blink.gateway.pool")
@@ -57,7 +57,7 @@ class BackendPool:
         backends = await asyncio.gather(*(Backend.connect(addr, self.config) for addr in addrs))
         for backend in backends:
             try:
-                await self.add(backend, aio_control_channel(backend.info.addr, self.config))
+                await self.add(backend, aio_control_channel(backend.info.addr, self.config.for_backend(backend.info.addr)))
             except Exception:  # e.g. its tokenizer does not load: close it rather than leak its poller
                 await backend.close()
                 raise
@@ -209,13 +209,13 @@ class BackendPool:
             try:
                 backend = await Backend.connect(addr, config)
             except Exception as exc:  # not back yet; or refused (TLS): said once per change, as it is no wait
-                if isinstance(exc, BackendConnectError) and str(exc) != last_error and "TLS" in str(exc):
+                if isinstance(exc, TlsRefused) and str(exc) != last_error:
                     log.error("backend %s: %s", addr, exc)
                 last_error = str(exc)
                 await asyncio.sleep(self.config.probe_interval_s)
                 continue
             log.warning("backend %s is back", addr)
-            await self.add(backend, aio_control_channel(addr, self.config))
+            await self.add(backend, aio_control_channel(addr, self.config.for_backend(addr)))
 
     # ---------------------------------------------------------------- lifecycle
     def stop_watching(self) -> None:

@@ -38,6 +38,10 @@ class AgentMismatch(RuntimeError):
     """The agent serves a ring other than the one Describe announced, or TLS with it failed at start-up."""
 
 
+class AgentTlsRefused(AgentMismatch):
+    """TLS with the agent failed: it refused the gateway's certificate, or the gateway refused its."""
+
+
 def tls_failure(endpoint: str, exc: ssl.SSLError) -> str:
     """A failed TLS session with an agent, in words (the library's reason; never key material)."""
     why = getattr(exc, "verify_message", None) or exc.reason or type(exc).__name__
@@ -117,7 +121,7 @@ class TcpProducer:
             except ssl.SSLError as exc:
                 self.last_error = tls_failure(self.endpoint, exc)
                 if self.session == 0:
-                    raise AgentMismatch(self.last_error) from None
+                    raise AgentTlsRefused(self.last_error) from None
                 log.error("%s; retrying", self.last_error)
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, W.WireError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
@@ -157,7 +161,7 @@ class TcpProducer:
             if self.ssl_context is None:
                 raise
             # an agent refuses a client certificate once our side of the TLS 1.3 handshake is done: it closes
-            raise AgentMismatch(f"the tcp agent at {self.endpoint} closed the connection after the TLS handshake: "
+            raise AgentTlsRefused(f"the tcp agent at {self.endpoint} closed the connection after the TLS handshake: "
                                 f"it refused the gateway's client certificate (none, or not signed by the CA in "
                                 f"its --control-ssl-ca-certs)") from None
 

@@ -21,11 +21,16 @@ from protocols.shm_producer import ShmProducer
 
 from ..config import GatewayConfig
 from ..tls import backend_channel_credentials, backend_ssl_context
-from .tcp_producer import AgentMismatch, TcpProducer
+from .tcp_producer import AgentMismatch, AgentTlsRefused, TcpProducer
 
 
 class BackendConnectError(RuntimeError):
     """A backend did not answer Describe, or its ring could not be attached."""
+
+
+class TlsRefused(BackendConnectError):
+    """TLS with a backend (its control plane or tcp agent) failed: a certificate refused on either side, or
+    one side speaking plaintext. A configuration matter, not a wait: said at once."""
 
 
 def control_channel(addr: str, config: GatewayConfig) -> grpc.Channel:
@@ -75,6 +80,8 @@ async def connect_tcp(info: BackendInfo, config: GatewayConfig) -> TcpProducer:
                                idle_timeout_s=config.tcp_idle_timeout_s,
                                ssl_context=functools.partial(backend_ssl_context, config) if config.backend_tls else None)
         await producer.start(config.connect_timeout_s)
+    except AgentTlsRefused as exc:
+        raise TlsRefused(f"backend {info.addr}: {exc}") from None
     except (ValueError, TimeoutError, AgentMismatch) as exc:
         raise BackendConnectError(f"backend {info.addr}: {exc}") from None
     return producer

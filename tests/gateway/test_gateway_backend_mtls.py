@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.backends.backend import Backend, BackendConnectError, describe
-from gateway.backends.transports import aio_control_channel, connect_tcp
+from gateway.backends.transports import TlsRefused, aio_control_channel, connect_tcp
 from gateway.config import GatewayConfig
 from gpu_backend.control_server import ControlServer
 from gpu_backend.tcp_agent import TcpAgent
@@ -85,7 +85,7 @@ def test_describe_and_health_over_mutual_tls(control, pki):
 def test_a_gateway_without_a_valid_certificate_is_refused_at_once(control, pki, pair):
     addr, _ = control
     start = time.monotonic()
-    with pytest.raises(BackendConnectError, match="refused the gateway's client certificate") as info:
+    with pytest.raises(TlsRefused, match="refused the gateway's client certificate") as info:
         describe(addr, 30, gateway_config(pki, pair))
     assert time.monotonic() - start < REFUSED_WITHIN_S
     assert (pair is None) == ("presents no certificate" in str(info.value))
@@ -94,7 +94,7 @@ def test_a_gateway_without_a_valid_certificate_is_refused_at_once(control, pki, 
 def test_a_plaintext_gateway_is_told_the_backend_serves_tls(control):
     addr, _ = control
     start = time.monotonic()
-    with pytest.raises(BackendConnectError, match="closed a plaintext connection: it serves TLS"):
+    with pytest.raises(TlsRefused, match="closed a plaintext connection: it serves TLS"):
         describe(addr, 30, GatewayConfig())
     assert time.monotonic() - start < REFUSED_WITHIN_S
 
@@ -125,7 +125,7 @@ def test_health_refuses_a_gateway_without_a_certificate(control):
 
 def test_a_backend_certificate_from_another_ca_is_named(control, pki):
     addr, _ = control
-    with pytest.raises(BackendConnectError, match="certificate verify failed|unable to get local issuer"):
+    with pytest.raises(TlsRefused, match="certificate verify failed|unable to get local issuer"):
         describe(addr, 30, gateway_config(pki, ca=pki.rogue_client.cert))  # trusts another CA only
 
 
@@ -133,7 +133,7 @@ def test_a_plaintext_backend_is_named(ring, pki):
     server = ControlServer("127.0.0.1:0", BackendDescription("m", "", "fp", 64, 100, (0,), "cpu"), ring)
     server.start()
     try:
-        with pytest.raises(BackendConnectError, match="TLS with the backend at .* failed"):
+        with pytest.raises(TlsRefused, match="TLS with the backend at .* failed"):
             describe(f"127.0.0.1:{server.port}", 30, gateway_config(pki))
     finally:
         server.stop(0)
@@ -241,7 +241,7 @@ def test_tcp_agent_refuses_a_gateway_without_a_valid_certificate(ring, pki, pair
         agent, task = await start_agent(ring, pki)
         start = time.monotonic()
         try:
-            with pytest.raises(BackendConnectError, match="refused the gateway's client certificate"):
+            with pytest.raises(TlsRefused, match="refused the gateway's client certificate"):
                 await connect_backend(ring, agent.port, gateway_config(pki, pair))
             assert time.monotonic() - start < REFUSED_WITHIN_S and agent.session is None
             assert agent.num_refused >= 1
@@ -350,3 +350,26 @@ def test_blinkctl_reaches_an_admin_api_that_requires_client_certificates(start_h
     assert "cannot reach the gateway" in capsys.readouterr().err
     assert ctl.main(["status", *common, "--ssl-certfile", str(pki.ca.parent / "absent.pem")]) == 2
     assert "cannot load the TLS files given to blinkctl" in capsys.readouterr().err
+
+
+def test_a_backend_of_its_own_ca_in_the_config_file(control, pki, tmp_path):
+    """`backends: [{addr, ssl_*}]`: that backend is dialled with its own files, the others with backend_ssl_*."""
+    from gateway.config_file import ConfigFileError, read_config_file
+
+    addr, _ = control
+    path = tmp_path / "gateway.yaml"
+    path.write_text(f"backend_ssl_ca_certs: {pki.rogue_client.cert}\nbackends:\n  - 127.0.0.1:1\n"
+                    f"  - addr: {addr}\n    ssl_certfile: {pki.client.cert}\n    ssl_keyfile: {pki.client.key}\n"
+                    f"    ssl_ca_certs: {pki.ca}\n")
+    config = GatewayConfig(**read_config_file(path))
+    assert config.for_backend("127.0.0.1:1") is config and not config.for_backend(addr).backend_tls_by_addr
+    assert describe(addr, 10, config.for_backend(addr)).model_name == "m"
+    with pytest.raises(TlsRefused):  # the file-wide CA does not sign this backend's certificate
+        describe(addr, 10, config)
+    path.write_text("backends:\n  - addr: 127.0.0.1:2\n    ssl_certfile: gw.pem\n")
+    with pytest.raises(ValueError, match="backend 127.0.0.1:2: backend_ssl_certfile needs backend_ssl_ca_certs"):
+        GatewayConfig(**read_config_file(path))
+    path.write_text("backends:\n  - addr: 127.0.0.1:2\n    ssl_cert: gw.pem\n")
+    with pytest.raises(ConfigFileError, match=r"backends\[0\]: unknown settings ssl_cert"):
+        read_config_file(path)
+
