@@ -51,9 +51,12 @@ HAND_WRITTEN = [
     {"type": "object", "properties": {"city": {"type": "string"}, "temp_c": {"type": "number"},
                                       "unit": {"enum": ["celsius", "fahrenheit"]}},
      "required": ["city", "temp_c", "unit"], "additionalProperties": False},
-    {"$defs": {"node": {"type": "object", "properties": {"value": {"type": "integer"},
+    # a tree two levels deep through $refs (an unbounded recursive one lets a small greedy model nest forever)
+    {"$defs": {"leaf": {"type": "object", "properties": {"value": {"type": "integer"}}, "required": ["value"],
+                        "additionalProperties": False},
+               "node": {"type": "object", "properties": {"value": {"type": "integer"},
                                                           "children": {"type": "array", "maxItems": 2,
-                                                                       "items": {"$ref": "#/$defs/node"}}},
+                                                                       "items": {"$ref": "#/$defs/leaf"}}},
                         "required": ["value"], "additionalProperties": False}},
      "$ref": "#/$defs/node"},
     {"type": "object", "properties": {"error": {"type": "object", "properties": {
