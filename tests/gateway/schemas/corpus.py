@@ -12,7 +12,7 @@ FIELDS = [
     ("user_id", {"type": "integer", "minimum": 1, "maximum": 10_000_000}),
     ("name", {"type": "string", "minLength": 1, "maxLength": 40}),
     ("email", {"type": "string", "format": "email", "maxLength": 40}),
-    ("created_at", {"type": "string", "format": "date-time"}),
+    ("created_at", {"type": "string", "format": "date-time", "maxLength": 32}),  # else endless fractional seconds
     ("birthday", {"type": "string", "format": "date"}),
     # Amounts as integers (cents, percent), as payment APIs write them: a fraction's digits are unbounded in JSON,
     # and a small greedy model can write trailing zeros until max_tokens.
@@ -35,7 +35,7 @@ FIELDS = [
     ("url", {"type": "string", "format": "uri", "maxLength": 60}),
     ("ratio_pct", {"type": "integer", "minimum": -100, "maximum": 100}),
     ("color", {"type": "string", "pattern": "^#[0-9a-f]{6}$"}),
-    ("version", {"type": "string", "pattern": "^[0-9]+\\.[0-9]+\\.[0-9]+$"}),
+    ("version", {"type": "string", "pattern": "^[0-9]{1,3}\\.[0-9]{1,3}\\.[0-9]{1,3}$"}),
 ]
 ADDRESS = {"type": "object", "properties": {"street": {"type": "string", "maxLength": 30},
                                             "city": {"type": "string", "maxLength": 20},
