@@ -11,11 +11,13 @@ FIELDS = [
     ("id", {"type": "string", "format": "uuid"}),
     ("user_id", {"type": "integer", "minimum": 1, "maximum": 10_000_000}),
     ("name", {"type": "string", "minLength": 1, "maxLength": 40}),
-    ("email", {"type": "string", "format": "email"}),
-    ("created_at", {"type": "string", "format": "date-time"}),
+    ("email", {"type": "string", "format": "email", "maxLength": 40}),
+    ("created_at", {"type": "string", "format": "date-time", "maxLength": 32}),  # else endless fractional seconds
     ("birthday", {"type": "string", "format": "date"}),
-    ("price", {"type": "number", "minimum": 0, "maximum": 100000}),
-    ("discount", {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}),
+    # Amounts as integers (cents, percent), as payment APIs write them: a fraction's digits are unbounded in JSON,
+    # and a small greedy model can write trailing zeros until max_tokens.
+    ("price_cents", {"type": "integer", "minimum": 0, "maximum": 10_000_000}),
+    ("discount_pct", {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 100}),
     ("quantity", {"type": "integer", "minimum": 1, "maximum": 99}),
     ("status", {"enum": ["pending", "active", "suspended", "closed"]}),
     ("priority", {"type": "string", "enum": ["low", "medium", "high"]}),
@@ -30,10 +32,10 @@ FIELDS = [
     ("country", {"type": "string", "enum": ["US", "FR", "DE", "JP", "BR"]}),
     ("note", {"anyOf": [{"type": "string", "maxLength": 30}, {"type": "null"}]}),
     ("rating", {"type": ["integer", "null"], "minimum": 1, "maximum": 5}),
-    ("url", {"type": "string", "format": "uri"}),
-    ("ratio", {"type": "number", "minimum": -1, "maximum": 1}),
+    ("url", {"type": "string", "format": "uri", "maxLength": 60}),
+    ("ratio_pct", {"type": "integer", "minimum": -100, "maximum": 100}),
     ("color", {"type": "string", "pattern": "^#[0-9a-f]{6}$"}),
-    ("version", {"type": "string", "pattern": "^[0-9]+\\.[0-9]+\\.[0-9]+$"}),
+    ("version", {"type": "string", "pattern": "^[0-9]{1,3}\\.[0-9]{1,3}\\.[0-9]{1,3}$"}),
 ]
 ADDRESS = {"type": "object", "properties": {"street": {"type": "string", "maxLength": 30},
                                             "city": {"type": "string", "maxLength": 20},
@@ -51,9 +53,12 @@ HAND_WRITTEN = [
     {"type": "object", "properties": {"city": {"type": "string"}, "temp_c": {"type": "number"},
                                       "unit": {"enum": ["celsius", "fahrenheit"]}},
      "required": ["city", "temp_c", "unit"], "additionalProperties": False},
-    {"$defs": {"node": {"type": "object", "properties": {"value": {"type": "integer"},
+    # a tree two levels deep through $refs (an unbounded recursive one lets a small greedy model nest forever)
+    {"$defs": {"leaf": {"type": "object", "properties": {"value": {"type": "integer"}}, "required": ["value"],
+                        "additionalProperties": False},
+               "node": {"type": "object", "properties": {"value": {"type": "integer"},
                                                           "children": {"type": "array", "maxItems": 2,
-                                                                       "items": {"$ref": "#/$defs/node"}}},
+                                                                       "items": {"$ref": "#/$defs/leaf"}}},
                         "required": ["value"], "additionalProperties": False}},
      "$ref": "#/$defs/node"},
     {"type": "object", "properties": {"error": {"type": "object", "properties": {
@@ -79,9 +84,9 @@ HAND_WRITTEN = [
 ]
 
 REGEXES = [
-    r"[0-9]{3}-[0-9]{4}", r"(yes|no)", r"[A-Z][a-z]{2,8}", r"[0-9]+(\.[0-9]{1,2})?", r"[a-z]+@[a-z]+\.(com|org)",
+    r"[0-9]{3}-[0-9]{4}", r"(yes|no)", r"[A-Z][a-z]{2,8}", r"[0-9]+(\.[0-9]{1,2})?", r"[a-z]{1,12}@[a-z]{1,12}\.(com|org)",
     r"#[0-9a-f]{6}", r"(19|20)[0-9][0-9]-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", r"[A-Z]{2}[0-9]{6}",
-    r"(true|false)", r"\$[0-9]{1,4}\.[0-9][0-9]", r"[a-z]{3,6}( [a-z]{3,6}){0,3}", r"v[0-9]+\.[0-9]+\.[0-9]+",
+    r"(true|false)", r"\$[0-9]{1,4}\.[0-9][0-9]", r"[a-z]{3,6}( [a-z]{3,6}){0,3}", r"v[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}",
     r"(low|medium|high) priority", r"[01]{8}", r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", r"[A-Za-z0-9_]{4,12}",
     r"https://[a-z]{3,10}\.com/[a-z]{1,8}", r"-?[0-9]{1,3}", r"[aeiou]{2,5}", r"(ab|cd)+e",
     r"[0-9]{1,2}:[0-9][0-9] (AM|PM)", r"[A-Z]{3}", r"SKU-[0-9]{4}", r"[a-f0-9]{8}-[a-f0-9]{4}",
