@@ -48,7 +48,9 @@ def test_sweep_writes_one_documented_json_per_rate(sweep, live_server):
         for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "queue_ms"):
             assert set(m[name]) >= {"mean", "median", "p90", "p99"}
         assert m["goodput"]["good_requests"] == 6
-    assert len([line for line in stdout.splitlines() if line.strip()]) == 3  # header + one row per rate
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    reuse = [line for line in lines if "prefix reuse the workload allows" in line]
+    assert len(lines) - len(reuse) == 3 and len(reuse) == 2  # header + one row per rate, then a reuse line per rate
 
 
 def test_every_request_does_the_requested_work(sweep):
