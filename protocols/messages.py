@@ -55,8 +55,7 @@ class BackendDescription:
             model_name=self.model_name, model_dir=self.model_dir, model_fingerprint=self.model_fingerprint,
             context_len=self.context_len, vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids),
             engine_mode=self.engine_mode, transport=self.transport, tcp_endpoint=self.tcp_endpoint,
-            ring_name=ring_name, geometry=control_pb2.RingGeometry(**dataclasses.asdict(geometry),
-                                                                   max_block_hashes=geometry.max_block_hashes),
+            ring_name=ring_name, geometry=control_pb2.RingGeometry(**dataclasses.asdict(geometry)),
             ring_version=RING_VERSION, sampling_extensions=self.sampling_extensions)
 
 

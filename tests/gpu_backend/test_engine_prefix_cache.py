@@ -12,26 +12,14 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
-from test_engine_loop import CONTEXT_LEN, Engine, _prompts
-from conftest_models import tiny_cfg
-from gpu_backend.models import LlamaModel, greedy_generate
+from test_engine_loop import CONTEXT_LEN, Engine, _prompts, model  # noqa: F401 (model: the module fixture)
+from gpu_backend.models import greedy_generate
 from protocols.prefix_hash import block_hashes
 from protocols.ring import FinishReason, RequestSpec
 
 BLOCK = 4
 _done = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def model():
-    cfg = tiny_cfg("llama", max_position_embeddings=CONTEXT_LEN)
-    torch.manual_seed(0)
-    m = LlamaModel(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(8.0)  # peaky logits: greedy choices far from ties
-    return cfg, m
 
 
 @pytest.fixture
