@@ -52,12 +52,7 @@ def test_teacher_forced_logits_match_transformers_llama_3_2_1b():
     with torch.no_grad():
         for p in hf32.parameters():          # bf16-representable weights, shared by all three models
             p.copy_(p.to(torch.bfloat16).float())
-    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
-    # `.to(bf16)` also rounds the RoPE inv_freq buffer, which skews angles in proportion to position;
-    # keep it float32 as a real bf16 checkpoint loaded by transformers would have it
-    for (name, buf16), buf32 in zip(hf16.named_buffers(), hf32.buffers()):
-        if "inv_freq" in name:
-            buf16.data = buf32.data.clone()
+    hf16 = bf16_twin(hf32)
     ours = LlamaModel(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
     ours.load_state_dict(hf16.state_dict(), strict=True)
     runner = _runner(ours, cfg)
@@ -68,13 +63,7 @@ def test_teacher_forced_logits_match_transformers_llama_3_2_1b():
     a, b = _seq(seqs[0], blocks[:16]), _seq(seqs[1], blocks[16:32], slot=1)
     # (q_len of a, q_len of b) per step: prefill chunks, a mixed step, then decode steps
     plan = [(100, 0), (100, 27), (1, 100), *[(1, 1)] * 29, (0, 1), (0, 1)]
-    got = {id(a): [], id(b): []}
-    for qa, qb in plan:
-        entries = [ScheduledSeq(s, q, True) for s, q in ((a, qa), (b, qb)) if q]
-        logits = runner.logits(step_of(runner, Batch(entries)))
-        for e, part in zip(entries, logits.split([e.q_len for e in entries])):
-            got[id(e.seq)].append(part)
-            e.seq.num_computed += e.q_len
+    got = chunked_logits(runner, a, b, plan)
     with torch.inference_mode():
         for seq in (a, b):
             ids = torch.tensor([seq.token_ids[: seq.num_computed]], device="cuda")
@@ -95,6 +84,29 @@ def test_teacher_forced_logits_match_transformers_llama_3_2_1b():
             assert torch.isfinite(ours_l).all()
             assert err_ours.max() < max(3 * err_hf.max().item(), 1e-2)
             assert err_ours.mean() < 2 * err_hf.mean() + 1e-3
+
+
+def bf16_twin(hf32: torch.nn.Module) -> torch.nn.Module:
+    """A bf16 copy of a transformers model. `.to(bf16)` also rounds the RoPE inv_freq buffer, which skews
+    angles in proportion to position; it stays float32, as a real bf16 checkpoint loaded by transformers has it."""
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    for (name, buf16), buf32 in zip(hf16.named_buffers(), hf32.buffers()):
+        if "inv_freq" in name:
+            buf16.data = buf32.data.clone()
+    return hf16
+
+
+def chunked_logits(runner, a, b, plan) -> dict[int, list[torch.Tensor]]:
+    """Run sequences a and b through the runner by `plan` ((q_len of a, q_len of b) per step); every step's
+    logits per sequence, by id(seq)."""
+    got = {id(a): [], id(b): []}
+    for qa, qb in plan:
+        entries = [ScheduledSeq(s, q, True) for s, q in ((a, qa), (b, qb)) if q]
+        logits = runner.logits(step_of(runner, Batch(entries)))
+        for e, part in zip(entries, logits.split([e.q_len for e in entries])):
+            got[id(e.seq)].append(part)
+            e.seq.num_computed += e.q_len
+    return got
 
 
 def _peaky_model(seed=0):

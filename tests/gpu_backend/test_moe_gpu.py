@@ -28,7 +28,7 @@ from conftest_models import hf_reference, ours_from, tiny_cfg  # noqa: E402
 from gpu_backend.engine.cpu_runner import CpuRunner  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
 from reference_scheduler import Batch, ScheduledSeq, step_of  # noqa: E402
-from test_gpu_runner import _drive, _runner, _seq, _specs  # noqa: E402
+from test_gpu_runner import _drive, _runner, _seq, _specs, bf16_twin, chunked_logits  # noqa: E402
 from test_persistent import CONFIG, Served  # noqa: E402
 from test_persistent import _runner as _loop_runner  # noqa: E402
 
@@ -53,10 +53,7 @@ def _pair(kind: str, seed: int = 0, peaky: float = 12.0):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_teacher_forced_logits_match_transformers(kind):
     cfg, hf32, ours = _pair(kind, peaky=1.0)
-    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
-    for (name, buf16), buf32 in zip(hf16.named_buffers(), hf32.buffers()):
-        if "inv_freq" in name:                                               # float32, as a bf16 checkpoint has it
-            buf16.data = buf32.data.clone()
+    hf16 = bf16_twin(hf32)
     runner = _runner(ours.to(device="cuda", dtype=torch.bfloat16), cfg)
     gen = random.Random(0)
     seqs = [[gen.randrange(cfg.vocab_size) for _ in range(n)] for n in (90, 60)]
@@ -64,13 +61,7 @@ def test_teacher_forced_logits_match_transformers(kind):
     gen.shuffle(blocks)
     a, b = _seq(seqs[0], blocks[:8]), _seq(seqs[1], blocks[8:16], slot=1)
     plan = [(40, 0), (40, 27), (1, 30), *[(1, 1)] * 9]
-    got = {id(a): [], id(b): []}
-    for qa, qb in plan:
-        entries = [ScheduledSeq(s, q, True) for s, q in ((a, qa), (b, qb)) if q]
-        logits = runner.logits(step_of(runner, Batch(entries)))
-        for e, part in zip(entries, logits.split([e.q_len for e in entries])):
-            got[id(e.seq)].append(part)
-            e.seq.num_computed += e.q_len
+    got = chunked_logits(runner, a, b, plan)
     with torch.inference_mode():
         for seq in (a, b):
             ids = torch.tensor([seq.token_ids[: seq.num_computed]], device="cuda")
