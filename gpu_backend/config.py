@@ -50,6 +50,7 @@ class BackendConfig:
     quantization: str | None = None        # fp8: FP8 weights for the decoder's projections (models/fp8.py)
     kv_cache_dtype: str = "auto"           # auto (the model's dtype) or fp8 (e4m3, host and persistent modes)
     kv_cache_mb: int = 1024                # KV cache size (cpu mode)
+    tensor_parallel_size: int = 1          # GPUs the model is split over (host, persistent): cuda:0..N-1
     gpu_memory_fraction: float = 0.9       # share of the GPU for weights, activations and KV cache
     use_graphs: bool = True                # host mode: False runs steps eagerly (debugging)
     sampling_extensions: bool = True       # penalties, logit_bias, logprobs (host and persistent modes)
@@ -80,6 +81,10 @@ class BackendConfig:
         self._check(self.kv_cache_dtype in ("auto", "fp8"), "kv_cache_dtype", f"{self.kv_cache_dtype!r} is not auto or fp8")
         self._check(self.kv_cache_dtype == "auto" or self.mode != "cpu", "kv_cache_dtype",
                     "fp8 is for the GPU modes (host, persistent); the cpu engine keeps a float32 cache")
+        self._check(self.tensor_parallel_size in (1, 2, 4, 8), "tensor_parallel_size",
+                    f"{self.tensor_parallel_size} is not 1, 2, 4 or 8")
+        self._check(self.tensor_parallel_size == 1 or self.mode != "cpu", "tensor_parallel_size",
+                    "splitting a model across GPUs is for the GPU modes (host, persistent)")
         self._check(self.transport in TRANSPORTS, "transport", f"{self.transport!r} is not one of {', '.join(TRANSPORTS)}")
         self._check(0.05 <= self.gpu_memory_fraction <= 0.99, "gpu_memory_fraction",
                     f"{self.gpu_memory_fraction} is outside 0.05..0.99")

@@ -44,6 +44,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="fp8: an FP8 e4m3 KV cache (host and persistent modes): twice the tokens in the same memory")
     p.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache size (cpu mode)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs of this host (1, 2, 4, 8; the first N visible ones; host and "
+                        "persistent modes): heads and MLP columns per GPU, all-reduces over NVLink, one ring")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9,
                    help="share of the GPU's memory for weights, activations and KV cache (host mode)")
     p.add_argument("--no-graphs", action="store_true", help="host mode: run steps eagerly (debugging)")
@@ -143,11 +146,14 @@ def serve_backend(config: BackendConfig, tls=None) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     spec = str(ensure_demo_model()) if config.model == "demo" else config.model
-    cfg, model, model_dir = load_model(spec, device=config.device, progress=True, quantization=config.quantization)
-    model.eval()
+    if config.tensor_parallel_size > 1:
+        cfg, models, model_dir = _load_sharded(spec, config)
+    else:
+        cfg, model, model_dir = load_model(spec, device=config.device, progress=True, quantization=config.quantization)
+        models = [model.eval()]
     context_len = config.context_len_for(cfg.max_position_embeddings)
-    fingerprint = model_fingerprint(model_dir or cfg, model.quantization)
-    runner = _make_runner(config, model, cfg, context_len)
+    fingerprint = model_fingerprint(model_dir or cfg, models[0].quantization, config.tensor_parallel_size)
+    runner = _make_runner(config, models, cfg, context_len)
     # token masks (constrained requests) for every vocabulary token, where the runner has the extended path
     mask_words = -(-cfg.vocab_size // 32) if getattr(runner, "sampling_extensions", True) else 0
     geometry = RingGeometry(config.num_slots, context_len, config.max_output_len, kv_block_size=config.block_size,
@@ -162,7 +168,8 @@ def serve_backend(config: BackendConfig, tls=None) -> int:
     if config.mode == "persistent":
         from gpu_backend.engine.persistent import PersistentEngine
 
-        engine = PersistentEngine(runner, cfg, ring, config.engine_config(), context_len)
+        engine = PersistentEngine(runner, cfg, ring, config.engine_config(), context_len,
+                                  tp=runner if config.tensor_parallel_size > 1 else None)
     else:
         engine = EngineLoop(runner, cfg, RingConsumer(ring), config.engine_config(), context_len)
     name = config.model_name or (Path(model_dir).name if model_dir else spec)
@@ -201,8 +208,22 @@ def serve_backend(config: BackendConfig, tls=None) -> int:
     return 0
 
 
-def _make_runner(config: BackendConfig, model, cfg, context_len: int):
+def _load_sharded(spec: str, config: BackendConfig):
+    """(whole model's config, one model per GPU, folder or None) for --tensor-parallel-size N."""
+    import torch
+
+    from gpu_backend.parallel.shard import load_rank_models
+
+    n = config.tensor_parallel_size
+    if torch.cuda.device_count() < n:
+        raise SystemExit(f"--tensor-parallel-size {n} needs {n} GPUs; {torch.cuda.device_count()} visible "
+                         f"(CUDA_VISIBLE_DEVICES picks them)")
+    return load_rank_models(spec, [torch.device("cuda", i) for i in range(n)], config.quantization)
+
+
+def _make_runner(config: BackendConfig, models: list, cfg, context_len: int):
     engine = config.engine_config()
+    model = models[0]
     if config.mode == "cpu":
         from gpu_backend.engine.cpu_runner import CpuRunner
 
@@ -211,8 +232,16 @@ def _make_runner(config: BackendConfig, model, cfg, context_len: int):
                          max_num_seqs=engine.max_num_seqs)
     from gpu_backend.engine.gpu_runner import GpuRunner
 
-    runner = GpuRunner(model, cfg, config.gpu_runner_config(context_len), keep_graphs=config.mode == "persistent")
-    print(f"GPU runner: {runner.num_blocks} KV blocks of {engine.block_size} tokens "
+    keep = config.mode == "persistent"
+    if config.tensor_parallel_size > 1:
+        from gpu_backend.parallel.runner import TpRunner
+        from gpu_backend.parallel.shard import local_config
+
+        runner = TpRunner(models, local_config(cfg, config.tensor_parallel_size), config.gpu_runner_config(context_len),
+                          [next(m.parameters()).device for m in models], keep_graphs=keep)
+    else:
+        runner = GpuRunner(model, cfg, config.gpu_runner_config(context_len), keep_graphs=keep)
+    print(f"GPU runner: {config.tensor_parallel_size} GPU(s), {runner.num_blocks} KV blocks of {engine.block_size} tokens "
           f"({runner.num_blocks * runner.kv_block_bytes / 2**30:.1f} GiB), {len(runner.graphs)} graphs "
           f"captured in {runner.capture_s:.1f} s", file=sys.stderr, flush=True)
     return runner

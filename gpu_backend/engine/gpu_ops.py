@@ -15,7 +15,7 @@ from gpu_backend.models.fp8 import Fp8Weight, fp8_linear
 class TritonOps:
     def __init__(self, kernels: dict, step: dict[str, torch.Tensor], num_tokens: int, num_seqs: int,
                  rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, attn_out: torch.Tensor,
-                 scale: float, gemv: dict[str, tuple[int, int, int]]):
+                 scale: float, gemv: dict[str, tuple[int, int, int]], tp=None):
         # step: StepBuffers.d (device views); rope: cos, sin [context_len, D/2] float32; attn_out: [t, H, D]
         self.k, self.d, self.t, self.s = kernels, step, num_tokens, num_seqs
         self.cos, self.sin = rope
@@ -23,6 +23,7 @@ class TritonOps:
         # few query tiles: split the keys finer so more programs share the KV reads (a batch-1 step
         # has one tile per KV head); many tiles fill the GPU on their own
         self.split_keys = 64 if num_tokens <= 32 else 256
+        self.tp = tp  # kernels/tp_comm.RankComm under tensor parallelism, else None
 
     def linear(self, name: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         config = self.gemv.get(name) if x.shape[0] == 1 else None
@@ -58,6 +59,13 @@ class TritonOps:
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.k["swiglu"](gate_up)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return x
+        x = x.contiguous()
+        self.tp.all_reduce_(x, torch.cuda.current_stream(x.device).cuda_stream)  # in place, over peer memory
+        return x
 
     def moe(self, x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor, experts_down: torch.Tensor,
             top_k: int, renormalize: bool) -> torch.Tensor:

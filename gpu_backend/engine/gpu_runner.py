@@ -44,6 +44,7 @@ the POST step's temporaries, measured at start-up like the eager part's.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -107,7 +108,12 @@ class GpuRunner:
     """`run(batch)` -> sampled tokens; everything the GPU needs is allocated and captured in __init__."""
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, config: GpuRunnerConfig,
-                 device: torch.device | str = "cuda", progress: bool = True, keep_graphs: bool = False):
+                 device: torch.device | str = "cuda", progress: bool = True, keep_graphs: bool = False,
+                 tp=None):
+        """`tp`: this rank's `kernels.tp_comm.RankComm` under tensor parallelism (gpu_backend/parallel/), with
+        `cfg` the rank's shape. The leader (rank 0) runs the whole step and announces each step's buffer to
+        the followers; a follower's graphs wait for it and run the decoder layers only (no head, no sampling,
+        one graph per bucket and step buffer)."""
         from kernels import paged_attention, rmsnorm, rope_kv, sampling, swiglu  # triton: GPU hosts only
 
         from kernels import fp8_quant, gemv, moe
@@ -116,6 +122,9 @@ class GpuRunner:
                        gemv_default=gemv.DEFAULT_CONFIG, fp8_quant=fp8_quant.quantize_tokens,
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
                        swiglu=swiglu.swiglu, sample=sampling.sample, moe=moe.fused_moe)
+        self.tp, self.follower = tp, tp is not None and not tp.is_leader
+        if self.follower:
+            config = dataclasses.replace(config, sampling_extensions=False)
         self.cfg, self.config, self.device = cfg, config, torch.device(device)
         # keep each graph's cudaGraph_t (raw_cuda_graph()) for the persistent loop, which clones them; it
         # also needs a second step buffer with its own graphs (it fills step n+1 while step n runs)
@@ -226,11 +235,25 @@ class GpuRunner:
         if variant in (POST, POST_GREEDY):
             self._post(s, variant is POST_GREEDY)
             return
+        if self.tp is not None:
+            self._tp_start(num_tokens)
+            if self.follower:  # the decoder layers only: the leader has the head
+                decoder_layers(self._ops(num_tokens), self.weights, self.cfg, self.bufs.d["input_ids"][:num_tokens])
+                return
         logits = self._sampled_logits(num_tokens)                             # [s, V] float32
         if variant is LOGITS:
             self.logits_dev[:s].copy_(logits)
         else:
             self._sample(logits, variant is GraphVariant.GREEDY)
+
+    def _tp_start(self, num_tokens: int) -> None:
+        """A tensor-parallel step's first kernel: the leader pushes the step buffer to the followers and
+        announces it; a follower waits for that (kernels/tp_comm.py)."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if self.follower:
+            self.tp.wait(stream)
+        else:
+            self.tp.announce(self._set, self.buckets.index(num_tokens), stream)
 
     def _sampled_logits(self, num_tokens: int) -> torch.Tensor:
         """Every layer, then the head over the sampled rows: [seqs_in(num_tokens), V] float32."""
@@ -292,7 +315,7 @@ class GpuRunner:
         c = self.cfg
         attn_out = torch.empty((num_tokens, c.num_heads, c.head_dim), dtype=self.dtype, device=self.device)
         return TritonOps(self._k, self.bufs.d, num_tokens, self.config.seqs_in(num_tokens), (self.cos, self.sin),
-                         self.kv_cache, attn_out, c.head_dim ** -0.5, self._gemv)
+                         self.kv_cache, attn_out, c.head_dim ** -0.5, self._gemv, tp=self.tp)
 
     @torch.inference_mode()
     def _capture(self, progress: bool) -> float:
@@ -303,8 +326,8 @@ class GpuRunner:
 
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        variants = (GraphVariant.SAMPLE, GraphVariant.GREEDY) + ((LOGITS,) if self.sampling_extensions else ()) \
-            + ((POST, POST_GREEDY) if self.loop_logprobs is not None else ())
+        variants = (GraphVariant.SAMPLE,) if self.follower else (GraphVariant.SAMPLE, GraphVariant.GREEDY) \
+            + ((LOGITS,) if self.sampling_extensions else ()) + ((POST, POST_GREEDY) if self.loop_logprobs is not None else ())
         keys = [(i, b, g) for i in range(len(self.buffer_sets)) for b in reversed(self.buckets) for g in variants]
         stream = torch.cuda.Stream(self.device)
         for index, bucket, variant in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, unit="graph"):
@@ -393,6 +416,8 @@ class GpuRunner:
     def logits(self, step: ScheduledStep) -> torch.Tensor:
         """Eager step returning float32 logits for every fed token, [num_tokens, V] (teacher-forcing tests)."""
         self.bufs.upload(step.num_seqs)
+        if self.tp is not None:
+            self._tp_start(step.bucket)
         ops = self._ops(step.bucket)
         x, residual = decoder_layers(ops, self.weights, self.cfg, self.bufs.d["input_ids"][:step.bucket])
         n = step.num_tokens

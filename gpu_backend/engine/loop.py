@@ -117,19 +117,23 @@ class EngineLoop:
         self._room = np.zeros(geometry.num_slots, dtype=np.int32)  # [slots] int32, host
         self.extensions = runner.sampling_extensions  # penalties, logit bias, logprobs
         self.stop_event = threading.Event()
-        self.failed: str | None = None  # the engines' common face: why the engine ended on its own (never, here)
+        self.failed: str | None = None  # the engines' common face: why the engine ended on its own
         self.steps = 0
 
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
         self.consumer.set_state(EngineState.SERVING)
         idle_s = 0.0
-        while not self.stop_event.is_set():
-            if self.step():
-                idle_s = 0.0
-                continue
-            idle_s = min(max(idle_s * 2, 50e-6), self.config.idle_sleep_max_s)
-            time.sleep(idle_s)
+        try:
+            while not self.stop_event.is_set():
+                if self.step():
+                    idle_s = 0.0
+                    continue
+                idle_s = min(max(idle_s * 2, 50e-6), self.config.idle_sleep_max_s)
+                time.sleep(idle_s)
+        except RuntimeError as exc:  # the runner's GPU failed (a tensor-parallel rank died): nothing more runs
+            self.failed = str(exc)
+            log.error("%s; failing the requests in flight and stopping", exc)
         self.shutdown()
 
     def step(self) -> bool:

@@ -53,12 +53,15 @@ class PersistentEngine:
 
     def __init__(self, runner: GpuRunner, model_cfg: ModelConfig, ring: ShmRing, config: EngineConfig,
                  context_len: int, watch_interval_s: float = 1.0, stale_after_s: float = 2.0,
-                 loop_options: native.LoopOptions | None = None):
+                 loop_options: native.LoopOptions | None = None, tp=None):
         """`loop_options`: how the loop is built (default: `LoopOptions.from_env()`, the product's unless a
-        BLINK_LOOP_* variable says otherwise); options for measuring load the bench build of the library."""
+        BLINK_LOOP_* variable says otherwise); options for measuring load the bench build of the library.
+        `tp`: the runner when it is a `parallel.runner.TpRunner`: its followers' loops start before this one
+        and stop after it, and a rank that fails stops the model."""
         if not runner.config.use_graphs or not runner.keep_graphs:
             raise ValueError("the persistent loop runs the runner's bucket graphs: build it with graphs kept")
         self.runner, self.ring, self.geometry, self.context_len = runner, ring, ring.geometry, context_len
+        self.tp = tp
         self.vocab = model_cfg.vocab_size  # admission refuses prompt ids past it (blink_admit.h)
         self.watch_interval_s, self.stale_after_s = watch_interval_s, stale_after_s
         self.loop_options = native.LoopOptions.from_env() if loop_options is None else loop_options
@@ -202,6 +205,8 @@ class PersistentEngine:
         consumer = RingConsumer(self.ring)
         consumer.set_stats(self.num_blocks, self.num_blocks, 0, 0)  # the loop keeps free/running/waiting current
         consumer.set_state(EngineState.SERVING)
+        if self.tp is not None:
+            self.tp.start_followers()  # waiting for the leader's first announce
         native.check(self.lib.blink_loop_launch(self._loop), "launching the loop")
 
     # ---- the host's whole job while serving -----------------------------------------------------------
@@ -220,6 +225,10 @@ class PersistentEngine:
                 self.failed = (f"the GPU loop ended on its own ({native.fault_message(self.ctl.error)})" if status == 0
                                else f"the GPU loop failed: cudaError {status}")
                 log.error("%s; failing the requests in flight and stopping", self.failed)
+                return
+            if self.tp is not None and (error := self.tp.error()):
+                self.failed = error
+                log.error("%s; failing the requests in flight and stopping", error)
                 return
             now, current = time.monotonic(), self.ring.heartbeat
             if current != beat:
@@ -241,6 +250,8 @@ class PersistentEngine:
             running = status == 1
             if status not in (0, 1):
                 self.failed = f"the GPU loop failed while stopping: cudaError {status}"
+        if self.tp is not None:
+            self.tp.stop_followers()
         if self.ctl is not None:
             self.final_ctl = native.ctl_values(self.ctl)
         if running:

@@ -4,9 +4,11 @@ The layer sequence lives here; the kernels are pluggable (`DecoderOps`): torch r
 (`models/torch_ops.py`, the `cpu` engine and `LlamaModel.forward`), Triton kernels over the step buffer on
 the GPU (`engine/gpu_ops.py`, run eagerly or captured into bucketed CUDA graphs by `engine/gpu_runner.py`).
 Per layer: (residual add +) RMSNorm -> qkv GEMM -> [per-head q/k norm] -> RoPE fused with the KV-cache
-write -> paged attention -> o GEMM -> add + RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM (or, in a mixture-of-experts layer, the
-`moe` op: router, top-k, each token through its experts' SwiGLU MLPs, weighted sum); the last layer's
-residual add is fused into the final norm of the head.
+write -> paged attention -> o GEMM [-> all-reduce] -> add + RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM (or, in a mixture-of-experts layer, the
+`moe` op: router, top-k, each token through its experts' SwiGLU MLPs, weighted sum) [-> all-reduce]; the
+last layer's residual add is fused into the final norm of the head. With tensor parallelism
+(gpu_backend/parallel/) each rank holds its share of the heads and MLP columns (`cfg` is the rank's shape) and
+`all_reduce` sums the row-parallel projections' partial outputs; on one device it is the identity.
 
 Weights come as `DecoderWeights`: q/k/v and gate/up fused into one GEMM each (`fuse_weights`), the model's
 own Linear weights left as views of the fused tensors, so names and state_dict stay Hugging Face's.
@@ -90,6 +92,10 @@ class DecoderOps(Protocol):
         top_k (renormalised to sum 1 when `renormalize`), sum over them of weight * expert SwiGLU MLP (x).
         router [E, hidden]; experts_gate_up [E, 2 I, hidden]; experts_down [E, hidden, I]. -> [T, hidden]."""
 
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the tensor-parallel ranks (each holds a partial sum after a row-parallel
+        projection); x itself on one device."""
+
 
 def decoder_layers(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig,
                    input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +117,9 @@ def decoder_layers(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig,
 
 def _mlp_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
     if layer.router is not None:
-        return ops.moe(x, layer.router, layer.experts_gate_up, layer.experts_down, cfg.num_experts_per_tok,
-                       cfg.norm_topk_prob)
-    return ops.linear("down", ops.swiglu(ops.linear("gate_up", x, layer.gate_up)), layer.down)
+        return ops.all_reduce(ops.moe(x, layer.router, layer.experts_gate_up, layer.experts_down,
+                                      cfg.num_experts_per_tok, cfg.norm_topk_prob))
+    return ops.all_reduce(ops.linear("down", ops.swiglu(ops.linear("gate_up", x, layer.gate_up)), layer.down))
 
 
 def _attention_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: torch.Tensor, i: int) -> torch.Tensor:
@@ -125,7 +131,7 @@ def _attention_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: 
     if layer.q_norm is not None:
         q, k = ops.rmsnorm(q, layer.q_norm, cfg.rms_norm_eps), ops.rmsnorm(k, layer.k_norm, cfg.rms_norm_eps)
     q = ops.rope_kv(q, k, v, i)
-    return ops.linear("o", ops.attention(q, i).flatten(1), layer.o)
+    return ops.all_reduce(ops.linear("o", ops.attention(q, i).flatten(1), layer.o))
 
 
 def lm_head_logits(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig, x: torch.Tensor,

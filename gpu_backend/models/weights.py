@@ -251,10 +251,12 @@ def _check_filled(model: LlamaModel, params: dict, filled: set[str]) -> None:
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
-def model_fingerprint(source: Path | str | ModelConfig, quantization: str | None = None) -> str:
+def model_fingerprint(source: Path | str | ModelConfig, quantization: str | None = None,
+                      tensor_parallel_size: int = 1) -> str:
     """32 hex chars of sha256 over the config and the weight files' names and sizes (or, for
-    random weights, a ModelConfig or `random:<preset>`: the config and the init recipe), and the run-time
-    quantization (FP8 weights give other tokens). Goes into the ring header."""
+    random weights, a ModelConfig or `random:<preset>`: the config and the init recipe, which draws each
+    tensor-parallel rank's share apart), and the run-time quantization (FP8 weights give other tokens).
+    Goes into the ring header."""
     h = hashlib.sha256()
     if quantization:
         h.update(f"quantization={quantization}\n".encode())
@@ -263,6 +265,8 @@ def model_fingerprint(source: Path | str | ModelConfig, quantization: str | None
     if isinstance(source, ModelConfig):
         h.update(json.dumps(source.to_hf(), sort_keys=True).encode())
         h.update(f"random seed={RANDOM_SEED} std={RANDOM_STD}".encode())
+        if tensor_parallel_size > 1:
+            h.update(f" tensor_parallel_size={tensor_parallel_size}".encode())
         return h.hexdigest()[:32]
     model_dir = Path(source)
     h.update(json.dumps(json.loads((model_dir / "config.json").read_text()), sort_keys=True).encode())

@@ -53,12 +53,12 @@ def _runner(model, cfg):
 class Served:
     """A persistent engine over a fresh ring, with a producer; always shut down before the ring closes."""
 
-    def __init__(self, runner, cfg, geometry=RingGeometry(16, 256, 256)):
+    def __init__(self, runner, cfg, geometry=RingGeometry(16, 256, 256), **engine_kw):
         from gpu_backend.engine.persistent import PersistentEngine
 
         self.ring = create_ring(f"blink-persistent-test-{os.getpid()}", geometry, "test")
         self.prod = ShmProducer(attach_ring(self.ring.name))
-        self.engine = PersistentEngine(runner, cfg, self.ring, CONFIG, context_len=512)
+        self.engine = PersistentEngine(runner, cfg, self.ring, CONFIG, context_len=512, **engine_kw)
         self.tokens: dict[int, list[int]] = {}
         self.logprobs: dict[int, list] = {}  # per token, when a request asked (test_persistent_extensions.py)
         self.finishes: dict[int, tuple[FinishReason, ErrorCode]] = {}
