@@ -16,6 +16,10 @@ On a GPU host, in one process:
    loop's own commit-to-commit time over back-to-back all-decode steps (`LoopCtl.busy_ns`), minus the
    bare replay = the loop's overhead; its CPU per token is this whole process's CPU time over the window
    (the main thread sleeps meanwhile and nothing polls the ring) divided by the tokens the loop made.
+With --tensor-parallel-size N the model is split over the first N GPUs (gpu_backend/parallel/): a bare step
+replays each follower's graph, then the leader's; the floor is the leader's weight and KV bytes at the copy
+bandwidth, and "floor + all-reduces" adds 2 x layers all-reduces of the batch's hidden states, each timed alone
+(back-to-back launches on every rank).
 Writes a JSON file (commit, GPU, driver, torch) and prints a table.
 """
 from __future__ import annotations
@@ -84,8 +88,43 @@ def _graph_for(runner: GpuRunner, batch: Batch) -> torch.cuda.CUDAGraph:
     return runner.graphs[(step.bucket, GraphVariant.sampling(step.all_greedy))]
 
 
+class _Replay:
+    """The step of `batch` as a replay: the bucket graph, and under tensor parallelism each follower's first."""
+
+    def __init__(self, runner, batch: Batch):
+        self.graph = _graph_for(runner, batch)
+        bucket = step_of(runner, batch).bucket
+        self.followers = [(f.device, f.graphs[(bucket, GraphVariant.SAMPLE)]) for f in getattr(runner, "followers", ())]
+
+    def replay(self) -> None:
+        for device, graph in self.followers:
+            with torch.cuda.device(device):
+                graph.replay()
+        self.graph.replay()
+
+
+def allreduce_us(runner, batch_size: int, reps: int = 200) -> float:
+    """One all-reduce of [batch, hidden] bf16 over the ranks, launched back to back on every rank (leader's time)."""
+    ranks = runner.ranks
+    xs = [torch.zeros(batch_size, runner.cfg.hidden_size, dtype=torch.bfloat16, device=r.device) for r in ranks]
+
+    def once() -> None:
+        for r, x in zip(ranks, xs):
+            with torch.cuda.device(r.device):
+                r.tp.all_reduce_(x, torch.cuda.current_stream(r.device).cuda_stream)
+    for _ in range(10):
+        once()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        once()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps * 1e3
+
+
 def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
-    graph = _graph_for(runner, batch)
+    graph = _Replay(runner, batch)
     for _ in range(5):
         graph.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -105,7 +144,7 @@ def replay_gap_us(runner: GpuRunner, batch: Batch, reps: int = 30) -> float:
 
     from torch.profiler import ProfilerActivity, profile
 
-    graph = _graph_for(runner, batch)
+    graph = _Replay(runner, batch)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -213,7 +252,8 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
     engine = None
     try:
         prod = ShmProducer(attach_ring(ring.name))
-        engine = PersistentEngine(runner, cfg, ring, engine_config(runner), context_len=runner.config.context_len)
+        engine = PersistentEngine(runner, cfg, ring, engine_config(runner), context_len=runner.config.context_len,
+                                  tp=runner if getattr(runner, "followers", None) else None)
         slots = submit_streams(prod, batch_size, prompt_len, new_tokens, **changes)
         engine.start()
         ctl = engine.ctl
@@ -290,19 +330,30 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also print a per-kernel breakdown of a batch-1 step")
     ap.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights (models/fp8.py)")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over the first N GPUs")
+    ap.add_argument("--no-persistent", action="store_true", help="host engine and bare steps only")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     gbps = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s", flush=True)
     t0 = time.perf_counter()
-    cfg, model, _ = load_model(args.model, device="cuda", quantization=args.quantization)
-    runner = GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096,
-                                                   kv_cache_dtype=args.kv_cache_dtype),
-                       keep_graphs=True)
+    runner_config = GpuRunnerConfig(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096,
+                                    kv_cache_dtype=args.kv_cache_dtype)
+    tp = args.tensor_parallel_size
+    if tp > 1:
+        from gpu_backend.parallel.runner import TpRunner
+        from gpu_backend.parallel.shard import load_rank_models, local_config
+
+        devices = [torch.device("cuda", r) for r in range(tp)]
+        cfg, models, _ = load_rank_models(args.model, devices, args.quantization)
+        runner = TpRunner(models, local_config(cfg, tp), runner_config, devices, keep_graphs=True)
+    else:
+        cfg, model, _ = load_model(args.model, device="cuda", quantization=args.quantization)
+        runner = GpuRunner(model, cfg, runner_config, keep_graphs=True)
     setup_s = time.perf_counter() - t0
     weight_bytes = runner.weights.num_bytes
     kv_token_bytes = runner.kv_block_bytes // runner.config.block_size
-    if args.profile:
+    if args.profile and tp == 1:
         profile(runner, decode_batch(runner, 1, args.prompt_len))
     rows = []
     for bsz in map(int, args.batches.split(",")):
@@ -310,21 +361,31 @@ def main() -> None:
         ctx_len = host["ctx_len_median"]
         ms = bare_replay_ms(runner, decode_batch(runner, bsz, ctx_len))
         # MoE: only the experts a batch of bsz chooses are read (uniform-routing estimate)
-        moved = (cfg.decode_weight_bytes(bsz, runner.dtype) if cfg.is_moe else weight_bytes) + bsz * ctx_len * kv_token_bytes
-        pers = persistent_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
+        moved = (cfg.decode_weight_bytes(bsz, runner.dtype) // tp if cfg.is_moe else weight_bytes) \
+            + bsz * ctx_len * kv_token_bytes
+        ar_ms = 2 * cfg.num_layers * allreduce_us(runner, bsz) / 1e3 if tp > 1 else 0.0
+        if args.no_persistent:
+            pers = {k: float("nan") for k in ("step_ms_mean", "sched_us_per_step", "commit_us_per_step", "spec_us_per_step",
+                                              "schedule_us_per_step", "fill_us_per_step", "gap_us", "cpu_us_per_token")}
+            pers.update(spec_hits=0, spec_misses=0, ctx_len_mid=ctx_len)
+        else:
+            pers = persistent_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
         at_mid = decode_batch(runner, bsz, pers["ctx_len_mid"])
-        rounds = [(bare_replay_ms(runner, at_mid, 100), mechanism_replay_ms(runner, at_mid, 100)) for _ in range(3)]
+        rounds = [(bare_replay_ms(runner, at_mid, 100),
+                   mechanism_replay_ms(runner, at_mid, 100) if tp == 1 else float("nan")) for _ in range(3)]
         pers_bare = statistics.median(b for b, _ in rounds)  # alternated: the clocks drift by ~0.3% between runs
         pers_mech = statistics.median(m for _, m in rounds)
         rows.append({"batch": bsz, "ctx_len": ctx_len, "bare_step_ms": ms, "bare_tok_s": bsz / ms * 1e3,
                      "achieved_gbps": moved / ms / 1e6, "floor_ms": moved / gbps / 1e6,
+                     "allreduce_ms": ar_ms, "floor_with_allreduce_ms": moved / gbps / 1e6 + ar_ms,
                      "host": host, "host_overhead_us": 1e3 * (host["step_ms_median"] - ms),
                      "persistent": pers, "persistent_bare_step_ms": pers_bare,
                      "persistent_overhead_us": 1e3 * (pers["step_ms_mean"] - pers_bare),
                      "mechanism_step_ms": pers_mech,  # the replay relaunched from the device, no scheduling
                      "persistent_over_mechanism_us": 1e3 * (pers["step_ms_mean"] - pers_mech)})
         r = rows[-1]
-        print(f"B={bsz:4d} bare {ms:7.3f} ms ({r['achieved_gbps']:6.0f} GB/s, floor {r['floor_ms']:.3f} ms) | host "
+        print(f"B={bsz:4d} bare {ms:7.3f} ms ({r['achieved_gbps']:6.0f} GB/s, floor {r['floor_ms']:.3f} ms, "
+              f"+ all-reduces {r['floor_with_allreduce_ms']:.3f} ms) | host "
               f"{host['step_ms_median']:7.3f} ms (+{r['host_overhead_us']:6.0f} us), "
               f"CPU {host['cpu_us_per_token']:8.1f} us/token | persistent {pers['step_ms_mean']:7.3f} ms vs bare "
               f"{pers_bare:7.3f} (+{r['persistent_overhead_us']:5.1f} us, loop kernel "
@@ -343,13 +404,15 @@ def main() -> None:
               f"{r['persistent']['gap_us']:.1f} us", flush=True)
     result = {"bench": "gpu_host", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
               "driver": torch.cuda.get_device_properties(0).name, "torch": torch.__version__,
-              "host": platform.node(), "model": args.model, "weight_bytes": weight_bytes,
+              "host": platform.node(), "model": args.model, "weight_bytes": weight_bytes, "tensor_parallel_size": tp,
+              "gpus": [torch.cuda.get_device_name(i) for i in range(tp)],
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "kv_blocks": runner.num_blocks, "graphs": len(runner.graphs), "capture_s": runner.capture_s,
               "setup_s": setup_s, "copy_gbps": gbps, "rows": rows}
     out = Path(os.environ.get("OUT") or args.out)
     out.mkdir(parents=True, exist_ok=True)
-    variant = "".join(f"-{v}" for v in (args.quantization and "fp8w", args.kv_cache_dtype != "auto" and "fp8kv") if v)
+    variant = "".join(f"-{v}" for v in (args.quantization and "fp8w", args.kv_cache_dtype != "auto" and "fp8kv",
+                                        tp > 1 and f"tp{tp}") if v)
     path = out / f"gpu_host-{result['commit']}{variant}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")

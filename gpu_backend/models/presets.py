@@ -17,6 +17,11 @@ PRESETS: dict[str, ModelConfig] = {
         **_LLAMA3_VOCAB, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, max_position_embeddings=8192, eos_token_ids=(128001, 128009),
         name="llama-3-8b"),
+    # 70.6 B parameters, 141 GB in bf16: no single GPU holds it; --tensor-parallel-size 2 (H200) or 4 (H100)
+    "llama-3-70b": ModelConfig(
+        **_LLAMA3_VOCAB, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+        num_kv_heads=8, head_dim=128, max_position_embeddings=8192, eos_token_ids=(128001, 128009),
+        name="llama-3-70b"),
     "llama-3.2-1b": ModelConfig(
         **_LLAMA3_VOCAB, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
         num_kv_heads=8, head_dim=64, max_position_embeddings=131072, tie_word_embeddings=True,

@@ -241,6 +241,13 @@ struct blink_tp_follower {
     if (err_ != cudaSuccess) return (int)err_; \
   } while (0)
 
+// The caller's current device, back as it was when a host function returns (torch reads it as its own).
+struct device_guard {
+  int saved = 0;
+  device_guard() { cudaGetDevice(&saved); }
+  ~device_guard() { cudaSetDevice(saved); }
+};
+
 static int sync_rank(blink_tp* T, uint32_t r) {
   TP_TRY(cudaSetDevice(T->devices[r]));
   TP_TRY(cudaMemcpy(T->dev[r], &T->host[r], sizeof(blink_tp_rank), cudaMemcpyHostToDevice));
@@ -254,6 +261,7 @@ uint64_t blink_tp_rank_bytes(void) { return sizeof(blink_tp_rank); }
 // Peer access between every pair, the ranks' buffers and flags; `cap_elems`: 16-bit elements an all-reduce
 // may carry (max tokens x hidden). Returns 0 or a cudaError_t.
 int blink_tp_create(uint32_t world, const int32_t* devices, uint64_t cap_elems, uint64_t timeout_ns, blink_tp** out) {
+  device_guard guard;
   if (world < 2 || world > BLINK_TP_MAX_RANKS) return (int)cudaErrorInvalidValue;
   blink_tp* T = (blink_tp*)calloc(1, sizeof(blink_tp));
   if (!T) return (int)cudaErrorMemoryAllocation;
@@ -310,6 +318,7 @@ void* blink_tp_rank_ptr(blink_tp* T, uint32_t rank) { return rank < T->world ? T
 int blink_tp_set_step_buffer(blink_tp* T, uint32_t rank, uint32_t set, void* buf, uint64_t block_tables_offset,
                              uint64_t block_row_bytes, uint64_t num_seqs_offset) {
   if (rank >= T->world || set > 1) return (int)cudaErrorInvalidValue;
+  device_guard guard;
   for (uint32_t r = 0; r < T->world; ++r) {
     T->host[r].step_bufs[rank][set] = (uint8_t*)buf;
     T->host[r].block_tables_offset = block_tables_offset;
@@ -346,6 +355,7 @@ int blink_tp_wait(void* rank_dev, void* stream) {
 // instantiated for device launch; the dispatch graph is one kernel.
 int blink_tp_follower_create(blink_tp* T, uint32_t rank, void** graphs, uint32_t num_buckets, blink_tp_follower** out) {
   if (rank == 0 || rank >= T->world || num_buckets == 0 || num_buckets > 256) return (int)cudaErrorInvalidValue;
+  device_guard guard;
   blink_tp_follower* F = (blink_tp_follower*)calloc(1, sizeof(blink_tp_follower));
   if (!F) return (int)cudaErrorMemoryAllocation;
   *out = F;
@@ -390,6 +400,7 @@ int blink_tp_follower_create(blink_tp* T, uint32_t rank, void** graphs, uint32_t
 }
 
 int blink_tp_follower_launch(blink_tp_follower* F) {
+  device_guard guard;
   TP_TRY(cudaSetDevice(F->device));
   TP_TRY(cudaGraphLaunch(F->dispatch, F->stream));
   return 0;
@@ -397,6 +408,7 @@ int blink_tp_follower_launch(blink_tp_follower* F) {
 
 // 0: running; 1: ended; else the stream's cudaError_t (the follower died)
 int blink_tp_follower_poll(blink_tp_follower* F) {
+  device_guard guard;
   cudaSetDevice(F->device);
   cudaError_t e = cudaStreamQuery(F->stream);
   if (e == cudaSuccess) return 1;
@@ -406,6 +418,7 @@ int blink_tp_follower_poll(blink_tp_follower* F) {
 
 int blink_tp_follower_destroy(blink_tp_follower* F) {
   if (!F) return 0;
+  device_guard guard;
   cudaSetDevice(F->device);
   for (uint32_t i = 0; i < F->num_branches; ++i) {
     if (F->execs && F->execs[i]) cudaGraphExecDestroy(F->execs[i]);
@@ -422,6 +435,7 @@ int blink_tp_follower_destroy(blink_tp_follower* F) {
 
 int blink_tp_destroy(blink_tp* T) {
   if (!T) return 0;
+  device_guard guard;
   for (uint32_t r = 0; r < T->world; ++r) {
     cudaSetDevice(T->devices[r]);
     for (int k = 0; k < 4; ++k)

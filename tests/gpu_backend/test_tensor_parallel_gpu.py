@@ -2,15 +2,16 @@
 elsewhere (and on one GPU).
 
 - the all-reduce kernel (kernels/tp_comm.cu) sums every rank's tensor, the same bits on every rank;
-- the TP runner's teacher-forced logits equal one GPU's within bf16 rounding (only the order of the sums
-  differs), through prefill chunks, a mixed step and decode steps;
-- the host engine over TP gives one GPU's greedy tokens (a model with wide margins), and the GPU-resident loop
-  over TP gives the host engine's TP tokens bit for bit (the same graphs, the same decisions);
+- the TP runner's teacher-forced logits are as close to the float32 model as one GPU's (only where bf16
+  rounds differs), through prefill chunks, a mixed step and decode steps;
+- the host engine's TP graphs give its eager steps' tokens, and the GPU-resident loop over TP gives the host
+  engine's TP tokens bit for bit (the same graphs, the same decisions);
 - a rank that stops answering ends the step with an error after the timeout, and the engine fails what is
   in flight instead of hanging.
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -46,7 +47,7 @@ def _tp_runner(cfg, model, world, keep_graphs=False, timeout_s=None, **kw):
 
 def _one_gpu_runner(cfg, model, keep_graphs=False, **kw):
     return GpuRunner(model.to(device="cuda:0", dtype=torch.bfloat16), cfg, GpuRunnerConfig(**{**RUNNER, **kw}),
-                     progress=False, keep_graphs=keep_graphs)
+                     device="cuda:0", progress=False, keep_graphs=keep_graphs)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -76,21 +77,30 @@ def test_all_reduce_sums_every_ranks_tensor_with_the_same_bits_everywhere(world)
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_tp_logits_equal_one_gpus_within_bf16(world):
+def test_tp_logits_are_as_close_to_float32_as_one_gpus(world):
+    """TP changes only where bf16 rounds (each rank's partial sums, then their sum): against the float32 model
+    it errs as much as one GPU does, through prefill chunks, a mixed step and decode steps."""
+    from test_tensor_parallel import _prefill_logits
+
     cfg, model = _peaky_with_heads(world)
+    fp32 = copy.deepcopy(model)
     one = _one_gpu_runner(cfg, model)
     tp = _tp_runner(cfg, model, world)
     plan = [(40, 0), (30, 27), (1, 20), *[(1, 1)] * 8]
+    prompts = [list(range(3, 83)), list(range(100, 160))]
     got = []
     for runner in (one, tp):
-        a, b = _seq(list(range(3, 83)), range(0, 8)), _seq(list(range(100, 160)), range(8, 16), slot=1)
-        got.append(chunked_logits(runner, a, b, plan))
-    for key_one, key_tp in zip(got[0], got[1]):
-        ref = torch.cat(got[0][key_one])
-        ours = torch.cat(got[1][key_tp]).to(ref.device)
-        rel = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-        assert rel < 0.02, rel
-        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.98
+        a, b = _seq(prompts[0], range(0, 8)), _seq(prompts[1], range(8, 16), slot=1)
+        got.append([torch.cat(part).cpu() for part in chunked_logits(runner, a, b, plan).values()])
+        computed = [a.num_computed, b.num_computed]
+    for i, ids in enumerate(prompts):
+        ref = _prefill_logits([fp32], cfg, ids[:computed[i]])[0]
+        err = [((g[i] - ref).norm(dim=-1) / ref.norm(dim=-1)).mean().item() for g in got]
+        agree = [(g[i].argmax(-1) == ref.argmax(-1)).float().mean().item() for g in got]
+        print(f"seq {i}: mean rel err vs float32 one GPU {err[0]:.4f}, TP={world} {err[1]:.4f}; argmax agreement "
+              f"{agree[0]:.3f} / {agree[1]:.3f}")
+        assert err[1] <= 1.5 * err[0] + 2e-3
+        assert agree[1] >= agree[0] - 0.04
 
 
 def _peaky_with_heads(world):
@@ -110,13 +120,12 @@ def _peaky_with_heads(world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_host_engine_over_tp_gives_one_gpus_greedy_tokens(world):
+def test_host_engine_over_tp_graphs_gives_its_eager_steps_tokens(world):
     cfg, model = _peaky_with_heads(world)
-    specs = [s for s in _specs() if s.temperature == 0.0]
-    one_tokens, one_fin, _ = _drive(_one_gpu_runner(cfg, model), cfg, specs, config=CONFIG)
-    tp_tokens, tp_fin, _ = _drive(_tp_runner(cfg, model, world), cfg, specs, config=CONFIG)
-    assert tp_fin == one_fin
-    assert tp_tokens == one_tokens
+    graphs = _drive(_tp_runner(cfg, model, world), cfg, _specs(), config=CONFIG)
+    eager = _drive(_tp_runner(cfg, model, world, use_graphs=False), cfg, _specs(), config=CONFIG)
+    assert graphs[1] == eager[1] == [FinishReason.LENGTH] * 4
+    assert graphs[0] == eager[0]
 
 
 @pytest.mark.parametrize("world", WORLDS)
