@@ -103,24 +103,32 @@ class _Replay:
         self.graph.replay()
 
 
-def allreduce_us(runner, batch_size: int, reps: int = 200) -> float:
-    """One all-reduce of [batch, hidden] bf16 over the ranks, launched back to back on every rank (leader's time)."""
+def allreduce_us(runner, batch_size: int, per_graph: int = 64, reps: int = 20) -> float:
+    """One all-reduce of [batch, hidden] bf16 over the ranks: `per_graph` of them captured back to back in a
+    graph per rank, the ranks' graphs replayed together; the leader's time per all-reduce."""
     ranks = runner.ranks
-    xs = [torch.zeros(batch_size, runner.cfg.hidden_size, dtype=torch.bfloat16, device=r.device) for r in ranks]
+    graphs = []
+    for r in ranks:
+        x = torch.zeros(batch_size, runner.cfg.hidden_size, dtype=torch.bfloat16, device=r.device)
+        with torch.cuda.device(r.device):
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(r.device)
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(per_graph):
+                    r.tp.all_reduce_(x, stream.cuda_stream)
+            graphs.append((r.device, graph, x))
 
     def once() -> None:
-        for r, x in zip(ranks, xs):
-            with torch.cuda.device(r.device):
-                r.tp.all_reduce_(x, torch.cuda.current_stream(r.device).cuda_stream)
-    for _ in range(10):
-        once()
+        for device, graph, _ in reversed(graphs):  # the leader last, as a step
+            with torch.cuda.device(device):
+                graph.replay()
+    once()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(reps):
         once()
     b.record()
     b.synchronize()
-    return a.elapsed_time(b) / reps * 1e3
+    return a.elapsed_time(b) / reps / per_graph * 1e3
 
 
 def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:

@@ -39,7 +39,7 @@ def load() -> ctypes.CDLL:
         "blink_tp_create": (_i32, [_u32, ctypes.POINTER(_i32), _u64, _u64, pp]),
         "blink_tp_rank_ptr": (_p, [_p, _u32]),
         "blink_tp_set_step_buffer": (_i32, [_p, _u32, _u32, _p, _u64, _u64, _u64]),
-        "blink_tp_set_live": (None, [_p, _u32]),
+        "blink_tp_set_live": (_i32, [_p, _u32]),
         "blink_tp_set_stop": (None, [_p, _u32]),
         "blink_tp_fault": (_u32, [_p]),
         "blink_tp_allreduce": (_i32, [_p, _p, _u64, _u32, _p]),
@@ -85,7 +85,7 @@ class TpComm:
 
     def set_live(self, on: bool) -> None:
         """On: every rank runs every step (the kernels wait for their peers). Off: each rank alone (start-up)."""
-        self.lib.blink_tp_set_live(self._handle, int(on))
+        _check(self.lib.blink_tp_set_live(self._handle, int(on)), "setting the group live")
 
     def set_stop(self, on: bool) -> None:
         self.lib.blink_tp_set_stop(self._handle, int(on))

@@ -32,8 +32,11 @@
 #define BLINK_TP_THREADS 512
 #define BLINK_TP_COPY_THREADS 1024
 
-struct blink_tp_ctl {           // host-mapped, shared by every rank
-  uint32_t live, fault, stop, pad;
+struct blink_tp_ctl {           // host-mapped, shared by every rank; read by kernels only while they spin
+  uint32_t fault, stop;
+};
+struct blink_tp_state {         // device memory of each rank: what every kernel reads as it starts (a read of
+  uint32_t live, fault;         // host memory from 32 blocks at once costs tens of microseconds)
 };
 
 struct blink_tp_rank {          // device memory of its rank; every kernel gets its address
@@ -46,6 +49,7 @@ struct blink_tp_rank {          // device memory of its rank; every kernel gets 
   uint8_t* step_bufs[BLINK_TP_MAX_RANKS][2];  // every rank's step buffers (by set)
   uint64_t block_tables_offset, block_row_bytes, num_seqs_offset;  // the step buffer's layout
   blink_tp_ctl* ctl;
+  blink_tp_state* state[BLINK_TP_MAX_RANKS];  // every rank's
   uint32_t epoch[BLINK_TP_BLOCKS];         // this rank's all-reduce count per block
   uint64_t announced;           // leader: steps announced
   uint64_t consumed;            // follower: steps waited for
@@ -78,15 +82,21 @@ __device__ __forceinline__ uint64_t now_ns() {
   return t;
 }
 __device__ __forceinline__ bool quiet(const blink_tp_rank* R) {
-  return !ld_v(&R->ctl->live) || ld_v(&R->ctl->fault);
+  const blink_tp_state* s = R->state[R->rank];
+  return !ld_v(&s->live) || ld_v(&s->fault);
+}
+// A rank waited past the timeout: every rank's state and the host's word say so (first writer wins the host's).
+__device__ void raise_fault(const blink_tp_rank* R) {
+  for (uint32_t q = 0; q < R->world; ++q) *(volatile uint32_t*)&R->state[q]->fault = 1u + R->rank;
+  atomicCAS((unsigned int*)&R->ctl->fault, 0u, 1u + R->rank);
+  __threadfence_system();
 }
 // false on timeout (the fault word is set): the caller goes on without the peer
 __device__ __forceinline__ bool timed_out(const blink_tp_rank* R, uint64_t start, uint32_t* spins) {
   if ((++*spins & 1023u) != 0) return false;
-  if (ld_v(&R->ctl->fault) || ld_v(&R->ctl->stop)) return true;
+  if (ld_v(&R->state[R->rank]->fault) || ld_v(&R->ctl->stop)) return true;
   if (now_ns() - start < R->timeout_ns) return false;
-  atomicCAS((unsigned int*)&R->ctl->fault, 0u, 1u + R->rank);
-  __threadfence_system();
+  raise_fault(R);
   return true;
 }
 
@@ -203,16 +213,15 @@ __global__ void blink_tp_dispatch_kernel(blink_tp_rank* R) {
   if (!word) return;                             // stop: launch nothing, the chain ends
   const uint32_t set = (uint32_t)(word >> 8) & 0xffu, bucket = (uint32_t)word & 0xffu;
   if (set > 1 || bucket >= R->num_buckets) {
-    atomicCAS((unsigned int*)&R->ctl->fault, 0u, 1u + R->rank);
+    raise_fault(R);
     return;
   }
   if (cudaGraphLaunch(R->branches[set * R->num_buckets + bucket], cudaStreamGraphTailLaunch) != cudaSuccess)
-    atomicCAS((unsigned int*)&R->ctl->fault, 0u, 1u + R->rank);
+    raise_fault(R);
 }
 
 __global__ void blink_tp_relaunch_kernel(blink_tp_rank* R) {
-  if (cudaGraphLaunch(R->dispatch, cudaStreamGraphTailLaunch) != cudaSuccess)
-    atomicCAS((unsigned int*)&R->ctl->fault, 0u, 1u + R->rank);
+  if (cudaGraphLaunch(R->dispatch, cudaStreamGraphTailLaunch) != cudaSuccess) raise_fault(R);
 }
 
 // ---- host side --------------------------------------------------------------------------------------------
@@ -222,7 +231,7 @@ struct blink_tp {
   blink_tp_rank host[BLINK_TP_MAX_RANKS];   // host copies, uploaded by sync_rank
   blink_tp_rank* dev[BLINK_TP_MAX_RANKS];
   blink_tp_ctl* ctl;                         // host-mapped
-  void* owned[BLINK_TP_MAX_RANKS][4];        // bufs (2 parities in one), flags, mailbox, branches
+  void* owned[BLINK_TP_MAX_RANKS][5];        // bufs (2 parities in one), flags, mailbox, branches, state
 };
 
 struct blink_tp_follower {
@@ -290,6 +299,8 @@ int blink_tp_create(uint32_t world, const int32_t* devices, uint64_t cap_elems, 
     TP_TRY(cudaMemset(T->owned[r][1], 0, sizeof(uint32_t) * BLINK_TP_MAX_RANKS * BLINK_TP_BLOCKS));
     TP_TRY(cudaMalloc(&T->owned[r][2], sizeof(uint64_t)));
     TP_TRY(cudaMemset(T->owned[r][2], 0, sizeof(uint64_t)));
+    TP_TRY(cudaMalloc(&T->owned[r][4], sizeof(blink_tp_state)));
+    TP_TRY(cudaMemset(T->owned[r][4], 0, sizeof(blink_tp_state)));
     TP_TRY(cudaMalloc((void**)&T->dev[r], sizeof(blink_tp_rank)));
   }
   for (uint32_t r = 0; r < world; ++r) {
@@ -304,6 +315,7 @@ int blink_tp_create(uint32_t world, const int32_t* devices, uint64_t cap_elems, 
       h->bufs[q][1] = (uint16_t*)T->owned[q][0] + cap_elems;
       h->flags[q] = (uint32_t*)T->owned[q][1];
       h->mailbox[q] = (uint64_t*)T->owned[q][2];
+      h->state[q] = (blink_tp_state*)T->owned[q][4];
     }
     int e = sync_rank(T, r);
     if (e) return e;
@@ -330,7 +342,15 @@ int blink_tp_set_step_buffer(blink_tp* T, uint32_t rank, uint32_t set, void* buf
   return 0;
 }
 
-void blink_tp_set_live(blink_tp* T, uint32_t on) { ((volatile blink_tp_ctl*)T->ctl)->live = on; }
+// Between steps only (start-up): a plain copy into every rank's state, device-synchronous.
+int blink_tp_set_live(blink_tp* T, uint32_t on) {
+  device_guard guard;
+  for (uint32_t r = 0; r < T->world; ++r) {
+    TP_TRY(cudaSetDevice(T->devices[r]));
+    TP_TRY(cudaMemcpy(&((blink_tp_state*)T->owned[r][4])->live, &on, sizeof(on), cudaMemcpyHostToDevice));
+  }
+  return 0;
+}
 void blink_tp_set_stop(blink_tp* T, uint32_t on) { ((volatile blink_tp_ctl*)T->ctl)->stop = on; }
 uint32_t blink_tp_fault(blink_tp* T) { return ((volatile blink_tp_ctl*)T->ctl)->fault; }
 
@@ -438,7 +458,7 @@ int blink_tp_destroy(blink_tp* T) {
   device_guard guard;
   for (uint32_t r = 0; r < T->world; ++r) {
     cudaSetDevice(T->devices[r]);
-    for (int k = 0; k < 4; ++k)
+    for (int k = 0; k < 5; ++k)
       if (T->owned[r][k]) cudaFree(T->owned[r][k]);
     if (T->dev[r]) cudaFree(T->dev[r]);
   }
