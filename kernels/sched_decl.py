@@ -42,7 +42,6 @@ _HEADER = (
     Field("lru_tail", "int32_t"),
     Field("num_evictable", "int32_t", doc="blocks on that list: allocatable, like the free ones"),
     Field("num_cached", "int32_t", doc="blocks holding a published hash"),
-    Field("probe_epoch", "uint32_t", doc="marks one lookup's blocks (a repeated hash ends its run)"),
     Field("prefix_queries", "int64_t", doc="tokens of the sequences looked up (vLLM's queries)"),
     Field("prefix_hits", "int64_t", doc="of those, tokens found cached"),
 )
@@ -76,7 +75,7 @@ _ARRAYS = (
     _cold("seq_hashes", "uint64_t", "N", "MB"), _cold("block_hash", "uint64_t", "BLOCKS", doc="0: none"),
     _cold("block_ref", "int32_t", "BLOCKS", doc="sequences holding the block"),
     _cold("lru_prev", "int32_t", "BLOCKS"), _cold("lru_next", "int32_t", "BLOCKS"),
-    _cold("block_mark", "uint32_t", "BLOCKS", doc="scratch of the lookups (probe_epoch)"),
+    _cold("block_mark", "uint32_t", "BLOCKS", doc="scratch of one lookup: 1 for a block it met, 0 between lookups"),
     _cold("hash_table", "int32_t", "HT", doc="block ids, -1 empty; the key is the block's hash"),
 )
 

@@ -91,14 +91,12 @@ class SchedHeader(ctypes.Structure):
         ("lru_tail", ctypes.c_int32),
         ("num_evictable", ctypes.c_int32),
         ("num_cached", ctypes.c_int32),
-        ("probe_epoch", ctypes.c_uint32),
-        ("_pad1", ctypes.c_uint8 * 4),
         ("prefix_queries", ctypes.c_int64),
         ("prefix_hits", ctypes.c_int64),
     ]
 
 
-assert ctypes.sizeof(SchedHeader) == 320
+assert ctypes.sizeof(SchedHeader) == 312
 
 
 # ---- sched: per slot (N), then shared, then one step's batch; the cold arrays last
@@ -146,7 +144,7 @@ SCHED_ARRAYS = (
     ('block_ref', '<i4', ('BLOCKS',)),  # sequences holding the block
     ('lru_prev', '<i4', ('BLOCKS',)),
     ('lru_next', '<i4', ('BLOCKS',)),
-    ('block_mark', '<u4', ('BLOCKS',)),  # scratch of the lookups (probe_epoch)
+    ('block_mark', '<u4', ('BLOCKS',)),  # scratch of one lookup: 1 for a block it met, 0 between lookups
     ('hash_table', '<i4', ('HT',)),  # block ids, -1 empty; the key is the block's hash
 )
 SCHED_GROUPS = {

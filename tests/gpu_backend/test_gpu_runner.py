@@ -98,7 +98,11 @@ def bf16_twin(hf32: torch.nn.Module) -> torch.nn.Module:
 
 def chunked_logits(runner, a, b, plan) -> dict[int, list[torch.Tensor]]:
     """Run sequences a and b through the runner by `plan` ((q_len of a, q_len of b) per step); every step's
-    logits per sequence, by id(seq)."""
+    logits per sequence, by id(seq). The plan may not run past a sequence's tokens."""
+    for seq, q_lens in ((a, [qa for qa, _ in plan]), (b, [qb for _, qb in plan])):
+        if seq.num_computed + sum(q_lens) > len(seq.token_ids):
+            need, have = seq.num_computed + sum(q_lens), len(seq.token_ids)
+            raise ValueError(f"plan computes {need} tokens of a {have}-token sequence")
     got = {id(a): [], id(b): []}
     for qa, qb in plan:
         entries = [ScheduledSeq(s, q, True) for s, q in ((a, qa), (b, qb)) if q]

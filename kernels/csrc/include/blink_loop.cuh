@@ -379,10 +379,24 @@ __device__ __forceinline__ int look_slot(blink_loop_args* a, const blink_sched* 
   return cancelled;
 }
 
+// All threads, after the look's barrier: the new list's tokens are in the scheduler but not yet in the ring
+// (the publish kernel beside the next bucket graph writes them, or the idle full step's first attempt), and
+// each takes one place of its slot's room, which was read from `produced` as published. Both the full step
+// (step n's tokens, just applied) and the speculation (step n's placeholders) schedule with such a list: a
+// slot one token short of consumed + capacity would get a step, and its token would overwrite an unread one.
+// (The host engines publish a step's tokens before they read the room: theirs is right as read.)
+__device__ __forceinline__ void count_unpublished(const blink_sched* s, const loop_scratch& x) {
+  for (int32_t j = threadIdx.x; j < s->h->num_new; j += blockDim.x) {
+    const int32_t slot = s->new_slot[j];  // -1 - slot: a dropped row, no token
+    if (slot >= 0 && x.room[slot] > 0) x.room[slot] -= 1;
+  }
+}
+
 // All threads: one look at the ring (with `ahead`, the words in `look`; else loaded now, all issued
 // together: each is a PCIe round trip): the submission tail, the stop flag, and for each live slot its
-// cancel word and the gateway's `consumed` (-> room). Thread 0 then finishes the cancelled sequences
-// (EngineLoop._apply_cancels). Returns 1: stop, 0: go on; *tail gets the submission tail.
+// cancel word and the gateway's `consumed` (-> room, less the tokens not yet published: count_unpublished).
+// Thread 0 then finishes the cancelled sequences (EngineLoop._apply_cancels). Returns 1: stop, 0: go on;
+// *tail gets the submission tail.
 // With `spec`, a cancel's finish goes to the finish list (published if the speculation is taken).
 __device__ __forceinline__ int poll_ring(blink_loop_args* a, blink_sched* s, const loop_scratch& x,
                                          uint64_t* tail, const ring_look& look, bool ahead, bool spec) {
@@ -401,7 +415,9 @@ __device__ __forceinline__ int poll_ring(blink_loop_args* a, blink_sched* s, con
   }
   for (uint32_t slot = threadIdx.x + BLINK_LOOP_PREFETCH * blockDim.x; slot < a->num_slots; slot += blockDim.x)
     any |= look_slot(a, s, x, slot, ld_v(&request(a, slot)->cancel_seq), ld_v(&response(a, slot)->consumed));
-  if (__syncthreads_or(any) && threadIdx.x == 0) {
+  const int cancels = __syncthreads_or(any);
+  count_unpublished(s, x);
+  if (cancels && threadIdx.x == 0) {
     for (uint32_t slot = 0; slot < a->num_slots; ++slot) {
       if (!x.cancel[slot]) continue;
       blink_sched_finish(s, (int32_t)slot);

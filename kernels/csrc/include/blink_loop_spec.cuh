@@ -304,15 +304,7 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
   __syncthreads();
   uint64_t tail;
   ring_look unused;
-  int ok = !poll_ring(a, &s, x, &tail, unused, false, true);
-  __syncthreads();
-  // the room was read from what is published; step n's token is not yet (its publish follows the acceptance)
-  // and takes a place too, or step n+1 would write one token past consumed + capacity over an unread one
-  for (int32_t j = threadIdx.x; j < n; j += blockDim.x) {
-    const int32_t slot = s.new_slot[j];
-    if (slot >= 0 && x.room[slot] > 0) x.room[slot] -= 1;
-  }
-  __syncthreads();
+  int ok = !poll_ring(a, &s, x, &tail, unused, false, true);  // room less step n's token (count_unpublished)
   if (ok) {
     const uint64_t head = *sq_head_of(a, cur);
     if (tail != head) admit(a, &s, x, head, tail, sq_head_of(a, 1u - cur), true);

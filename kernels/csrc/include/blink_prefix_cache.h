@@ -125,7 +125,10 @@ BLINK_HD void blink_drop_block(blink_sched* s, int32_t b) {
 // at least one token is computed (a fully cached, block-aligned prompt recomputes its last block, as vLLM
 // does). Their ids go to the slot's (empty) block table row as scratch; *idle gets how many of them are
 // evictable now (taking them makes them unavailable). A hash met twice ends the run (a chain never repeats;
-// a crafted one must not count one evictable block twice). No state changes but the marks.
+// a crafted one must not count one evictable block twice): block_mark flags the blocks met so far, and is
+// all zero again when the call returns. It is cold memory, shared by the loop's speculation and its real
+// state: a mark left behind by a dropped speculation (which works on a copy of the hot header) would read as
+// a repeat to the full step that schedules again, and hide the cached prefix from it. No state changes.
 BLINK_HD int32_t blink_cache_probe(blink_sched* s, int32_t slot, int32_t* idle) {
   blink_sched_header* h = s->h;
   const int32_t mb = blink_max_blocks_per_seq(&h->cfg);
@@ -133,14 +136,15 @@ BLINK_HD int32_t blink_cache_probe(blink_sched* s, int32_t slot, int32_t* idle) 
   if (limit > s->num_hashes[slot]) limit = s->num_hashes[slot];
   *idle = 0;
   if (!h->cfg.prefix_caching || limit <= 0) return 0;
-  h->probe_epoch = h->probe_epoch + 1 ? h->probe_epoch + 1 : 1;  // marks start at 0
+  int32_t* row = s->block_table + (int64_t)slot * mb;
   for (; hits < limit; ++hits) {
     const int32_t b = blink_cache_find(s, s->seq_hashes[(int64_t)slot * mb + hits]);
-    if (b < 0 || s->block_mark[b] == h->probe_epoch) break;
-    s->block_mark[b] = h->probe_epoch;
-    s->block_table[(int64_t)slot * mb + hits] = b;
+    if (b < 0 || s->block_mark[b]) break;
+    s->block_mark[b] = 1;
+    row[hits] = b;
     *idle += s->block_ref[b] == 0;
   }
+  for (int32_t k = 0; k < hits; ++k) s->block_mark[row[k]] = 0;
   return hits;
 }
 

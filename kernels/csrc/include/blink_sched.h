@@ -89,7 +89,6 @@ BLINK_HD void blink_sched_init(blink_sched* s, const blink_sched_config* c) {
   h->spec_mode = h->spec_tainted = 0;
   h->lru_head = h->lru_tail = -1;
   h->num_evictable = h->num_cached = 0;
-  h->probe_epoch = 0;
   h->prefix_queries = h->prefix_hits = 0;
   for (int32_t b = 0; b < c->num_blocks; ++b) {
     s->free_blocks[b] = b;

@@ -91,8 +91,6 @@ typedef struct blink_sched_header {
   int32_t lru_tail;
   int32_t num_evictable;  /* blocks on that list: allocatable, like the free ones */
   int32_t num_cached;  /* blocks holding a published hash */
-  uint32_t probe_epoch;  /* marks one lookup's blocks (a repeated hash ends its run) */
-  uint8_t _pad1[4];
   int64_t prefix_queries;  /* tokens of the sequences looked up (vLLM's queries) */
   int64_t prefix_hits;  /* of those, tokens found cached */
 } blink_sched_header;
@@ -116,10 +114,9 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, lru_head) == 280, "blink_sched_
 BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, lru_tail) == 284, "blink_sched_header.lru_tail");
 BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_evictable) == 288, "blink_sched_header.num_evictable");
 BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, num_cached) == 292, "blink_sched_header.num_cached");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, probe_epoch) == 296, "blink_sched_header.probe_epoch");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, prefix_queries) == 304, "blink_sched_header.prefix_queries");
-BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, prefix_hits) == 312, "blink_sched_header.prefix_hits");
-BLINK_LAYOUT_ASSERT(sizeof(blink_sched_header) == 320, "sizeof(blink_sched_header)");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, prefix_queries) == 296, "blink_sched_header.prefix_queries");
+BLINK_LAYOUT_ASSERT(offsetof(blink_sched_header, prefix_hits) == 304, "blink_sched_header.prefix_hits");
+BLINK_LAYOUT_ASSERT(sizeof(blink_sched_header) == 312, "sizeof(blink_sched_header)");
 
 /* per slot (N), then shared, then one step's batch; the cold arrays last */
 #define BLINK_SCHED_NUM_ARRAYS 43
