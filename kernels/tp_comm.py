@@ -144,7 +144,9 @@ class FollowerLoop:
         _check(self.comm.lib.blink_tp_follower_launch(self._handle), f"launching rank {self.rank}'s loop")
 
     def poll(self) -> int:
-        """0 running, 1 ended, else the CUDA error that ended it."""
+        """0 running, 1 ended (or closed), else the CUDA error that ended it."""
+        if not self._handle:
+            return 1
         return int(self.comm.lib.blink_tp_follower_poll(self._handle))
 
     def close(self) -> None:

@@ -135,6 +135,7 @@ class TpRunner:
 
     def start_followers(self) -> None:
         """Build and launch each follower's device loop over its kept graphs (before the leader's loop)."""
+        self._stopping = False
         for f in self.followers:
             if not f.keep_graphs:
                 raise ValueError("the followers' loops need their graphs kept (keep_graphs=True)")
@@ -157,3 +158,8 @@ class TpRunner:
             if loop.poll() == 0:
                 log.error("rank %d's loop did not stop within %.0f s; leaving it to the process exit", loop.rank,
                           timeout_s)
+                return
+        for loop in self._loops:  # the runner can serve again: host steps, or another loop
+            loop.close()
+        self._loops = []
+        self.comm.set_stop(False)

@@ -140,9 +140,12 @@ def test_persistent_over_tp_gives_the_host_engines_tp_tokens_bit_for_bit(served,
     assert [s.finishes[x][0] for x in slots] == host_fin == [FinishReason.LENGTH] * 4
     assert [s.tokens[x] for x in slots] == host_tokens
     assert runner.error() is None
+    loops = list(runner._loops)
     s.engine.shutdown()
-    assert all(loop.poll() == 1 for loop in runner._loops)  # the followers' loops ended with the leader's
+    assert all(loop.poll() == 1 for loop in loops)  # the followers' loops ended with the leader's
     assert s.engine.final_ctl["tokens"] == 4 * 24
+    # the runner serves again after its loops stopped: host steps, the same tokens
+    assert _drive(runner, cfg, _specs(), config=CONFIG)[0] == host_tokens
 
 
 def test_a_rank_that_stops_answering_fails_the_requests_in_flight():
