@@ -239,7 +239,7 @@ class Backend:
     @property
     def takes_masks(self) -> bool:
         """Its ring has a token-mask area and its transport carries masks: structured outputs can run here."""
-        return bool(getattr(self.info.geometry, "mask_words", 0)) and hasattr(self._producer, "put_mask")
+        return self.info.geometry.mask_words > 0 and hasattr(self._producer, "put_mask")
 
     def put_mask(self, handle: RequestHandle, token_index: int, words) -> None:
         """The mask of the request's generated token `token_index` into its slot (the engine waits for it);
