@@ -49,7 +49,7 @@ class _MayFailOver(Exception):
 def engine_error(code: ErrorCode, message: str) -> ApiError:
     """A finish of ERROR as the client should see it: their fault (400), overload (503) or ours (500)."""
     text = f"the engine failed this request: {message or code.name}"
-    if code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_PARAMS, ErrorCode.NO_KV_CAPACITY):
+    if code in _CLIENT_ERRORS:
         return bad_request(text, code=code.name.lower())
     if code == ErrorCode.ENGINE_STOPPING:
         return unavailable(text)

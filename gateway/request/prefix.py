@@ -1,8 +1,8 @@
 """A prompt's prefix-cache block hashes, as each backend needs them (DESIGN.md, "Prefix caching").
 
-The hashes depend on the backend's model fingerprint and its ring's KV block size and hash limit
-(`RingGeometry.kv_block_size`, `.max_block_hashes`; `protocols/prefix_hash.py`), so one request computes them
-at most once per such triple (backends of one model share it: once in all).
+The hashes depend on the backend's model fingerprint and its ring's KV block size (`protocols/prefix_hash.py`),
+so one request computes them at most once per such pair (backends of one model share it: once in all). A
+prompt longer than a backend's slot is refused there whatever its hashes (`RequestSpec.validate`).
 Hashing runs inline: ~1 us per block (a 8k-token prompt of 16-token blocks, ~0.5 ms), less than a thread hop.
 
 The salt that namespaces the cache is the key's (`Principal.cache_salt`) with the request's `cache_salt`
@@ -38,15 +38,14 @@ class PromptBlocks:
         self.prompt_ids = prompt_ids
         self.salt = salt
         self.predicted: dict[str, tuple[int, int]] = {}  # backend address -> (blocks held, confirmed), see above
-        self._memo: dict[tuple[str, int, int], tuple[int, ...]] = {}
+        self._memo: dict[tuple[str, int], tuple[int, ...]] = {}
 
     def hashes_for(self, info: BackendInfo) -> tuple[int, ...]:
-        """The hashes `info`'s backend takes: one per full prompt block, as many as its ring's slot holds."""
-        fingerprint, block_size, limit = key = (info.model_fingerprint, info.geometry.kv_block_size,
-                                                info.geometry.max_block_hashes)
+        """The hashes `info`'s backend takes: one per full prompt block of its ring's kv_block_size."""
+        fingerprint, block_size = key = (info.model_fingerprint, info.geometry.kv_block_size)
         hashes = self._memo.get(key)
         if hashes is None:
-            hashes = self._memo[key] = tuple(block_hashes(self.prompt_ids, block_size, fingerprint, self.salt, limit))
+            hashes = self._memo[key] = tuple(block_hashes(self.prompt_ids, block_size, fingerprint, self.salt))
         return hashes
 
     def spec_for(self, spec: RequestSpec, info: BackendInfo) -> RequestSpec:

@@ -57,7 +57,7 @@ def test_effective_salt_keeps_keys_apart_whatever_the_request_salt():
     assert len(salts) == 7  # no key salt + request salt pair spells another's
 
 
-def test_prompt_blocks_hash_once_per_backend_model_block_size_and_slot_limit():
+def test_prompt_blocks_hash_once_per_backend_model_and_block_size():
     ids = prompt(1, 3 * BLOCK + 5)
     blocks = PromptBlocks(ids, "s")
     hashes = blocks.hashes_for(info("a"))
@@ -65,7 +65,7 @@ def test_prompt_blocks_hash_once_per_backend_model_block_size_and_slot_limit():
     assert blocks.hashes_for(info("b")) is hashes  # same model and block size: computed once
     assert blocks.hashes_for(info("c", fingerprint="other")) != hashes
     assert blocks.hashes_for(info("d", block_size=2 * BLOCK)) == tuple(block_hashes(ids, 2 * BLOCK, "fp", "s"))
-    assert blocks.hashes_for(info("e", max_prompt_len=2 * BLOCK)) == hashes[:2]  # what the ring's slot holds
+    assert blocks.hashes_for(info("e", max_prompt_len=4 * BLOCK)) is hashes  # the slot's size changes nothing
     assert blocks.max_cached_blocks(info("a")) == 3
     assert PromptBlocks(prompt(1, 3 * BLOCK)).max_cached_blocks(info("a")) == 2  # the last token is always computed
 

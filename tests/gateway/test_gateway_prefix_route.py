@@ -38,7 +38,7 @@ def test_the_engine_reads_the_salted_block_hashes_of_the_prompt_from_its_ring(gw
                                                "cache_salt": "ring"})
     assert status == 200, body
     spec = next(s for s in reversed(gw.engine.specs) if list(s.prompt_ids) == ids)
-    expected = block_hashes(ids, block, "fp-test", effective_salt(key_salt(gw), "ring"), geometry.max_block_hashes)
+    expected = block_hashes(ids, block, "fp-test", effective_salt(key_salt(gw), "ring"))
     assert tuple(spec.block_hashes) == tuple(expected) and len(expected) == 2  # full blocks only
     short = ids[:block - 1]
     assert gw.post("/v1/completions", {"model": gw.model, "prompt": short, "max_tokens": 1})[0] == 200
