@@ -132,12 +132,12 @@ class RingConsumer:
         n = len(tokens)
         if not n:
             return
+        room = self.room(slot)
+        if n > room:
+            raise RingFull(f"slot {slot}: {n} tokens but room for {room}")
         ring, base, cap = self.ring, self.ring.resp(slot), self.geometry.max_output_len
         u32, u64, i32 = ring.u32, ring.u64, ring.i32
         produced = self._produced[slot]
-        room = min(self._capacity[slot], self._capacity[slot] - (produced - int(u32[(base + R.RESP_CONSUMED) // 4])))
-        if n > room:
-            raise RingFull(f"slot {slot}: {n} tokens but room for {room}")
         t0 = (base + R.RESP_TOKENS) // 4
         for k, token in enumerate(tokens):
             i32[t0 + (produced + k) % cap] = token
