@@ -87,7 +87,10 @@ class Backend:
         config = config.for_backend(addr)  # its own TLS settings, if the config file gives it some
         loop = asyncio.get_running_loop()
         reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s, config)
-        info = BackendInfo.from_reply(addr, reply)
+        try:
+            info = BackendInfo.from_reply(addr, reply)
+        except ValueError as exc:  # another release's Describe: no traceback, the reason
+            raise BackendConnectError(str(exc)) from None
         if config.expect_ring is not None and info.ring_name != config.expect_ring:
             raise BackendConnectError(f"backend {addr} serves ring {info.ring_name!r}, not {config.expect_ring!r} "
                                       f"(--expect-ring): another instance holds that control address")
