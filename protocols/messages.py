@@ -79,6 +79,11 @@ class BackendInfo:
 
     @classmethod
     def from_reply(cls, addr: str, reply: control_pb2.DescribeReply) -> BackendInfo:
+        """The description in `reply`; ValueError for a backend of another ring version (its geometry lacks
+        fields this side needs: ring version 3's kv_block_size and mask_words)."""
+        if reply.ring_version != RING_VERSION:
+            raise ValueError(f"backend {addr} speaks ring version {reply.ring_version}, this side {RING_VERSION}: "
+                             f"run the same release on both")
         g = reply.geometry
         geometry = RingGeometry(**{f.name: getattr(g, f.name) for f in dataclasses.fields(RingGeometry)})
         return cls(addr=addr, model_name=reply.model_name, model_dir=reply.model_dir,

@@ -141,6 +141,10 @@ class RingGeometry:
         """Block hashes a slot holds: one per full block of the longest prompt (0 when a block is longer)."""
         return self.max_prompt_len // self.kv_block_size
 
+    def max_hashes_for(self, prompt_len: int) -> int:
+        """Block hashes a prompt of `prompt_len` tokens may carry: one per full block, as many as a slot holds."""
+        return min(prompt_len // self.kv_block_size, self.max_block_hashes)
+
     @property
     def block_hash_bytes(self) -> int:
         """Per slot: the request's block hashes, u64[max_block_hashes] (version 3)."""
@@ -238,7 +242,7 @@ class RequestSpec:
         self._validate_v3(geometry)
 
     def _validate_v3(self, geometry: RingGeometry) -> None:
-        full_blocks = min(len(self.prompt_ids) // geometry.kv_block_size, geometry.max_block_hashes)
+        full_blocks = geometry.max_hashes_for(len(self.prompt_ids))
         if len(self.block_hashes) > full_blocks:
             raise ValueError(f"block_hashes: {len(self.block_hashes)} hashes, at most {full_blocks} (one per full "
                              f"prompt block of {geometry.kv_block_size} tokens)")

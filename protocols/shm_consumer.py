@@ -20,13 +20,14 @@ log = logging.getLogger("blink.engine")
 
 @dataclass(frozen=True)
 class TakenRequest:
+    """A request as the engine read it: `words`, its slot's fixed part (blink_request_slot, REQ_STOP_IDS bytes),
+    read once; `spec`, built from those words and the slot's arrays, each clipped to the geometry. Nothing
+    here is checked: the engine's admission (kernels/csrc/include/blink_admit.h) decides on both."""
+
     slot: int
     seq: int
     spec: RequestSpec
-    error: ErrorCode = ErrorCode.NONE  # a slot whose words the geometry cannot hold: finish it with this
-
-
-_KNOWN_FLAGS = R.FLAG_HAS_SEED | R.FLAG_IGNORE_EOS | R.FLAG_LOGPROBS | R.FLAG_CONSTRAINED
+    words: bytes
 
 
 class RingConsumer:
@@ -64,8 +65,9 @@ class RingConsumer:
 
     def _take(self, slot: int) -> TakenRequest:
         ring, g = self.ring, self.geometry
-        seq = int(ring.request_fields(slot)["seq"])
-        head = R.REQUEST_HEAD.unpack_from(ring.buf, ring.req(slot) + R.REQ_REQUEST_ID)
+        words = ring.buf[ring.req(slot) : ring.req(slot) + R.REQ_STOP_IDS].tobytes()  # each word read once
+        seq = int.from_bytes(words[:8], "little")
+        head = R.REQUEST_HEAD.unpack_from(words, R.REQ_REQUEST_ID)
         n = dict(zip(R.REQUEST_HEAD_NAMES, head))
         n_prompt, n_stop = min(n["prompt_len"], g.max_prompt_len), min(n["num_stop_ids"], g.max_stop_ids)
         n_bias = min(n["num_logit_bias"], g.max_logit_bias)
@@ -80,26 +82,15 @@ class RingConsumer:
             self._hashes(slot, n["num_block_hashes"], n_prompt), mask0)
         self._reset_response(slot, seq, n_prompt)
         self._capacity[slot] = g.logprob_window if spec.num_logprobs is not None else g.max_output_len
-        return TakenRequest(slot=slot, seq=seq, spec=spec, error=self._count_error(seq, n))
+        return TakenRequest(slot=slot, seq=seq, spec=spec, words=words)
 
     def _hashes(self, slot: int, count: int, prompt_len: int) -> list[int]:
-        """The slot's block hashes, clipped to its area and to the prompt's full blocks (the count is checked in
-        `_count_error`); a zero hash ends them (the engine's table uses 0 for "none")."""
-        g = self.geometry
-        n = min(count, g.max_block_hashes, prompt_len // g.kv_block_size)
+        """The slot's block hashes, clipped to its area and to the prompt's full blocks (the engine's admission
+        checks the count); a zero hash ends them (the engine's table uses 0 for "none")."""
+        n = min(count, self.geometry.max_hashes_for(prompt_len))
         h0 = self.ring.hashes(slot) // 8
         hashes = self.ring.u64[h0 : h0 + n].tolist()
         return hashes[: hashes.index(0)] if 0 in hashes else hashes
-
-    def _count_error(self, seq: int, head: dict) -> ErrorCode:
-        """INVALID_PARAMS for counts past the geometry, unknown flags or a zero seq (the arrays were clipped
-        to the slot when read: nothing past it was touched)."""
-        g = self.geometry
-        ok = (seq != 0 and 0 < head["prompt_len"] <= g.max_prompt_len and head["num_stop_ids"] <= g.max_stop_ids
-              and head["num_logit_bias"] <= g.max_logit_bias and head["num_logprobs"] <= g.max_logprobs
-              and head["num_block_hashes"] <= min(head["prompt_len"] // g.kv_block_size, g.max_block_hashes)
-              and not head["flags"] & ~_KNOWN_FLAGS and (g.mask_words or not head["flags"] & R.FLAG_CONSTRAINED))
-        return ErrorCode.NONE if ok else ErrorCode.INVALID_PARAMS
 
     def _reset_response(self, slot: int, seq: int, prompt_len: int) -> None:
         resp = self.ring.response_fields(slot)
@@ -141,12 +132,12 @@ class RingConsumer:
         n = len(tokens)
         if not n:
             return
+        room = self.room(slot)
+        if n > room:
+            raise RingFull(f"slot {slot}: {n} tokens but room for {room}")
         ring, base, cap = self.ring, self.ring.resp(slot), self.geometry.max_output_len
         u32, u64, i32 = ring.u32, ring.u64, ring.i32
         produced = self._produced[slot]
-        room = min(self._capacity[slot], self._capacity[slot] - (produced - int(u32[(base + R.RESP_CONSUMED) // 4])))
-        if n > room:
-            raise RingFull(f"slot {slot}: {n} tokens but room for {room}")
         t0 = (base + R.RESP_TOKENS) // 4
         for k, token in enumerate(tokens):
             i32[t0 + (produced + k) % cap] = token

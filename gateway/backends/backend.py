@@ -87,7 +87,10 @@ class Backend:
         config = config.for_backend(addr)  # its own TLS settings, if the config file gives it some
         loop = asyncio.get_running_loop()
         reply = await loop.run_in_executor(None, describe, addr, config.connect_timeout_s, config)
-        info = BackendInfo.from_reply(addr, reply)
+        try:
+            info = BackendInfo.from_reply(addr, reply)
+        except ValueError as exc:  # another release's Describe: no traceback, the reason
+            raise BackendConnectError(str(exc)) from None
         if config.expect_ring is not None and info.ring_name != config.expect_ring:
             raise BackendConnectError(f"backend {addr} serves ring {info.ring_name!r}, not {config.expect_ring!r} "
                                       f"(--expect-ring): another instance holds that control address")
@@ -239,7 +242,7 @@ class Backend:
     @property
     def takes_masks(self) -> bool:
         """Its ring has a token-mask area and its transport carries masks: structured outputs can run here."""
-        return bool(getattr(self.info.geometry, "mask_words", 0)) and hasattr(self._producer, "put_mask")
+        return self.info.geometry.mask_words > 0 and hasattr(self._producer, "put_mask")
 
     def put_mask(self, handle: RequestHandle, token_index: int, words) -> None:
         """The mask of the request's generated token `token_index` into its slot (the engine waits for it);

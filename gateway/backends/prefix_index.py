@@ -131,14 +131,14 @@ class PrefixCache:
             total = 0
         return total or DEFAULT_MAX_BLOCKS
 
-    def cached(self, backend: Backend, blocks: Blocks, cached_tokens: int, block_size: int) -> None:
+    def cached(self, backend: Backend, blocks: Blocks, cached_tokens: int) -> None:
         """The engine of `backend` prefilled the request reusing `cached_tokens` of its prompt: drop what the index
         wrongly counted on, confirm the rest (the engine holds those blocks now)."""
         index = self._indexes.get(backend)
-        if block_size <= 0 or index is None:
+        if index is None:
             return
         hashes = blocks.hashes_for(backend.info)
-        num_hit = min(cached_tokens // block_size, len(hashes))
+        num_hit = min(cached_tokens // backend.info.geometry.kv_block_size, len(hashes))
         _, num_confirmed = blocks.predicted.get(backend.info.addr, (0, 0))
         if num_hit < min(num_confirmed, blocks.max_cached_blocks(backend.info)):
             index.drop(hashes[num_hit:])

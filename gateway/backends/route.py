@@ -117,8 +117,8 @@ class Router:
             raise unavailable(f"no healthy backend serving '{model}' is available{tried}{why}; retry later")
         return self.policy.choose(candidates, prompt_ids, blocks)
 
-    def cached(self, backend: Backend, blocks: Blocks, cached_tokens: int, block_size: int) -> None:
+    def cached(self, backend: Backend, blocks: Blocks, cached_tokens: int) -> None:
         """The engine of `backend` reused `cached_tokens` of a request's prompt (a policy may learn from it)."""
         learn = getattr(self.policy, "cached", None)
         if learn is not None:
-            learn(backend, blocks, cached_tokens, block_size)
+            learn(backend, blocks, cached_tokens)

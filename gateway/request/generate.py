@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from protocols.ring import ErrorCode, FinishReason, TokenLogprob
 from protocols.messages import TokenUpdate
@@ -21,8 +22,16 @@ log = logging.getLogger("blink.gateway.requests")
 _FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 # The client's own doing: another backend of the same model would answer the same.
 _CLIENT_ERRORS = (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_PARAMS, ErrorCode.NO_KV_CAPACITY)
-# Given the failed handle and the error, a handle on another backend, or None when none is left.
-Failover = Callable[[RequestHandle, str], Awaitable[RequestHandle | None]]
+
+
+class Failover(Protocol):
+    """Where a request goes next (`gateway/request/pipeline.py`'s `Failover`)."""
+
+    async def __call__(self, failed: RequestHandle, reason: str) -> RequestHandle | None:
+        """Given the failed handle and the error, a handle on another backend, or None when none is left."""
+
+    def cached(self, handle: RequestHandle, cached_tokens: int) -> None:
+        """The engine reused `cached_tokens` of the prompt where `handle` ran."""
 
 
 @dataclass(slots=True)
@@ -40,7 +49,7 @@ class _MayFailOver(Exception):
 def engine_error(code: ErrorCode, message: str) -> ApiError:
     """A finish of ERROR as the client should see it: their fault (400), overload (503) or ours (500)."""
     text = f"the engine failed this request: {message or code.name}"
-    if code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_PARAMS, ErrorCode.NO_KV_CAPACITY):
+    if code in _CLIENT_ERRORS:
         return bad_request(text, code=code.name.lower())
     if code == ErrorCode.ENGINE_STOPPING:
         return unavailable(text)
@@ -119,7 +128,7 @@ class Generation:
             self.last_token_s = now_s = time.perf_counter()
             if not self.first_token_s:
                 self.first_token_s = now_s
-                self.cached_tokens = getattr(update, "cached_tokens", 0)  # known once the prefill is done
+                self.cached_tokens = update.cached_tokens  # known once the prefill is done
         num_before = stream.num_tokens
         if self.budget_tokens is not None:
             tokens = tokens[:max(0, self.budget_tokens - num_before)]
@@ -140,7 +149,7 @@ class Generation:
             piece = Piece(text, None, self._ids, self._lps)  # `_piece`, inlined: once per token streamed
             self._ids, self._lps = [], []
             return piece
-        self.cached_tokens = max(self.cached_tokens, getattr(update, "cached_tokens", 0))
+        self.cached_tokens = max(self.cached_tokens, update.cached_tokens)
         if update.finish not in _FINISH_NAMES:
             if self._may_fail_over(update):
                 raise _MayFailOver
@@ -206,13 +215,10 @@ class Generation:
             self._log(reason, end_s)
 
     def _prefix_cache_report(self) -> None:
-        """Hits and queries (vLLM's meaning, in tokens) where the backend has a prefix cache; routing's check."""
-        info = getattr(getattr(self.handle, "backend", None), "info", None)  # None: a handle on no ring
-        if info is None or not getattr(info.geometry, "kv_block_size", 0):
-            return
+        """Hits and queries (vLLM's meaning, in tokens) for the metrics; the engine's answer for routing's check."""
         if self.metrics is not None:
             self.metrics.prefix_cache_used(self.model, self.prompt_len, self.cached_tokens)
-        if self.failover is not None and hasattr(self.failover, "cached"):
+        if self.failover is not None:
             self.failover.cached(self.handle, self.cached_tokens)
 
     def _log(self, reason: str, end_s: float) -> None:

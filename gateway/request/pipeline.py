@@ -31,7 +31,7 @@ from .choices import Choices
 from .detokenize import TextStream
 from .generate import Generation
 from .limits import build_spec, check_engine_modes, check_token_ids
-from .prefix import PromptBlocks, effective_salt, kv_block_size
+from .prefix import PromptBlocks, effective_salt
 from .tokenize import TemplateError, TokenizerService
 
 log = logging.getLogger("blink.gateway.requests")
@@ -195,7 +195,7 @@ class Failover:
     def cached(self, handle: RequestHandle, cached_tokens: int) -> None:
         """The engine reused `cached_tokens` of the prompt where `handle` ran: routing checks its guess."""
         if self.blocks is not None:
-            self.router.cached(handle.backend, self.blocks, cached_tokens, kv_block_size(handle.backend.info))
+            self.router.cached(handle.backend, self.blocks, cached_tokens)
 
     async def __call__(self, failed: RequestHandle, reason: str) -> RequestHandle | None:
         try:

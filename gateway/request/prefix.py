@@ -1,8 +1,8 @@
 """A prompt's prefix-cache block hashes, as each backend needs them (DESIGN.md, "Prefix caching").
 
-The hashes depend on the backend's model fingerprint, KV block size and hash limit (`protocols/prefix_hash.py`),
-so one request computes them at most once per such triple (backends of one model share it: once in all). A
-backend whose ring geometry has no `kv_block_size` (or 0) has no prefix cache: it gets no hashes.
+The hashes depend on the backend's model fingerprint and its ring's KV block size (`protocols/prefix_hash.py`),
+so one request computes them at most once per such pair (backends of one model share it: once in all). A
+prompt longer than a backend's slot is refused there whatever its hashes (`RequestSpec.validate`).
 Hashing runs inline: ~1 us per block (a 8k-token prompt of 16-token blocks, ~0.5 ms), less than a thread hop.
 
 The salt that namespaces the cache is the key's (`Principal.cache_salt`) with the request's `cache_salt`
@@ -18,9 +18,6 @@ from protocols.messages import BackendInfo
 from protocols.prefix_hash import block_hashes
 from protocols.ring import RequestSpec
 
-# The ring carries the hashes once the engine side has the field; until then they only steer routing.
-SPEC_HAS_HASHES = "block_hashes" in {f.name for f in dataclasses.fields(RequestSpec)}
-
 
 def effective_salt(key_salt: str, request_salt: str | None) -> str:
     """The chain's salt: "" for an anonymous request without `cache_salt`, else `<len>:<key salt><request salt>`."""
@@ -28,16 +25,6 @@ def effective_salt(key_salt: str, request_salt: str | None) -> str:
     if not key_salt and not request_salt:
         return ""
     return f"{len(key_salt)}:{key_salt}{request_salt}"
-
-
-def kv_block_size(info: BackendInfo) -> int:
-    """Tokens per KV block of the backend's prefix cache; 0: it has none (or predates it)."""
-    return int(getattr(info.geometry, "kv_block_size", 0) or 0)
-
-
-def max_block_hashes(info: BackendInfo) -> int | None:
-    """How many hashes one request slot holds; None: no limit stated."""
-    return getattr(info.geometry, "max_block_hashes", None) or None
 
 
 class PromptBlocks:
@@ -51,31 +38,23 @@ class PromptBlocks:
         self.prompt_ids = prompt_ids
         self.salt = salt
         self.predicted: dict[str, tuple[int, int]] = {}  # backend address -> (blocks held, confirmed), see above
-        self._memo: dict[tuple[str, int, int | None], tuple[int, ...]] = {}
+        self._memo: dict[tuple[str, int], tuple[int, ...]] = {}
 
     def hashes_for(self, info: BackendInfo) -> tuple[int, ...]:
-        """The hashes `info`'s backend takes (empty without a prefix cache)."""
-        block_size = kv_block_size(info)
-        if block_size <= 0:
-            return ()
-        key = (info.model_fingerprint, block_size, max_block_hashes(info))
+        """The hashes `info`'s backend takes: one per full prompt block of its ring's kv_block_size."""
+        fingerprint, block_size = key = (info.model_fingerprint, info.geometry.kv_block_size)
         hashes = self._memo.get(key)
         if hashes is None:
-            hashes = self._memo[key] = tuple(block_hashes(self.prompt_ids, block_size, key[0], self.salt, key[2]))
+            hashes = self._memo[key] = tuple(block_hashes(self.prompt_ids, block_size, fingerprint, self.salt))
         return hashes
 
     def spec_for(self, spec: RequestSpec, info: BackendInfo) -> RequestSpec:
-        """`spec` carrying the hashes for `info`'s backend (unchanged when it takes none)."""
-        if not SPEC_HAS_HASHES:
-            return spec
+        """`spec` carrying the hashes for `info`'s backend."""
         hashes = self.hashes_for(info)
-        if tuple(getattr(spec, "block_hashes", ())) == hashes:
+        if tuple(spec.block_hashes) == hashes:
             return spec
         return dataclasses.replace(spec, block_hashes=hashes)
 
     def max_cached_blocks(self, info: BackendInfo) -> int:
         """Blocks an engine can report as cached: full ones, less the last token (always computed)."""
-        block_size = kv_block_size(info)
-        if block_size <= 0:
-            return 0
-        return min(len(self.hashes_for(info)), (len(self.prompt_ids) - 1) // block_size)
+        return min(len(self.hashes_for(info)), (len(self.prompt_ids) - 1) // info.geometry.kv_block_size)

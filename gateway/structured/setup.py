@@ -42,7 +42,7 @@ def constraint_of(kind: str, value: Any, param: str) -> Constraint:
 def mask_words_of(backends: Sequence, param: str) -> int:
     """The ring's mask words, the same on every backend of the model; a 400 naming `param` when one cannot take
     masks (no mask area in its ring, or a transport that does not carry them)."""
-    words = {getattr(b.info.geometry, "mask_words", 0) for b in backends}
+    words = {b.info.geometry.mask_words for b in backends}
     if not all(b.takes_masks for b in backends) or len(words) != 1:
         raise bad_request(f"'{param}': {NO_MASKS}", param)
     return words.pop()

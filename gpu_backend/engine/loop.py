@@ -19,7 +19,6 @@ cached_tokens before its first token, and the cache's counters in the header.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -28,10 +27,10 @@ from typing import Protocol
 
 import numpy as np
 
-from gpu_backend.engine.sched_native import NativeScheduler, SchedulerConfig, StepGeometry
+from gpu_backend.engine.sched_native import NativeScheduler, SchedulerConfig, StepGeometry, admit_limits
 from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers
 from gpu_backend.models import ModelConfig
-from protocols.ring import EngineState, ErrorCode, FinishReason, RequestSpec, TokenLogprob
+from protocols.ring import EngineState, ErrorCode, FinishReason, TokenLogprob
 from protocols.shm_consumer import RingConsumer, TakenRequest
 
 log = logging.getLogger("blink.engine")
@@ -116,6 +115,7 @@ class EngineLoop:
         self.live: dict[int, LiveSeq] = {}  # slot -> request, waiting or running
         self._room = np.zeros(geometry.num_slots, dtype=np.int32)  # [slots] int32, host
         self.extensions = runner.sampling_extensions  # penalties, logit bias, logprobs
+        self._limits = admit_limits(geometry, model_cfg.vocab_size)
         self.stop_event = threading.Event()
         self.failed: str | None = None  # the engines' common face: why the engine ended on its own
         self.steps = 0
@@ -157,7 +157,7 @@ class EngineLoop:
                             self.live[t.slot].seq)
                 self.scheduler.finish(t.slot)
                 del self.live[t.slot]
-            error = t.error if t.error is not ErrorCode.NONE else self._admission_error(t.spec)
+            error = self._admission_error(t)
             if error is not ErrorCode.NONE:
                 self.consumer.finish(t.slot, FinishReason.ERROR, error)
                 continue
@@ -165,26 +165,11 @@ class EngineLoop:
             self.scheduler.add(t.slot, t.spec, seed)
             self.live[t.slot] = LiveSeq(t, seed, self.scheduler, self.consumer)
 
-    def _admission_error(self, spec: RequestSpec) -> ErrorCode:
+    def _admission_error(self, taken: TakenRequest) -> ErrorCode:
         """Every field the engine will use, checked before use: the ring is written by another process (or,
-        over RDMA, another machine), so nothing the gateway validated is taken on trust here."""
-        if not self._ids_in_vocab(spec):
-            return ErrorCode.INVALID_PARAMS
-        error = self.scheduler.check(spec)
-        if error is ErrorCode.NONE and spec.uses_sampling_extensions and not self.extensions:
-            return ErrorCode.INVALID_PARAMS
-        return error
-
-    def _ids_in_vocab(self, spec: RequestSpec) -> bool:
-        """Prompt ids in 0..vocab-1 (the embedding indexes by them); stop and logit-bias ids not negative (an id
-        past the vocabulary can never be sampled: every engine, the GPU loop too, ignores it); biases finite."""
-        vocab = self.model_cfg.vocab_size
-        prompt = np.asarray(spec.prompt_ids, dtype=np.int64)  # [n] int64, host
-        if prompt.size and (prompt.min() < 0 or prompt.max() >= vocab):
-            return False
-        if any(t < 0 for t in spec.stop_ids) or any(t < 0 for t, _ in spec.logit_bias):
-            return False
-        return all(math.isfinite(b) for _, b in spec.logit_bias)
+        over RDMA, another machine), so nothing the gateway validated is taken on trust here. The GPU loop's
+        check (blink_admit.h), built for the host: every mode decides alike."""
+        return self.scheduler.admission_error(self._limits, taken.words, taken.spec, self.extensions)
 
     def _apply_cancels(self) -> None:
         for slot, live in list(self.live.items()):

@@ -18,7 +18,7 @@ import numpy as np
 from kernels import sched_host
 from kernels.sched_layout import MAX_BUCKETS, MAX_EOS, SCHED_ARRAYS, SchedConfig, SchedHeader, SeqStatus
 from protocols.layout.views import shape_of
-from protocols.ring import ErrorCode, FinishReason, RequestSpec
+from protocols.ring import REQ_STOP_IDS, ErrorCode, FinishReason, RequestSpec, RingGeometry
 
 SLOT_FREE = SeqStatus.FINISHED  # a finished slot is a free slot
 _Config, _Header = SchedConfig, SchedHeader  # blink_sched_config, blink_sched_header (kernels/sched_decl.py)
@@ -37,16 +37,16 @@ class SchedulerConfig:
             raise ValueError(f"invalid scheduler limits: {self}")
 
 
+def admit_limits(geometry: RingGeometry, vocab_size: int) -> sched_host.AdmitLimits:
+    """The admission check's limits for a ring of `geometry` and a model of `vocab_size` tokens."""
+    g = geometry
+    return sched_host.AdmitLimits(g.max_prompt_len, g.max_stop_ids, g.max_logit_bias, g.max_logprobs, vocab_size,
+                                  g.max_block_hashes, g.kv_block_size, g.mask_words)
+
+
 def hash_slots_for(num_blocks: int, prefix_caching: bool) -> int:
     """Cells of the prefix cache's hash table: a power of two at least twice the blocks (1 with the cache off)."""
     return 1 << (2 * num_blocks - 1).bit_length() if prefix_caching else 1
-
-
-def penalties_error(spec: RequestSpec) -> ErrorCode:
-    """INVALID_PARAMS for penalties out of range (the sampler reads them; the scheduling step does not)."""
-    ok = (0 < spec.repetition_penalty < float("inf") and abs(spec.presence_penalty) <= 2
-          and abs(spec.frequency_penalty) <= 2)
-    return ErrorCode.NONE if ok else ErrorCode.INVALID_PARAMS
 
 
 class _Bound(ctypes.Structure):  # blink_sched: the header's address, then each carved array's, in list order
@@ -113,11 +113,27 @@ class NativeScheduler:
         return views
 
     # ---- admission -------------------------------------------------------------------------------
+    def admission_error(self, limits: sched_host.AdmitLimits, words: bytes, spec: RequestSpec,
+                        has_ext: bool) -> ErrorCode:
+        """Why the request taken from a ring slot can never run, or NONE: blink_admit.h's decision, the one
+        the GPU loop takes. `words`: the slot's fixed part as the engine read it (once); `spec`: what the
+        engine keeps of it, its arrays the slot's counts clipped to the geometry; `has_ext`: the engine
+        applies penalties, logit bias and logprobs."""
+        if len(words) != REQ_STOP_IDS:
+            raise ValueError(f"words: {len(words)} bytes, a slot's fixed part is {REQ_STOP_IDS}")
+        prompt = np.asarray(spec.prompt_ids, dtype=np.int32)  # [n] int32, host
+        stops = np.asarray(spec.stop_ids, dtype=np.int32)
+        bias_ids = np.asarray([token for token, _ in spec.logit_bias], dtype=np.int32)
+        bias_values = np.asarray([bias for _, bias in spec.logit_bias], dtype=np.float32)
+        return ErrorCode(self.lib.blink_admit_host_error(
+            self._mem, ctypes.byref(limits), words, prompt.ctypes.data, prompt.size, stops.ctypes.data, stops.size,
+            bias_ids.ctypes.data, bias_values.ctypes.data, bias_ids.size, int(has_ext)))
+
     def check(self, spec: RequestSpec) -> ErrorCode:
-        """Why a request can never run, or NONE."""
-        error = ErrorCode(self.lib.blink_sched_host_check(self._mem, len(spec.prompt_ids), spec.max_tokens,
-                                                          spec.temperature, spec.top_p, spec.top_k, spec.min_p))
-        return error if error is not ErrorCode.NONE else penalties_error(spec)
+        """The scheduler's part of the admission (blink_sched_check: lengths, sampling parameters, KV
+        capacity), which tests diff against the reference scheduler's."""
+        return ErrorCode(self.lib.blink_sched_host_check(self._mem, len(spec.prompt_ids), spec.max_tokens,
+                                                         spec.temperature, spec.top_p, spec.top_k, spec.min_p))
 
     def add(self, slot: int, spec: RequestSpec, rng_seed: int) -> None:
         if not 0 <= slot < self.max_slots or self.a["status"][slot] != SLOT_FREE:

@@ -1,6 +1,8 @@
-// Host build of the scheduling step (kernels/csrc/include/blink_sched.h): a C ABI over one state buffer,
-// for ctypes (gpu_backend/engine/sched_native.py). Every call binds the arrays from the config stored in
-// the buffer's header, so the caller holds only the buffer. No logic here beyond the header's.
+// Host build of the scheduling step (kernels/csrc/include/blink_sched.h) and of the ring's admission check
+// (blink_admit.h): a C ABI over one state buffer, for ctypes (gpu_backend/engine/sched_native.py). Every call
+// binds the arrays from the config stored in the buffer's header, so the caller holds only the buffer. No
+// logic here beyond the headers'.
+#include "blink_admit.h"
 #include "blink_sched.h"
 
 static blink_sched bound(void* mem) {
@@ -31,6 +33,19 @@ int32_t blink_sched_host_check(void* mem, int32_t prompt_len, int64_t max_tokens
   blink_sched s = bound(mem);
   return blink_sched_check(&s, prompt_len, max_tokens, temperature, top_p, top_k, min_p);
 }
+
+// blink_admit_error for snapshot `w` of a request's fixed words and the engine's copies of its arrays (the
+// slot's counts clipped to the geometry); `has_ext`: the engine applies penalties, logit bias and logprobs.
+int32_t blink_admit_host_error(void* mem, const blink_admit_limits* l, const blink_request_slot* w,
+                               const int32_t* prompt, uint32_t num_prompt, const int32_t* stop_ids,
+                               uint32_t num_stop_ids, const int32_t* bias_ids, const float* bias_values,
+                               uint32_t num_bias, int32_t has_ext) {
+  blink_sched s = bound(mem);
+  const int ok = blink_admit_arrays_ok(l, prompt, num_prompt, stop_ids, num_stop_ids, bias_ids, bias_values, num_bias);
+  return blink_admit_error(&s, l, w, ok, has_ext);
+}
+
+uint64_t blink_admit_limits_bytes(void) { return sizeof(blink_admit_limits); }
 
 void blink_sched_host_add(void* mem, int32_t slot, const int32_t* prompt, int32_t prompt_len, int64_t max_tokens,
                           int64_t priority, const int32_t* stop_ids, int32_t num_stop, int32_t ignore_eos,

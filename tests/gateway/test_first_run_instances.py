@@ -20,7 +20,7 @@ from gateway.backends.transports import BackendConnectError
 from gateway.config import GatewayConfig
 from gateway.server import start_gateway
 from gpu_backend.control_server import ControlServer, Description
-from protocols.ring import RingGeometry
+from protocols.ring import RING_VERSION, RingGeometry
 from protocols.shm import create_ring
 from tests.conftest import ROOT, _describe, _wait_health, free_port
 
@@ -178,6 +178,28 @@ def test_the_gateway_refuses_a_backend_that_announces_another_ring(ring_and_desc
                            expect_ring="blink-another-instance")
     try:
         with pytest.raises(BackendConnectError, match=f"{ring.name}.*blink-another-instance"):
+            asyncio.run(start_gateway(config))
+    finally:
+        control.stop(0)
+
+
+def test_the_gateway_refuses_a_backend_of_another_ring_version_by_name(ring_and_desc, monkeypatch):
+    """A backend from another release (e.g. ring version 2: no kv_block_size in its geometry) is refused at
+    connect with the two versions named, not with a traceback about its geometry."""
+    ring, desc = ring_and_desc
+    real = Description.to_reply
+
+    def older(self, *args):
+        reply = real(self, *args)
+        reply.ring_version, reply.geometry.kv_block_size = RING_VERSION - 1, 0
+        return reply
+    monkeypatch.setattr(Description, "to_reply", older)
+    address = f"127.0.0.1:{free_port()}"
+    control = ControlServer(address, desc, ring)
+    control.start()
+    config = GatewayConfig(port=0, grpc_port=0, backend_addrs=(address,), connect_timeout_s=10)
+    try:
+        with pytest.raises(BackendConnectError, match=f"ring version {RING_VERSION - 1}, this side {RING_VERSION}"):
             asyncio.run(start_gateway(config))
     finally:
         control.stop(0)

@@ -17,25 +17,25 @@ from gateway.metrics import Metrics
 from gateway.policy.keys import KeyRecord, KeysFileError, KeyStore, new_record, write_keys_file
 from gateway.request.generate import Generation
 from gateway.request.pipeline import Failover, parse
-from gateway.request.prefix import SPEC_HAS_HASHES, PromptBlocks, effective_salt
+from gateway.request.prefix import PromptBlocks, effective_salt
 from protocols.messages import TokenUpdate
 from protocols.openai import ChatCompletionRequest, CompletionRequest
 from protocols.prefix_hash import block_hashes
-from protocols.ring import FinishReason, RequestSpec
+from protocols.ring import FinishReason, RequestSpec, RingGeometry
 
 BLOCK = 16
 
 
-def info(addr: str, block_size: int = BLOCK, fingerprint: str = "fp", max_hashes: int | None = None):
-    geometry = SimpleNamespace(kv_block_size=block_size, max_block_hashes=max_hashes, num_slots=8)
+def info(addr: str, block_size: int = BLOCK, fingerprint: str = "fp", max_prompt_len: int = 8192):
+    geometry = RingGeometry(num_slots=8, max_prompt_len=max_prompt_len, kv_block_size=block_size)
     return SimpleNamespace(addr=addr, model_name="m", model_fingerprint=fingerprint, geometry=geometry)
 
 
 class FakeBackend:
     """What routing reads of a backend: its info, its load and its ring header."""
 
-    def __init__(self, addr: str, outstanding_tokens: int = 0, total_kv_blocks: int = 1000, block_size: int = BLOCK):
-        self.info = info(addr, block_size)
+    def __init__(self, addr: str, outstanding_tokens: int = 0, total_kv_blocks: int = 1000):
+        self.info = info(addr)
         self.outstanding_tokens = outstanding_tokens
         self.total_kv_blocks = total_kv_blocks
         self.healthy, self.draining, self.stalled, self.dead = True, False, False, False
@@ -57,29 +57,28 @@ def test_effective_salt_keeps_keys_apart_whatever_the_request_salt():
     assert len(salts) == 7  # no key salt + request salt pair spells another's
 
 
-def test_prompt_blocks_hash_once_per_backend_model_and_none_without_a_prefix_cache():
+def test_prompt_blocks_hash_once_per_backend_model_and_block_size():
     ids = prompt(1, 3 * BLOCK + 5)
     blocks = PromptBlocks(ids, "s")
     hashes = blocks.hashes_for(info("a"))
     assert hashes == tuple(block_hashes(ids, BLOCK, "fp", "s")) and len(hashes) == 3
     assert blocks.hashes_for(info("b")) is hashes  # same model and block size: computed once
     assert blocks.hashes_for(info("c", fingerprint="other")) != hashes
-    assert blocks.hashes_for(info("d", block_size=0)) == ()
-    assert blocks.hashes_for(SimpleNamespace(addr="e", model_fingerprint="fp", geometry=SimpleNamespace())) == ()
-    assert len(blocks.hashes_for(info("f", max_hashes=2))) == 2
+    assert blocks.hashes_for(info("d", block_size=2 * BLOCK)) == tuple(block_hashes(ids, 2 * BLOCK, "fp", "s"))
+    assert blocks.hashes_for(info("e", max_prompt_len=4 * BLOCK)) is hashes  # the slot's size changes nothing
     assert blocks.max_cached_blocks(info("a")) == 3
     assert PromptBlocks(prompt(1, 3 * BLOCK)).max_cached_blocks(info("a")) == 2  # the last token is always computed
 
 
-def test_the_spec_carries_the_hashes_once_the_ring_has_the_field():
-    ids = prompt(2, 2 * BLOCK)
-    spec = RequestSpec(1, ids, 8)
-    out = PromptBlocks(ids).spec_for(spec, info("a"))
-    if SPEC_HAS_HASHES:
-        assert tuple(out.block_hashes) == tuple(block_hashes(ids, BLOCK, "fp", ""))
-        assert tuple(PromptBlocks(ids).spec_for(spec, info("a", block_size=0)).block_hashes) == ()
-    else:
-        assert out is spec  # before the engine side lands: routing uses the hashes, the ring does not
+def test_the_spec_carries_the_hashes_of_the_backend_it_goes_to():
+    ids = prompt(2, 2 * BLOCK + 3)
+    spec, blocks = RequestSpec(1, ids, 8), PromptBlocks(ids)
+    out = blocks.spec_for(spec, info("a"))
+    assert tuple(out.block_hashes) == tuple(block_hashes(ids, BLOCK, "fp", "")) and len(out.block_hashes) == 2
+    out.validate(info("a").geometry)  # fits the ring's slot
+    assert blocks.spec_for(out, info("b")) is out  # same hashes: the same spec
+    other = blocks.spec_for(out, info("c", fingerprint="other"))  # a failover to another model's backend
+    assert other.block_hashes != out.block_hashes and len(other.block_hashes) == 2
 
 
 def test_keys_file_cache_salt_defaults_to_the_key_name_and_may_be_shared(tmp_path):
@@ -157,19 +156,19 @@ def test_the_engines_cached_tokens_correct_the_index():
     chosen, first = route(policy, [a, b], ids)
     hashes = first.hashes_for(a.info)
     assert chosen is a and policy.index_of(a).match_len(hashes) == 6
-    policy.cached(a, first, 0, BLOCK)  # prefilled from scratch: the engine holds its blocks now
+    policy.cached(a, first, 0)  # prefilled from scratch: the engine holds its blocks now
     assert policy.index_of(a).confirmed_len(hashes) == 6
     again, blocks = route(policy, [a, b], ids)
     assert again is a and blocks.predicted["a"] == (6, 6)
-    policy.cached(a, blocks, 6 * BLOCK, BLOCK)  # the engine had all of it: nothing changes
+    policy.cached(a, blocks, 6 * BLOCK)  # the engine had all of it: nothing changes
     assert policy.index_of(a).match_len(hashes) == 6
-    policy.cached(a, blocks, 2 * BLOCK, BLOCK)  # it had evicted blocks 2..5: they leave the index
+    policy.cached(a, blocks, 2 * BLOCK)  # it had evicted blocks 2..5: they leave the index
     assert policy.index_of(a).match_len(hashes) == 2
     assert all(h not in policy.index_of(a) for h in hashes[2:])
-    policy.cached(a, route(policy, [a, b], ids)[1], 2 * BLOCK, BLOCK)
+    policy.cached(a, route(policy, [a, b], ids)[1], 2 * BLOCK)
     _, blocks = route(policy, [a, b], ids)
     assert blocks.predicted["a"] == (6, 6)
-    policy.cached(a, blocks, 0, BLOCK)  # the engine caches nothing (prefix caching off there)
+    policy.cached(a, blocks, 0)  # the engine caches nothing (prefix caching off there)
     assert policy.index_of(a).match_len(hashes) == 0
 
 
@@ -182,7 +181,7 @@ def test_a_burst_sharing_a_prefix_is_no_evidence_of_eviction():
     burst = [route(policy, [a, b], system + prompt(20 + i, 9)) for i in range(4)]
     assert all(chosen is a for chosen, _ in burst) and burst[1][1].predicted["a"] == (8, 0)
     for _, blocks in burst[1:]:
-        policy.cached(a, blocks, 0, BLOCK)
+        policy.cached(a, blocks, 0)
     hashes = burst[0][1].hashes_for(a.info)
     assert policy.index_of(a).match_len(hashes) == 8 and policy.index_of(a).confirmed_len(hashes) == 8
 
@@ -191,10 +190,10 @@ def test_a_prompt_of_whole_blocks_all_cached_is_no_miss():
     a = FakeBackend("a")
     policy = PrefixCache()
     ids = prompt(6, 4 * BLOCK)  # the engine computes the last token: at most 3 blocks reported
-    policy.cached(a, route(policy, [a], ids)[1], 0, BLOCK)
+    policy.cached(a, route(policy, [a], ids)[1], 0)
     _, blocks = route(policy, [a], ids)
     assert blocks.predicted["a"] == (4, 4)
-    policy.cached(a, blocks, 3 * BLOCK, BLOCK)
+    policy.cached(a, blocks, 3 * BLOCK)
     assert policy.index_of(a).match_len(blocks.hashes_for(a.info)) == 4
 
 
@@ -220,10 +219,11 @@ def test_block_index_match_stops_at_the_first_missing_block():
 
 
 def test_without_hashes_prefix_cache_is_least_outstanding_tokens():
-    a, b = FakeBackend("a", 50, block_size=0), FakeBackend("b", 10, block_size=0)
+    a, b = FakeBackend("a", 50), FakeBackend("b", 10)
     policy = PrefixCache()
-    assert route(policy, [a, b], prompt(1, 64))[0] is b
-    assert policy.choose([a, b], prompt(1, 64)) is b
+    short = prompt(1, BLOCK - 1)  # no full block: no hashes
+    assert route(policy, [a, b], short)[0] is b and route(policy, [a, b], short)[0] is b
+    assert policy.choose([a, b], prompt(1, 64)) is b  # a request routed without its blocks
 
 
 def test_the_config_names_the_policy_and_checks_its_settings():
@@ -256,13 +256,7 @@ class Handle:
 
 
 def update(tokens: list[int], cached_tokens: int, finish=FinishReason.NONE) -> TokenUpdate:
-    out = CachedUpdate(tokens=tokens, finish=finish, started=True)
-    out.cached_tokens = cached_tokens
-    return out
-
-
-class CachedUpdate(TokenUpdate):
-    """A TokenUpdate that can carry `cached_tokens` also before the engine side's field lands (no slots)."""
+    return TokenUpdate(tokens=tokens, finish=finish, started=True, cached_tokens=cached_tokens)
 
 
 def test_a_finished_request_reports_cached_tokens_to_usage_metrics_and_routing(byte_tokenizer):
@@ -275,7 +269,7 @@ def test_a_finished_request_reports_cached_tokens_to_usage_metrics_and_routing(b
     failover = Failover(router, "m", spec, metrics, PromptBlocks(ids))
     backend = router.pick("m", ids, blocks=failover.blocks)
     assert backend is a
-    router.cached(a, failover.blocks, 0, BLOCK)  # an earlier request prefilled the prompt there
+    router.cached(a, failover.blocks, 0)  # an earlier request prefilled the prompt there
     router.pick("m", ids, blocks=failover.blocks)  # this one: predicted 5 confirmed blocks on a
     handle = Handle(a, spec, [update([65], 2 * BLOCK), update([66], 2 * BLOCK, FinishReason.LENGTH)])
     gen = Generation(handle, TextStream(byte_tokenizer, [], ids), len(ids), "m", metrics, failover=failover)

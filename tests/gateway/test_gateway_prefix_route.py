@@ -1,8 +1,7 @@
-"""The prefix-cache path through a whole gateway (HTTP, keys, pipeline, routing, metrics) on the echo engine,
-its backend made to state a KV block size (the ring's geometry gets the field with the engine side)."""
+"""The prefix-cache path through a whole gateway (HTTP, keys, pipeline, routing, metrics) to the echo engine's
+ring: what the engine reads back of the block hashes, and what routing learns of them."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 
@@ -10,39 +9,15 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.request.prefix import PromptBlocks, effective_salt
-
-BLOCK = 16
-
-
-class BlockGeometry:
-    """The harness ring's geometry, stating a KV block size."""
-
-    kv_block_size = BLOCK
-    max_block_hashes = None
-
-    def __init__(self, geometry):
-        self._geometry = geometry
-
-    def __getattr__(self, name):
-        return getattr(self._geometry, name)
+from protocols.prefix_hash import block_hashes
 
 
 @pytest.fixture(scope="module")
 def gw(start_harness, pick_free_port):
-    with pytest.MonkeyPatch.context() as patch:
-        # the echo engine's ring takes no hashes whatever its geometry says: these tests are about routing
-        patch.setattr("gateway.request.prefix.SPEC_HAS_HASHES", False)
-        yield _start(start_harness, pick_free_port)
-
-
-def _start(start_harness, pick_free_port):
     api_key = "key-" + os.urandom(4).hex()
     config = GatewayConfig(host="127.0.0.1", port=0, grpc_port=pick_free_port(), api_keys=frozenset({api_key}),
                            routing="prefix_cache")
-    h = start_harness(config, api_key)
-    info = h.backend.info
-    h.call(lambda: setattr(h.backend, "info", dataclasses.replace(info, geometry=BlockGeometry(info.geometry))))
-    return h
+    return start_harness(config, api_key)
 
 
 def index_holds(h, ids: list[int], salt: str) -> int:
@@ -51,16 +26,38 @@ def index_holds(h, ids: list[int], salt: str) -> int:
     return h.call(lambda: policy.index_of(h.backend).match_len(hashes))
 
 
+def key_salt(gw) -> str:
+    return "plain:" + hashlib.sha256(gw.api_key.encode()).hexdigest()[:16]  # a plain key's cache salt
+
+
+def test_the_engine_reads_the_salted_block_hashes_of_the_prompt_from_its_ring(gw):
+    geometry = gw.backend.info.geometry
+    block = geometry.kv_block_size
+    ids = [(11 * i) % 200 + 3 for i in range(2 * block + 3)]
+    status, body = gw.post("/v1/completions", {"model": gw.model, "prompt": ids, "max_tokens": 1,
+                                               "cache_salt": "ring"})
+    assert status == 200, body
+    spec = next(s for s in reversed(gw.engine.specs) if list(s.prompt_ids) == ids)
+    expected = block_hashes(ids, block, "fp-test", effective_salt(key_salt(gw), "ring"))
+    assert tuple(spec.block_hashes) == tuple(expected) and len(expected) == 2  # full blocks only
+    short = ids[:block - 1]
+    assert gw.post("/v1/completions", {"model": gw.model, "prompt": short, "max_tokens": 1})[0] == 200
+    spec = next(s for s in reversed(gw.engine.specs) if list(s.prompt_ids) == short)
+    assert tuple(spec.block_hashes) == ()  # no full block: nothing to share
+    gw.wait_idle()
+
+
 def test_a_request_routes_by_its_salted_block_hashes_and_reports_usage(gw):
-    ids = [(7 * i) % 200 + 3 for i in range(3 * BLOCK + 5)]
-    key_salt = "plain:" + hashlib.sha256(gw.api_key.encode()).hexdigest()[:16]
+    block = gw.backend.info.geometry.kv_block_size
+    ids = [(7 * i) % 200 + 3 for i in range(3 * block + 5)]
+    salt = key_salt(gw)
     status, body = gw.post("/v1/completions", {"model": gw.model, "prompt": ids, "max_tokens": 2})
     assert status == 200, body
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # the echo engine caches nothing
-    assert index_holds(gw, ids, effective_salt(key_salt, None)) == 3  # the key's own namespace
-    assert index_holds(gw, ids, effective_salt(key_salt, "t1")) == 0
+    assert index_holds(gw, ids, effective_salt(salt, None)) == 3  # the key's own namespace
+    assert index_holds(gw, ids, effective_salt(salt, "t1")) == 0
     status, _ = gw.post("/v1/completions", {"model": gw.model, "prompt": ids, "max_tokens": 2, "cache_salt": "t1"})
-    assert status == 200 and index_holds(gw, ids, effective_salt(key_salt, "t1")) == 3
+    assert status == 200 and index_holds(gw, ids, effective_salt(salt, "t1")) == 3
     assert index_holds(gw, ids, effective_salt("", None)) == 0  # nothing under the anonymous namespace
     gw.wait_idle()
 

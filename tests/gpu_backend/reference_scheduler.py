@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from gpu_backend.engine.sched_native import SchedulerConfig, penalties_error
+from gpu_backend.engine.sched_native import SchedulerConfig
 from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers, bucket_for
 from kernels.sched_layout import TOKEN_MASK_EMPTY, TOKEN_WAIT
 from protocols.ring import ErrorCode, FinishReason, RequestSpec
@@ -236,8 +236,6 @@ class Scheduler:
             return ErrorCode.PROMPT_TOO_LONG
         if (not spec.prompt_ids or spec.max_tokens < 1 or not (0 <= spec.temperature < math.inf)
                 or not 0 < spec.top_p <= 1 or spec.top_k < 0 or not 0 <= spec.min_p <= 1):
-            return ErrorCode.INVALID_PARAMS
-        if penalties_error(spec) is not ErrorCode.NONE:
             return ErrorCode.INVALID_PARAMS
         if self.blocks.blocks_for(self._final_len(spec)) > self.blocks.num_blocks:
             return ErrorCode.NO_KV_CAPACITY

@@ -249,13 +249,18 @@ def test_both_runners_call_the_one_forward(model, engine, monkeypatch):
 
 def test_a_live_slot_submitted_again_replaces_its_request(model, engine):
     """The ring is a trust boundary: a producer that reuses a running slot must not crash the engine."""
+    from protocols import ring as R
     from protocols.shm_consumer import TakenRequest
 
     e = engine()
     prompt = _prompts(1, model[0].vocab_size)[0]
     slot = e.submit(RequestSpec(0, prompt, 50, temperature=0.0, ignore_eos=True))
     e.loop.step()
-    again = TakenRequest(slot, e.loop.live[slot].seq + 1, RequestSpec(1, prompt[:5], 3, temperature=0.0))
+    seq, spec = e.loop.live[slot].seq + 1, RequestSpec(1, prompt[:5], 3, temperature=0.0)
+    words = bytearray(R.REQ_STOP_IDS)  # the slot's fixed part as a producer writes it
+    words[:8] = seq.to_bytes(8, "little")
+    R.REQUEST_HEAD.pack_into(words, R.REQ_REQUEST_ID, *R.request_head(spec))
+    again = TakenRequest(slot, seq, spec, bytes(words))
     e.loop._admit([again])
     assert e.loop.live[slot].seq == again.seq and e.loop.scheduler.num_running + e.loop.scheduler.num_waiting == 1
     for _ in range(20):

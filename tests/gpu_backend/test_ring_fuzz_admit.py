@@ -1,8 +1,9 @@
-"""The GPU loop's admission checks (kernels/csrc/include/blink_admit.h: the device code calls them) built for
-the host and diffed against the host engines' checks on the same ring words: every request the fuzzer
-writes gets the same error code from both (host = persistent, bit for bit), and the submission-queue and
-output-room rules agree with RingConsumer's. Runs in CI (no GPU); the loop's own run under compute-sanitizer
-is tests/gpu_backend/test_ring_fuzz_gpu.py.
+"""One admission check for every mode (kernels/csrc/include/blink_admit.h): the GPU loop's walk over a raw ring
+slot, built for the host (ring_admit_host.cpp), diffed against the cpu engine's admission (EngineLoop: the same
+header through the host library, on the words and arrays RingConsumer copied) on the same ring words: every
+request the fuzzer writes gets the same error code from both (host = persistent, bit for bit), and the
+submission-queue and output-room rules agree with RingConsumer's. Runs in CI (no GPU); the loop's own run
+under compute-sanitizer is tests/gpu_backend/test_ring_fuzz_gpu.py.
 
 BLINK_FUZZ_ADMIT_REQUESTS sets how many requests each engine shape gets (default 4,000); BLINK_FUZZ_SEED the
 seed (default 27).
@@ -19,12 +20,13 @@ import torch
 from conftest_models import tiny_cfg
 from gpu_backend.engine.cpu_runner import CpuRunner
 from gpu_backend.engine.loop import EngineConfig, EngineLoop
+from gpu_backend.engine.sched_native import admit_limits
 from gpu_backend.models import LlamaModel
 from kernels import sched_host
 from protocols import ring as R
 from protocols.ring import ErrorCode, RequestSpec
 from protocols.shm_consumer import RingConsumer
-from test_ring_fuzz import GEOMETRY, SEED, FuzzEngine, _corruptions
+from test_ring_fuzz import GEOMETRY, RANDOM_WORDS, SEED, FuzzEngine, _base_spec, _corruptions
 
 if sched_host.host_compiler() is None:
     pytest.skip("no C++ compiler on PATH: the admission checks cannot be built", allow_module_level=True)
@@ -33,11 +35,6 @@ NUM_REQUESTS = int(os.environ.get("BLINK_FUZZ_ADMIT_REQUESTS", "4000"))
 MODEL_CONTEXT = 64
 SOURCE = os.path.join(os.path.dirname(__file__), "ring_admit_host.cpp")
 U32, U64 = (1 << 32) - 1, (1 << 64) - 1
-
-
-class Limits(ctypes.Structure):  # blink_admit_limits
-    _fields_ = [(n, ctypes.c_uint32) for n in ("max_prompt_len", "max_stop_ids", "max_logit_bias", "max_logprobs",
-                                                "vocab", "max_block_hashes", "kv_block_size", "mask_words")]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +47,7 @@ def lib():
                                    [sched_host.host_compiler(), *sched_host.FLAGS, "-I", str(include), SOURCE])
     lib = ctypes.CDLL(str(path))
     p, u32, u64, i32 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
-    for name, restype, argtypes in (("blink_admit_host_error", i32, [p, p, p, u64, p, u64, i32]),
+    for name, restype, argtypes in (("blink_admit_ring_error", i32, [p, p, p, u64, p, u64, i32]),
                                     ("blink_admit_host_first", u64, [u64, u64, u32]),
                                     ("blink_admit_host_end", u64, [u64, u64]),
                                     ("blink_admit_host_room", i32, [i32, u32, u32])):
@@ -81,21 +78,20 @@ def _engine(model, context_len: int, num_blocks: int, extensions: bool) -> FuzzE
 def _device_error(lib, e: FuzzEngine, slot: int) -> ErrorCode:
     """What the loop's admission decides for the words now in `slot`."""
     ring, g = e.ring, GEOMETRY
-    limits = Limits(g.max_prompt_len, g.max_stop_ids, g.max_logit_bias, g.max_logprobs, e.cfg.vocab_size,
-                    g.max_block_hashes, g.kv_block_size, g.mask_words)
+    limits = admit_limits(g, e.cfg.vocab_size)
     base = ring.buf.ctypes.data
-    code = lib.blink_admit_host_error(e.loop.scheduler.state.ctypes.data, ctypes.byref(limits), base + ring.req(slot),
+    code = lib.blink_admit_ring_error(e.loop.scheduler.state.ctypes.data, ctypes.byref(limits), base + ring.req(slot),
                                       g.prompt_offset, base + ring.bias(slot), g.logit_bias_bytes,
                                       int(e.loop.extensions))
     return ErrorCode(code)
 
 
 def _host_error(e: FuzzEngine, slot: int) -> ErrorCode:
-    """What the host engines decide: RingConsumer's count check, then EngineLoop's admission check."""
+    """What the host engines decide: EngineLoop's admission of what RingConsumer read."""
     e.queue(slot)
     (taken,) = e.loop.consumer.take_new()
     assert taken.slot == slot
-    return taken.error if taken.error is not ErrorCode.NONE else e.loop._admission_error(taken.spec)
+    return e.loop._admission_error(taken)
 
 
 def _spec(rng: random.Random, vocab: int) -> RequestSpec:
@@ -137,6 +133,26 @@ def test_device_admission_matches_the_host_engines(lib, model, context_len, num_
     if context_len < GEOMETRY.max_prompt_len:
         expected |= {ErrorCode.PROMPT_TOO_LONG, ErrorCode.NO_KV_CAPACITY}
     assert expected <= set(seen), f"the run never reached {expected - set(seen)}: the diff proves less than it says"
+
+
+@pytest.mark.parametrize("extensions", [True, False], ids=["extensions", "no-extensions"])
+def test_each_bad_word_gets_one_code_from_the_cpu_engine_and_the_loops_walk(lib, model, extensions):
+    """Every corruption alone, on a request that is valid without it: INVALID_PARAMS from the cpu engine's
+    admission and from the loop's walk over the raw slot (the fuzz above mixes them; this names each)."""
+    e = _engine(model, MODEL_CONTEXT, 32, extensions)
+    rng, cases = random.Random(SEED), _corruptions(GEOMETRY, e.cfg.vocab_size)
+    try:
+        for i, name in enumerate(sorted(set(cases) - {RANDOM_WORDS})):
+            for _ in range(8):  # the cases draw their bad values at random
+                slot = i % GEOMETRY.num_slots
+                writer = e.write(slot, _base_spec(rng, e.cfg.vocab_size))
+                cases[name](rng, writer)
+                device, host = _device_error(lib, e, slot), _host_error(e, slot)
+                assert device == host == ErrorCode.INVALID_PARAMS, f"{name}: device {device!r}, host {host!r}"
+        writer = e.write(0, _base_spec(rng, e.cfg.vocab_size))  # and a valid one passes both
+        assert _device_error(lib, e, 0) == _host_error(e, 0) == ErrorCode.NONE
+    finally:
+        e.ring.close()
 
 
 def _host_queue(e: FuzzEngine, head: int, tail: int) -> tuple[int, list[int]]:

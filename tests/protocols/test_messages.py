@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from protocols.messages import BackendDescription, BackendInfo, TokenUpdate
-from protocols.ring import FinishReason, RingGeometry
+from protocols.ring import RING_VERSION, FinishReason, RingGeometry
 
 GEOMETRY = RingGeometry(num_slots=8, max_prompt_len=64, max_output_len=16, max_stop_ids=4, logprob_window=8)
 
@@ -31,6 +31,14 @@ def test_a_description_comes_back_from_describe_field_for_field():
 def test_cpu_and_host_engines_always_apply_the_sampling_extensions(mode, extended):
     reply = describe(engine_mode=mode, sampling_extensions=False).to_reply("r", GEOMETRY)
     assert BackendInfo.from_reply("a", reply).sampling_extensions is extended
+
+
+def test_a_describe_of_another_ring_version_is_refused_by_name():
+    reply = describe().to_reply("r", GEOMETRY)
+    reply.ring_version = RING_VERSION - 1  # e.g. 2, before block hashes and masks: no kv_block_size
+    reply.geometry.kv_block_size = 0
+    with pytest.raises(ValueError, match=f"backend a speaks ring version {RING_VERSION - 1}, this side {RING_VERSION}"):
+        BackendInfo.from_reply("a", reply)
 
 
 def test_an_empty_transport_reads_as_shm():

@@ -1,13 +1,14 @@
 // The ring as a trust boundary: what an engine checks in a request's words before it uses them, written once
-// for the GPU loop's admission (blink_loop.cuh) and a host build that CI diffs against the host engines'
-// checks (tests/gpu_backend/test_ring_fuzz_admit.py: RingConsumer.take_new/_count_error in
-// protocols/shm_consumer.py, EngineLoop._admission_error in gpu_backend/engine/loop.py). Over RDMA the ring
-// is written by another machine: nothing the gateway validated is taken on trust.
+// for every mode: the GPU loop's admission (blink_loop.cuh) and the host engines' (the host build,
+// kernels/csrc/sched_host.cpp's blink_admit_host_error, which gpu_backend/engine/loop.py's EngineLoop calls
+// through sched_native.NativeScheduler.admission_error). tests/gpu_backend/test_ring_fuzz_admit.py diffs the
+// cpu engine's decisions against the loop's walk over the raw slot. Over RDMA the ring is written by another
+// machine: nothing the gateway validated is taken on trust.
 //
-// The order is the host engines': the counts and flags (RingConsumer), then the ids (prompt ids in the
-// vocabulary, stop and logit-bias ids not negative, biases finite), then blink_sched_check (PROMPT_TOO_LONG,
-// NO_KV_CAPACITY or INVALID_PARAMS), then the penalties' ranges, then the extensions an engine lacks. Stop
-// and logit-bias ids past the vocabulary are kept and never match or apply (every engine ignores them).
+// The order: the counts and flags, then the ids (prompt ids in the vocabulary, stop and logit-bias ids not
+// negative, biases finite), then blink_sched_check (PROMPT_TOO_LONG, NO_KV_CAPACITY or INVALID_PARAMS), then
+// the penalties' ranges, then the extensions an engine lacks. Stop and logit-bias ids past the vocabulary are
+// kept and never match or apply (every engine ignores them).
 // The caller reads each ring word once (a snapshot: a writer racing the read cannot pass one value to the
 // check and another to the engine) and checks array elements where it copies them (the *_ok predicates).
 // Where the loop and the host engines differ, the outcome is the same: the host engines log a skipped queue
@@ -52,8 +53,8 @@ BLINK_HD uint64_t blink_admit_first(uint64_t head, uint64_t tail, uint32_t num_s
 BLINK_HD int blink_admit_slot_ok(uint32_t slot, uint32_t num_slots) { return slot < num_slots; }
 
 // ---- one request's words -------------------------------------------------------------------------------
-// Counts within the geometry, known flags, a nonzero seq (RingConsumer._count_error). num_logprobs is
-// checked with or without FLAG_LOGPROBS, as there.
+// Counts within the geometry, known flags, a nonzero seq. num_logprobs is checked with or without
+// FLAG_LOGPROBS.
 BLINK_HD int blink_admit_counts_ok(const blink_admit_limits* l, const blink_request_slot* r) {
   return r->seq != 0 && r->prompt_len >= 1 && r->prompt_len <= l->max_prompt_len &&
          r->num_stop_ids <= l->max_stop_ids && r->num_logit_bias <= l->max_logit_bias &&
@@ -67,7 +68,23 @@ BLINK_HD int blink_admit_prompt_id_ok(int32_t id, uint32_t vocab) { return id >=
 BLINK_HD int blink_admit_stop_id_ok(int32_t id) { return id >= 0; }
 BLINK_HD int blink_admit_bias_ok(int32_t id, float bias) { return id >= 0 && bias - bias == 0.0f; }  // NaN, inf fail
 
-// Presence and frequency in [-2, 2], repetition in (0, inf) (sched_native.penalties_error); NaN fails each.
+// A count word clipped to its area: what a caller copies (a count past it is refused by blink_admit_counts_ok).
+BLINK_HD uint32_t blink_admit_clip(uint32_t count, uint32_t max) { return count < max ? count : max; }
+
+// Every element of a request's arrays as one thread copied them (the host engines; the loop checks its own
+// copies with its threads, blink_loop.cuh's copy_arrays): the copies hold the slot's counts clipped to the
+// geometry (blink_admit_clip), and what is checked here is what the engine keeps.
+BLINK_HD int blink_admit_arrays_ok(const blink_admit_limits* l, const int32_t* prompt, uint32_t num_prompt,
+                                   const int32_t* stop_ids, uint32_t num_stop_ids, const int32_t* bias_ids,
+                                   const float* bias_values, uint32_t num_bias) {
+  int ok = 1;
+  for (uint32_t i = 0; i < num_prompt; ++i) ok &= blink_admit_prompt_id_ok(prompt[i], l->vocab);
+  for (uint32_t i = 0; i < num_stop_ids; ++i) ok &= blink_admit_stop_id_ok(stop_ids[i]);
+  for (uint32_t j = 0; j < num_bias; ++j) ok &= blink_admit_bias_ok(bias_ids[j], bias_values[j]);
+  return ok;
+}
+
+// Presence and frequency in [-2, 2], repetition in (0, inf); NaN fails each (the sampler reads them).
 BLINK_HD int blink_admit_penalties_ok(const blink_request_slot* r) {
   const float p = r->presence_penalty, f = r->frequency_penalty, rep = r->repetition_penalty;
   return -2.0f <= p && p <= 2.0f && -2.0f <= f && f <= 2.0f && 0.0f < rep && rep - rep == 0.0f;
@@ -93,8 +110,9 @@ BLINK_HD int32_t blink_admit_error(const blink_sched* s, const blink_admit_limit
 }
 
 // ---- output room ---------------------------------------------------------------------------------------
-// Tokens a slot may publish now without overwriting unread ones, in 0..capacity (RingConsumer.room): a
-// `consumed` word past `produced` is the producer's error and buys no room beyond the buffer.
+// Tokens a slot may publish now without overwriting unread ones, in 0..capacity (RingConsumer.room, diffed in
+// test_ring_fuzz_admit): a `consumed` word past `produced` is the producer's error and buys no room beyond the
+// buffer.
 BLINK_HD int32_t blink_admit_room(int32_t capacity, uint32_t produced, uint32_t consumed) {
   const int64_t room = (int64_t)capacity - ((int64_t)produced - (int64_t)consumed);
   return room < 0 ? 0 : (room > capacity ? capacity : (int32_t)room);
