@@ -173,3 +173,23 @@ def test_a_rank_that_stops_answering_fails_the_requests_in_flight():
         assert runner.comm.fault == 1
     finally:
         ring.close()
+
+
+def test_a_follower_loop_that_ends_stops_the_persistent_model_and_fails_what_is_in_flight(served):
+    cfg, model = _peaky_model()
+    runner = _tp_runner(cfg, model, 2, keep_graphs=True, timeout_s=1.0)
+    s = served(runner, cfg, tp=runner)
+    long = _specs()[0].__class__(0, [5, 6, 7], 200, temperature=0.0, ignore_eos=True)
+    (slot,) = s.submit([long])
+    s.engine.start()
+    s.wait(lambda: len(s.tokens[slot]) > 0)
+    runner.comm.set_stop(True)  # rank 1's loop leaves at its next wait, as if its GPU had gone
+    watcher = threading.Thread(target=s.engine._watch)
+    watcher.start()
+    watcher.join(timeout=30)
+    assert not watcher.is_alive()
+    assert s.engine.failed and "rank 1" in s.engine.failed
+    s.engine.shutdown()
+    s.wait(lambda: slot in s.finishes)
+    assert s.finishes[slot][0] is FinishReason.ERROR
+    assert len(s.tokens[slot]) < 200
