@@ -178,12 +178,13 @@ def test_a_rank_that_stops_answering_fails_the_requests_in_flight():
 def test_a_follower_loop_that_ends_stops_the_persistent_model_and_fails_what_is_in_flight(served):
     cfg, model = _peaky_model()
     runner = _tp_runner(cfg, model, 2, keep_graphs=True, timeout_s=1.0)
-    s = served(runner, cfg, tp=runner)
+    s = served(runner, cfg, tp=runner, watch_interval_s=0.05)
     long = _specs()[0].__class__(0, [5, 6, 7], 200, temperature=0.0, ignore_eos=True)
     (slot,) = s.submit([long])
     s.engine.start()
     s.wait(lambda: len(s.tokens[slot]) > 0)
-    runner.comm.set_stop(True)  # rank 1's loop leaves at its next wait, as if its GPU had gone
+    runner.comm.set_stop(True)  # rank 1's loop leaves at its next wait, as if its GPU had gone: the leader's
+    #                             next all-reduce waits for it (1 s here) while the watcher sees the loop ended
     watcher = threading.Thread(target=s.engine._watch)
     watcher.start()
     watcher.join(timeout=30)
