@@ -1,0 +1,35 @@
+# Helpers the device scripts share (bench/device_prefix.sh, bench/device_structured.sh): `source bench/lib.sh`
+# after setting PY (the python) and OUT; processes started with start_serve are stopped on exit.
+pids=()
+trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait' EXIT
+
+wait_http() {  # wait_http PORT PID LOG: until /health answers; exits (with LOG's tail) if PID dies first
+    for _ in $(seq 900); do
+        curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0
+        kill -0 "$2" 2>/dev/null || { echo "exited:"; tail -30 "$3"; exit 1; }
+        sleep 1
+    done
+    echo "no answer on port $1"; exit 1
+}
+
+bench() {  # bench DIR URL LABEL ARGS...: one `blink bench` run into a fresh DIR; its result file's path on stdout
+    local dir=$1 url=$2 label=$3; shift 3
+    rm -rf "$dir"; mkdir -p "$dir"
+    $PY -m blink.bench --url "$url" --label "$label" --out "$dir" --no-progress --warmup-requests 8 "$@" >&2
+    ls "$dir"/*.json | head -1
+}
+
+start_serve() {  # start_serve PORT LOG ARGS...: `blink serve` in the background (pid in $serve), answering
+    $PY -m blink.cli serve --port "$1" "${@:3}" > "$2" 2>&1 &
+    serve=$!; pids+=($serve)
+    wait_http "$1" $serve "$2"
+}
+
+stop_serve() {  # stop_serve PID
+    kill -TERM "$1"; wait "$1"
+}
+
+pin_gateway() {  # pin_gateway SERVE_PID CORES: the gateway under `blink serve` (and its threads) onto CORES
+    local pid
+    for pid in $(pgrep -P "$1" -f "blink.cli gateway"); do taskset -acp "$2" "$pid" >/dev/null; done
+}
