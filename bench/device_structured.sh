@@ -17,7 +17,8 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}; MODE=${MODE:-persistent}; MODEL=${MODEL:-random:llama-3-8b}; PY=${PYTHON:-python3}
-PORT=${PORT:-8000}; C=${C:-1,16,64}; N=${N:-}; PROMPT_LEN=${PROMPT_LEN:-128}; OUT_LEN=${OUT_LEN:-128}; CHECK_N=${CHECK_N:-16}; CHECK_LEN=${CHECK_LEN:-1024}
+PORT=${PORT:-8000}; C=${C:-1,16,64}; N=${N:-}; PROMPT_LEN=${PROMPT_LEN:-128}; OUT_LEN=${OUT_LEN:-128}
+CHECK_N=${CHECK_N:-16}; CHECK_LEN=${CHECK_LEN:-1024}
 GATEWAY_CORES=${GATEWAY_CORES-auto}; STRUCT_CACHE=${STRUCT_CACHE:-/tmp/blink-structured-cache}
 # no prefix caching: the constrained run resends the plain run's prompts, and hits would shorten its prefills
 read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 2048 --num-slots 256 --max-output-len 1024 --no-prefix-caching}"
@@ -41,8 +42,8 @@ if [ "$GATEWAY_CORES" = auto ]; then
     cores=$(nproc); GATEWAY_CORES=""; [ "$cores" -ge 8 ] && GATEWAY_CORES="$((cores - 4))-$((cores - 1))"
 fi
 if [[ "$MODEL" == random:* ]]; then
-    mkdir -p "$STRUCT_CACHE" "${BLINK_CACHE:-$HOME/.cache/blink}/kernels"
-    [ -e "$STRUCT_CACHE/kernels" ] || ln -s "$(cd "${BLINK_CACHE:-$HOME/.cache/blink}/kernels" && pwd)" "$STRUCT_CACHE/kernels"
+    default_cache=${BLINK_CACHE:-$HOME/.cache/blink}; mkdir -p "$default_cache/kernels" "$STRUCT_CACHE"
+    [ -e "$STRUCT_CACHE/kernels" ] || ln -s "$(cd "$default_cache/kernels" && pwd)" "$STRUCT_CACHE/kernels"
     $PY bench/structured_vocab.py --preset "${MODEL#random:}" --cache "$STRUCT_CACHE" || exit 1
     export BLINK_CACHE=$STRUCT_CACHE
 fi

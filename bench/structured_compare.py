@@ -67,7 +67,8 @@ def compare(plain: dict, constrained: dict) -> dict:
     mask_cpu_us = (gw_con - gw_plain) * 1e6 if gw_plain is not None and gw_con is not None else None
     tpot_s = (constrained["tpot_mean_ms"] or 0) / 1000
     streams = tpot_s / gw_con if gw_con and tpot_s else None  # one stream costs gw_con / tpot_s core-s per second
-    ratios = {k: _ratio(constrained[k], plain[k]) for k in ("tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "output_tok_s")}
+    keys = ("tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "output_tok_s")
+    ratios = {k: _ratio(constrained[k], plain[k]) for k in keys}
     return {"concurrency": plain["concurrency"], "plain": plain, "constrained": constrained,
             "constrained_over_plain": ratios, "tpot_mean_within_target": ratios["tpot_mean_ms"] is not None
             and ratios["tpot_mean_ms"] <= TPOT_TARGET_X, "mask_gateway_cpu_us_per_token": mask_cpu_us,
@@ -100,7 +101,8 @@ def ratio_line(pair: dict) -> str:
             f"(target <= {TPOT_TARGET_X}x), P50 {_fmt(r['tpot_p50_ms'], 3)}x, P99 {_fmt(r['tpot_p99_ms'], 3)}x, "
             f"tok/s {_fmt(r['output_tok_s'], 3)}x; mask work on the gateway "
             f"{_fmt(pair['mask_gateway_cpu_us_per_token'])} us/token; "
-            f"{_fmt(pair['constrained_streams_per_gateway_core'], 0)} constrained streams per gateway core at this TPOT")
+            f"{_fmt(pair['constrained_streams_per_gateway_core'], 0)} constrained streams per gateway core "
+            f"at this TPOT")
 
 
 def table(pairs: list[dict]) -> str:

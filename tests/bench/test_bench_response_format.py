@@ -45,7 +45,8 @@ def test_bad_response_formats_are_refused_with_the_reason():
 def test_the_file_holds_a_response_format_or_a_bare_schema(tmp_path):
     path = tmp_path / "f.json"
     path.write_text(json.dumps(SCHEMA))  # "type": "object" is a schema's type, not a response_format's
-    assert load_response_format(str(path)) == {"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}}
+    wrapped = {"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}}
+    assert load_response_format(str(path)) == wrapped
     path.write_text(json.dumps(FORMAT))
     assert load_response_format(str(path)) == FORMAT
     path.write_text("{not json")

@@ -13,7 +13,8 @@ from blink.bench.results import write_summary  # noqa: E402
 
 def _run(tmp_path, name, tpot_ms, tok_s, gateway_s_per_tok, reasons, response_format=None):
     doc = {"label": name, "response_format": response_format, "arrivals": {"rate": "inf", "max_concurrency": 16},
-           "metrics": {"completed": sum(r != "error" for r in reasons), "num_requests": len(reasons), "total_output_tokens": 128 * len(reasons),
+           "metrics": {"completed": sum(r != "error" for r in reasons), "num_requests": len(reasons),
+                       "total_output_tokens": 128 * len(reasons),
                        "output_throughput_tok_s": tok_s,
                        "tpot_ms": {"mean": tpot_ms, "median": tpot_ms, "p99": tpot_ms * 1.5}},
            "server": {"gateway_cpu": {"available": True, "cpu_s_per_token": gateway_s_per_tok},
