@@ -13,7 +13,7 @@
 # A random model's default tokenizer (WordLevel `w<id>` words) cannot spell JSON: it gets bench/structured_vocab.py's
 # byte-level one, under its own BLINK_CACHE (STRUCT_CACHE; compiled kernels shared with the default cache).
 # GATEWAY_CORES (default auto: the last 4 cores where there are 8 or more) pins the gateway, standing in for the
-# DPU's cores. JSON files (bench results, structured-MODE.json, the check) and logs under $OUT (default bench/results).
+# DPU's cores, and the backend to the other cores. JSON files (bench results, structured-MODE.json, the check) and logs under $OUT (default bench/results).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}; MODE=${MODE:-persistent}; MODEL=${MODEL:-random:llama-3-8b}; PY=${PYTHON:-python3}
@@ -52,7 +52,10 @@ one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concu
     local mode=$1 url=http://127.0.0.1:$PORT/v1 conc num plain constrained pairs=()
     start_serve "$PORT" "$OUT/structured-serve-$mode.log" --mode "$mode" --model "$MODEL" --grpc-port 0 \
         "${SERVE_FLAGS[@]}"
-    [ -n "$GATEWAY_CORES" ] && pin_gateway $serve "$GATEWAY_CORES" && echo "gateway pinned to cores $GATEWAY_CORES"
+    if [ -n "$GATEWAY_CORES" ]; then  # the gateway's cores its own, as a DPU's would be
+        pin_gateway $serve "$GATEWAY_CORES" && pin_backend $serve "$(other_cores "$GATEWAY_CORES")" &&
+            echo "gateway pinned to cores $GATEWAY_CORES, backend to the others"
+    fi
     if [ "$CHECK_N" != 0 ]; then
         $PY bench/structured_check.py --url $url --schema "$OUT/structured-check-schema.json" \
             --num-requests "$CHECK_N" --max-tokens "$CHECK_LEN" --out "$OUT/structured-check-$mode.json" ||

@@ -33,3 +33,17 @@ pin_gateway() {  # pin_gateway SERVE_PID CORES: the gateway under `blink serve` 
     local pid
     for pid in $(pgrep -P "$1" -f "blink.cli gateway"); do taskset -acp "$2" "$pid" >/dev/null; done
 }
+
+other_cores() {  # other_cores CORES: this shell's cores but CORES (e.g. 14,15 or 12-15), comma-separated
+    $PY -c 'import os, sys
+gw = {c for part in sys.argv[1].split(",") for lo, _, hi in [part.partition("-")] for c in range(int(lo), int(hi or lo) + 1)}
+print(",".join(map(str, sorted(os.sched_getaffinity(0) - gw))))' "$1"
+}
+
+pin_backend() {  # pin_backend SERVE_PID CORES: the backend under `blink serve`, what it started, and their threads
+    local tree todo pid
+    tree=$(pgrep -P "$1" -f "blink.cli backend"); todo=$tree
+    while [ -n "$todo" ]; do todo=$(for pid in $todo; do pgrep -P "$pid"; done); tree="$tree $todo"; done
+    [ -n "${tree// /}" ] || { echo "no backend child of $1 to pin"; return 1; }
+    for pid in $tree; do taskset -acp "$2" "$pid" >/dev/null; done
+}

@@ -2,11 +2,14 @@
 whole script on the cpu backend with a random-weight model, tiny: what a GPU host runs, minus the GPU."""
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,13 +23,58 @@ def test_the_scripts_parse(script):
     subprocess.run(["bash", "-n", script], cwd=ROOT, check=True)
 
 
+HELPERS = ("wait_http", "bench", "start_serve", "stop_serve", "pin_gateway", "pin_backend", "other_cores")
+
+
+def _lib(command: str, **env) -> str:
+    return subprocess.run(["bash", "-c", f"source bench/lib.sh; {command}"], cwd=ROOT, capture_output=True, text=True,
+                          check=True, env={**os.environ, "PY": sys.executable, **env}).stdout
+
+
 def test_lib_defines_the_shared_helpers_and_both_scripts_source_it():
-    out = subprocess.run(["bash", "-c", "source bench/lib.sh; type -t wait_http bench start_serve stop_serve pin_gateway"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["function"] * 5
+    assert _lib("type -t " + " ".join(HELPERS)).split() == ["function"] * len(HELPERS)
     for script in SCRIPTS[1:]:
         text = (ROOT / script).read_text()
         assert "source bench/lib.sh" in text and "wait_http() {" not in text
+
+
+def test_pinning_puts_the_gateway_and_the_backend_tree_on_their_cores():
+    cores = sorted(os.sched_getaffinity(0))
+    gateway_core, rest = str(cores[-1]), ",".join(map(str, cores[:-1])) or str(cores[-1])
+    assert _lib(f"other_cores {gateway_core}").strip() == ",".join(map(str, cores[:-1]))
+    sleeper = "import time; time.sleep(20)"
+    # a stand-in for `blink serve`: a gateway child and a backend child that has a child of its own
+    serve = subprocess.Popen(["bash", "-c", f"{sys.executable} -c '{sleeper}' blink.cli gateway & "
+                              f"bash -c \"{sys.executable} -c '{sleeper}' & wait\" blink.cli backend & wait"])
+    try:
+        time.sleep(1.0)
+        _lib(f"pin_gateway {serve.pid} {gateway_core} && pin_backend {serve.pid} {rest}")
+        tree = {p: _allowed(p) for p in _descendants(serve.pid)[1:]}  # not the stand-in itself
+        gateway = [p for p in tree if b"blink.cli gateway" in _cmdline(p)]
+        backend = [p for p in tree if b"blink.cli backend" in _cmdline(p)]
+        assert len(gateway) == 1 and len(backend) == 1
+        assert tree[gateway[0]] == {int(gateway_core)}
+        below = [p for p in _descendants(backend[0]) if p != backend[0]]
+        assert below and all(tree[p] == {int(c) for c in rest.split(",")} for p in [backend[0], *below])
+    finally:
+        for pid in _descendants(serve.pid):  # the stand-in's own tree, by id
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        serve.wait(10)
+
+
+def _descendants(pid: int) -> list[int]:
+    from blink.bench.collectors import process_tree
+
+    return process_tree(pid)
+
+
+def _cmdline(pid: int) -> bytes:
+    return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")
+
+
+def _allowed(pid: int) -> set[int]:
+    return os.sched_getaffinity(pid)
 
 
 @pytest.mark.slow
