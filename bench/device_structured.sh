@@ -25,6 +25,7 @@ read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 2048 --num-slots 256 --ma
 export BLINK_API_KEY=${BLINK_API_KEY:-bench-key} BLINK_LOG_LEVEL=${BLINK_LOG_LEVEL:-WARNING}
 mkdir -p "$OUT"
 source bench/lib.sh
+use_carried_wheels
 
 cat > "$OUT/structured-schema.json" <<'EOF'
 {"type": "object", "properties": {

@@ -23,7 +23,8 @@ def test_the_scripts_parse(script):
     subprocess.run(["bash", "-n", script], cwd=ROOT, check=True)
 
 
-HELPERS = ("wait_http", "bench", "start_serve", "stop_serve", "pin_gateway", "pin_backend", "other_cores")
+HELPERS = ("wait_http", "bench", "start_serve", "stop_serve", "pin_gateway", "pin_backend", "other_cores",
+           "use_carried_wheels")
 
 
 def _lib(command: str, **env) -> str:
