@@ -2,8 +2,8 @@
 # What structured outputs cost (issue 24) on one GPU host: `blink serve` on a random-weight model, the gateway
 # computing the token masks (llguidance) on its own cores and sending them through the ring; then per mode:
 #   MODE=persistent C=1,16,64 OUT_LEN=128 bench/device_structured.sh      # MODE="persistent host": both
-# 1. a check: CHECK_N requests (0: none) under a bounded schema (every string and array bounded, so noise ends)
-#    must all give valid JSON where they end;
+# 1. a check: CHECK_N requests (0: none) under a bounded schema (every string and array bounded, so noise ends;
+#    CHECK_SCHEMA names another) must all give valid JSON where they end;
 # 2. for each concurrency in C: N requests (default 4 x C, at least 8; ShareGPT-shaped prompts cut to PROMPT_LEN
 #    words, answers capped at OUT_LEN tokens) plain, with ignore_eos, then every request under a small object
 #    schema with one free-text field (a random model never closes it: the answers run to OUT_LEN like the plain
@@ -13,12 +13,13 @@
 # A random model's default tokenizer (WordLevel `w<id>` words) cannot spell JSON: it gets bench/structured_vocab.py's
 # byte-level one, under its own BLINK_CACHE (STRUCT_CACHE; compiled kernels shared with the default cache).
 # GATEWAY_CORES (default auto: the last 4 cores where there are 8 or more) pins the gateway, standing in for the
-# DPU's cores, and the backend to the other cores. JSON files (bench results, structured-MODE.json, the check) and logs under $OUT (default bench/results).
+# DPU's cores, and the backend to the other cores. JSON files (bench results, structured-MODE.json, the check)
+# and logs under $OUT (default bench/results). Exit 1 when a check or a request failed (after every run).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}; MODE=${MODE:-persistent}; MODEL=${MODEL:-random:llama-3-8b}; PY=${PYTHON:-python3}
 PORT=${PORT:-8000}; C=${C:-1,16,64}; N=${N:-}; PROMPT_LEN=${PROMPT_LEN:-128}; OUT_LEN=${OUT_LEN:-128}
-CHECK_N=${CHECK_N:-16}; CHECK_LEN=${CHECK_LEN:-1024}
+CHECK_N=${CHECK_N:-16}; CHECK_LEN=${CHECK_LEN:-1024}; CHECK_SCHEMA=${CHECK_SCHEMA:-$OUT/structured-check-schema.json}
 GATEWAY_CORES=${GATEWAY_CORES-auto}; STRUCT_CACHE=${STRUCT_CACHE:-/tmp/blink-structured-cache}
 # no prefix caching: the constrained run resends the plain run's prompts, and hits would shorten its prefills
 read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 2048 --num-slots 256 --max-output-len 1024 --no-prefix-caching}"
@@ -58,9 +59,9 @@ one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concu
             echo "gateway pinned to cores $GATEWAY_CORES, backend to the others"
     fi
     if [ "$CHECK_N" != 0 ]; then
-        $PY bench/structured_check.py --url $url --schema "$OUT/structured-check-schema.json" \
+        $PY bench/structured_check.py --url $url --schema "$CHECK_SCHEMA" \
             --num-requests "$CHECK_N" --max-tokens "$CHECK_LEN" --out "$OUT/structured-check-$mode.json" ||
-            echo "CHECK FAILED ($mode): see above"
+            { echo "CHECK FAILED ($mode): see above"; failed=1; }
     fi
     for conc in ${C//,/ }; do
         num=${N:-$((conc * 4 > 8 ? conc * 4 : 8))}
@@ -73,7 +74,9 @@ one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concu
     done
     stop_serve $serve
     echo "== $mode: constrained (json_schema on every request) vs plain; $MODEL, answers <= $OUT_LEN tokens"
-    $PY bench/structured_compare.py "${pairs[@]}" --out "$OUT/structured-$mode.json"
+    $PY bench/structured_compare.py "${pairs[@]}" --out "$OUT/structured-$mode.json" || failed=1
 }
 
+failed=0
 for mode in $MODE; do one_mode "$mode"; done
+exit $failed

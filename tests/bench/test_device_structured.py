@@ -80,9 +80,13 @@ def _allowed(pid: int) -> set[int]:
 
 @pytest.mark.slow
 def test_the_script_runs_on_the_cpu_backend(tmp_path):
+    schema = tmp_path / "check.json"  # short enough to end in CHECK_LEN tokens of noise on a slow CPU
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path / "out"),
            "MODE": "cpu", "MODEL": "random:smollm2-135m", "PORT": str(free_port()), "C": "2", "N": "2",
-           "PROMPT_LEN": "8", "OUT_LEN": "4", "CHECK_N": "1", "CHECK_LEN": "8", "GATEWAY_CORES": "",
+           "PROMPT_LEN": "8", "OUT_LEN": "4", "CHECK_N": "2", "CHECK_LEN": "16", "CHECK_SCHEMA": str(schema),
+           "GATEWAY_CORES": "",
            "STRUCT_CACHE": str(tmp_path / "cache"),
            "SERVE_FLAGS": "--context-len 512 --num-slots 4 --max-output-len 64 --kv-cache-mb 64 --no-prefix-caching"}
     run = subprocess.run(["bash", "bench/device_structured.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -95,8 +99,8 @@ def test_the_script_runs_on_the_cpu_backend(tmp_path):
     assert constrained["constrained"] and not plain["constrained"]
     assert plain["finish_reasons"] == {"length": 2}  # ignore_eos: every plain answer runs to OUT_LEN
     assert constrained["tokens_per_request"] <= 4 and constrained["gateway_cpu_s_per_token"] is not None
-    # the check ran under the byte-level tokenizer: answered (cut by its 8 tokens), no request failed
+    # the check ran under the byte-level tokenizer: noise under the mask wrote {"ok": true|false} and stopped
     check = json.loads((tmp_path / "out" / "structured-check-cpu.json").read_text())
-    assert check["num_requests"] == 1 and check["failed"] == [] and check["length"] == 1
+    assert (check["num_requests"], check["ended"], check["valid"], check["failed"]) == (2, 2, 2, [])
     [records] = (tmp_path / "out" / "structured-cpu-c2-json").glob("*.records.json.gz")
     assert all(r["completion_tokens"] >= 1 and r["error"] is None for r in json.load(gzip.open(records))["requests"])
