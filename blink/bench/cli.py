@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
@@ -157,7 +158,7 @@ def load_response_format(path: str | None) -> dict | None:
     if path is None:
         return None
     try:
-        value = json.loads(open(path).read())
+        value = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise SystemExit(f"--response-format {path}: cannot read a JSON document ({exc})")
     if isinstance(value, dict) and value.get("type") in RESPONSE_FORMAT_TYPES:
@@ -236,8 +237,12 @@ def run_bench(args: argparse.Namespace) -> int:
         model = args.model or asyncio.run(discover_model(args.url, api_key))
     except (OSError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise SystemExit(f"blink bench: cannot list models at {args.url}/models ({exc}); check --url and --api-key")
-    client = ClientConfig(args.url.rstrip("/"), model, api_key, args.endpoint, args.temperature, args.request_timeout,
-                          args.continuous_usage, not args.no_ignore_eos, load_response_format(args.response_format))
+    try:
+        client = ClientConfig(args.url.rstrip("/"), model, api_key, args.endpoint, args.temperature,
+                              args.request_timeout, args.continuous_usage, not args.no_ignore_eos,
+                              load_response_format(args.response_format))
+    except ValueError as exc:  # a response_format file of the wrong shape
+        raise SystemExit(f"blink bench: {exc}")
     workload, pid, gateway = build_workload(args), backend_pid(args), gateway_pid(args)
     asyncio.run(_warm_up(client, workload, args.warmup_requests))
     env, docs = environment(), []

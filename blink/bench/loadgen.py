@@ -95,13 +95,14 @@ def build_payload(cfg: ClientConfig, req: BenchRequest, temperature: float) -> d
     body = {"model": cfg.model, "max_tokens": req.output_len, "stream": True,
             "temperature": temperature,
             "stream_options": {"include_usage": True, **({"continuous_usage_stats": True} if cfg.continuous_usage else {})}}
-    if cfg.ignore_eos and cfg.response_format is None:
+    constraint = constraint_fields(cfg)
+    if cfg.ignore_eos and not constraint:
         body["ignore_eos"] = True
     if cfg.endpoint == "chat":
         body["messages"] = chat_messages(req)
     else:
         body["prompt"] = list(req.prompt_ids)
-    return {**body, **constraint_fields(cfg)}
+    return {**body, **constraint}
 
 
 def constraint_fields(cfg: ClientConfig) -> dict:

@@ -32,7 +32,7 @@ def test_completions_requests_carry_the_structured_outputs_twin():
     mode = build_payload(ClientConfig("http://x/v1", "m", response_format={"type": "json_object"}), REQ, 0.0)
     assert mode["structured_outputs"] == {"json_object": True}
     text = build_payload(ClientConfig("http://x/v1", "m", endpoint="chat", response_format={"type": "text"}), REQ, 0.0)
-    assert "response_format" not in text and "structured_outputs" not in text
+    assert "response_format" not in text and "structured_outputs" not in text and text["ignore_eos"] is True
 
 
 def test_bad_response_formats_are_refused_with_the_reason():
@@ -124,3 +124,16 @@ def test_a_constrained_run_records_its_format_and_the_gateway_cpu(tmp_path):
     gateway = doc["server"]["gateway_cpu"]
     assert gateway["available"] and gateway["pid"] == os.getpid() and gateway["generated_tokens"] == 10
     assert gateway["cpu_s"] >= 0 and gateway["cpu_s_per_token"] == gateway["cpu_s"] / 10
+
+
+def test_a_format_file_of_the_wrong_shape_stops_the_run_with_the_reason(tmp_path):
+    server = _FakeServer()
+    path = tmp_path / "f.json"
+    path.write_text(json.dumps({"type": "json_schema", "json_schema": {"name": "x"}}))
+    try:
+        with pytest.raises(SystemExit, match="blink bench: response_format json_schema: needs json_schema.schema"):
+            main(["--url", f"http://127.0.0.1:{server.port}/v1", "--response-format", str(path),
+                  "--out", str(tmp_path / "out"), "--no-progress"])
+    finally:
+        server.close()
+    assert server.bodies == []
