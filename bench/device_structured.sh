@@ -52,8 +52,10 @@ fi
 
 one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concurrency; the comparison
     local mode=$1 url=http://127.0.0.1:$PORT/v1 conc num plain constrained pairs=()
+    echo "[${SECONDS}s] $mode: starting blink serve ($MODEL)"
     start_serve "$PORT" "$OUT/structured-serve-$mode.log" --mode "$mode" --model "$MODEL" --grpc-port 0 \
         "${SERVE_FLAGS[@]}"
+    echo "[${SECONDS}s] $mode: serving"
     if [ -n "$GATEWAY_CORES" ]; then  # the gateway's cores its own, as a DPU's would be
         pin_gateway $serve "$GATEWAY_CORES" && pin_backend $serve "$(other_cores "$GATEWAY_CORES")" &&
             echo "gateway pinned to cores $GATEWAY_CORES, backend to the others"
@@ -64,6 +66,7 @@ one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concu
             { echo "CHECK FAILED ($mode): see above"; failed=1; }
     fi
     for conc in ${C//,/ }; do
+        echo "[${SECONDS}s] $mode: concurrency $conc, plain then constrained"
         num=${N:-$((conc * 4 > 8 ? conc * 4 : 8))}
         common=(--endpoint chat --workload sharegpt --num-requests "$num" --max-input "$PROMPT_LEN"
                 --max-output "$OUT_LEN" --rates inf --max-concurrency "$conc" --serve-pid $serve)
@@ -73,7 +76,7 @@ one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concu
         [ -n "$plain" ] && [ -n "$constrained" ] && pairs+=(--pair "$plain" "$constrained")
     done
     stop_serve $serve
-    echo "== $mode: constrained (json_schema on every request) vs plain; $MODEL, answers <= $OUT_LEN tokens"
+    echo "[${SECONDS}s] == $mode: constrained (json_schema on every request) vs plain; $MODEL, answers <= $OUT_LEN tokens"
     $PY bench/structured_compare.py "${pairs[@]}" --out "$OUT/structured-$mode.json" || failed=1
 }
 
