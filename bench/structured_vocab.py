@@ -10,8 +10,10 @@ vocabulary size and EOS ids and is one llguidance reads (a BPE model, byte-level
 - JSON pieces (`{"`, `": "`, `", "`, `true`, digit runs, ...), then seeded lowercase words with and without a
   leading space, as a real vocabulary's bulk, up to the vocabulary size;
 - the model's BOS and EOS ids as special tokens.
-The logits of random weights are noise, so what the masks allow is what the model writes: the mask's cost on a
-realistic 128k-token trie is what a benchmark of it measures.
+The logits of random weights are noise, so what the masks allow is what the model writes, and a benchmark
+measures the masks' cost over a vocabulary of the model's size made of word-like pieces. A real tokenizer's trie
+differs (more punctuation pieces, more shared prefixes): figures from here are the mechanism's, not Llama 3's
+tokenizer's exactly.
 
     python bench/structured_vocab.py --preset llama-3-8b --cache /tmp/blink-cache
 
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PROMPT_WORD_IDS = 10_001  # blink bench's workloads draw prompt ids in 0..10000 (workloads.TOKEN_ID_HIGH)
 ROLE_WORDS = ("system", "user", "assistant", "tool")
 JSON_PIECES = ('{"', '"}', '":', '",', '", "', '": "', '": ', '["', '"]', '[{', '}]', '}, {', '},', '], ', '": [',
-               '": {', ': ', ', ', 'true', 'false', 'null', '"', ' "')
+               '": {', ': ', ', ', 'true', 'false', 'null', ' "')
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 MARKER = "blink-structured-vocab"  # in tokenizer_config.json: tells this folder from the default one
 
