@@ -3,7 +3,8 @@
 # computing the token masks (llguidance) on its own cores and sending them through the ring; then per mode:
 #   MODE=persistent C=1,16,64 OUT_LEN=128 bench/device_structured.sh      # MODE="persistent host": both
 # 1. a check: CHECK_N requests (0: none) under a bounded schema (every string and array bounded, so noise ends;
-#    CHECK_SCHEMA names another) must all give valid JSON where they end;
+#    CHECK_SCHEMA names another) must all give valid JSON where they end; then schema compile time, cold vs cached
+#    (COMPILE_REPEATS one-token request pairs);
 # 2. for each concurrency in C: N requests (default 4 x C, at least 8; ShareGPT-shaped prompts cut to PROMPT_LEN
 #    words, answers capped at OUT_LEN tokens) plain, with ignore_eos, then every request under a small object
 #    schema with one free-text field (a random model never closes it: the answers run to OUT_LEN like the plain
@@ -19,7 +20,8 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}; MODE=${MODE:-persistent}; MODEL=${MODEL:-random:llama-3-8b}; PY=${PYTHON:-python3}
 PORT=${PORT:-8000}; C=${C:-1,16,64}; N=${N:-}; PROMPT_LEN=${PROMPT_LEN:-128}; OUT_LEN=${OUT_LEN:-128}
-CHECK_N=${CHECK_N:-16}; CHECK_LEN=${CHECK_LEN:-1024}; CHECK_SCHEMA=${CHECK_SCHEMA:-$OUT/structured-check-schema.json}
+CHECK_N=${CHECK_N:-16}; CHECK_LEN=${CHECK_LEN:-1024}; COMPILE_REPEATS=${COMPILE_REPEATS:-5}
+CHECK_SCHEMA=${CHECK_SCHEMA:-$OUT/structured-check-schema.json}
 GATEWAY_CORES=${GATEWAY_CORES-auto}; STRUCT_CACHE=${STRUCT_CACHE:-/tmp/blink-structured-cache}
 # no prefix caching: the constrained run resends the plain run's prompts, and hits would shorten its prefills
 read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 2048 --num-slots 256 --max-output-len 1024 --no-prefix-caching}"
@@ -62,7 +64,8 @@ one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concu
     fi
     if [ "$CHECK_N" != 0 ]; then
         $PY bench/structured_check.py --url $url --schema "$CHECK_SCHEMA" \
-            --num-requests "$CHECK_N" --max-tokens "$CHECK_LEN" --out "$OUT/structured-check-$mode.json" ||
+            --num-requests "$CHECK_N" --max-tokens "$CHECK_LEN" --compile-repeats "$COMPILE_REPEATS" \
+            --out "$OUT/structured-check-$mode.json" ||
             { echo "CHECK FAILED ($mode): see above"; failed=1; }
     fi
     for conc in ${C//,/ }; do

@@ -7,6 +7,10 @@ A random-weight model writes noise wherever the mask lets it, so an answer ends 
 every string and array (give such a schema and enough --max-tokens): an unbounded string runs to max_tokens,
 which is counted (`length`), never called valid. Validation with `jsonschema` where it is installed, else parsing
 and the schema's required keys. Exit 1 if an ended answer is invalid, a request failed, or none ended.
+Then, with --compile-repeats R: R one-token requests, each under a schema the server has not seen (a new
+`title`: compiled now) and again under the same one (cached); the median difference estimates what compiling
+costs a request (cold minus cached; the first constrained request of a model also builds the grammar engine's
+tokenizer, which the check's requests have done before this).
 Standard library only (plus jsonschema if present): it runs where only the benchmark's client does.
 """
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -74,6 +80,23 @@ def check(answers: list[dict], schema: dict) -> dict:
     return out
 
 
+def compile_latency(ask_one, schema: dict, repeats: int) -> dict:
+    """`ask_one(schema)` timed under `repeats` fresh schemas (cold) and each one again (cached), in ms."""
+    nonce, cold_ms, cached_ms, errors = os.urandom(4).hex(), [], [], []
+    for i in range(repeats):
+        fresh = {**schema, "title": f"compile-{nonce}-{i}"}  # a new text: not in the server's grammar cache
+        for times in (cold_ms, cached_ms):
+            start = time.perf_counter()
+            answer = ask_one(fresh)
+            times.append((time.perf_counter() - start) * 1000)
+            errors += [answer["error"]] if "error" in answer else []
+    out = {"cold_ms": cold_ms, "cached_ms": cached_ms, "failed": errors}
+    if repeats:
+        out.update(median_cold_ms=statistics.median(cold_ms), median_cached_ms=statistics.median(cached_ms),
+                   compile_ms_estimate=statistics.median(c - w for c, w in zip(cold_ms, cached_ms)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000/v1")
@@ -81,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schema", required=True, help="JSON schema file")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--compile-repeats", type=int, default=0, help="cold/cached one-token request pairs")
     p.add_argument("--out", default=None, help="write the counts as JSON here")
     args = p.parse_args(argv)
     api_key = os.environ.get("BLINK_API_KEY") or os.environ.get("OPENAI_API_KEY")
@@ -94,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
           f"by max_tokens ({args.max_tokens}), {len(report['failed'])} failed"
           + "".join(f"\n  invalid: {x['error']}: {x['content']!r}" for x in report["invalid"][:5])
           + "".join(f"\n  failed: {x}" for x in report["failed"][:3]), flush=True)
+    if args.compile_repeats:
+        report["compile"] = compile_latency(lambda s: ask(args.url, api_key, model, s, 1, 0), schema,
+                                            args.compile_repeats)
+        c = report["compile"]
+        print(f"schema compile: one-token request {c['median_cold_ms']:.1f} ms under a new schema, "
+              f"{c['median_cached_ms']:.1f} ms under a cached one: about {c['compile_ms_estimate']:.1f} ms to compile "
+              f"(median of {args.compile_repeats})", flush=True)
+        report["failed"] += c["failed"]
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0 if report["ended"] and not report["invalid"] and not report["failed"] else 1

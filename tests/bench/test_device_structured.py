@@ -86,6 +86,7 @@ def test_the_script_runs_on_the_cpu_backend(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path / "out"),
            "MODE": "cpu", "MODEL": "random:smollm2-135m", "PORT": str(free_port()), "C": "2", "N": "2",
            "PROMPT_LEN": "8", "OUT_LEN": "4", "CHECK_N": "2", "CHECK_LEN": "16", "CHECK_SCHEMA": str(schema),
+           "COMPILE_REPEATS": "1",
            "GATEWAY_CORES": "",
            "STRUCT_CACHE": str(tmp_path / "cache"),
            "SERVE_FLAGS": "--context-len 512 --num-slots 4 --max-output-len 64 --kv-cache-mb 64 --no-prefix-caching"}
@@ -102,5 +103,6 @@ def test_the_script_runs_on_the_cpu_backend(tmp_path):
     # the check ran under the byte-level tokenizer: noise under the mask wrote {"ok": true|false} and stopped
     check = json.loads((tmp_path / "out" / "structured-check-cpu.json").read_text())
     assert (check["num_requests"], check["ended"], check["valid"], check["failed"]) == (2, 2, 2, [])
+    assert len(check["compile"]["cold_ms"]) == len(check["compile"]["cached_ms"]) == 1
     [records] = (tmp_path / "out" / "structured-cpu-c2-json").glob("*.records.json.gz")
     assert all(r["completion_tokens"] >= 1 and r["error"] is None for r in json.load(gzip.open(records))["requests"])
