@@ -50,7 +50,7 @@ pin_backend() {  # pin_backend SERVE_PID CORES: the backend under `blink serve`,
 
 use_carried_wheels() {  # the device machine has no registry: where the serving stack's imports fail, install the
     # wheels carried in .whl/ (Python 3.12 builds) into /tmp/site and put it on PYTHONPATH
-    $PY -c "import llguidance, pydantic, grpc, openai" 2>/dev/null && return 0
+    $PY -c "import llguidance, pydantic, grpc" 2>/dev/null && return 0
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
         { echo "the serving stack's packages are missing and .whl/ did not install"; exit 1; }
     export PYTHONPATH=/tmp/site:$PWD
