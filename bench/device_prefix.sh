@@ -17,23 +17,8 @@ OFF_FLAGS=${OFF_FLAGS---no-prefix-caching}
 read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 4096 --num-slots 1024 --max-output-len 2048}"
 export BLINK_API_KEY=${BLINK_API_KEY:-bench-key} BLINK_LOG_LEVEL=${BLINK_LOG_LEVEL:-WARNING}
 mkdir -p "$OUT"
-pids=()
-trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait' EXIT
+source bench/lib.sh
 
-wait_http() {  # wait_http PORT PID LOG
-    for _ in $(seq 900); do
-        curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0
-        kill -0 "$2" 2>/dev/null || { echo "exited:"; tail -30 "$3"; exit 1; }
-        sleep 1
-    done
-    echo "no answer on port $1"; exit 1
-}
-bench() {  # bench DIR URL LABEL WORKLOAD-ARGS...: the one result file's path on stdout
-    local dir=$1 url=$2 label=$3; shift 3
-    rm -rf "$dir"; mkdir -p "$dir"
-    $PY -m blink.bench --url "$url" --label "$label" --out "$dir" --no-progress --warmup-requests 8 "$@" >&2
-    ls "$dir"/*.json | head -1
-}
 shared=(--workload shared-prefix --num-requests "$N" --system-len "$SYSTEM_LEN" --question-len "$QUESTION_LEN"
         --answer-len "$ANSWER_LEN" --rates "$RATE")
 turns=(--workload multi-turn --conversations "$CONV" --turns "$TURNS" --user-len 64 --answer-len 128
@@ -43,13 +28,10 @@ one() {
     local tag flags
     for tag in on off; do
         flags=(); [ "$tag" = off ] && flags=($OFF_FLAGS)
-        $PY -m blink.cli serve --mode "$MODE" --model "$MODEL" "${SERVE_FLAGS[@]}" "${flags[@]}" --port 8000 \
-            > "$OUT/prefix-serve-$tag.log" 2>&1 &
-        local serve=$!; pids+=($serve)
-        wait_http 8000 $serve "$OUT/prefix-serve-$tag.log"
+        start_serve 8000 "$OUT/prefix-serve-$tag.log" --mode "$MODE" --model "$MODEL" "${SERVE_FLAGS[@]}" "${flags[@]}"
         eval "shared_$tag=\$(bench \"$OUT/prefix-shared-$tag\" http://127.0.0.1:8000/v1 blink-$MODE-cache-$tag \"\${shared[@]}\")"
         eval "turns_$tag=\$(bench \"$OUT/prefix-turns-$tag\" http://127.0.0.1:8000/v1 blink-$MODE-cache-$tag \"\${turns[@]}\")"
-        kill -TERM $serve; wait $serve
+        stop_serve $serve
     done
     $PY bench/prefix_compare.py --on "$shared_on" --off "$shared_off"
     $PY bench/prefix_compare.py --on "$turns_on" --off "$turns_off"

@@ -6,6 +6,7 @@
     blink bench interfere --threads 12 --seconds 60 --gateway-cores 14,15
     blink bench --workload shared-prefix --num-requests 1000 --system-len 2000 --question-len 50 --answer-len 100
     blink bench --workload multi-turn --conversations 64 --turns 8 --user-len 64 --answer-len 128
+    blink bench --endpoint chat --response-format schema.json --serve-pid 1234   # every request constrained
 
 Also `python -m blink.bench ...` (needs only aiohttp and tqdm, not the serving stack).
 """
@@ -14,16 +15,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
 from .collectors import CpuCollector, NvmlCollector, child_pids_matching, roofline
 from .interference import KINDS, Interference
-from .loadgen import ArrivalConfig, ClientConfig, discover_model, run_requests
+from .loadgen import RESPONSE_FORMAT_TYPES, ArrivalConfig, ClientConfig, discover_model, run_requests
 from .metrics import parse_slos, summarize
 from .results import environment, format_table, write_run
 from .workloads import WORKLOADS, BenchRequest, Workload, batch1, multi_turn, scaled, shared_prefix
@@ -92,10 +95,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--continuous-usage", action="store_true", help="ask for usage in every chunk (vLLM)")
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="do not send ignore_eos (servers that reject unknown fields; give the model no EOS instead)")
+    p.add_argument("--response-format", default=None, metavar="FILE",
+                   help="JSON file: an OpenAI response_format object, or a bare JSON schema (sent as json_schema); "
+                        "every request carries it (completions: as structured_outputs) and no ignore_eos")
     p.add_argument("--out", default="bench/results", help="folder for the JSON files")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--backend-pid", type=int, default=None, help="backend process (tree) to charge CPU to")
-    p.add_argument("--serve-pid", type=int, default=None, help="`blink serve` process: its backend child is used")
+    p.add_argument("--serve-pid", type=int, default=None,
+                   help="`blink serve` process: its backend child is used, and its gateway child's CPU is reported")
+    p.add_argument("--gateway-pid", type=int, default=None, help="gateway process (tree) whose CPU is reported")
     p.add_argument("--weight-bytes", type=float, default=None, help="model weight bytes for the roofline")
     p.add_argument("--kv-bytes-per-token", type=int, default=0, help="KV cache bytes per token (roofline)")
     p.add_argument("--copy-gbps", type=float, default=None, help="measured copy bandwidth in GB/s (roofline)")
@@ -137,6 +145,29 @@ def backend_pid(args: argparse.Namespace) -> int | None:
     return None
 
 
+def gateway_pid(args: argparse.Namespace) -> int | None:
+    """--gateway-pid, else the gateway under --serve-pid (None where neither names one)."""
+    if args.gateway_pid:
+        return args.gateway_pid
+    found = child_pids_matching(args.serve_pid, "blink.cli gateway") if args.serve_pid else []
+    return found[0] if found else None
+
+
+def load_response_format(path: str | None) -> dict | None:
+    """`--response-format FILE`: a response_format object as is; anything else is a JSON schema to wrap."""
+    if path is None:
+        return None
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--response-format {path}: cannot read a JSON document ({exc})")
+    if isinstance(value, dict) and value.get("type") in RESPONSE_FORMAT_TYPES:
+        return value
+    if not isinstance(value, (dict, bool)):
+        raise SystemExit(f"--response-format {path}: expected a response_format object or a JSON schema")
+    return {"type": "json_schema", "json_schema": {"name": "bench", "schema": value}}
+
+
 def make_interference(args: argparse.Namespace, threads: int, seconds: float) -> Interference:
     return Interference(threads, seconds, parse_cores(args.cores), parse_cores(args.gateway_cores),
                         tuple(k for k in args.kinds.split(",") if k))
@@ -150,9 +181,12 @@ async def _warm_up(client: ClientConfig, workload: Workload, num: int) -> None:
     await run_requests(client, Workload("warmup", reqs), ArrivalConfig())
 
 
-def measure(args, client: ClientConfig, workload: Workload, arrivals: ArrivalConfig, pid: int | None) -> dict:
+def measure(args, client: ClientConfig, workload: Workload, arrivals: ArrivalConfig, pid: int | None,
+            gateway: int | None = None) -> dict:
     """One run: collectors and interference around the requests; the run's result document."""
     collectors = {"cpu": CpuCollector(pid) if pid else None, "nvml": NvmlCollector()}
+    if gateway:
+        collectors["gateway_cpu"] = CpuCollector(gateway)
     interference = make_interference(args, args.interference, args.interference_seconds) if args.interference else None
     with interference or contextlib.nullcontext():
         if interference:
@@ -168,6 +202,7 @@ def measure(args, client: ClientConfig, workload: Workload, arrivals: ArrivalCon
     server["roofline"] = _roofline(args, metrics, records)
     return {"label": args.label, "model": client.model, "url": client.base_url, "endpoint": client.endpoint,
             "workload": workload.describe(), "arrivals": arrivals.describe(), "interference": interfered,
+            "response_format": client.response_format,
             "metrics": metrics, "server": server, "requests": [r.to_json() for r in records]}
 
 
@@ -202,14 +237,18 @@ def run_bench(args: argparse.Namespace) -> int:
         model = args.model or asyncio.run(discover_model(args.url, api_key))
     except (OSError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise SystemExit(f"blink bench: cannot list models at {args.url}/models ({exc}); check --url and --api-key")
-    client = ClientConfig(args.url.rstrip("/"), model, api_key, args.endpoint, args.temperature, args.request_timeout,
-                          args.continuous_usage, not args.no_ignore_eos)
-    workload, pid = build_workload(args), backend_pid(args)
+    try:
+        client = ClientConfig(args.url.rstrip("/"), model, api_key, args.endpoint, args.temperature,
+                              args.request_timeout, args.continuous_usage, not args.no_ignore_eos,
+                              load_response_format(args.response_format))
+    except ValueError as exc:  # a response_format file of the wrong shape
+        raise SystemExit(f"blink bench: {exc}")
+    workload, pid, gateway = build_workload(args), backend_pid(args), gateway_pid(args)
     asyncio.run(_warm_up(client, workload, args.warmup_requests))
     env, docs = environment(), []
     for rate in parse_rates(args.rates, args.sweep):
         arrivals = ArrivalConfig(rate, args.burstiness, args.seed, args.max_concurrency)
-        doc = {**measure(args, client, workload, arrivals, pid), "environment": env}
+        doc = {**measure(args, client, workload, arrivals, pid, gateway), "environment": env}
         path = write_run(args.out, doc)
         docs.append(doc)
         print(f"rate {arrivals.describe()['rate']}: {path}", file=sys.stderr, flush=True)

@@ -9,6 +9,9 @@ Arrivals: gamma intervals with shape `burstiness` and mean 1/rate (burstiness 1 
 rate inf sends everything at once. A request with `after` (a conversation's later turn) has no arrival of its
 own: it arrives when that request has finished. The clock for TTFT starts when the request is sent, after the gate.
 Prefix caching: each record keeps usage.prompt_tokens_details.cached_tokens (0 where the server reports none).
+Structured outputs: with a `response_format`, every request carries it (chat) or its vLLM `structured_outputs`
+twin (completions), and no `ignore_eos`: a server refuses the pair (a finished grammar allows only EOS), so a
+constrained request may end before `max_tokens`; count its tokens, not its JSON.
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ from .metrics import RequestRecord, per_token_itl
 from .workloads import BenchRequest, Workload
 
 
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     base_url: str                  # ".../v1"
@@ -37,10 +43,17 @@ class ClientConfig:
     # send the `ignore_eos` extension; off for servers that reject unknown fields (transformers serve):
     # there, a generation config without EOS does the same
     ignore_eos: bool = True
+    response_format: dict | None = None  # OpenAI's object, sent with every request (see the module docstring)
 
     def __post_init__(self):
         if self.endpoint not in ("completions", "chat"):
             raise ValueError(f"endpoint {self.endpoint!r}: expected 'completions' or 'chat'")
+        if self.response_format is not None and self.response_format.get("type") not in RESPONSE_FORMAT_TYPES:
+            raise ValueError(f"response_format type {self.response_format.get('type')!r}: expected one of "
+                             f"{', '.join(RESPONSE_FORMAT_TYPES)}")
+        if (self.response_format or {}).get("type") == "json_schema" and \
+                "schema" not in (self.response_format.get("json_schema") or {}):
+            raise ValueError("response_format json_schema: needs json_schema.schema")
 
     @property
     def headers(self) -> dict:
@@ -82,13 +95,27 @@ def build_payload(cfg: ClientConfig, req: BenchRequest, temperature: float) -> d
     body = {"model": cfg.model, "max_tokens": req.output_len, "stream": True,
             "temperature": temperature,
             "stream_options": {"include_usage": True, **({"continuous_usage_stats": True} if cfg.continuous_usage else {})}}
-    if cfg.ignore_eos:
+    constraint = constraint_fields(cfg)
+    if cfg.ignore_eos and not constraint:
         body["ignore_eos"] = True
     if cfg.endpoint == "chat":
         body["messages"] = chat_messages(req)
     else:
         body["prompt"] = list(req.prompt_ids)
-    return body
+    return {**body, **constraint}
+
+
+def constraint_fields(cfg: ClientConfig) -> dict:
+    """The request fields carrying `cfg.response_format`: itself on chat; on completions (which has no
+    `response_format`) vLLM's `structured_outputs` with the same constraint."""
+    fmt = cfg.response_format
+    if fmt is None or fmt["type"] == "text":
+        return {}
+    if cfg.endpoint == "chat":
+        return {"response_format": fmt}
+    if fmt["type"] == "json_object":
+        return {"structured_outputs": {"json_object": True}}
+    return {"structured_outputs": {"json": fmt["json_schema"]["schema"]}}
 
 
 def chat_messages(req: BenchRequest) -> list[dict]:

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# What structured outputs cost (issue 24) on one GPU host: `blink serve` on a random-weight model, the gateway
+# computing the token masks (llguidance) on its own cores and sending them through the ring; then per mode:
+#   MODE=persistent C=1,16,64 OUT_LEN=128 bench/device_structured.sh      # MODE="persistent host": both
+# 1. a check: CHECK_N requests (0: none) under a bounded schema (every string and array bounded, so noise ends;
+#    CHECK_SCHEMA names another) must all give valid JSON where they end; then schema compile time, cold vs cached
+#    (COMPILE_REPEATS one-token request pairs);
+# 2. for each concurrency in C: N requests (default 4 x C, at least 8; ShareGPT-shaped prompts cut to PROMPT_LEN
+#    words, answers capped at OUT_LEN tokens) plain, with ignore_eos, then every request under a small object
+#    schema with one free-text field (a random model never closes it: the answers run to OUT_LEN like the plain
+#    ones, and the mask is on every token);
+# 3. bench/structured_compare.py's table: TPOT mean/P50/P99, output tok/s, the gateway's and the backend's CPU
+#    per token, constrained over plain.
+# A random model's default tokenizer (WordLevel `w<id>` words) cannot spell JSON: it gets bench/structured_vocab.py's
+# byte-level one, under its own BLINK_CACHE (STRUCT_CACHE; compiled kernels shared with the default cache).
+# GATEWAY_CORES (default auto: the last 4 cores where there are 8 or more) pins the gateway, standing in for the
+# DPU's cores, and the backend to the other cores. JSON files (bench results, structured-MODE.json, the check)
+# and logs under $OUT (default bench/results). Exit 1 when a check or a request failed (after every run).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}; MODE=${MODE:-persistent}; MODEL=${MODEL:-random:llama-3-8b}; PY=${PYTHON:-python3}
+PORT=${PORT:-8000}; C=${C:-1,16,64}; N=${N:-}; PROMPT_LEN=${PROMPT_LEN:-128}; OUT_LEN=${OUT_LEN:-128}
+CHECK_N=${CHECK_N:-16}; CHECK_LEN=${CHECK_LEN:-1024}; COMPILE_REPEATS=${COMPILE_REPEATS:-5}
+CHECK_SCHEMA=${CHECK_SCHEMA:-$OUT/structured-check-schema.json}
+GATEWAY_CORES=${GATEWAY_CORES-auto}; STRUCT_CACHE=${STRUCT_CACHE:-/tmp/blink-structured-cache}
+# no prefix caching: the constrained run resends the plain run's prompts, and hits would shorten its prefills
+read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 2048 --num-slots 256 --max-output-len 1024 --no-prefix-caching}"
+export BLINK_API_KEY=${BLINK_API_KEY:-bench-key} BLINK_LOG_LEVEL=${BLINK_LOG_LEVEL:-WARNING}
+mkdir -p "$OUT"
+source bench/lib.sh
+use_carried_wheels
+
+cat > "$OUT/structured-schema.json" <<'EOF'
+{"type": "object", "properties": {
+  "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+  "email": {"type": "string", "maxLength": 60}, "active": {"type": "boolean"},
+  "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
+  "notes": {"type": "string"}},
+ "required": ["name", "age", "email", "active", "tags", "notes"], "additionalProperties": false}
+EOF
+# the same with the free text bounded: noise under it ends, so the check sees whole answers
+sed 's/"notes": {"type": "string"}/"notes": {"type": "string", "maxLength": 80}/' "$OUT/structured-schema.json" \
+    > "$OUT/structured-check-schema.json"
+
+if [ "$GATEWAY_CORES" = auto ]; then
+    cores=$(nproc); GATEWAY_CORES=""; [ "$cores" -ge 8 ] && GATEWAY_CORES="$((cores - 4))-$((cores - 1))"
+fi
+if [[ "$MODEL" == random:* ]]; then
+    default_cache=${BLINK_CACHE:-$HOME/.cache/blink}; mkdir -p "$default_cache/kernels" "$STRUCT_CACHE"
+    [ -e "$STRUCT_CACHE/kernels" ] || ln -s "$(cd "$default_cache/kernels" && pwd)" "$STRUCT_CACHE/kernels"
+    $PY bench/structured_vocab.py --preset "${MODEL#random:}" --cache "$STRUCT_CACHE" || exit 1
+    export BLINK_CACHE=$STRUCT_CACHE
+fi
+
+one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concurrency; the comparison
+    local mode=$1 url=http://127.0.0.1:$PORT/v1 conc num plain constrained pairs=()
+    echo "[${SECONDS}s] $mode: starting blink serve ($MODEL)"
+    start_serve "$PORT" "$OUT/structured-serve-$mode.log" --mode "$mode" --model "$MODEL" --grpc-port 0 \
+        "${SERVE_FLAGS[@]}"
+    echo "[${SECONDS}s] $mode: serving"
+    if [ -n "$GATEWAY_CORES" ]; then  # the gateway's cores its own, as a DPU's would be
+        pin_gateway $serve "$GATEWAY_CORES" && pin_backend $serve "$(other_cores "$GATEWAY_CORES")" &&
+            echo "gateway pinned to cores $GATEWAY_CORES, backend to the others"
+    fi
+    if [ "$CHECK_N" != 0 ]; then
+        $PY bench/structured_check.py --url $url --schema "$CHECK_SCHEMA" \
+            --num-requests "$CHECK_N" --max-tokens "$CHECK_LEN" --compile-repeats "$COMPILE_REPEATS" \
+            --out "$OUT/structured-check-$mode.json" ||
+            { echo "CHECK FAILED ($mode): see above"; failed=1; }
+    fi
+    for conc in ${C//,/ }; do
+        echo "[${SECONDS}s] $mode: concurrency $conc, plain then constrained"
+        num=${N:-$((conc * 4 > 8 ? conc * 4 : 8))}
+        common=(--endpoint chat --workload sharegpt --num-requests "$num" --max-input "$PROMPT_LEN"
+                --max-output "$OUT_LEN" --rates inf --max-concurrency "$conc" --serve-pid $serve)
+        plain=$(bench "$OUT/structured-$mode-c$conc-plain" $url "blink-$mode-plain" "${common[@]}")
+        constrained=$(bench "$OUT/structured-$mode-c$conc-json" $url "blink-$mode-json" "${common[@]}" \
+            --response-format "$OUT/structured-schema.json")
+        [ -n "$plain" ] && [ -n "$constrained" ] && pairs+=(--pair "$plain" "$constrained")
+    done
+    stop_serve $serve
+    echo "[${SECONDS}s] == $mode: constrained (json_schema on every request) vs plain; $MODEL, answers <= $OUT_LEN tokens"
+    $PY bench/structured_compare.py "${pairs[@]}" --out "$OUT/structured-$mode.json" || failed=1
+}
+
+failed=0
+for mode in $MODE; do one_mode "$mode"; done
+exit $failed

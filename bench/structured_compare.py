@@ -1,0 +1,134 @@
+"""Constrained against plain decoding from `blink bench` result files (issue 24's measurements;
+bench/device_structured.sh).
+
+    python bench/structured_compare.py --pair PLAIN.json CONSTRAINED.json [--pair ...] [--out summary.json]
+
+Each pair is one workload and concurrency run twice: plain, then with every request under a `response_format`.
+For each run: TPOT mean/P50/P99, output tok/s, tokens per request, how requests ended (a constrained one ends
+with `stop` when its JSON is complete, else `length`), the gateway's and the backend's CPU per token. Per pair:
+constrained over plain for TPOT and throughput (the issue's target: TPOT at most 1.03x), the gateway CPU a
+constrained token adds (mask work), and how many constrained streams one gateway core sustains at the
+measured TPOT (a core's second over the CPU seconds one stream costs per second). The gateway's CPU over a run
+includes what it spends idle (polling the ring), so per token it overstates at low token rates; the constrained
+minus plain difference is the mask work where both runs went at about the same rate.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from blink.bench.results import read_records  # noqa: E402
+
+TPOT_TARGET_X = 1.03
+
+
+def _cpu_per_token(doc: dict, name: str) -> float | None:
+    figures = doc.get("server", {}).get(name) or {}
+    return figures.get("cpu_s_per_token") if figures.get("available") else None
+
+
+def finish_reasons(path: Path) -> dict:
+    """How the run's requests ended, from the records beside the summary (empty where they are gone)."""
+    try:
+        requests = read_records(path)["requests"]
+    except (OSError, KeyError, ValueError):
+        return {}
+    return dict(collections.Counter(_ended(r) for r in requests))
+
+
+def _ended(record: dict) -> str:
+    return record.get("finish_reason") or ("error" if record.get("error") else "none")
+
+
+def figures(path: Path) -> dict:
+    """The figures of one run."""
+    doc = json.loads(Path(path).read_text())
+    m = doc["metrics"]
+    return {"label": doc["label"], "file": Path(path).name, "constrained": bool(doc.get("response_format")),
+            "concurrency": doc["arrivals"].get("max_concurrency"), "completed": m["completed"],
+            "num_requests": m["num_requests"], "tokens_per_request": m["total_output_tokens"] / max(m["completed"], 1),
+            "tpot_mean_ms": m["tpot_ms"]["mean"], "tpot_p50_ms": m["tpot_ms"]["median"],
+            "tpot_p99_ms": m["tpot_ms"]["p99"], "output_tok_s": m["output_throughput_tok_s"],
+            "gateway_cpu_s_per_token": _cpu_per_token(doc, "gateway_cpu"),
+            "backend_cpu_s_per_token": _cpu_per_token(doc, "cpu"), "finish_reasons": finish_reasons(Path(path)),
+            "gpus": doc.get("environment", {}).get("gpus"), "commit": doc.get("environment", {}).get("commit")}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compare(plain: dict, constrained: dict) -> dict:
+    """Constrained over plain, the mask's gateway CPU per token, and streams per gateway core."""
+    gw_plain, gw_con = plain["gateway_cpu_s_per_token"], constrained["gateway_cpu_s_per_token"]
+    mask_cpu_us = (gw_con - gw_plain) * 1e6 if gw_plain is not None and gw_con is not None else None
+    tpot_s = (constrained["tpot_mean_ms"] or 0) / 1000
+    streams = tpot_s / gw_con if gw_con and tpot_s else None  # one stream costs gw_con / tpot_s core-s per second
+    keys = ("tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "output_tok_s")
+    ratios = {k: _ratio(constrained[k], plain[k]) for k in keys}
+    return {"concurrency": plain["concurrency"], "plain": plain, "constrained": constrained,
+            "constrained_over_plain": ratios, "tpot_mean_within_target": ratios["tpot_mean_ms"] is not None
+            and ratios["tpot_mean_ms"] <= TPOT_TARGET_X, "mask_gateway_cpu_us_per_token": mask_cpu_us,
+            "constrained_streams_per_gateway_core": streams}
+
+
+COLUMNS = [("label", 28), ("conc", 5), ("ok/n", 8), ("tok/req", 8), ("TPOT mean", 10), ("TPOT p50", 9),
+           ("TPOT p99", 9), ("tok/s", 9), ("gw us/tok", 10), ("be us/tok", 10), ("ended", 20)]
+
+
+def _fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _us(seconds: float | None) -> str:
+    return _fmt(seconds * 1e6 if seconds is not None else None)
+
+
+def row(f: dict) -> list[str]:
+    ended = " ".join(f"{k}:{v}" for k, v in sorted(f["finish_reasons"].items())) or "-"
+    return [f["label"], str(f["concurrency"] or "-"), f"{f['completed']}/{f['num_requests']}",
+            _fmt(f["tokens_per_request"]), _fmt(f["tpot_mean_ms"], 2), _fmt(f["tpot_p50_ms"], 2),
+            _fmt(f["tpot_p99_ms"], 2), _fmt(f["output_tok_s"]), _us(f["gateway_cpu_s_per_token"]),
+            _us(f["backend_cpu_s_per_token"]), ended]
+
+
+def ratio_line(pair: dict) -> str:
+    r = pair["constrained_over_plain"]
+    return (f"  constrained/plain at concurrency {pair['concurrency']}: TPOT mean {_fmt(r['tpot_mean_ms'], 3)}x "
+            f"(target <= {TPOT_TARGET_X}x), P50 {_fmt(r['tpot_p50_ms'], 3)}x, P99 {_fmt(r['tpot_p99_ms'], 3)}x, "
+            f"tok/s {_fmt(r['output_tok_s'], 3)}x; mask work on the gateway "
+            f"{_fmt(pair['mask_gateway_cpu_us_per_token'])} us/token; "
+            f"{_fmt(pair['constrained_streams_per_gateway_core'], 0)} constrained streams per gateway core "
+            f"at this TPOT")
+
+
+def table(pairs: list[dict]) -> str:
+    lines = ["  ".join(name.rjust(width) for name, width in COLUMNS)]
+    for pair in pairs:
+        for f in (pair["plain"], pair["constrained"]):
+            lines.append("  ".join(v.rjust(width) for v, (_, width) in zip(row(f), COLUMNS)))
+        lines.append(ratio_line(pair))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pair", nargs=2, action="append", required=True, metavar=("PLAIN", "CONSTRAINED"),
+                   help="result files of one workload, plain and constrained")
+    p.add_argument("--out", default=None, help="write the comparison as JSON here")
+    args = p.parse_args(argv)
+    pairs = [compare(figures(Path(a)), figures(Path(b))) for a, b in args.pair]
+    print(table(pairs), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"pairs": pairs, "tpot_target_x": TPOT_TARGET_X}, indent=1))
+    failed = any(p[k]["completed"] < p[k]["num_requests"] for p in pairs for k in ("plain", "constrained"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""bench/structured_compare.py: constrained over plain, the mask's gateway CPU per token, streams per core."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import structured_compare  # noqa: E402
+from blink.bench.results import write_summary  # noqa: E402
+
+
+def _run(tmp_path, name, tpot_ms, tok_s, gateway_s_per_tok, reasons, response_format=None):
+    doc = {"label": name, "response_format": response_format, "arrivals": {"rate": "inf", "max_concurrency": 16},
+           "metrics": {"completed": sum(r != "error" for r in reasons), "num_requests": len(reasons),
+                       "total_output_tokens": 128 * len(reasons),
+                       "output_throughput_tok_s": tok_s,
+                       "tpot_ms": {"mean": tpot_ms, "median": tpot_ms, "p99": tpot_ms * 1.5}},
+           "server": {"gateway_cpu": {"available": True, "cpu_s_per_token": gateway_s_per_tok},
+                      "cpu": {"available": False, "reason": "not available: no --backend-pid"}},
+           "environment": {"gpus": ["NVIDIA H100"], "commit": "abc"}}
+    requests = [{"finish_reason": r} if r != "error" else {"finish_reason": None, "error": "HTTP 500"} for r in reasons]
+    return write_summary(tmp_path / f"{name}.json", doc, {"requests": requests})
+
+
+def test_ratios_mask_cpu_and_streams_per_core(tmp_path, capsys):
+    plain = _run(tmp_path, "plain", 10.0, 1600.0, 20e-6, ["length"] * 4)
+    con = _run(tmp_path, "json", 10.2, 1568.0, 70e-6, ["length", "length", "length", "stop"],
+               {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})
+    out = tmp_path / "cmp.json"
+    assert structured_compare.main(["--pair", str(plain), str(con), "--out", str(out)]) == 0
+    [pair] = json.loads(out.read_text())["pairs"]
+    assert pair["constrained_over_plain"]["tpot_mean_ms"] == pytest.approx(1.02)
+    assert pair["constrained_over_plain"]["output_tok_s"] == pytest.approx(0.98)
+    assert pair["tpot_mean_within_target"] is True
+    assert pair["mask_gateway_cpu_us_per_token"] == pytest.approx(50.0)
+    # a stream makes a token every 10.2 ms and costs 70 us of gateway CPU for each: 145.7 streams fill a core
+    assert pair["constrained_streams_per_gateway_core"] == pytest.approx(10.2e-3 / 70e-6)
+    assert pair["constrained"]["finish_reasons"] == {"length": 3, "stop": 1} and pair["constrained"]["constrained"]
+    assert not pair["plain"]["constrained"] and pair["plain"]["backend_cpu_s_per_token"] is None
+    table = capsys.readouterr().out
+    assert "TPOT mean 1.020x" in table and "length:3 stop:1" in table and "50.0 us/token" in table
+
+
+def test_a_failed_request_fails_the_comparison_and_missing_figures_show_as_dashes(tmp_path, capsys):
+    plain = _run(tmp_path, "plain", 10.0, 1600.0, None, ["length", "error"])
+    con = _run(tmp_path, "json", 12.0, 1500.0, 60e-6, ["length", "length"])
+    assert structured_compare.main(["--pair", str(plain), str(con)]) == 1
+    line = [x for x in capsys.readouterr().out.splitlines() if "constrained/plain" in x][0]
+    assert "TPOT mean 1.200x" in line and "mask work on the gateway - us/token" in line
