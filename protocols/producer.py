@@ -16,6 +16,10 @@ from protocols.ring import EngineState, RequestSpec
 class RingProducer(Protocol):
     """Submits requests into ring slots and reads their responses. Not thread-safe: one event loop uses it."""
 
+    # put_mask may also be called from another thread (only for a slot whose request this thread's caller
+    # keeps from finishing meanwhile): true where it is a plain write of the slot's own mask area (shm)
+    masks_from_any_thread: bool
+
     @property
     def connected(self) -> bool:
         """False while the transport is down (submissions then raise `RingFull`)."""

@@ -52,6 +52,7 @@ class RingLink(Protocol):
 
 
 class RdmaProducer:
+    masks_from_any_thread = False  # its queue pair is the event loop's
     """Ring producer over one-sided RDMA; the interface `gateway.backends.backend.Backend` uses."""
 
     def __init__(self, link: RingLink):

@@ -44,6 +44,7 @@ def pop_finished(active: dict, slot: int):
 
 
 class ShmProducer:
+    masks_from_any_thread = True  # put_mask writes the slot's own mask area, nothing shared (producer.py)
     """The gateway's end of a ring. Not thread-safe: use it from one thread (the event loop).
 
     With `defer_consumed`, `poll` does not advance the ring's consumed counter; `set_consumed` does,

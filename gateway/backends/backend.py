@@ -244,6 +244,11 @@ class Backend:
         """Its ring has a token-mask area and its transport carries masks: structured outputs can run here."""
         return self.info.geometry.mask_words > 0 and hasattr(self._producer, "put_mask")
 
+    @property
+    def masks_from_any_thread(self) -> bool:
+        """`put_mask` may run on a mask thread (the producer's word: shm), not only on the event loop."""
+        return self._producer.masks_from_any_thread
+
     def put_mask(self, handle: RequestHandle, token_index: int, words) -> None:
         """The mask of the request's generated token `token_index` into its slot (the engine waits for it);
         nothing once the request has left this ring."""

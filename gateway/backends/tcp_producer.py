@@ -62,6 +62,7 @@ class _Slot:
 
 
 class TcpProducer:
+    masks_from_any_thread = False  # its connection is the event loop's
     """Ring producer over TCP. Use from the event loop only; `await start()` before anything else."""
 
     def __init__(self, endpoint: str, geometry: RingGeometry, fingerprint: str | None = None, *,

@@ -76,5 +76,6 @@ def mask_attacher(grammars: Grammars, compiled: Compiled) -> Callable[[RequestHa
         backend = handle.backend
         handle.mask_loop = MaskLoop(grammars, compiled,
                                     lambda index, words: backend.put_mask(handle, index, words),
-                                    lambda message: backend.fail_request(handle, message))
+                                    lambda message: backend.fail_request(handle, message),
+                                    put_from_pool=backend.masks_from_any_thread)
     return attach

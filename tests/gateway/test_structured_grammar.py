@@ -134,6 +134,7 @@ def test_compile_time_limit_is_a_400(grammars, monkeypatch):
 
 
 def test_the_mask_loop_delivers_each_next_mask_on_the_event_loop(grammars, byte_tokenizer):
+    """Transports whose producer belongs to the event loop (tcp, rdma) get their masks there."""
     compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
     ids = byte_tokenizer.encode("hello world").ids
 
@@ -159,6 +160,38 @@ def test_the_mask_loop_delivers_each_next_mask_on_the_event_loop(grammars, byte_
         closed.close()
         await asyncio.sleep(0.05)
         assert len(delivered) == len(ids)  # a closed loop delivers nothing
+    asyncio.run(run())
+
+
+def test_a_shm_mask_goes_into_the_ring_from_the_pool_thread_and_none_after_close(grammars, byte_tokenizer):
+    """Where the transport allows it, the mask does not wait for the event loop; a request that ended gets none."""
+    import threading
+
+    compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
+    ids = byte_tokenizer.encode("hello world").ids
+
+    async def run():
+        delivered, errors, threads = [], [], set()
+        def put(index, words):
+            threads.add(threading.current_thread().name)
+            delivered.append((index, words))
+        mask_loop = MaskLoop(grammars, compiled, put, errors.append, put_from_pool=True)
+        for n, token in enumerate(ids):
+            mask_loop.advance([token])
+            while len(delivered) < n + 1:
+                await asyncio.sleep(0.001)
+        assert [i for i, _ in delivered] == list(range(1, len(ids) + 1)) and not errors
+        assert all(name.startswith("grammar-mask") for name in threads)  # never the event loop's thread
+        closed = MaskLoop(grammars, compiled, put, errors.append, put_from_pool=True)
+        closed.close()
+        closed.advance([ids[0]])
+        await asyncio.sleep(0.05)
+        assert len(delivered) == len(ids) and not errors
+        failing = MaskLoop(grammars, compiled, lambda i, w: 1 / 0, errors.append, put_from_pool=True)
+        failing.advance([ids[0]])
+        while not errors:
+            await asyncio.sleep(0.001)
+        assert "could not be sent" in errors[0]
     asyncio.run(run())
 
 
