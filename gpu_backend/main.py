@@ -137,7 +137,7 @@ def serve_backend(config: BackendConfig, tls=None) -> int:
         log.error("--mode %s needs a CUDA GPU and none is visible; use --mode cpu", config.mode)
         return 2
     from gpu_backend.control_server import ControlServer, Description
-    from gpu_backend.engine.loop import EngineLoop
+    from gpu_backend.engine.loop import EngineLoop, prefix_caching_on
     from gpu_backend.models import load_model, model_fingerprint
     from gpu_backend.models.demo import default_cache_dir, ensure_demo_model
     from gpu_backend.models.random_tokenizer import ensure_random_tokenizer
@@ -177,7 +177,8 @@ def serve_backend(config: BackendConfig, tls=None) -> int:
     endpoint = (config.advertise or config.listen) if config.transport == "tcp" else ""
     desc = Description(name, str(tokenizer_dir), fingerprint, context_len, cfg.vocab_size,
                        tuple(cfg.eos_token_ids), config.mode, config.transport, endpoint,
-                       sampling_extensions=getattr(runner, "sampling_extensions", True))
+                       sampling_extensions=getattr(runner, "sampling_extensions", True),
+                       prefix_caching=prefix_caching_on(config.engine_config(), geometry.kv_block_size))
     rdma = _export_rdma(ring, config) if config.transport == "rdma" else None
     agent = _start_agent(ring.name, config, engine.stop_event) if config.transport == "tcp" else None
     try:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protocols/control.proto\x12\x10\x62link.control.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xde\x01\n\x0cRingGeometry\x12\x11\n\tnum_slots\x18\x01 \x01(\r\x12\x16\n\x0emax_prompt_len\x18\x02 \x01(\r\x12\x16\n\x0emax_output_len\x18\x03 \x01(\r\x12\x14\n\x0cmax_stop_ids\x18\x04 \x01(\r\x12\x16\n\x0emax_logit_bias\x18\x05 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\r\x12\x16\n\x0elogprob_window\x18\x07 \x01(\r\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x12\n\nmask_words\x18\n \x01(\rJ\x04\x08\t\x10\n\"\xc7\x02\n\rDescribeReply\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x13\n\x0b\x65ngine_mode\x18\x07 \x01(\t\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x11\n\tring_name\x18\t \x01(\t\x12\x30\n\x08geometry\x18\n \x01(\x0b\x32\x1e.blink.control.v1.RingGeometry\x12\x14\n\x0cring_version\x18\x0b \x01(\r\x12\x14\n\x0ctcp_endpoint\x18\x0c \x01(\t\x12\x1b\n\x13sampling_extensions\x18\r \x01(\x08\"\x8c\x01\n\x0cRdmaEndpoint\x12\x0e\n\x06qp_num\x18\x01 \x01(\r\x12\x0b\n\x03psn\x18\x02 \x01(\r\x12\x0b\n\x03gid\x18\x03 \x01(\t\x12\x0b\n\x03lid\x18\x04 \x01(\r\x12\x0b\n\x03mtu\x18\x05 \x01(\r\x12\x11\n\tring_addr\x18\x06 \x01(\x04\x12\x11\n\tring_rkey\x18\x07 \x01(\r\x12\x12\n\nring_bytes\x18\x08 \x01(\x04\"\x0f\n\rHealthRequest\"\x98\x02\n\x0bHealthReply\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.blink.control.v1.HealthReply.State\x12\x11\n\theartbeat\x18\x02 \x01(\x04\x12\x17\n\x0fheartbeat_age_s\x18\x03 \x01(\x01\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x06 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x07 \x01(\r\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x04\"<\n\x05State\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0b\n\x07STALLED\x10\x02\x12\x0c\n\x08STOPPING\x10\x03\x32\xf2\x01\n\x07\x43ontrol\x12N\n\x08\x44\x65scribe\x12!.blink.control.v1.DescribeRequest\x1a\x1f.blink.control.v1.DescribeReply\x12H\n\x06Health\x12\x1f.blink.control.v1.HealthRequest\x1a\x1d.blink.control.v1.HealthReply\x12M\n\x0b\x43onnectRdma\x12\x1e.blink.control.v1.RdmaEndpoint\x1a\x1e.blink.control.v1.RdmaEndpointb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protocols/control.proto\x12\x10\x62link.control.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xde\x01\n\x0cRingGeometry\x12\x11\n\tnum_slots\x18\x01 \x01(\r\x12\x16\n\x0emax_prompt_len\x18\x02 \x01(\r\x12\x16\n\x0emax_output_len\x18\x03 \x01(\r\x12\x14\n\x0cmax_stop_ids\x18\x04 \x01(\r\x12\x16\n\x0emax_logit_bias\x18\x05 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\r\x12\x16\n\x0elogprob_window\x18\x07 \x01(\r\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x12\n\nmask_words\x18\n \x01(\rJ\x04\x08\t\x10\n\"\xdf\x02\n\rDescribeReply\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x13\n\x0b\x65ngine_mode\x18\x07 \x01(\t\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x11\n\tring_name\x18\t \x01(\t\x12\x30\n\x08geometry\x18\n \x01(\x0b\x32\x1e.blink.control.v1.RingGeometry\x12\x14\n\x0cring_version\x18\x0b \x01(\r\x12\x14\n\x0ctcp_endpoint\x18\x0c \x01(\t\x12\x1b\n\x13sampling_extensions\x18\r \x01(\x08\x12\x16\n\x0eprefix_caching\x18\x0e \x01(\x08\"\x8c\x01\n\x0cRdmaEndpoint\x12\x0e\n\x06qp_num\x18\x01 \x01(\r\x12\x0b\n\x03psn\x18\x02 \x01(\r\x12\x0b\n\x03gid\x18\x03 \x01(\t\x12\x0b\n\x03lid\x18\x04 \x01(\r\x12\x0b\n\x03mtu\x18\x05 \x01(\r\x12\x11\n\tring_addr\x18\x06 \x01(\x04\x12\x11\n\tring_rkey\x18\x07 \x01(\r\x12\x12\n\nring_bytes\x18\x08 \x01(\x04\"\x0f\n\rHealthRequest\"\x98\x02\n\x0bHealthReply\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.blink.control.v1.HealthReply.State\x12\x11\n\theartbeat\x18\x02 \x01(\x04\x12\x17\n\x0fheartbeat_age_s\x18\x03 \x01(\x01\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x06 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x07 \x01(\r\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x04\"<\n\x05State\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0b\n\x07STALLED\x10\x02\x12\x0c\n\x08STOPPING\x10\x03\x32\xf2\x01\n\x07\x43ontrol\x12N\n\x08\x44\x65scribe\x12!.blink.control.v1.DescribeRequest\x1a\x1f.blink.control.v1.DescribeReply\x12H\n\x06Health\x12\x1f.blink.control.v1.HealthRequest\x1a\x1d.blink.control.v1.HealthReply\x12M\n\x0b\x43onnectRdma\x12\x1e.blink.control.v1.RdmaEndpoint\x1a\x1e.blink.control.v1.RdmaEndpointb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RINGGEOMETRY']._serialized_start=65
   _globals['_RINGGEOMETRY']._serialized_end=287
   _globals['_DESCRIBEREPLY']._serialized_start=290
-  _globals['_DESCRIBEREPLY']._serialized_end=617
-  _globals['_RDMAENDPOINT']._serialized_start=620
-  _globals['_RDMAENDPOINT']._serialized_end=760
-  _globals['_HEALTHREQUEST']._serialized_start=762
-  _globals['_HEALTHREQUEST']._serialized_end=777
-  _globals['_HEALTHREPLY']._serialized_start=780
-  _globals['_HEALTHREPLY']._serialized_end=1060
-  _globals['_HEALTHREPLY_STATE']._serialized_start=1000
-  _globals['_HEALTHREPLY_STATE']._serialized_end=1060
-  _globals['_CONTROL']._serialized_start=1063
-  _globals['_CONTROL']._serialized_end=1305
+  _globals['_DESCRIBEREPLY']._serialized_end=641
+  _globals['_RDMAENDPOINT']._serialized_start=644
+  _globals['_RDMAENDPOINT']._serialized_end=784
+  _globals['_HEALTHREQUEST']._serialized_start=786
+  _globals['_HEALTHREQUEST']._serialized_end=801
+  _globals['_HEALTHREPLY']._serialized_start=804
+  _globals['_HEALTHREPLY']._serialized_end=1084
+  _globals['_HEALTHREPLY_STATE']._serialized_start=1024
+  _globals['_HEALTHREPLY_STATE']._serialized_end=1084
+  _globals['_CONTROL']._serialized_start=1087
+  _globals['_CONTROL']._serialized_end=1329
 # @@protoc_insertion_point(module_scope)

@@ -48,6 +48,7 @@ class BackendDescription:
     transport: str = "shm"  # shm | tcp | rdma
     tcp_endpoint: str = ""  # HOST:PORT gateways reach the tcp agent at
     sampling_extensions: bool = True  # penalties, logit_bias, logprobs (the persistent mode may run without)
+    prefix_caching: bool = True  # the engine reuses cached prompt blocks (--no-prefix-caching: False)
 
     def to_reply(self, ring_name: str, geometry: RingGeometry) -> control_pb2.DescribeReply:
         """The `Describe` answer of a backend serving ring `ring_name` of this `geometry`."""
@@ -56,7 +57,8 @@ class BackendDescription:
             context_len=self.context_len, vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids),
             engine_mode=self.engine_mode, transport=self.transport, tcp_endpoint=self.tcp_endpoint,
             ring_name=ring_name, geometry=control_pb2.RingGeometry(**dataclasses.asdict(geometry)),
-            ring_version=RING_VERSION, sampling_extensions=self.sampling_extensions)
+            ring_version=RING_VERSION, sampling_extensions=self.sampling_extensions,
+            prefix_caching=self.prefix_caching)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class BackendInfo:
     transport: str = "shm"  # shm | tcp | rdma
     tcp_endpoint: str = ""  # HOST:PORT of the backend's tcp agent
     sampling_extensions: bool = True  # penalties, logit_bias and logprobs are applied
+    prefix_caching: bool = True  # the engine keeps a prefix cache: requests carry block hashes, metrics count them
 
     @classmethod
     def from_reply(cls, addr: str, reply: control_pb2.DescribeReply) -> BackendInfo:
@@ -91,4 +94,5 @@ class BackendInfo:
                    vocab_size=reply.vocab_size, eos_token_ids=tuple(reply.eos_token_ids),
                    engine_mode=reply.engine_mode, ring_name=reply.ring_name, geometry=geometry,
                    transport=reply.transport or "shm", tcp_endpoint=reply.tcp_endpoint,
-                   sampling_extensions=reply.sampling_extensions or reply.engine_mode in ALWAYS_EXTENDED)
+                   sampling_extensions=reply.sampling_extensions or reply.engine_mode in ALWAYS_EXTENDED,
+                   prefix_caching=reply.prefix_caching)

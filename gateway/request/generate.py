@@ -216,7 +216,7 @@ class Generation:
 
     def _prefix_cache_report(self) -> None:
         """Hits and queries (vLLM's meaning, in tokens) for the metrics; the engine's answer for routing's check."""
-        if self.metrics is not None:
+        if self.metrics is not None and self.handle.backend.info.prefix_caching:  # vLLM counts cached engines only
             self.metrics.prefix_cache_used(self.model, self.prompt_len, self.cached_tokens)
         if self.failover is not None:
             self.failover.cached(self.handle, self.cached_tokens)

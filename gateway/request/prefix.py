@@ -41,7 +41,10 @@ class PromptBlocks:
         self._memo: dict[tuple[str, int], tuple[int, ...]] = {}
 
     def hashes_for(self, info: BackendInfo) -> tuple[int, ...]:
-        """The hashes `info`'s backend takes: one per full prompt block of its ring's kv_block_size."""
+        """The hashes `info`'s backend takes: one per full prompt block of its ring's kv_block_size; none for a
+        backend without a prefix cache."""
+        if not info.prefix_caching:
+            return ()
         fingerprint, block_size = key = (info.model_fingerprint, info.geometry.kv_block_size)
         hashes = self._memo.get(key)
         if hashes is None:

@@ -26,9 +26,11 @@ from protocols.ring import FinishReason, RequestSpec, RingGeometry
 BLOCK = 16
 
 
-def info(addr: str, block_size: int = BLOCK, fingerprint: str = "fp", max_prompt_len: int = 8192):
+def info(addr: str, block_size: int = BLOCK, fingerprint: str = "fp", max_prompt_len: int = 8192,
+         prefix_caching: bool = True):
     geometry = RingGeometry(num_slots=8, max_prompt_len=max_prompt_len, kv_block_size=block_size)
-    return SimpleNamespace(addr=addr, model_name="m", model_fingerprint=fingerprint, geometry=geometry)
+    return SimpleNamespace(addr=addr, model_name="m", model_fingerprint=fingerprint, geometry=geometry,
+                           prefix_caching=prefix_caching)
 
 
 class FakeBackend:
@@ -68,6 +70,36 @@ def test_prompt_blocks_hash_once_per_backend_model_and_block_size():
     assert blocks.hashes_for(info("e", max_prompt_len=4 * BLOCK)) is hashes  # the slot's size changes nothing
     assert blocks.max_cached_blocks(info("a")) == 3
     assert PromptBlocks(prompt(1, 3 * BLOCK)).max_cached_blocks(info("a")) == 2  # the last token is always computed
+
+
+def test_a_backend_without_a_prefix_cache_gets_no_hashes_and_counts_in_no_metric(byte_tokenizer):
+    from gateway.request.detokenize import TextStream
+    ids = prompt(4, 3 * BLOCK + 1)
+    off = info("off", prefix_caching=False)
+    blocks = PromptBlocks(ids, "s")
+    assert blocks.hashes_for(off) == () and blocks.max_cached_blocks(off) == 0
+    assert blocks.spec_for(RequestSpec(1, ids, 2), off).block_hashes == ()
+    backend = FakeBackend("off")
+    backend.info = off
+    metrics = Metrics()
+    gen = Generation(Handle(backend, RequestSpec(1, ids, 2), [update([65], 0, FinishReason.LENGTH)]),
+                     TextStream(byte_tokenizer, [], ids), len(ids), "m", metrics)
+
+    async def read():
+        while not (await gen.next_piece()).finish_reason:
+            pass
+    asyncio.run(read())
+    gen.close()
+    assert "blink:prefix_cache_queries_total{" not in metrics.render()[0].decode()  # vLLM counts cached engines only
+
+
+def test_the_describe_reply_says_whether_the_engine_caches():
+    from protocols.messages import BackendDescription, BackendInfo
+
+    for caching in (True, False):
+        reply = BackendDescription("m", "", "fp", 64, 100, (2,), "host", prefix_caching=caching).to_reply(
+            "ring", RingGeometry(num_slots=4))
+        assert BackendInfo.from_reply("addr", reply).prefix_caching is caching
 
 
 def test_the_spec_carries_the_hashes_of_the_backend_it_goes_to():
