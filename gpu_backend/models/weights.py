@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -122,8 +123,12 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def load_safetensors_(model: LlamaModel, model_dir: Path, progress: bool = True) -> None:
-    """Copy every tensor of the folder into the model's parameters (cast and moved on the way)."""
+def load_safetensors_(model: LlamaModel, model_dir: Path, progress: bool = True,
+                      piece: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Copy every tensor of the folder into the model's parameters (cast and moved on the way), one at a time.
+    `piece(name, tensor)`, when given, takes the part of each whole tensor that `model` holds (a tensor-parallel
+    rank's: gpu_backend/parallel/shard.py), by the name of its parameter or, for one expert's tensor of a stacked
+    expert parameter, `<layer>.mlp.experts.{gate,up,down}[<e>]`."""
     params = dict(model.named_parameters(remove_duplicate=False))
     files = weight_files(model_dir)
     filled: set[str] = set()
@@ -133,7 +138,7 @@ def load_safetensors_(model: LlamaModel, model_dir: Path, progress: bool = True)
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    _copy_tensor(params, key, f, filled, scales)
+                    _copy_tensor(params, key, f, filled, scales, piece)
                     bar.update(1)
     _check_filled(model, params, filled)
 
@@ -189,7 +194,7 @@ def checkpoint_quantization(model_dir: Path) -> str | None:
     return "fp8"
 
 
-def _copy_tensor(params: dict, key: str, f, filled: set[str], scales: dict) -> None:
+def _copy_tensor(params: dict, key: str, f, filled: set[str], scales: dict, piece=None) -> None:
     if key.endswith(_IGNORED_SUFFIXES) or key.endswith(".input_scale"):
         return  # activations are scaled per token at run time (models/fp8.py): a static scale is not used
     if key.endswith(".weight_scale"):
@@ -198,6 +203,8 @@ def _copy_tensor(params: dict, key: str, f, filled: set[str], scales: dict) -> N
     tensor = f.get_tensor(key)
     if tensor.dtype == FP8_DTYPE:
         tensor = _dequantize(key, tensor, scales)
+    if piece is not None:
+        tensor = piece(name, tensor)
     if tuple(tensor.shape) != tuple(target.shape):
         raise ValueError(f"weight {key!r} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}")
     target.copy_(tensor)

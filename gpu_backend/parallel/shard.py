@@ -12,13 +12,19 @@ else to know about it.
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from gpu_backend.models import ModelConfig
 from gpu_backend.models.llama import LlamaModel
-from gpu_backend.models.weights import RANDOM_PREFIX, RANDOM_SEED, _empty_model, init_random_, load_model
+from gpu_backend.models.fp8 import check_quantization
+from gpu_backend.models.weights import (RANDOM_PREFIX, RANDOM_SEED, _empty_model, check_fits, checkpoint_quantization,
+                                        init_random_, load_safetensors_, read_config)
+
+_ONE_EXPERT = re.compile(r"\.mlp\.experts\.(gate|up|down)\[\d+\]$")  # weights.py's names of one expert's tensor
 
 TP_SIZES = (1, 2, 4, 8)
 
@@ -78,6 +84,16 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, rank: int, world:
     return t
 
 
+def checkpoint_piece(cfg: ModelConfig, rank: int, world: int):
+    """The loader's `piece` (weights.load_safetensors_) for rank `rank`: `shard_tensor`, and for one expert's
+    gate or up [I, hidden] its rows, for its down [hidden, I] its columns."""
+    def piece(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if match := _ONE_EXPERT.search(name):
+            return _part(tensor, 1 if match[1] == "down" else 0, rank, world)
+        return shard_tensor(name, tensor, cfg, rank, world)
+    return piece
+
+
 @torch.no_grad()
 def shard_model(model: LlamaModel, cfg: ModelConfig, rank: int, world: int, device: torch.device) -> LlamaModel:
     """Rank `rank`'s LlamaModel of `local_config(cfg, world)` on `device`, from the whole `model` (any device)."""
@@ -100,28 +116,39 @@ def drop_lm_head_(model: LlamaModel) -> None:
 
 
 def load_rank_models(spec: str, devices: list[torch.device], quantization: str | None = None,
-                     progress: bool = True) -> tuple[ModelConfig, list[LlamaModel], object]:
-    """(the whole model's config, one model per rank on its device, the folder or None). Random presets are
-    drawn per rank at the rank's shape (nothing whole is ever built: Llama-3-70B's 141 GB fit no GPU); a
-    Hugging Face folder loads whole into host memory in bf16, then each rank's piece goes to its GPU."""
+                     progress: bool = True, dtype: torch.dtype = torch.bfloat16
+                     ) -> tuple[ModelConfig, list[LlamaModel], object]:
+    """(the whole model's config, one model per rank on its device, the folder or None). Nothing whole is
+    ever built (Llama-3-70B's 141 GB fit no GPU, and not every host's memory): random presets are drawn per
+    rank at the rank's shape; a Hugging Face folder is read once per rank, a tensor at a time, each rank taking
+    its piece of every tensor (`checkpoint_piece`)."""
     world = len(devices)
     if spec.startswith(RANDOM_PREFIX):
         from gpu_backend.models.presets import preset_config
-        from gpu_backend.models.weights import check_fits
 
         cfg = preset_config(spec[len(RANDOM_PREFIX):])
         local = local_config(cfg, world)
         models = []
         for rank, device in enumerate(devices):
-            check_fits(local, torch.bfloat16, device)
-            model = _empty_model(local, torch.bfloat16, device)
+            check_fits(local, dtype, device)
+            model = _empty_model(local, dtype, device)
             init_random_(model, seed=RANDOM_SEED + rank)
             model.quantization = quantization
             if rank:
                 drop_lm_head_(model)
             models.append(model)
         return cfg, models, None
-    cfg, whole, model_dir = load_model(spec, dtype=torch.bfloat16, device="cpu", progress=progress,
-                                       quantization=quantization)
-    check_shardable(cfg, world)
-    return cfg, [shard_model(whole, cfg, rank, world, device) for rank, device in enumerate(devices)], model_dir
+    model_dir = Path(spec).expanduser()
+    cfg = read_config(model_dir)
+    local = local_config(cfg, world)
+    quantization = "fp8" if checkpoint_quantization(model_dir) is not None else check_quantization(quantization)
+    models = []
+    for rank, device in enumerate(devices):
+        check_fits(local, dtype, device)
+        model = _empty_model(local, dtype, device)
+        load_safetensors_(model, model_dir, progress=progress, piece=checkpoint_piece(cfg, rank, world))
+        model.quantization = quantization
+        if rank:
+            drop_lm_head_(model)
+        models.append(model)
+    return cfg, models, model_dir

@@ -121,3 +121,21 @@ def test_the_backend_config_takes_tensor_parallel_size_for_the_gpu_modes_only():
         BackendConfig(mode="cpu", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size: 3"):
         BackendConfig(mode="host", tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("kind", ["llama", "phi3", "qwen3_moe", "mixtral"])
+def test_a_checkpoint_folder_loads_each_ranks_share_tensor_by_tensor(tmp_path, kind):
+    """Per-expert tensors, fused qkv/gate_up, shards and index: each rank's model equals the whole one split."""
+    from gpu_backend.parallel.shard import load_rank_models
+
+    cfg = tiny_cfg(kind, num_kv_heads=4)
+    hf = hf_reference(cfg, seed=5)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    whole = ours_from(hf, cfg)
+    loaded_cfg, ranks, folder = load_rank_models(str(tmp_path), [torch.device("cpu")] * 2, progress=False,
+                                                 dtype=torch.float32)
+    assert loaded_cfg.replace(name=cfg.name) == cfg and folder == tmp_path
+    for rank, model in enumerate(ranks):
+        want = dict(shard_model(whole, cfg, rank, 2, torch.device("cpu")).named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p, want[name], rtol=0, atol=0, msg=f"rank {rank}: {name}")
