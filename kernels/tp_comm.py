@@ -21,7 +21,13 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("BLINK_TP_TIMEOUT_S", "10"))  # a peer 
 
 
 def build() -> Path:
-    """The library, compiled now unless a build of this exact source is cached (needs nvcc)."""
+    """The library: $BLINK_TP_LIB when set (prebuilt, e.g. in a container image without nvcc), else compiled now
+    unless a build of this exact source is cached (needs nvcc)."""
+    prebuilt = os.environ.get("BLINK_TP_LIB")
+    if prebuilt:
+        if not Path(prebuilt).is_file():
+            raise RuntimeError(f"BLINK_TP_LIB={prebuilt}: no such file")
+        return Path(prebuilt)
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin): --tensor-parallel-size compiles its kernels with it")
