@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -73,8 +74,11 @@ def open_netns(netns: str | None):
 
 
 def netns_exists(name: str) -> bool:
+    """A named namespace (`ip netns add`): its file under /run/netns (or /var/run/netns), else pyroute2's list."""
     from pyroute2 import netns
 
+    if any(os.path.exists(os.path.join(d, name)) for d in ("/run/netns", "/var/run/netns")):
+        return True
     return name in netns.listnetns()
 
 
