@@ -30,7 +30,7 @@ _INCLUDE = CSRC / "include"
 SOURCES = (CSRC / "persistent_loop.cu", *(_INCLUDE / name for name in (
     "blink_loop.cuh", "blink_loop_build.cuh", "blink_loop_spec.cuh", "blink_loop_ext.cuh", "blink_loop_layout.h",
     "blink_sched.h", "blink_prefix_cache.h", "blink_block_hash.h", "blink_sched_layout.h", "blink_step_layout.h",
-    "blink_sched_par.cuh", "blink_ring.h", "blink_ring_layout.h", "blink_admit.h")))
+    "blink_sched_par.cuh", "blink_ring.h", "blink_ring_layout.h", "blink_admit.h", "blink_sys_mem.cuh")))
 BENCH_SOURCES = (_INCLUDE / "blink_loop_bench.cuh", _INCLUDE / "blink_graph_measure.cuh")
 ARCH = os.environ.get("BLINK_CUDA_ARCH", "sm_90")
 _u32, _u64, _p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
@@ -109,15 +109,23 @@ def nvcc() -> str | None:
     return found if Path(found).exists() else None
 
 
+def prebuilt_library(variable: str) -> Path | None:
+    """The library the environment variable names (prebuilt: a container image without nvcc), None when unset."""
+    value = os.environ.get(variable)
+    if not value:
+        return None
+    if not Path(value).is_file():
+        raise RuntimeError(f"{variable}={value}: no such file")
+    return Path(value)
+
+
 def build(bench: bool = False) -> Path:
     """The library: $BLINK_LOOP_LIB when set (prebuilt, e.g. in a container image without nvcc; not for
     `bench`), else compiled now unless a build of these exact sources is cached. `bench`: with the benchmark
     probes (-DBLINK_BENCH_PROBES), cached apart."""
-    prebuilt = None if bench else os.environ.get("BLINK_LOOP_LIB")
+    prebuilt = None if bench else prebuilt_library("BLINK_LOOP_LIB")
     if prebuilt:
-        if not Path(prebuilt).is_file():
-            raise RuntimeError(f"BLINK_LOOP_LIB={prebuilt}: no such file")
-        return Path(prebuilt)
+        return prebuilt
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin): --mode persistent compiles its loop with it")

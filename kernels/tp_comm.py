@@ -12,10 +12,11 @@ import functools
 import os
 from pathlib import Path
 
-from kernels.persistent_loop import ARCH, nvcc
+from kernels.persistent_loop import ARCH, nvcc, prebuilt_library
 from kernels.sched_host import CSRC, cached_build
 
 SOURCE = CSRC / "tp_comm.cu"
+SOURCES = (SOURCE, CSRC / "include" / "blink_sys_mem.cuh")
 _p, _u32, _u64, _i32 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
 DEFAULT_TIMEOUT_S = float(os.environ.get("BLINK_TP_TIMEOUT_S", "10"))  # a peer silent this long is dead
 
@@ -23,17 +24,15 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("BLINK_TP_TIMEOUT_S", "10"))  # a peer 
 def build() -> Path:
     """The library: $BLINK_TP_LIB when set (prebuilt, e.g. in a container image without nvcc), else compiled now
     unless a build of this exact source is cached (needs nvcc)."""
-    prebuilt = os.environ.get("BLINK_TP_LIB")
+    prebuilt = prebuilt_library("BLINK_TP_LIB")
     if prebuilt:
-        if not Path(prebuilt).is_file():
-            raise RuntimeError(f"BLINK_TP_LIB={prebuilt}: no such file")
-        return Path(prebuilt)
+        return prebuilt
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin): --tensor-parallel-size compiles its kernels with it")
     argv = [compiler, f"-arch={ARCH}", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
-            "-rdc=true", str(SOURCE), "-lcudadevrt"]  # device graph launch (the followers' loop)
-    return cached_build("tp_comm", (SOURCE,), argv)
+            "-rdc=true", "-I", str(CSRC / "include"), str(SOURCE), "-lcudadevrt"]  # device graph launch (followers)
+    return cached_build("tp_comm", SOURCES, argv)
 
 
 @functools.cache

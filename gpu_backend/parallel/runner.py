@@ -88,28 +88,23 @@ class TpRunner:
                     f._step(bucket, GraphVariant.SAMPLE)
 
     @torch.inference_mode()
+    def _together(self, leader_call, step: ScheduledStep):
+        """The followers' step queued, then the leader's call (GpuRunner.run, logits, sampled_logits) on its GPU;
+        raises when a rank failed meanwhile."""
+        self._followers_step(step.bucket)
+        with torch.cuda.device(self.devices[0]):
+            out = leader_call(step)
+        self.check()
+        return out
+
     def run(self, step: ScheduledStep) -> list[int]:
-        self._followers_step(step.bucket)
-        with torch.cuda.device(self.devices[0]):
-            tokens = self.leader.run(step)
-        self.check()
-        return tokens
+        return self._together(self.leader.run, step)
 
-    @torch.inference_mode()
     def logits(self, step: ScheduledStep) -> torch.Tensor:
-        self._followers_step(step.bucket)
-        with torch.cuda.device(self.devices[0]):
-            out = self.leader.logits(step)
-        self.check()
-        return out
+        return self._together(self.leader.logits, step)
 
-    @torch.inference_mode()
     def sampled_logits(self, step: ScheduledStep) -> torch.Tensor:
-        self._followers_step(step.bucket)
-        with torch.cuda.device(self.devices[0]):
-            out = self.leader.sampled_logits(step)
-        self.check()
-        return out
+        return self._together(self.leader.sampled_logits, step)
 
     def check(self) -> None:
         """Raise when a rank stalled or died (a peer's wait timed out)."""

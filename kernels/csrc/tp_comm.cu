@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blink_sys_mem.cuh"  // ld_v, acquire/release at system scope, now_ns
+
 #define BLINK_TP_MAX_RANKS 8
 #define BLINK_TP_BLOCKS 32    // all-reduce blocks, each with its own flags and epoch
 #define BLINK_TP_THREADS 512
@@ -58,29 +60,6 @@ struct blink_tp_rank {          // device memory of its rank; every kernel gets 
   uint32_t num_buckets;
 };
 
-template <typename T>
-__device__ __forceinline__ T ld_v(const T* p) { return *(const volatile T*)p; }
-__device__ __forceinline__ uint32_t ld_acquire_u32(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t ld_acquire_u64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_u32(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_release_u64(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 __device__ __forceinline__ bool quiet(const blink_tp_rank* R) {
   const blink_tp_state* s = R->state[R->rank];
   return !ld_v(&s->live) || ld_v(&s->fault);

@@ -18,8 +18,8 @@ def nvcc():
 
 
 def test_tp_comm_compiles_without_warnings(nvcc, tmp_path):
-    res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-rdc=true", "-Werror", "all-warnings", "-c",
-                          str(tp_comm.SOURCE), "-o", str(tmp_path / "tp.o")], capture_output=True, text=True, timeout=600)
+    res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-rdc=true", "-Werror", "all-warnings", "-I",
+                          str(tp_comm.CSRC / "include"), "-c", str(tp_comm.SOURCE), "-o", str(tmp_path / "tp.o")], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
 
 

@@ -11,6 +11,7 @@
 #include "blink_admit.h"
 #include "blink_ring.h"
 #include "blink_sched.h"
+#include "blink_sys_mem.cuh"
 
 #define BLINK_LOOP_THREADS 256
 #define BLINK_LOOP_IDLE_SLEEP_MAX_NS 2000u
@@ -31,23 +32,7 @@ struct spec_row {
   int32_t ignore_eos;
 };
 
-// ---- memory access to the ring ------------------------------------------------------------------------
-template <typename T>
-__device__ __forceinline__ T ld_v(const T* p) { return *(const volatile T*)p; }
-template <typename T>
-__device__ __forceinline__ void st_v(T* p, T v) { *(volatile T*)p = v; }
-
-__device__ __forceinline__ void st_release_u32(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_release_u64(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+// ---- memory access to the ring (ld_v, st_release_*, now_ns: blink_sys_mem.cuh) --------------------------
 
 __device__ __forceinline__ blink_ring_header* ring_header(const blink_loop_args* a) {
   return (blink_ring_header*)a->ring;
