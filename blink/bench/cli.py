@@ -220,18 +220,30 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: interference stopped, temp dirs removed
 
 
-def _stop_on_signals() -> None:
-    """SIGTERM and SIGINT both unwind as KeyboardInterrupt. SIGINT's handler is set here too, not left to
-    Python: a process started from a background job of a script (`cmd &`, nohup) inherits SIGINT ignored,
-    and Python then installs no handler for it (found when the test suite ran as such a job)."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+@contextlib.contextmanager
+def _stop_on_signals():
+    """While inside: SIGTERM and SIGINT both unwind as KeyboardInterrupt. SIGINT's handler is set here too, not
+    left to Python: a process started from a background job of a script (`cmd &`, nohup) inherits SIGINT ignored,
+    and Python then installs no handler for it (found when the test suite ran as such a job). The handlers before
+    come back on the way out: `main` called in-process (tests) must not leave a SIGTERM that raises in the caller,
+    nor in a process it forks later (pyroute2 forks one per network namespace: such a child unwound into the test
+    runner and ran tests beside it)."""
+    before = signal.signal(signal.SIGTERM, _interrupt), signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
 
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "interfere":
         return run_interfere(args)
-    _stop_on_signals()
+    with _stop_on_signals():
+        return _run_bench(args)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("BLINK_API_KEY") or os.environ.get("OPENAI_API_KEY")
     try:
         model = args.model or asyncio.run(discover_model(args.url, api_key))
@@ -270,9 +282,9 @@ def prefix_reuse_line(doc: dict) -> str:
 def run_interfere(args: argparse.Namespace) -> int:
     """Interference alone until `--seconds` pass or Ctrl-C/SIGTERM; always stopped and cleaned."""
     it = make_interference(args, args.threads, args.seconds)
-    _stop_on_signals()
     print(f"interference: {it.describe()}", flush=True)
-    with contextlib.suppress(KeyboardInterrupt), it:  # an interrupt during start-up too: stopped, exit 0
+    # an interrupt during start-up too: stopped, exit 0
+    with _stop_on_signals(), contextlib.suppress(KeyboardInterrupt), it:
         deadline = time.monotonic() + args.seconds
         while time.monotonic() < deadline and any(w.proc.poll() is None for w in it.workers):
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

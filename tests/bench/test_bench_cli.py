@@ -20,3 +20,18 @@ def test_num_requests_beyond_the_default_size_builds_that_many():
     assert len(build_workload(args).requests) == 1500
     args = build_parser().parse_args(["bench", "--workload", "sharegpt", "--num-requests", "10"])
     assert len(build_workload(args).requests) == 10
+
+
+def test_main_called_in_process_gives_the_callers_signal_handlers_back():
+    """A SIGTERM that raises KeyboardInterrupt must not outlive `blink bench` in a caller's process (a test run):
+    a process the caller forks later would inherit it (pyroute2 forks per network namespace)."""
+    import signal
+
+    import pytest
+
+    from blink.bench.cli import main
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with pytest.raises(SystemExit, match="cannot list models"):
+        main(["--url", "http://127.0.0.1:9/v1", "--workload", "batch1"])
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
