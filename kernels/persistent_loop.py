@@ -119,6 +119,16 @@ def prebuilt_library(variable: str) -> Path | None:
     return Path(value)
 
 
+def library_argv(source: Path, needed_by: str) -> list[str]:
+    """nvcc's command for a shared library of `source` with device graph launch (-rdc, cudadevrt), as the loop
+    and tensor parallelism's kernels build; RuntimeError naming `needed_by` when there is no nvcc."""
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError(f"nvcc not found (PATH, $CUDA_HOME/bin): {needed_by} compiles its kernels with it")
+    return [compiler, f"-arch={ARCH}", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
+            "-rdc=true", "-I", str(_INCLUDE), str(source), "-lcudadevrt"]
+
+
 def build(bench: bool = False) -> Path:
     """The library: $BLINK_LOOP_LIB when set (prebuilt, e.g. in a container image without nvcc; not for
     `bench`), else compiled now unless a build of these exact sources is cached. `bench`: with the benchmark
@@ -126,11 +136,7 @@ def build(bench: bool = False) -> Path:
     prebuilt = None if bench else prebuilt_library("BLINK_LOOP_LIB")
     if prebuilt:
         return prebuilt
-    compiler = nvcc()
-    if compiler is None:
-        raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin): --mode persistent compiles its loop with it")
-    argv = [compiler, f"-arch={ARCH}", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
-            "-rdc=true", "-I", str(_INCLUDE), str(SOURCES[0]), "-lcudadevrt"]  # device graph launch
+    argv = library_argv(SOURCES[0], "--mode persistent")
     if bench:
         return cached_build("persistent_loop_bench", SOURCES + BENCH_SOURCES, [*argv, "-DBLINK_BENCH_PROBES"])
     return cached_build("persistent_loop", SOURCES, argv)

@@ -12,7 +12,7 @@ import functools
 import os
 from pathlib import Path
 
-from kernels.persistent_loop import ARCH, nvcc, prebuilt_library
+from kernels.persistent_loop import library_argv, prebuilt_library
 from kernels.sched_host import CSRC, cached_build
 
 SOURCE = CSRC / "tp_comm.cu"
@@ -27,12 +27,7 @@ def build() -> Path:
     prebuilt = prebuilt_library("BLINK_TP_LIB")
     if prebuilt:
         return prebuilt
-    compiler = nvcc()
-    if compiler is None:
-        raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin): --tensor-parallel-size compiles its kernels with it")
-    argv = [compiler, f"-arch={ARCH}", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
-            "-rdc=true", "-I", str(CSRC / "include"), str(SOURCE), "-lcudadevrt"]  # device graph launch (followers)
-    return cached_build("tp_comm", SOURCES, argv)
+    return cached_build("tp_comm", SOURCES, library_argv(SOURCE, "--tensor-parallel-size"))
 
 
 @functools.cache

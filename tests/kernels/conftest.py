@@ -90,3 +90,14 @@ def _patch_interpreter_bf16() -> None:
 
 if INTERPRET:
     _patch_interpreter_bf16()
+
+
+@pytest.fixture(scope="session")
+def nvcc():
+    """nvcc's path for the tests that build the C/CUDA libraries (no GPU needed); skips where there is none."""
+    from kernels import persistent_loop
+
+    found = persistent_loop.nvcc()
+    if found is None:
+        pytest.skip("nvcc not found (PATH, $CUDA_HOME/bin): cannot build the CUDA libraries")
+    return found

@@ -9,14 +9,6 @@ import pytest
 from kernels import persistent_loop
 
 
-@pytest.fixture(scope="module")
-def nvcc():
-    found = persistent_loop.nvcc()
-    if found is None:
-        pytest.skip("nvcc not found (PATH, $CUDA_HOME/bin): cannot build the persistent loop")
-    return found
-
-
 @pytest.mark.parametrize("defines", [[], ["-DBLINK_BENCH_PROBES"]], ids=["product", "bench"])
 def test_loop_compiles_without_warnings(nvcc, tmp_path, defines):
     res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-rdc=true", "-Werror", "all-warnings", *defines, "-I",
