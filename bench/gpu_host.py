@@ -39,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from blink.bench.collectors import thread_run_ns, threads_cpu_s  # noqa: E402
 from blink.bench.results import commit  # noqa: E402
 from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig  # noqa: E402
 from gpu_backend.engine.graph_variant import GraphVariant  # noqa: E402
@@ -275,7 +276,7 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
             time.sleep(0.001)
         s0 = {k: getattr(ctl, k) for k in ("steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "commit_ns",
                                            "schedule_ns", "fill_ns", "spec_hits", "spec_misses", "spec_ns", "gap_ns", "gap_steps")}
-        c0, w0 = time.process_time(), time.perf_counter()
+        c0, w0, t0 = time.process_time(), time.perf_counter(), thread_run_ns(os.getpid())
         if window is not None:
             window(True)
         while ctl.steps < s0["steps"] + decode_steps_wanted:
@@ -286,7 +287,7 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
                 prod.poll(s)
             time.sleep(0.0005)
         s1 = {k: getattr(ctl, k) for k in s0}
-        c1, w1 = time.process_time(), time.perf_counter()
+        c1, w1, t1 = time.process_time(), time.perf_counter(), thread_run_ns(os.getpid())
         if window is not None:
             window(False)
         d = {k: s1[k] - s0[k] for k in s0}
@@ -299,7 +300,8 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
                 "gap_us": d["gap_ns"] / max(d["gap_steps"], 1) / 1e3,
                 "ctx_len_mid": int(prompt_len + tokens_mid), "tokens": d["tokens"],
                 "tok_s": d["tokens"] / (w1 - w0), "cpu_s": c1 - c0,
-                "cpu_us_per_token": 1e6 * (c1 - c0) / max(d["tokens"], 1)}
+                "cpu_us_per_token": 1e6 * (c1 - c0) / max(d["tokens"], 1),
+                "cpu_s_by_thread": {k: v for k, v in threads_cpu_s(t0, t1).items() if v >= 1e-5}}
     finally:
         if engine is not None:
             engine.shutdown()

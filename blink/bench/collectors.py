@@ -4,7 +4,9 @@ Each collector has `start()` and `stop(generated_tokens) -> dict`; one that cann
 `{"available": False, "reason": "not available: <why>"}` instead of failing.
 - `CpuCollector`: user + system CPU seconds of a process and all its descendants, from
   /proc/PID/stat (utime, stime, and cutime/cstime for descendants that exited and were reaped in the
-  window), per generated token.
+  window), per generated token; and where it goes, by thread name (`per_thread_cpu_s`, from each thread's
+  /proc/PID/task/TID/schedstat run time in nanoseconds, so milliseconds show: which threads a backend's
+  steady CPU comes from).
 - `NvmlCollector`: `nvmlDeviceGetTotalEnergyConsumption` delta (mJ) per generated token, summed over the
   GPUs, and GPU utilisation sampled every `interval_s` on a thread.
 - `roofline`: achieved GB/s of a decode step against a copy bandwidth (BENCH.md "Roofline").
@@ -81,27 +83,57 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(f) for f in fields[11:15]) / CLOCK_TICKS  # stat fields 14..17
 
 
+def thread_run_ns(pid: int) -> dict[int, tuple[str, int]]:
+    """tid -> (thread name, nanoseconds run on a CPU) for each live thread of `pid` (empty if it is gone)."""
+    threads = {}
+    try:
+        tasks = os.scandir(f"/proc/{pid}/task")
+    except OSError:
+        return threads
+    for task in tasks:
+        try:
+            name = Path(task.path, "comm").read_text().strip()
+            run_ns = int(Path(task.path, "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile, or no schedstat in this kernel
+        threads[int(task.name)] = (name, run_ns)
+    return threads
+
+
+def threads_cpu_s(start: dict[int, tuple[str, int]], end: dict[int, tuple[str, int]]) -> dict[str, float]:
+    """CPU seconds per thread name between two `thread_run_ns` snapshots (threads of one name summed; a thread
+    that ended in between is not counted here), largest first."""
+    by_name: dict[str, float] = {}
+    for tid, (name, run_ns) in end.items():
+        before = start.get(tid, (name, 0))[1]
+        by_name[name] = by_name.get(name, 0.0) + (run_ns - before) / 1e9
+    return dict(sorted(((n, round(v, 6)) for n, v in by_name.items()), key=lambda kv: -kv[1]))
+
+
 class CpuCollector:
-    """CPU seconds of a process tree over the window, per generated token."""
+    """CPU seconds of a process tree over the window, per generated token; the root process's by thread."""
 
     def __init__(self, pid: int):
         self.pid = pid
         self._start: dict[int, float] = {}
+        self._threads: dict[int, tuple[str, int]] = {}
 
     def _snapshot(self) -> dict[int, float]:
         return {p: cpu_seconds(p) for p in process_tree(self.pid)}
 
     def start(self) -> None:
         self._start = self._snapshot()
+        self._threads = thread_run_ns(self.pid)
 
     def stop(self, generated_tokens: int) -> dict:
         if not Path(f"/proc/{self.pid}").exists():
             return {"available": False, "reason": f"not available: process {self.pid} is gone"}
-        end = self._snapshot()
+        end, threads = self._snapshot(), thread_run_ns(self.pid)
         per_pid = {p: end[p] - self._start.get(p, 0.0) for p in end}
         cpu_s = sum(per_pid.values())
         return {"available": True, "pid": self.pid, "num_processes": len(end), "cpu_s": cpu_s,
                 "per_process_cpu_s": {str(p): round(v, 4) for p, v in per_pid.items()},
+                "per_thread_cpu_s": threads_cpu_s(self._threads, threads),
                 "generated_tokens": generated_tokens,
                 "cpu_s_per_token": cpu_s / generated_tokens if generated_tokens else None}
 

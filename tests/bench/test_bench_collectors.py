@@ -33,6 +33,37 @@ def test_cpu_collector_counts_descendants_alive_and_reaped():
         parent.wait()
 
 
+# a thread named "spinner" (prctl names the OS thread: /proc's comm) spins 0.3 s of CPU, then waits alive
+SPIN_NAMED = """import ctypes, threading, time
+def spin(done):
+    ctypes.CDLL(None).prctl(15, b"spinner", 0, 0, 0)  # PR_SET_NAME
+    t = time.thread_time()
+    while time.thread_time() - t < 0.3:
+        pass
+    done.wait()
+done = threading.Event()
+threading.Thread(target=spin, args=(done,), daemon=True).start()
+time.sleep(30)
+"""
+
+
+def test_cpu_collector_names_the_threads_its_cpu_went_to():
+    proc = subprocess.Popen([sys.executable, "-c", "import os, sys; exec(sys.stdin.read())"], stdin=subprocess.PIPE)
+    try:
+        c = CpuCollector(proc.pid)
+        c.start()
+        proc.stdin.write(SPIN_NAMED.encode())
+        proc.stdin.close()
+        time.sleep(1.5)  # the spinning thread has run its 0.3 s (threads live on after their end are not counted)
+        out = c.stop(generated_tokens=1)
+    finally:
+        proc.kill()
+        proc.wait()
+    threads = out["per_thread_cpu_s"]
+    assert threads.get("spinner", 0) >= 0.25, threads
+    assert list(threads)[0] == "spinner"  # largest first
+
+
 @pytest.mark.slow
 def test_cpu_collector_attributes_generation_to_the_backend(live_server, backend_pid):
     gateway = [p for p in process_tree(live_server.proc.pid)[1:] if b"gateway" in cmdline(p)]
