@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}; MODE=${MODE:-persistent}; MODEL=${MODEL:-random:llama-3-8b}; PY=${PYTHON:-python3}
 RATE=${RATE:-16}; N=${N:-1000}; CONV=${CONV:-64}; TURNS=${TURNS:-8}; CONC=${CONC:-64}
 SYSTEM_LEN=${SYSTEM_LEN:-2000}; QUESTION_LEN=${QUESTION_LEN:-50}; ANSWER_LEN=${ANSWER_LEN:-100}
-OFF_FLAGS=${OFF_FLAGS---no-prefix-caching}
+OFF_FLAGS=${OFF_FLAGS---no-prefix-caching}; PORT=${PORT:-8000}  # PORT: `one`'s server (two runs side by side)
 read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 4096 --num-slots 1024 --max-output-len 2048}"
 export BLINK_API_KEY=${BLINK_API_KEY:-bench-key} BLINK_LOG_LEVEL=${BLINK_LOG_LEVEL:-WARNING}
 mkdir -p "$OUT"
@@ -28,9 +28,9 @@ one() {
     local tag flags
     for tag in on off; do
         flags=(); [ "$tag" = off ] && flags=($OFF_FLAGS)
-        start_serve 8000 "$OUT/prefix-serve-$tag.log" --mode "$MODE" --model "$MODEL" "${SERVE_FLAGS[@]}" "${flags[@]}"
-        eval "shared_$tag=\$(bench \"$OUT/prefix-shared-$tag\" http://127.0.0.1:8000/v1 blink-$MODE-cache-$tag \"\${shared[@]}\")"
-        eval "turns_$tag=\$(bench \"$OUT/prefix-turns-$tag\" http://127.0.0.1:8000/v1 blink-$MODE-cache-$tag \"\${turns[@]}\")"
+        start_serve "$PORT" "$OUT/prefix-serve-$tag.log" --grpc-port 0 --mode "$MODE" --model "$MODEL" "${SERVE_FLAGS[@]}" "${flags[@]}"
+        eval "shared_$tag=\$(bench \"$OUT/prefix-shared-$tag\" http://127.0.0.1:$PORT/v1 blink-$MODE-cache-$tag \"\${shared[@]}\")"
+        eval "turns_$tag=\$(bench \"$OUT/prefix-turns-$tag\" http://127.0.0.1:$PORT/v1 blink-$MODE-cache-$tag \"\${turns[@]}\")"
         stop_serve $serve
     done
     $PY bench/prefix_compare.py --on "$shared_on" --off "$shared_off"

@@ -90,17 +90,30 @@ def test_graph_replay_equals_eager_steps(kind):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_host_engine_gives_the_cpu_engines_greedy_tokens(kind):
-    cfg, _, model = _pair(kind)
+    cfg, hf32, model = _pair(kind)
     cpu_runner = CpuRunner(copy.deepcopy(model).float(), cfg, 96, 16, context_len=512, max_num_batched_tokens=64,
                            max_num_seqs=8)
     cpu_tokens, cpu_fin, _ = _drive(cpu_runner, cfg, _specs())
     gpu_tokens, gpu_fin, _ = _drive(_runner(model.to(device="cuda", dtype=torch.bfloat16), cfg,
                                             max_num_batched_tokens=64), cfg, _specs())
     assert cpu_fin == gpu_fin == [FinishReason.LENGTH] * 4
-    # the greedy requests: bf16 activations may flip a near-tied expert choice somewhere in 24 tokens (fp32 on
-    # the CPU), after which the sequences may part; the prefix before it agrees (the dense test: all 24)
+    # the greedy requests: once bf16 picks the other of two near-tied tokens (or a near-tied expert), the two
+    # sequences part, and on these tiny random models that can happen within a few tokens (seen on an H200 at
+    # token 2 of phi3 and 7 of qwen3_moe). So each engine's greedy tokens are checked against float32
+    # transformers on its own sequence: every token is the reference's argmax or within a small part of the
+    # row's spread of it (a wrong token is not), and most are the argmax itself
+    specs = _specs()
     for i in (0, 3):
-        assert gpu_tokens[i][:8] == cpu_tokens[i][:8], f"request {i}: {gpu_tokens[i]} vs {cpu_tokens[i]}"
+        for name, tokens in (("gpu", gpu_tokens[i]), ("cpu", cpu_tokens[i])):
+            prompt = list(specs[i].prompt_ids)
+            with torch.inference_mode():
+                logits = hf32(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+            picked = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+            best, spread = logits.max(dim=1).values, logits.max(dim=1).values - logits.mean(dim=1)
+            gap = (best - picked) / spread
+            exact = (gap == 0).float().mean().item()
+            assert gap.max().item() < 0.03, f"{name} request {i}: a token {gap.max():.3f} of the spread below the best"
+            assert exact >= 0.75, f"{name} request {i}: only {exact:.0%} of its tokens are the argmax"
 
 
 @pytest.mark.slow
