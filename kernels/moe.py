@@ -27,6 +27,8 @@ rounded; the down projection rounded, then weighted and summed in float32 and ro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -226,12 +228,33 @@ def block_n(rows: int) -> int:
     return 32 if rows <= 16 else 64
 
 
+@dataclass(frozen=True)
+class ExpertTiles:
+    """The expert GEMMs' launch shape: output columns and K depth per program, warps, pipeline stages (None:
+    Triton's default). `expert_tiles` picks it; bench/moe_probe.py times others."""
+
+    block_n: int
+    block_k: int = _BLOCK_K
+    num_warps: int = 4
+    num_stages: int | None = None
+
+    def launch(self) -> dict:
+        extra = {} if self.num_stages is None else {"num_stages": self.num_stages}
+        return dict(BLOCK_N=self.block_n, BLOCK_K=self.block_k, num_warps=self.num_warps, **extra)
+
+
+def expert_tiles(rows: int) -> ExpertTiles:
+    """The tiles for row blocks of `rows` pairs."""
+    return ExpertTiles(block_n(rows))
+
+
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts_gate_up: torch.Tensor,
-                experts_down: torch.Tensor) -> torch.Tensor:
+                experts_down: torch.Tensor, tiles: ExpertTiles | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j]: x [T, hidden] bf16/fp16;
     weights [T, k] float32; ids [T, k] int32, each in 0..E-1 (what `moe_route` gives; an id out of range
     leaves its pair's rows unwritten); experts_gate_up [E, 2 I, hidden] (gate rows first); experts_down
-    [E, hidden, I]. -> [T, hidden] in x's dtype. Graph-capturable; no host sync."""
+    [E, hidden, I]. -> [T, hidden] in x's dtype. Graph-capturable; no host sync. `tiles`: the GEMMs' launch
+    shape (default `expert_tiles`)."""
     num_tokens, hidden, num_experts, inter = _check_experts(x, weights, ids, experts_gate_up, experts_down)
     top_k, num_pairs = ids.shape[1], ids.numel()
     if num_tokens == 0:
@@ -242,8 +265,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     table = moe_block_table(counts, offsets, bm, row_blocks)
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
-    bn = block_n(bm)
-    common = dict(TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_BLOCK_K, num_warps=4)
+    tiles = tiles or expert_tiles(bm)
+    bn = tiles.block_n
+    common = dict(TOP_K=top_k, BLOCK_M=bm, **tiles.launch())
     _expert_gemm_kernel[(row_blocks, triton.cdiv(inter, bn))](
         x, experts_gate_up, h, sorted_pairs, *table, weights, inter, hidden, x.stride(0),
         experts_gate_up.stride(0), experts_gate_up.stride(1), h.stride(0), inter, SWIGLU=True, **common)
