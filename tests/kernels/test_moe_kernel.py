@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (CI may not install it)")
 
 from gpu_backend.models.moe import expert_mlp, moe_reference, route  # noqa: E402
-from kernels.moe import (block_m, block_n, fused_moe, max_row_blocks, moe_align, moe_block_table,  # noqa: E402
+from kernels.moe import (ExpertTiles, block_m, expert_tiles, fused_moe, max_row_blocks, moe_align, moe_block_table,  # noqa: E402
                          moe_experts, moe_route)
 
 
@@ -120,7 +120,9 @@ def test_fused_moe_matches_the_torch_op(device):
 
 def test_block_m_follows_the_pairs_per_expert():
     assert block_m(8, 128) == 16 and block_m(2048, 128) == 16 and block_m(4096, 128) == 32
-    assert block_m(512, 8) == 64 and block_n(16) == 32 and block_n(64) == 64
+    assert block_m(512, 8) == 64
+    assert expert_tiles(16) == ExpertTiles(64, 128, 4, 4) and expert_tiles(64).block_n == 64
+    assert "num_stages" not in ExpertTiles(32).launch() and ExpertTiles(32, 64, 4, 6).launch()["num_stages"] == 6
 
 
 def test_moe_rejects_bad_arguments(device):
