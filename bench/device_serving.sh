@@ -15,6 +15,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}; MODE=${MODE:-host}; MODEL=${MODEL:-random:llama-3-8b}
 RATES=${RATES-4,8,16,32}; N=${N:-300}; N_SAT=${N_SAT:-1000}; PY=${PYTHON:-python3}
+GOODPUT=${GOODPUT-ttft:2000 tpot:50}  # the SLOs `good/s` counts against (issue 22's example); empty: none
 SERVE_ARGS=${SERVE_ARGS:-}; WEIGHT_BYTES=${WEIGHT_BYTES:-16.06e9}; LABEL=${LABEL:-blink-$MODE}
 GATEWAY_CORES=${GATEWAY_CORES:-}; BACKEND_CORES=${BACKEND_CORES:-}; INTERFERE=${INTERFERE:-}; RATES_I=${RATES_I:-32,inf}
 export BLINK_API_KEY=${BLINK_API_KEY:-bench-key} BLINK_LOG_LEVEL=${BLINK_LOG_LEVEL:-WARNING}
@@ -36,6 +37,7 @@ done
 grep -E "GPU runner|backend ready" "$OUT/serve-$MODE.log"
 common=(--url http://127.0.0.1:8000/v1 --workload sharegpt --label "$LABEL" --serve-pid $serve
         --out "$OUT" --no-progress --warmup-requests 8 --weight-bytes "$WEIGHT_BYTES" --copy-gbps 4200)
+[ -n "$GOODPUT" ] && common+=(--goodput $GOODPUT)
 if [ -n "$GATEWAY_CORES" ]; then
     for pid in $(pgrep -P $serve -f "blink.cli gateway"); do taskset -acp "$GATEWAY_CORES" "$pid" >/dev/null; done
     common+=(--gateway-cores "$GATEWAY_CORES")
