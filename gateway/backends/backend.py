@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 
@@ -248,6 +249,16 @@ class Backend:
     def masks_from_any_thread(self) -> bool:
         """`put_mask` may run on a mask thread (the producer's word: shm), not only on the event loop."""
         return self._producer.masks_from_any_thread
+
+    def token_peek(self, handle: RequestHandle):
+        """A read-only reader of the request's generated tokens for a thread other than the event loop:
+        `peek(start)` -> the tokens from index `start` on, [] if none yet, None while the engine has not taken
+        the request (`ShmProducer.peek_tokens`); None where the transport has none (tcp, rdma)."""
+        peek = getattr(self._producer, "peek_tokens", None)
+        if peek is None or not self.masks_from_any_thread:
+            return None
+        seq, _ = self._producer.position(handle.slot)
+        return functools.partial(peek, handle.slot, seq)
 
     def put_mask(self, handle: RequestHandle, token_index: int, words) -> None:
         """The mask of the request's generated token `token_index` into its slot (the engine waits for it);

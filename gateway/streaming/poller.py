@@ -187,8 +187,8 @@ class Poller:
             if handle.mask_loop is not None:  # the next token's mask first: the engine waits for it
                 if update.finish:
                     handle.mask_loop.close()
-                elif tokens and not handle.abandoned:
-                    handle.mask_loop.advance(tokens)
+                elif tokens and not handle.abandoned:  # unless the mask watcher handed them over first
+                    handle.mask_loop.advance(tokens, handle.num_produced)
             if not handle.abandoned:
                 if tokens:
                     self.outstanding -= handle.produced(len(tokens))
