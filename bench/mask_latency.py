@@ -86,8 +86,8 @@ def summary(r: dict) -> str:
     def us(key: str) -> str:
         return "-" if r[key] is None else f"{r[key]:.0f}"
     skipped = "-" if r["skipped_fraction"] is None else f"{100 * r['skipped_fraction']:.2f}%"
-    return (f"streams {r['streams']:3d} workers {r['workers']}: {r['masks']} masks, latency P50 {us('mask_latency_us_p50')} "
-            f"us P99 {us('mask_latency_us_p99')} us max {us('mask_latency_us_max')} us; over one step "
+    return (f"streams {r['streams']:3d} workers {r['workers']}: {r['masks']} masks, latency "
+            f"P50 {us('mask_latency_us_p50')} us P99 {us('mask_latency_us_p99')} us max {us('mask_latency_us_max')} us; over one step "
             f"({r['step_ms']:g} ms) {r['mask_over_one_step']}; skipped steps {r['skipped_steps']}/{r['row_steps']} "
             f"({skipped}); requests {r['requests']} errors {r['errors']}")
 

@@ -12,13 +12,13 @@ feeds the matcher; `advance` takes each token index once). Elsewhere (tcp, rdma:
 event loop's) the poller feeds the matcher and the mask is written back on the event loop.
 
 One request's steps run one at a time, in order (its matcher is not shared); requests run side by side on the
-pool's threads, so one slow grammar holds up only its own request's masks (and at worst one of the threads).
+pool's threads, and a request whose grammar masks slowly moves to a slow lane of its own (MASK_THREADS below),
+so one slow grammar holds up only its own request's masks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -30,30 +30,36 @@ import numpy as np
 from .grammar import Compiled, Grammars
 
 # Threads computing masks: llguidance's mask takes tens to hundreds of microseconds of a core per token, and
-# releases the GIL meanwhile. At least 2 (a 2-core gateway too): one request's slow mask (llguidance's fuel
-# limits bound it, PARSER_LIMITS) must leave a thread for the others.
-MASK_THREADS = max(2, min(4, (os.cpu_count() or 2) - 1))
+# releases the GIL meanwhile. Two pools, so that slow grammars wait for each other and never for the rest: a
+# request's steps run on the main pool (MASK_THREADS, started as needed) until one takes over SLOW_STEP_S,
+# then on the slow lane (SLOW_MASK_THREADS). The main pool is then blocked only by MASK_THREADS grammars
+# turning slow at once, each for one step (bench/mask_latency.py, tests/gateway/test_structured_gateway.py).
+MASK_THREADS = 8
+SLOW_MASK_THREADS = 2
+SLOW_STEP_S = 0.02
 # One token's mask step may take this long; a request whose step takes longer ends with an error instead of
 # leaving its row waiting (the mask watcher checks, `mask_watch.py`; llguidance's fuel limits make it rare).
 MASK_STEP_LIMIT_S = 5.0
-_pool: ThreadPoolExecutor | None = None
+_pools: dict[bool, ThreadPoolExecutor] = {}
 
 PutMask = Callable[[int, np.ndarray], None]  # (token index, [mask_words] uint32)
 OnError = Callable[[str], None]  # the request must end with this message
 
 
-def mask_pool() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=MASK_THREADS, thread_name_prefix="grammar-mask")
-    return _pool
+def mask_pool(slow: bool = False) -> ThreadPoolExecutor:
+    """The main pool, or the slow lane's."""
+    pool = _pools.get(slow)
+    if pool is None:
+        pool = _pools[slow] = ThreadPoolExecutor(max_workers=SLOW_MASK_THREADS if slow else MASK_THREADS,
+                                                 thread_name_prefix="grammar-mask-slow" if slow else "grammar-mask")
+    return pool
 
 
 class MaskLoop:
     """One constrained request's matcher, advanced by the tokens it generates; see the module's docstring."""
 
     __slots__ = ("grammars", "matcher", "put_mask", "on_error", "num_consumed", "num_seen", "_pending", "_running",
-                 "closed", "_loop", "put_from_pool", "_lock", "_step_started_s")
+                 "closed", "_loop", "put_from_pool", "_lock", "_step_started_s", "slow")
 
     def __init__(self, grammars: Grammars, compiled: Compiled, put_mask: PutMask, on_error: OnError,
                  put_from_pool: bool = False):
@@ -69,6 +75,7 @@ class MaskLoop:
         self._pending: list[int] = []  # tokens arrived while a step ran
         self._running = False
         self._step_started_s = 0.0  # when the running step was queued (time.monotonic)
+        self.slow = False  # a step took over SLOW_STEP_S: the next ones run on the slow lane
         self.closed = False
         self._loop = asyncio.get_running_loop()
 
@@ -111,14 +118,16 @@ class MaskLoop:
     def _start(self) -> None:
         tokens, self._pending, self._running = self._pending, [], True
         self._step_started_s = time.monotonic()
-        mask_pool().submit(self._step, tokens)
+        mask_pool(self.slow).submit(self._step, tokens)
 
     def _step(self, token_ids: list[int]) -> None:
         """In a pool thread: consume the tokens, compute the next mask, put it (or hand it to the event loop)."""
+        started_s = time.monotonic()
         try:
             result: np.ndarray | str | None = self.consume_and_mask(token_ids)
         except Exception as exc:  # a library failure ends this request, never the pool
             result = f"the grammar engine failed: {exc}"
+        self.slow = self.slow or time.monotonic() - started_s > SLOW_STEP_S
         if self.put_from_pool:
             self._end_step(result)
             return
