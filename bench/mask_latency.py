@@ -70,23 +70,24 @@ async def clients(url: str, streams: int, duration_s: float) -> dict:
     return counts
 
 
-def run(streams: int, workers: int, step_ms: float, duration_s: float) -> dict:
+def run(streams: int, workers: int, step_ms: float, duration_s: float, poll_spin_s: float | None = None) -> dict:
     stats_path = Path(tempfile.mkdtemp(prefix="blink-masklat-")) / "engine.json"
     with mask_traffic_engine(step_ms / 1e3, str(stats_path)) as (_, control, _pid):
-        with gateway_in_front(control, workers=workers) as (url, _pids):
+        with gateway_in_front(control, workers=workers, poll_spin_s=poll_spin_s) as (url, _pids):
             asyncio.run(clients(url, min(streams, 2), 2.0))  # warm: the tokenizer, the grammar's compile
             t0 = time.monotonic()
             counts = asyncio.run(clients(url, streams, duration_s))
             wall_s = time.monotonic() - t0
     engine = json.loads(stats_path.read_text())
-    return {"streams": streams, "workers": workers, "wall_s": wall_s, **counts, **engine}
+    return {"streams": streams, "workers": workers, "poll_spin_s": poll_spin_s, "wall_s": wall_s, **counts, **engine}
 
 
 def summary(r: dict) -> str:
     def us(key: str) -> str:
         return "-" if r[key] is None else f"{r[key]:.0f}"
     skipped = "-" if r["skipped_fraction"] is None else f"{100 * r['skipped_fraction']:.2f}%"
-    return (f"streams {r['streams']:3d} workers {r['workers']}: {r['masks']} masks, latency "
+    spin = "" if r["poll_spin_s"] is None else f" spin {r['poll_spin_s']:g}"
+    return (f"streams {r['streams']:3d} workers {r['workers']}{spin}: {r['masks']} masks, latency "
             f"P50 {us('mask_latency_us_p50')} us P99 {us('mask_latency_us_p99')} us max {us('mask_latency_us_max')} us; over one step "
             f"({r['step_ms']:g} ms) {r['mask_over_one_step']}; skipped steps {r['skipped_steps']}/{r['row_steps']} "
             f"({skipped}); requests {r['requests']} errors {r['errors']}")
@@ -98,13 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, nargs="+", default=[1])
     p.add_argument("--step-ms", type=float, default=7.0, help="the fake engine's step period")
     p.add_argument("--duration-s", type=float, default=20.0)
+    p.add_argument("--poll-spin-s", type=float, default=None,
+                   help="the gateway's poll_spin_s (default its own); 0: its poller never spins, which on a machine "
+                        "with few cores leaves them to the engine, the client and the mask threads")
     p.add_argument("--label", default="", help="a name for this set of runs (before/after)")
     p.add_argument("--out", default=None, help="a folder: the results as JSON there")
     args = p.parse_args(argv)
     results = []
     for workers in args.workers:
         for streams in args.streams:
-            r = run(streams, workers, args.step_ms, args.duration_s)
+            r = run(streams, workers, args.step_ms, args.duration_s, args.poll_spin_s)
             print(summary(r), flush=True)
             results.append(r)
     if args.out:

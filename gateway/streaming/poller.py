@@ -217,3 +217,6 @@ class Poller:
             self._next_check_s = now + self.config.heartbeat_check_s
             self._owner.check_heartbeat()
             self._owner.tidy()
+            for handle in self.requests.values():  # a grammar stuck on one token must not leave its row waiting
+                if handle.mask_loop is not None:
+                    handle.mask_loop.fail_if_overdue(now)

@@ -38,7 +38,7 @@ MASK_THREADS = 8
 SLOW_MASK_THREADS = 2
 SLOW_STEP_S = 0.02
 # One token's mask step may take this long; a request whose step takes longer ends with an error instead of
-# leaving its row waiting (the mask watcher checks, `mask_watch.py`; llguidance's fuel limits make it rare).
+# leaving its row waiting (the poller checks every heartbeat_check_s; llguidance's fuel limits make it rare).
 MASK_STEP_LIMIT_S = 5.0
 _pools: dict[bool, ThreadPoolExecutor] = {}
 

@@ -6,8 +6,7 @@ tens of milliseconds at 64 streams on one worker, bench/mask_latency.py) no long
 It only reads (`ShmProducer.peek_tokens`: the tokens after the ones the matcher has, validated by the
 response's sequence number, read before and after them); the poller stays the one reader that advances the
 ring's consumed counter and delivers tokens to clients. The mask work itself runs on the mask loops' pool, so
-a slow grammar holds up only its own request; one whose mask step takes over MASK_STEP_LIMIT_S ends with an
-error (its row would wait for that mask without bound). The thread runs while constrained requests are in flight; it
+a slow grammar holds up only its own request. The thread runs while constrained requests are in flight; it
 scans their slots every WATCH_PERIOD_S (a few microseconds each) and sleeps when there are none.
 
 The event loop thread holds the GIL most of the time under load, and a thread that waits for it gets it only
@@ -31,7 +30,8 @@ log = logging.getLogger("blink.gateway.structured")
 WATCH_PERIOD_S = 0.0001  # between scans of the watched slots (a decode step is milliseconds)
 SWITCH_INTERVAL_S = 0.0002  # the GIL's switch interval while constrained requests are watched
 
-# (first index) -> the request's generated tokens from there on, or None when its slot no longer holds it
+# (first index) -> the request's generated tokens from there on ([] if none yet), or None while its slot does not
+# hold it (not taken by the engine yet, or reused)
 Peek = Callable[[int], "list[int] | None"]
 
 
@@ -71,11 +71,9 @@ class MaskWatch:
             time.sleep(self.period_s)
 
     def scan(self) -> None:
-        """One pass over the watched loops: their new tokens to each; closed ones dropped, ones whose step
-        overran MASK_STEP_LIMIT_S ended."""
-        now_s = time.monotonic()
+        """One pass over the watched loops: their new tokens to each; closed ones dropped."""
         for key, (loop, peek) in list(self._loops.items()):
-            if loop.closed or loop.fail_if_overdue(now_s):
+            if loop.closed:
                 self._drop(key)
                 continue
             start = loop.num_seen
