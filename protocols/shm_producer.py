@@ -259,6 +259,12 @@ class ShmProducer:
             tokens = self._i32[t0 + first : t0 + cap].tolist() + self._i32[t0 : t0 + (produced % cap)].tolist()
         return tokens if u64[w >> 1] == seq else None
 
+    def response_view(self, slot: int) -> np.ndarray:
+        """The slot's response area as a uint8 view, to be read only (its words are the engine's): for a reader
+        in native code (the gateway's mask watcher); holding it keeps the ring mapped (ShmRing.close)."""
+        base = self.ring.resp(slot)
+        return self.ring.buf[base : base + self.geometry.response_bytes]
+
     def _tokens(self, t0: int, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of a response whose token words begin at word `t0` (a circular buffer)."""
         cap = self.geometry.max_output_len

@@ -18,7 +18,7 @@ from ..streaming.request_handle import RequestHandle
 from .constraint import Constraint
 from .grammar import Compiled, Grammars
 from .mask_loop import MaskLoop
-from .mask_watch import mask_watch
+from .mask_watch import TokenSource, mask_watch
 
 NO_MASKS = ("this backend does not support structured output (no token-mask area in its ring, or its transport "
             "does not carry masks)")
@@ -80,7 +80,7 @@ def mask_attacher(grammars: Grammars, compiled: Compiled) -> Callable[[RequestHa
                                            lambda index, words: backend.put_mask(handle, index, words),
                                            lambda message: backend.fail_request(handle, message),
                                            put_from_pool=backend.masks_from_any_thread)
-        peek = backend.token_peek(handle) if backend.masks_from_any_thread else None
-        if peek is not None:  # its tokens reach the grammar without waiting for the event loop (mask_watch.py)
-            mask_watch().watch(loop, peek)
+        reads = backend.token_peek(handle) if backend.masks_from_any_thread else None
+        if reads is not None:  # its tokens reach the grammar without waiting for the event loop (mask_watch.py)
+            mask_watch().watch(loop, TokenSource(*reads))
     return attach

@@ -151,3 +151,53 @@ def test_a_mask_step_over_the_limit_ends_its_request_clearly(grammars, byte_toke
         await asyncio.sleep(0.5)
         assert not put and len(errors) == 1  # the step that overran delivers nothing when it ends
     asyncio.run(run())
+
+
+def test_the_native_wait_feeds_masks_from_a_real_ring_and_never_spins_on_a_stale_slot(grammars, byte_tokenizer,
+                                                                                        ring_pair):
+    """The C wait (GIL released) watches the response words: a slot still holding an earlier request's counters
+    (seq not yet this request's) is no news, so the watcher waits instead of spinning; once the engine takes the
+    request, each token's mask follows with the event loop blocked."""
+    from gateway.streaming.stream_round import c_compiler
+    from gateway.structured.mask_watch import TokenSource, native_wait
+
+    if c_compiler() is None:
+        pytest.skip("no C compiler: the watcher polls from Python (covered above)")
+    assert native_wait() is not None
+    producer, consumer = ring_pair
+    old = producer.submit(RequestSpec(1, [5], 3))
+    consumer.take_new()
+    consumer.publish(old, [40, 41, 42])  # produced = 3 stays in the slot's words after it ends
+    consumer.finish(old, FinishReason.LENGTH)
+    producer.poll(old)
+    producer.release(old)
+    compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
+    ids = byte_tokenizer.encode("hello world").ids
+
+    class CountingWatch(MaskWatch):
+        scans = 0
+
+        def scan(self):
+            CountingWatch.scans += 1
+            return super().scan()
+    watch = CountingWatch()
+
+    async def run():
+        put = []
+        slot = producer.submit(RequestSpec(2, [5], 20))
+        assert slot == old
+        seq, _ = producer.position(slot)
+        loop = MaskLoop(grammars, compiled, lambda i, w: put.append(i), put.append, put_from_pool=True)
+        watch.watch(loop, TokenSource(lambda start: producer.peek_tokens(slot, seq, start),
+                                      producer.response_view(slot), seq))
+        time.sleep(0.3)  # not taken yet: the stale produced = 3 is not this request's
+        assert not put and CountingWatch.scans < 600, CountingWatch.scans  # about one per 1 ms wait, not a spin
+        consumer.take_new()
+        for n, token in enumerate(ids):
+            consumer.publish(slot, [token])
+            assert until(lambda: len(put) == n + 1), f"no mask for token {n}"
+        assert put == list(range(1, len(ids) + 1))
+        loop.close()
+        consumer.finish(slot, FinishReason.STOP)
+        assert until(lambda: watch.num_watched == 0)
+    asyncio.run(run())
