@@ -9,7 +9,8 @@ mask is not in the ring yet skips the step, as the real engine's does. `--stream
 chat completion each under a JSON schema (`response_format`) going for `--duration-s`, against `blink gateway`
 with `--workers` processes. The engine records, per token, the time from publishing token i to seeing the
 mask of token i + 1 in the ring (mask latency) and the steps rows skipped for a late mask. Prints P50/P99/max
-mask latency, the tokens whose mask took over one step, and the skipped fraction (of row-steps).
+mask latency, the tokens whose mask took over one step, the skipped fraction (of row-steps), and the gateway's
+CPU per streamed token (its processes' user + system time over the run; with the poller spinning, its spin too).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from ring_traffic import gateway_in_front  # noqa: E402
+from ring_traffic import cpu_s, gateway_in_front  # noqa: E402
 from traffic_engine import MODEL_NAME, mask_traffic_engine  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
@@ -73,13 +74,16 @@ async def clients(url: str, streams: int, duration_s: float) -> dict:
 def run(streams: int, workers: int, step_ms: float, duration_s: float, poll_spin_s: float | None = None) -> dict:
     stats_path = Path(tempfile.mkdtemp(prefix="blink-masklat-")) / "engine.json"
     with mask_traffic_engine(step_ms / 1e3, str(stats_path)) as (_, control, _pid):
-        with gateway_in_front(control, workers=workers, poll_spin_s=poll_spin_s) as (url, _pids):
+        with gateway_in_front(control, workers=workers, poll_spin_s=poll_spin_s) as (url, pids):
             asyncio.run(clients(url, min(streams, 2), 2.0))  # warm: the tokenizer, the grammar's compile
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), cpu_s(pids)
             counts = asyncio.run(clients(url, streams, duration_s))
-            wall_s = time.monotonic() - t0
+            wall_s, gateway_cpu_s = time.monotonic() - t0, cpu_s(pids) - cpu0
     engine = json.loads(stats_path.read_text())
-    return {"streams": streams, "workers": workers, "poll_spin_s": poll_spin_s, "wall_s": wall_s, **counts, **engine}
+    # the engine's counts include the warm-up's few tokens
+    return {"streams": streams, "workers": workers, "poll_spin_s": poll_spin_s, "wall_s": wall_s,
+            "gateway_cpu_s": gateway_cpu_s, "gateway_cpu_us_per_token": 1e6 * gateway_cpu_s / max(counts["chunks"], 1),
+            **counts, **engine}
 
 
 def summary(r: dict) -> str:
@@ -90,7 +94,8 @@ def summary(r: dict) -> str:
     return (f"streams {r['streams']:3d} workers {r['workers']}{spin}: {r['masks']} masks, latency "
             f"P50 {us('mask_latency_us_p50')} us P99 {us('mask_latency_us_p99')} us max {us('mask_latency_us_max')} us; over one step "
             f"({r['step_ms']:g} ms) {r['mask_over_one_step']}; skipped steps {r['skipped_steps']}/{r['row_steps']} "
-            f"({skipped}); requests {r['requests']} errors {r['errors']}")
+            f"({skipped}); requests {r['requests']} errors {r['errors']}; gateway CPU "
+            f"{r['gateway_cpu_us_per_token']:.0f} us/token")
 
 
 def main(argv: list[str] | None = None) -> int:
