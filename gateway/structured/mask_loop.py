@@ -12,7 +12,7 @@ feeds the matcher; `advance` takes each token index once). Elsewhere (tcp, rdma:
 event loop's) the poller feeds the matcher and the mask is written back on the event loop.
 
 One request's steps run one at a time, in order (its matcher is not shared); requests run side by side on the
-pool's threads, and a request whose grammar masks slowly moves to a slow lane of its own (MASK_THREADS below),
+pool's threads, and a request whose grammar masks slowly moves to a slow lane of its own (SLOW_MASK_THREADS below),
 so one slow grammar holds up only its own request's masks.
 """
 
