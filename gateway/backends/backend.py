@@ -250,7 +250,7 @@ class Backend:
         """`put_mask` may run on a mask thread (the producer's word: shm), not only on the event loop."""
         return self._producer.masks_from_any_thread
 
-    def token_peek(self, handle: RequestHandle):
+    def token_reads(self, handle: RequestHandle):
         """How a thread other than the event loop reads the request's generated tokens: (peek, response, seq),
         `peek(start)` -> the tokens from index `start` on, [] if none yet, None while the engine has not taken
         the request (`ShmProducer.peek_tokens`); `response`: the slot's response area (read-only, for native

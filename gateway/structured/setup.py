@@ -80,7 +80,7 @@ def mask_attacher(grammars: Grammars, compiled: Compiled) -> Callable[[RequestHa
                                            lambda index, words: backend.put_mask(handle, index, words),
                                            lambda message: backend.fail_request(handle, message),
                                            put_from_pool=backend.masks_from_any_thread)
-        reads = backend.token_peek(handle) if backend.masks_from_any_thread else None
+        reads = backend.token_reads(handle) if backend.masks_from_any_thread else None
         if reads is not None:  # its tokens reach the grammar without waiting for the event loop (mask_watch.py)
             mask_watch().watch(loop, TokenSource(*reads))
     return attach
