@@ -261,8 +261,11 @@ class MaskTrafficEngine:
         if now < self.next_step_s:
             return
         self.next_step_s = max(self.next_step_s + self.step_s, now)
-        for slot in list(self.rows):
-            self._row_step(slot)
+        # every row's token first, then all of them out in one quick pass, as a GPU step ends: the masks a
+        # row waits for are watched again only after the pass, so a slow pass would count against them
+        picked = [(slot, token) for slot in list(self.rows) if (token := self._sample_row(slot)) is not None]
+        for slot, token in picked:
+            self._publish(slot, token)
 
     def _watch_masks(self) -> None:
         """Rows awaiting their next mask: the time it is first seen in the ring."""
@@ -275,17 +278,22 @@ class MaskTrafficEngine:
                 self.mask_latency_us.append((now_ns - sent_ns) / 1e3)
                 del self.published_ns[slot]
 
-    def _row_step(self, slot: int) -> None:
+    def _sample_row(self, slot: int) -> int | None:
+        """The row's token this step, or None: cancelled (finished now), no room, or waiting for its mask."""
         seq, spec, produced, words, constrained = self.rows[slot]
         if self.consumer.cancelled(slot, seq):
-            return self._finish(slot, FinishReason.CANCELLED)
+            self._finish(slot, FinishReason.CANCELLED)
+            return None
         if self.consumer.room(slot) == 0:
-            return
+            return None
         if constrained and words is None:
             self.num_skipped += 1
-            return  # this row waits for its mask; the others go on
+            return None  # this row waits for its mask; the others go on
         self.num_sampled += 1
-        token = self._pick(words) if constrained else ord("a")
+        return self._pick(words) if constrained else ord("a")
+
+    def _publish(self, slot: int, token: int) -> None:
+        seq, spec, produced, words, constrained = self.rows[slot]
         if token == self.eos_id:
             return self._finish(slot, FinishReason.STOP)
         self.consumer.publish(slot, [token])
