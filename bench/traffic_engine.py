@@ -183,3 +183,163 @@ def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = N
     finally:
         stop.set()
         engine.join(timeout=10)
+
+
+# ------------------------------------------------------------------ constrained mode (bench/mask_latency.py)
+MASK_TOKENIZER_SEED = 0
+
+
+def mask_tokenizer_dir(cache_dir: Path) -> Path:
+    """A byte-level tokenizer folder of the fake engine's vocabulary size that JSON can be spelled in
+    (`bench/structured_vocab.py`), with the random models' chat template; written once under `cache_dir`."""
+    from gpu_backend.models.random_tokenizer import CHAT_TEMPLATE
+    from structured_vocab import build_tokenizer
+
+    target = Path(cache_dir) / f"mask-traffic-v{TOKENIZER_CFG.vocab_size}"
+    if not (target / "tokenizer.json").is_file():
+        target.mkdir(parents=True, exist_ok=True)
+        tok = build_tokenizer(TOKENIZER_CFG.vocab_size, TOKENIZER_CFG.bos_token_id, TOKENIZER_CFG.eos_token_ids,
+                              MASK_TOKENIZER_SEED)
+        tok.save(str(target / "tokenizer.json.tmp"))
+        (target / "tokenizer.json.tmp").replace(target / "tokenizer.json")
+        (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return target
+
+
+class MaskTrafficEngine:
+    """The fake engine in constrained mode (benchmark only): one step every `step_s` for all rows, as a GPU's
+    decode steps. A constrained row (its request carries a mask) samples in a step only if the mask of the token
+    it is about to sample has arrived (a seeded random allowed id; EOS whenever the mask allows it, so a JSON
+    schema's output ends when complete); else it skips that step, as the real engine's row does. Between steps
+    the loop watches the awaited masks, so it records per token: mask latency (publishing token i -> seeing
+    mask i + 1 in the ring) and the steps rows skipped. An unconstrained row gets one fixed token per step."""
+
+    def __init__(self, ring_name: str, control: str, step_s: float, num_slots: int = 256, idle_s: float = 0.0001):
+        g = RingGeometry(num_slots, 4096, 1024, mask_words=(TOKENIZER_CFG.vocab_size + 31) // 32)
+        self.ring = create_ring(ring_name, g, MODEL_NAME)
+        self.consumer = RingConsumer(self.ring)
+        self.eos_id = TOKENIZER_CFG.eos_token_ids[0]
+        desc = BackendDescription(MODEL_NAME, str(mask_tokenizer_dir(default_cache_dir())), MODEL_NAME, 4096,
+                                  TOKENIZER_CFG.vocab_size, tuple(TOKENIZER_CFG.eos_token_ids), "traffic")
+        self.control = ControlServer(control, desc, self.ring)
+        self.step_s, self.idle_s, self.next_step_s = step_s, idle_s, 0.0
+        self.rng = np.random.default_rng(0)
+        self.rows: dict[int, list] = {}  # slot -> [seq, spec, produced, mask words of token `produced` or None]
+        self.published_ns: dict[int, int] = {}  # slot -> when its last token went out (awaiting the next mask)
+        self.mask_latency_us = array.array("d")
+        self.num_sampled = self.num_skipped = 0
+
+    def run(self, stop: mp.Event, stats_path: str | None = None) -> None:
+        self.control.start()
+        self.consumer.set_state(EngineState.SERVING)
+        try:
+            while not stop.is_set():
+                self.step(time.monotonic())
+                time.sleep(self.idle_s)
+        finally:
+            self.control.stop()
+            self.ring.close()
+            if stats_path:
+                Path(stats_path).write_text(json.dumps(self.stats()))
+
+    def stats(self) -> dict:
+        lat = np.sort(np.frombuffer(self.mask_latency_us, dtype=np.float64)) if len(self.mask_latency_us) else None
+        pct = (lambda q: float(lat[int(q * (len(lat) - 1))])) if lat is not None else (lambda q: None)
+        rows = self.num_sampled + self.num_skipped
+        return {"step_ms": self.step_s * 1e3, "masks": len(self.mask_latency_us), "mask_latency_us_p50": pct(0.5),
+                "mask_latency_us_p99": pct(0.99), "mask_latency_us_max": pct(1.0),
+                "mask_over_one_step": int(np.sum(lat > self.step_s * 1e6)) if lat is not None else 0,
+                "row_steps": rows, "skipped_steps": self.num_skipped,
+                "skipped_fraction": self.num_skipped / rows if rows else None}
+
+    def step(self, now: float) -> None:
+        self.consumer.beat()
+        for t in self.consumer.take_new():
+            mask0 = np.frombuffer(t.spec.token_mask, np.uint32) if t.spec.token_mask is not None else None
+            self.rows[t.slot] = [t.seq, t.spec, 0, mask0, t.spec.token_mask is not None]
+        self._watch_masks()
+        if now < self.next_step_s:
+            return
+        self.next_step_s = max(self.next_step_s + self.step_s, now)
+        # every row's token first, then all of them out in one quick pass, as a GPU step ends: the masks a
+        # row waits for are watched again only after the pass, so a slow pass would count against them
+        picked = [(slot, token) for slot in list(self.rows) if (token := self._sample_row(slot)) is not None]
+        for slot, token in picked:
+            self._publish(slot, token)
+
+    def _watch_masks(self) -> None:
+        """Rows awaiting their next mask: the time it is first seen in the ring."""
+        now_ns = time.monotonic_ns()
+        for slot, sent_ns in list(self.published_ns.items()):
+            row = self.rows[slot]
+            words = self.consumer.mask(slot, row[2])
+            if words is not None:
+                row[3] = words
+                self.mask_latency_us.append((now_ns - sent_ns) / 1e3)
+                del self.published_ns[slot]
+
+    def _sample_row(self, slot: int) -> int | None:
+        """The row's token this step, or None: cancelled (finished now), no room, or waiting for its mask."""
+        seq, spec, produced, words, constrained = self.rows[slot]
+        if self.consumer.cancelled(slot, seq):
+            self._finish(slot, FinishReason.CANCELLED)
+            return None
+        if self.consumer.room(slot) == 0:
+            return None
+        if constrained and words is None:
+            self.num_skipped += 1
+            return None  # this row waits for its mask; the others go on
+        self.num_sampled += 1
+        return self._pick(words) if constrained else ord("a")
+
+    def _publish(self, slot: int, token: int) -> None:
+        seq, spec, produced, words, constrained = self.rows[slot]
+        if token == self.eos_id:
+            return self._finish(slot, FinishReason.STOP)
+        self.consumer.publish(slot, [token])
+        self.rows[slot][2:4] = [produced + 1, None]
+        if produced + 1 >= spec.max_tokens:
+            return self._finish(slot, FinishReason.LENGTH)
+        if constrained:
+            self.published_ns[slot] = time.monotonic_ns()
+
+    def _pick(self, words: np.ndarray) -> int:
+        """EOS if allowed, else a seeded random allowed token (a random non-empty word, a random bit of it)."""
+        if words[self.eos_id // 32] >> np.uint32(self.eos_id % 32) & 1:
+            return self.eos_id
+        nonzero = np.flatnonzero(words)
+        index = int(nonzero[self.rng.integers(len(nonzero))])
+        word = int(words[index])
+        bits = [b for b in range(32) if word >> b & 1]
+        return 32 * index + bits[int(self.rng.integers(len(bits)))]
+
+    def _finish(self, slot: int, reason: FinishReason) -> None:
+        self.consumer.finish(slot, reason)
+        self.published_ns.pop(slot, None)
+        del self.rows[slot]
+
+
+def _mask_engine_main(ring: str, control: str, step_s: float, stop: mp.Event, stats_path: str | None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gc.freeze()
+    MaskTrafficEngine(ring, control, step_s).run(stop, stats_path)
+
+
+@contextlib.contextmanager
+def mask_traffic_engine(step_s: float, stats_path: str | None = None):
+    """A MaskTrafficEngine process; yields (ring name, control address, pid); its stats go to `stats_path`."""
+    mask_tokenizer_dir(default_cache_dir())  # built here once, before the engine's fork
+    ring, control = f"blink-masktraffic-{os.getpid()}", f"127.0.0.1:{free_port()}"
+    stop = mp.Event()
+    engine = mp.get_context("fork").Process(target=_mask_engine_main, daemon=True,
+                                            args=(ring, control, step_s, stop, stats_path))
+    engine.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"/dev/shm/{ring}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        yield ring, control, engine.pid
+    finally:
+        stop.set()
+        engine.join(timeout=10)

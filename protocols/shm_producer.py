@@ -238,6 +238,33 @@ class ShmProducer:
             out.finished = False
         return update
 
+    def peek_tokens(self, slot: int, seq: int, start: int) -> list[int] | None:
+        """Read-only, from any thread: request `seq`'s generated tokens from index `start` up to what the engine
+        has produced ([] if none yet), without consuming them (`poll` stays the one reader that advances the
+        ring's consumed counter); None while the slot holds another request, or `start` is no longer in the
+        buffer. The response's seq is read before and after the tokens: a slot reused meanwhile reads as None.
+        A constrained request's mask thread reads its tokens here (gateway/structured/mask_watch.py)."""
+        u32, u64, w = self._u32, self._u64, self._resp_w0 + slot * self._resp_words
+        if u64[w >> 1] != seq:
+            return None
+        produced, cap = u32[w + _W_PRODUCED], self.geometry.max_output_len
+        if produced <= start:
+            return []
+        if produced - start > cap:
+            return None
+        first, t0 = start % cap, w + _W_TOKENS
+        if first + produced - start <= cap:
+            tokens = self._i32[t0 + first : t0 + first + produced - start].tolist()
+        else:  # wraps: the end of the buffer, then its start
+            tokens = self._i32[t0 + first : t0 + cap].tolist() + self._i32[t0 : t0 + (produced % cap)].tolist()
+        return tokens if u64[w >> 1] == seq else None
+
+    def response_view(self, slot: int) -> np.ndarray:
+        """The slot's response area as a uint8 view, to be read only (its words are the engine's): for a reader
+        in native code (the gateway's mask watcher); holding it keeps the ring mapped (ShmRing.close)."""
+        base = self.ring.resp(slot)
+        return self.ring.buf[base : base + self.geometry.response_bytes]
+
     def _tokens(self, t0: int, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of a response whose token words begin at word `t0` (a circular buffer)."""
         cap = self.geometry.max_output_len

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 
@@ -248,6 +249,17 @@ class Backend:
     def masks_from_any_thread(self) -> bool:
         """`put_mask` may run on a mask thread (the producer's word: shm), not only on the event loop."""
         return self._producer.masks_from_any_thread
+
+    def token_reads(self, handle: RequestHandle):
+        """How a thread other than the event loop reads the request's generated tokens: (peek, response, seq),
+        `peek(start)` -> the tokens from index `start` on, [] if none yet, None while the engine has not taken
+        the request (`ShmProducer.peek_tokens`); `response`: the slot's response area (read-only, for native
+        code) and the request's `seq`. None where the transport has no such reads (tcp, rdma)."""
+        if not self.masks_from_any_thread or not hasattr(self._producer, "peek_tokens"):
+            return None
+        seq, _ = self._producer.position(handle.slot)
+        return (functools.partial(self._producer.peek_tokens, handle.slot, seq),
+                self._producer.response_view(handle.slot), seq)
 
     def put_mask(self, handle: RequestHandle, token_index: int, words) -> None:
         """The mask of the request's generated token `token_index` into its slot (the engine waits for it);

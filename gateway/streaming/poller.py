@@ -187,8 +187,8 @@ class Poller:
             if handle.mask_loop is not None:  # the next token's mask first: the engine waits for it
                 if update.finish:
                     handle.mask_loop.close()
-                elif tokens and not handle.abandoned:
-                    handle.mask_loop.advance(tokens)
+                elif tokens and not handle.abandoned:  # unless the mask watcher handed them over first
+                    handle.mask_loop.advance(tokens, handle.num_produced)
             if not handle.abandoned:
                 if tokens:
                     self.outstanding -= handle.produced(len(tokens))
@@ -217,3 +217,6 @@ class Poller:
             self._next_check_s = now + self.config.heartbeat_check_s
             self._owner.check_heartbeat()
             self._owner.tidy()
+            for handle in self.requests.values():  # a grammar stuck on one token must not leave its row waiting
+                if handle.mask_loop is not None:
+                    handle.mask_loop.fail_if_overdue(now)

@@ -1,19 +1,26 @@
-"""The per-request mask loop: generated token i arrives (the poller calls `advance`), the request's matcher
-takes it and computes the mask of token i + 1 on a small thread pool (llguidance releases the GIL there), and
-the mask goes into the ring (`put_mask`): from the pool thread itself where the transport allows it (shm: a
-write of the slot's own mask area), else back on the event loop. The engine waits for that mask before it
-samples token i + 1, so a busy event loop must not sit between the mask and the ring (measured: one gateway
-worker's loop at 64 constrained streams doubled their TPOT). The other streams never wait for it: nothing here
-blocks the event loop.
+"""The per-request mask loop: generated token i arrives, the request's matcher takes it and computes the mask of
+token i + 1 on a small thread pool (llguidance releases the GIL there), and the mask goes into the ring
+(`put_mask`). The engine waits for that mask before it samples token i + 1, so nothing slow may sit between
+token i and mask i + 1.
 
-One request's steps run one at a time, in order (its matcher is not shared); requests run side by side.
+Where the transport allows it (shm: `put_mask` writes the slot's own mask area, `masks_from_any_thread`), the
+event loop is out of that path: the process's mask watcher (`mask_watch.py`) reads the request's new tokens
+straight from the ring and calls `advance` from its thread, the pool thread writes the mask itself and starts
+the request's next step itself (measured before: one gateway worker's loop at 64 constrained streams doubled
+their TPOT). The poller still calls `advance` with each update's tokens (whichever of the two comes first
+feeds the matcher; `advance` takes each token index once). Elsewhere (tcp, rdma: their connections are the
+event loop's) the poller feeds the matcher and the mask is written back on the event loop.
+
+One request's steps run one at a time, in order (its matcher is not shared); requests run side by side on the
+pool's threads, and a request whose grammar masks slowly moves to a slow lane of its own (SLOW_MASK_THREADS below),
+so one slow grammar holds up only its own request's masks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,26 +29,37 @@ import numpy as np
 
 from .grammar import Compiled, Grammars
 
-# Threads computing masks: llguidance's mask takes tens to hundreds of microseconds of a core per token.
-MASK_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
-_pool: ThreadPoolExecutor | None = None
+# Threads computing masks: llguidance's mask takes tens to hundreds of microseconds of a core per token, and
+# releases the GIL meanwhile. Two pools, so that slow grammars wait for each other and never for the rest: a
+# request's steps run on the main pool (MASK_THREADS, started as needed) until one takes over SLOW_STEP_S,
+# then on the slow lane (SLOW_MASK_THREADS). The main pool is then blocked only by MASK_THREADS grammars
+# turning slow at once, each for one step (bench/mask_latency.py, tests/gateway/test_structured_gateway.py).
+MASK_THREADS = 8
+SLOW_MASK_THREADS = 2
+SLOW_STEP_S = 0.02
+# One token's mask step may take this long; a request whose step takes longer ends with an error instead of
+# leaving its row waiting (the poller checks every heartbeat_check_s; llguidance's fuel limits make it rare).
+MASK_STEP_LIMIT_S = 5.0
+_pools: dict[bool, ThreadPoolExecutor] = {}
 
 PutMask = Callable[[int, np.ndarray], None]  # (token index, [mask_words] uint32)
 OnError = Callable[[str], None]  # the request must end with this message
 
 
-def mask_pool() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=MASK_THREADS, thread_name_prefix="grammar-mask")
-    return _pool
+def mask_pool(slow: bool = False) -> ThreadPoolExecutor:
+    """The main pool, or the slow lane's."""
+    pool = _pools.get(slow)
+    if pool is None:
+        pool = _pools[slow] = ThreadPoolExecutor(max_workers=SLOW_MASK_THREADS if slow else MASK_THREADS,
+                                                 thread_name_prefix="grammar-mask-slow" if slow else "grammar-mask")
+    return pool
 
 
 class MaskLoop:
     """One constrained request's matcher, advanced by the tokens it generates; see the module's docstring."""
 
-    __slots__ = ("grammars", "matcher", "put_mask", "on_error", "num_consumed", "_pending", "_running", "closed",
-                 "_loop", "put_from_pool", "_lock")
+    __slots__ = ("grammars", "matcher", "put_mask", "on_error", "num_consumed", "num_seen", "_pending", "_running",
+                 "closed", "_loop", "put_from_pool", "_lock", "_step_started_s", "slow")
 
     def __init__(self, grammars: Grammars, compiled: Compiled, put_mask: PutMask, on_error: OnError,
                  put_from_pool: bool = False):
@@ -49,20 +67,35 @@ class MaskLoop:
         self.grammars = grammars
         self.matcher: llguidance.LLMatcher = compiled.new_matcher()
         self.put_mask, self.on_error, self.put_from_pool = put_mask, on_error, put_from_pool
-        self._lock = threading.Lock()  # a mask being written from the pool, against `close`
+        # Guards the state below against the threads that touch it: the mask watcher's `advance`, the pool's end
+        # of a step, `close` (a mask being written from the pool finishes before close returns).
+        self._lock = threading.Lock()
         self.num_consumed = 0  # tokens the matcher has taken: the next mask is this token's
+        self.num_seen = 0  # tokens handed to `advance` so far (taken, or pending)
         self._pending: list[int] = []  # tokens arrived while a step ran
         self._running = False
+        self._step_started_s = 0.0  # when the running step was queued (time.monotonic)
+        self.slow = False  # a step took over SLOW_STEP_S: the next ones run on the slow lane
         self.closed = False
         self._loop = asyncio.get_running_loop()
 
-    def advance(self, token_ids: list[int]) -> None:
-        """Tokens arrived (on the event loop): their mask step is queued; it never blocks here."""
-        if self.closed:
-            return
-        self._pending += token_ids
-        if not self._running:
-            self._start()
+    def advance(self, token_ids: list[int], first_index: int | None = None) -> None:
+        """Generated tokens arrived (from any thread): their mask step is queued; it never blocks. With
+        `first_index` (the index of `token_ids[0]` among the generated tokens), those already handed over are
+        skipped: two readers (the poller, the mask watcher) may hand over the same tokens."""
+        with self._lock:
+            if self.closed:
+                return
+            if first_index is not None and first_index != self.num_seen:
+                if first_index > self.num_seen:  # a gap: never, both readers read every token in order
+                    return
+                token_ids = token_ids[self.num_seen - first_index:]
+            if not token_ids:
+                return
+            self.num_seen += len(token_ids)
+            self._pending += token_ids
+            if not self._running:
+                self._start()
 
     def close(self) -> None:
         """The request ended: steps still running deliver nothing. A mask a pool thread is writing is written
@@ -70,20 +103,58 @@ class MaskLoop:
         with self._lock:
             self.closed = True
 
+    def fail_if_overdue(self, now_s: float, limit_s: float | None = None) -> bool:
+        """End the request if its running step was queued over `limit_s` (MASK_STEP_LIMIT_S) before `now_s`
+        (time.monotonic): the engine must not wait for its mask without bound. From any thread."""
+        limit_s = MASK_STEP_LIMIT_S if limit_s is None else limit_s
+        with self._lock:
+            if self.closed or not self._running or now_s - self._step_started_s <= limit_s:
+                return False
+            self.closed = True
+        self._fail_threadsafe(f"computing the grammar's token mask took over {limit_s:g} s (this server's limit "
+                              f"per token)")
+        return True
+
     def _start(self) -> None:
         tokens, self._pending, self._running = self._pending, [], True
-        mask_pool().submit(self._step, tokens)
+        self._step_started_s = time.monotonic()
+        mask_pool(self.slow).submit(self._step, tokens)
 
     def _step(self, token_ids: list[int]) -> None:
-        """In a pool thread: consume the tokens, compute the next mask, hand it to the event loop."""
+        """In a pool thread: consume the tokens, compute the next mask, put it (or hand it to the event loop)."""
+        started_s = time.monotonic()
         try:
             result: np.ndarray | str | None = self.consume_and_mask(token_ids)
         except Exception as exc:  # a library failure ends this request, never the pool
             result = f"the grammar engine failed: {exc}"
-        if self.put_from_pool and not isinstance(result, str):
-            result = self._put_now(result)
+        self.slow = self.slow or time.monotonic() - started_s > SLOW_STEP_S
+        if self.put_from_pool:
+            self._end_step(result)
+            return
         try:
             self._loop.call_soon_threadsafe(self._deliver, result)
+        except RuntimeError:  # the event loop closed (shutdown)
+            pass
+
+    def _end_step(self, result: np.ndarray | str) -> None:
+        """On the pool thread (put_from_pool): the mask into the ring and the next step started, with no hop
+        through the event loop; only a failure goes there (the request ends with it)."""
+        with self._lock:
+            self._running = False
+            if self.closed:
+                return
+            error = result if isinstance(result, str) else self._put_locked(result)
+            if error is None:
+                if self._pending:
+                    self._start()
+                return
+            self.closed = True
+        self._fail_threadsafe(error)
+
+    def _fail_threadsafe(self, message: str) -> None:
+        """The request ends with `message` (on the event loop, which owns the request's end)."""
+        try:
+            self._loop.call_soon_threadsafe(self.on_error, message)
         except RuntimeError:  # the event loop closed (shutdown)
             pass
 
@@ -96,32 +167,29 @@ class MaskLoop:
             self.num_consumed += 1
         return self.grammars.mask_of(self.matcher)
 
-    def _put_now(self, words: np.ndarray) -> str | None:
-        """On the pool thread: the mask into the ring unless the request ended; None, or why it could not."""
-        with self._lock:
-            if self.closed:
-                return None
-            try:
-                self.put_mask(self.num_consumed, words)
-            except Exception as exc:  # a transport that cannot carry it: the request ends, never hangs waiting
-                return f"the token mask could not be sent to the engine: {exc!r}"
+    def _put_locked(self, words: np.ndarray) -> str | None:
+        """On the pool thread, holding the lock: the mask into the ring; None, or why it could not."""
+        try:
+            self.put_mask(self.num_consumed, words)
+        except Exception as exc:  # a transport that cannot carry it: the request ends, never hangs waiting
+            return f"the token mask could not be sent to the engine: {exc!r}"
         return None
 
-    def _deliver(self, result: np.ndarray | str | None) -> None:
-        """On the event loop: the mask into the ring (None: the pool thread put it), or the request's end."""
-        self._running = False
-        if self.closed:
-            return
-        if isinstance(result, str):
-            self.closed = True
-            self.on_error(result)
-            return
-        if result is not None:
-            try:
-                self.put_mask(self.num_consumed, result)
-            except Exception as exc:  # a transport that cannot carry it: the request ends, never hangs waiting
-                self.closed = True
-                self.on_error(f"the token mask could not be sent to the engine: {exc!r}")
+    def _deliver(self, result: np.ndarray | str) -> None:
+        """On the event loop (transports whose producer is the loop's): the mask into the ring, or the end."""
+        with self._lock:
+            self._running = False
+            if self.closed:
                 return
-        if self._pending:
-            self._start()
+            if isinstance(result, str):
+                self.closed = True
+            else:
+                try:
+                    self.put_mask(self.num_consumed, result)
+                except Exception as exc:  # a transport that cannot carry it: the request ends, never hangs waiting
+                    self.closed, result = True, f"the token mask could not be sent to the engine: {exc!r}"
+            if not self.closed:
+                if self._pending:
+                    self._start()
+                return
+        self.on_error(result)

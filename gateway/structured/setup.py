@@ -1,6 +1,7 @@
 """A constrained request's set-up on the request path: its constraint from the API fields, a check that every
 backend of the model takes masks, the grammar compiled (or found in the cache), the first mask into the
-RequestSpec, and a mask loop attached to each submitted handle."""
+RequestSpec, and a mask loop attached to each submitted handle (watched from the ring where the transport allows:
+shm)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..streaming.request_handle import RequestHandle
 from .constraint import Constraint
 from .grammar import Compiled, Grammars
 from .mask_loop import MaskLoop
+from .mask_watch import TokenSource, mask_watch
 
 NO_MASKS = ("this backend does not support structured output (no token-mask area in its ring, or its transport "
             "does not carry masks)")
@@ -74,8 +76,11 @@ def mask_attacher(grammars: Grammars, compiled: Compiled) -> Callable[[RequestHa
     """What gives each submitted handle (a failover's too) its own mask loop."""
     def attach(handle: RequestHandle) -> None:
         backend = handle.backend
-        handle.mask_loop = MaskLoop(grammars, compiled,
-                                    lambda index, words: backend.put_mask(handle, index, words),
-                                    lambda message: backend.fail_request(handle, message),
-                                    put_from_pool=backend.masks_from_any_thread)
+        loop = handle.mask_loop = MaskLoop(grammars, compiled,
+                                           lambda index, words: backend.put_mask(handle, index, words),
+                                           lambda message: backend.fail_request(handle, message),
+                                           put_from_pool=backend.masks_from_any_thread)
+        reads = backend.token_reads(handle) if backend.masks_from_any_thread else None
+        if reads is not None:  # its tokens reach the grammar without waiting for the event loop (mask_watch.py)
+            mask_watch().watch(loop, TokenSource(*reads))
     return attach

@@ -269,3 +269,79 @@ def test_fields_that_cannot_go_with_a_constraint(live):
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, extra_body={"structured_outputs": {"regexp": "a+"}})
     assert info.value.body["param"] == "structured_outputs.regexp" and "unknown field" in info.value.body["message"]
+
+
+def test_pathological_grammars_beside_constrained_streams(live, monkeypatch):
+    """Issue 24's hidden corner, beside streams that are constrained themselves (their masks share the pools):
+    a schema too deep gets a 400; one whose compilation takes over the limit a 400 saying so; one whose masks
+    are slow goes on at its own pace within max_tokens; one whose mask step stalls ends with a clear error after
+    MASK_STEP_LIMIT_S. Meanwhile the other streams' tokens keep arriving (no gap near the slow one's per-token
+    delay) and their output validates."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gateway.structured import grammar as G, mask_loop as ML, setup as S
+    from tests.gateway.test_structured_mask_watch import SlowLoop
+
+    client, _, _ = live
+    monkeypatch.setattr(G, "COMPILE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(ML, "MASK_STEP_LIMIT_S", 1.0)
+    delays, compile_sync = {}, G.Grammars.compile_sync  # id(compiled) -> its masks' delay (s)
+
+    def marked_compile(self, constraint):
+        if '"slow_compile"' in constraint.text:
+            time.sleep(2.0)
+        compiled = compile_sync(self, constraint)
+        delays[id(compiled)] = 0.5 if '"slow_masks"' in constraint.text else 3.0 if '"stall"' in constraint.text else 0
+        return compiled
+
+    def mask_loop(grammars, compiled, *args, **kw):
+        loop = SlowLoop(grammars, compiled, *args, **kw)
+        loop.delay_s = delays.get(id(compiled), 0)
+        return loop
+    monkeypatch.setattr(G.Grammars, "compile_sync", marked_compile)
+    monkeypatch.setattr(S, "MaskLoop", mask_loop)
+
+    def fmt(schema: dict) -> dict:
+        return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+
+    def bad(name: str, schema: dict, max_tokens: int = 8):
+        try:
+            content, _, reason = streamed(client, response_format=fmt(schema), max_tokens=max_tokens, seed=1)
+            return reason, content
+        except (openai.BadRequestError, openai.APIError) as err:
+            return type(err).__name__, err.body if isinstance(err.body, dict) else str(err)
+
+    def normal(stop: threading.Event) -> tuple[int, float]:
+        """Constrained streams one after another until `stop`: (how many completed, the longest gap between two
+        of a stream's tokens, s)."""
+        done, longest = 0, 0.0
+        while not stop.is_set():
+            last, content = None, ""
+            for chunk in chat(client, stream=True, response_format=fmt(WEATHER), seed=done, max_tokens=100):
+                now = time.monotonic()
+                if chunk.choices and chunk.choices[0].delta.content:
+                    content += chunk.choices[0].delta.content
+                    longest, last = max(longest, now - (last or now)), now
+            jsonschema.validate(json.loads(content), WEATHER)
+            done += 1
+        return done, longest
+
+    slow_masks = {"type": "object", "properties": {"slow_masks": {"type": "string", "maxLength": 100000}}}
+    stop = threading.Event()
+    with ThreadPoolExecutor(8) as pool:
+        normals = [pool.submit(normal, stop) for _ in range(3)]
+        time.sleep(0.3)
+        outcomes = {name: pool.submit(bad, name, schema) for name, schema in (
+            ("deep", _deep(400)), ("slow_compile", {"type": "object", "properties": {"slow_compile": {}}}),
+            ("slow_masks", slow_masks), ("stall", {"type": "object", "properties": {"stall": {"type": "string"}}}))}
+        results = {name: f.result(timeout=60) for name, f in outcomes.items()}
+        stop.set()
+        streams = [f.result(timeout=60) for f in normals]
+    assert results["deep"][0] == "BadRequestError" and "recursion" in results["deep"][1]["message"]
+    assert results["slow_compile"][0] == "BadRequestError" and "took over 1 s" in results["slow_compile"][1]["message"]
+    assert results["slow_masks"][0] == "length"  # about 0.5 s a token, bounded by max_tokens
+    assert "took over 1 s" in str(results["stall"][1])
+    assert all(done >= 3 for done, _ in streams), streams
+    # under half one of the slow grammar's tokens: their masks never waited for it (about 25 ms here)
+    assert max(gap for _, gap in streams) < 0.25, streams

@@ -128,6 +128,51 @@ def test_demo_model_matches_every_regex_and_choice(client, m):
         assert r.choices[0].message.content in choice
 
 
+def _deep(levels: int) -> dict:
+    """Issue 24's pathological shape: `levels` nested objects around a string of huge maxLength."""
+    schema = {"type": "string", "maxLength": 100000}
+    for i in range(levels):
+        schema = {"type": "object", "properties": {f"k{i}": schema}, "required": [f"k{i}"]}
+    return schema
+
+
+def test_pathological_schemas_beside_constrained_streams(client, m):
+    """The hidden corner on the real CPU backend: a schema nested too deep gets a 400 (naming the field, or the
+    body's where its JSON is already too deep to parse); long bounds (maxLength 100000, 40 levels) compile and
+    end within max_tokens (a bounded wait); the constrained streams beside them keep getting tokens and
+    validate."""
+    import time
+
+    def streamed_weather(seed: int) -> tuple[str, float]:
+        fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+        text, last, longest = "", None, 0.0
+        for chunk in constrained(lambda: chat(client, m, response_format=fmt, stream=True, seed=seed)):
+            if chunk.choices and chunk.choices[0].delta.content:
+                now = time.monotonic()
+                text, longest, last = text + chunk.choices[0].delta.content, max(longest, now - (last or now)), now
+        return text, longest
+
+    def pathological(levels: int):
+        fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": _deep(levels)}}
+        try:
+            return constrained(lambda: chat(client, m, response_format=fmt, max_tokens=40)).choices[0].finish_reason
+        except openai.BadRequestError as err:
+            return err.body
+
+    with ThreadPoolExecutor(4) as pool:
+        normals = [pool.submit(streamed_weather, seed) for seed in range(2)]
+        bad = [pool.submit(pathological, n) for n in (40, 80, 400)]
+        assert bad[0].result(timeout=300) in ("stop", "length")
+        too_deep, way_too_deep = bad[1].result(timeout=300), bad[2].result(timeout=300)
+        results = [f.result(timeout=300) for f in normals]
+    # 80 levels: the schema compiler's limit, naming the field; 400: already the request body's JSON parser's
+    assert too_deep["param"] == "response_format.json_schema.schema" and "recursion" in too_deep["message"]
+    assert "request body is not valid JSON" in way_too_deep["message"] and "recursion" in way_too_deep["message"]
+    for text, longest in results:
+        jsonschema.validate(json.loads(text), WEATHER)
+        assert longest < 5.0, longest  # tokens kept coming (a 135M model's step on 2 cores is tens of ms)
+
+
 def test_json_object_on_both_endpoints(client, m):
     """An answer that ends is a JSON object; one cut by max_tokens (the model repeating inside a string) is not
     checked, but at least one endpoint's answer must end."""

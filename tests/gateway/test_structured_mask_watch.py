@@ -1,0 +1,203 @@
+"""The token -> mask path without the event loop (gateway/structured/mask_watch.py, mask_loop.py,
+ShmProducer.peek_tokens): a constrained request's tokens are read from the ring by the mask watcher, the mask
+is computed and written by the pool, all while the event loop is blocked; a slow grammar delays only its own
+request, and a step over the limit ends that request with a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+
+from gateway.structured import mask_loop as ML
+from gateway.structured.constraint import Constraint
+from gateway.structured.grammar import Grammars
+from gateway.structured.mask_loop import MaskLoop
+from gateway.structured.mask_watch import MaskWatch
+from protocols.ring import FinishReason, RequestSpec, RingGeometry
+from protocols.shm import attach_ring, create_ring
+from protocols.shm_consumer import RingConsumer
+from protocols.shm_producer import ShmProducer
+
+GEOMETRY = RingGeometry(num_slots=2, max_prompt_len=16, max_output_len=4, max_stop_ids=2)
+
+
+@pytest.fixture(scope="module")
+def grammars(byte_tokenizer) -> Grammars:
+    return Grammars(byte_tokenizer, byte_tokenizer.get_vocab_size(), [byte_tokenizer.token_to_id("<|im_end|>")])
+
+
+@pytest.fixture
+def ring_pair():
+    ring = create_ring(f"blink-peek-{os.getpid()}", GEOMETRY, "fp-peek")
+    producer = ShmProducer(attach_ring(ring.name))
+    yield producer, RingConsumer(ring)
+    producer.close()
+    ring.close()
+
+
+def until(condition, timeout_s: float = 5.0) -> bool:
+    """Wait for `condition` with the calling thread asleep (an event loop calling this is blocked)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return condition()
+
+
+def test_peek_reads_the_tokens_without_consuming_them_and_checks_the_seq(ring_pair):
+    producer, consumer = ring_pair
+    slot = producer.submit(RequestSpec(1, [5, 6], 20))
+    seq, _ = producer.position(slot)
+    assert producer.peek_tokens(slot, seq, 0) is None  # the engine has not taken it yet
+    consumer.take_new()
+    assert producer.peek_tokens(slot, seq, 0) == []
+    consumer.publish(slot, [7, 8, 9])
+    assert producer.peek_tokens(slot, seq, 0) == [7, 8, 9] and producer.peek_tokens(slot, seq, 2) == [9]
+    assert producer.peek_tokens(slot, seq + 1, 0) is None  # another request's slot
+    assert producer.poll(slot).tokens == [7, 8, 9]  # peeking consumed nothing
+    consumer.publish(slot, [10, 11, 12])  # wraps around the 4-token buffer
+    assert producer.peek_tokens(slot, seq, 3) == [10, 11, 12] and producer.peek_tokens(slot, seq, 4) == [11, 12]
+    assert producer.peek_tokens(slot, seq, 1) is None  # no longer in the buffer
+    consumer.finish(slot, FinishReason.LENGTH)
+    assert producer.poll(slot).tokens == [10, 11, 12]
+    producer.release(slot)
+
+
+def test_masks_follow_the_tokens_while_the_event_loop_is_blocked(grammars, byte_tokenizer):
+    """The watcher reads the tokens, the pool computes and writes each mask and starts the next step: the event
+    loop, blocked throughout, is on none of it. The poller handing over the same tokens adds nothing."""
+    compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
+    ids = byte_tokenizer.encode("hello world").ids
+    watch, generated = MaskWatch(period_s=0.0002), []
+
+    async def run():
+        put, errors, threads = [], [], set()
+        def put_mask(index, words):
+            threads.add(threading.current_thread().name)
+            put.append(index)
+        loop = MaskLoop(grammars, compiled, put_mask, errors.append, put_from_pool=True)
+        watch.watch(loop, lambda start: generated[start:])
+        for n, token in enumerate(ids):  # no await in here: the event loop runs nothing meanwhile
+            generated.append(token)
+            assert until(lambda: len(put) == n + 1), f"no mask for token {n} while the event loop was blocked"
+        assert put == list(range(1, len(ids) + 1)) and not errors
+        assert all(name.startswith("grammar-mask") for name in threads)
+        loop.advance(list(ids), 0)  # the poller's copy of the same tokens
+        loop.advance(list(ids[1:]), 1)
+        loop.advance([], len(ids))
+        time.sleep(0.05)
+        assert put == list(range(1, len(ids) + 1))
+        loop.close()
+        assert until(lambda: watch.num_watched == 0)
+    asyncio.run(run())
+
+
+class SlowLoop(MaskLoop):
+    """A mask loop whose every step takes `delay_s` more (a grammar that masks slowly)."""
+
+    __slots__ = ("delay_s",)
+
+    def consume_and_mask(self, token_ids):
+        time.sleep(self.delay_s)
+        return super().consume_and_mask(token_ids)
+
+
+def test_a_slow_grammar_leaves_the_other_requests_masks_on_time(grammars, byte_tokenizer):
+    assert ML.MASK_THREADS >= 2, "one slow grammar would hold up every other request's masks"
+    compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
+    ids = byte_tokenizer.encode("hello world").ids
+    watch, slow_tokens, fast_tokens = MaskWatch(period_s=0.0002), [], []
+
+    async def run():
+        slow_put, fast_put, errors = [], [], []
+        slow = SlowLoop(grammars, compiled, lambda i, w: slow_put.append(i), errors.append, put_from_pool=True)
+        slow.delay_s = 1.0
+        fast = MaskLoop(grammars, compiled, lambda i, w: fast_put.append(i), errors.append, put_from_pool=True)
+        watch.watch(slow, lambda start: slow_tokens[start:])
+        watch.watch(fast, lambda start: fast_tokens[start:])
+        slow_tokens.append(ids[0])
+        assert until(lambda: slow._running)
+        t0 = time.monotonic()
+        for n, token in enumerate(ids):
+            fast_tokens.append(token)
+            assert until(lambda: len(fast_put) == n + 1, 0.5)
+        assert time.monotonic() - t0 < 0.9 and not slow_put  # all of them while the slow one's first step ran
+        assert until(lambda: slow_put == [1]) and not errors
+        slow.close()
+        fast.close()
+    asyncio.run(run())
+
+
+def test_a_mask_step_over_the_limit_ends_its_request_clearly(grammars, byte_tokenizer, monkeypatch):
+    """The poller's check (every heartbeat_check_s) of a step that has run too long: the request ends with an
+    error saying so, and the step delivers nothing when it ends."""
+    monkeypatch.setattr(ML, "MASK_STEP_LIMIT_S", 0.2)
+    compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
+    ids = byte_tokenizer.encode("hello world").ids
+
+    async def run():
+        put, errors = [], []
+        stuck = SlowLoop(grammars, compiled, lambda i, w: put.append(i), errors.append, put_from_pool=True)
+        stuck.delay_s = 0.6
+        stuck.advance([ids[0]])
+        assert not stuck.fail_if_overdue(time.monotonic())
+        await asyncio.sleep(0.3)
+        assert stuck.fail_if_overdue(time.monotonic()) and stuck.closed
+        await asyncio.sleep(0.01)  # the error is the event loop's to deliver
+        assert errors == ["computing the grammar's token mask took over 0.2 s (this server's limit per token)"]
+        await asyncio.sleep(0.5)
+        assert not put and len(errors) == 1  # the step that overran delivers nothing when it ends
+    asyncio.run(run())
+
+
+def test_the_native_wait_feeds_masks_from_a_real_ring_and_never_spins_on_a_stale_slot(grammars, byte_tokenizer,
+                                                                                        ring_pair):
+    """The C wait (GIL released) watches the response words: a slot still holding an earlier request's counters
+    (seq not yet this request's) is no news, so the watcher waits instead of spinning; once the engine takes the
+    request, each token's mask follows with the event loop blocked."""
+    from gateway.streaming.stream_round import c_compiler
+    from gateway.structured.mask_watch import TokenSource, native_wait
+
+    if c_compiler() is None:
+        pytest.skip("no C compiler: the watcher polls from Python (covered above)")
+    assert native_wait() is not None
+    producer, consumer = ring_pair
+    old = producer.submit(RequestSpec(1, [5], 3))
+    consumer.take_new()
+    consumer.publish(old, [40, 41, 42])  # produced = 3 stays in the slot's words after it ends
+    consumer.finish(old, FinishReason.LENGTH)
+    producer.poll(old)
+    producer.release(old)
+    compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
+    ids = byte_tokenizer.encode("hello world").ids
+
+    class CountingWatch(MaskWatch):
+        scans = 0
+
+        def scan(self):
+            CountingWatch.scans += 1
+            return super().scan()
+    watch = CountingWatch()
+
+    async def run():
+        put = []
+        slot = producer.submit(RequestSpec(2, [5], 20))
+        assert slot == old
+        seq, _ = producer.position(slot)
+        loop = MaskLoop(grammars, compiled, lambda i, w: put.append(i), put.append, put_from_pool=True)
+        watch.watch(loop, TokenSource(lambda start: producer.peek_tokens(slot, seq, start),
+                                      producer.response_view(slot), seq))
+        time.sleep(0.3)  # not taken yet: the stale produced = 3 is not this request's
+        assert not put and CountingWatch.scans < 600, CountingWatch.scans  # about one per 1 ms wait, not a spin
+        consumer.take_new()
+        for n, token in enumerate(ids):
+            consumer.publish(slot, [token])
+            assert until(lambda: len(put) == n + 1), f"no mask for token {n}"
+        assert put == list(range(1, len(ids) + 1))
+        loop.close()
+        consumer.finish(slot, FinishReason.STOP)
+        assert until(lambda: watch.num_watched == 0)
+    asyncio.run(run())
