@@ -136,7 +136,7 @@ class GpuRunner:
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         self.weights = fuse_weights(model)  # q/k/v and gate/up fused; the model's Linear weights become views
         if getattr(model, "quantization", None):
-            release_dense_projections_(model)  # the FP8 copies are what the steps read
+            release_dense_projections_(model, self.weights)  # the FP8 copies are what the steps read
             torch.cuda.empty_cache()
         self.buckets = token_buckets(config.max_num_batched_tokens)
         self.buffer_sets = [StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
