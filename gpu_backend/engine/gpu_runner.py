@@ -116,10 +116,11 @@ class GpuRunner:
         one graph per bucket and step buffer)."""
         from kernels import paged_attention, rmsnorm, rope_kv, sampling, swiglu  # triton: GPU hosts only
 
-        from kernels import fp8_quant, gemv, moe
+        from kernels import fp8_gemm, fp8_quant, gemv, moe
 
         self._k = dict(attn=paged_attention.paged_attention, rmsnorm=rmsnorm.rmsnorm, gemv=gemv.gemv,
                        gemv_default=gemv.DEFAULT_CONFIG, fp8_quant=fp8_quant.quantize_tokens,
+                       fp8_w8a16=fp8_gemm.fp8_weight_only_mm,
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
                        swiglu=swiglu.swiglu, sample=sampling.sample, moe=moe.fused_moe)
         self.tp, self.follower = tp, tp is not None and not tp.is_leader
