@@ -37,6 +37,9 @@ TEXT = Path(__file__).parent / "data" / "held_text.txt"
 EXTRA_SCHEMES = {
     "w8a16-all": Fp8Scheme(QUANTIZED_PROJECTIONS, fp8_activations=False),
     "fp8-w8a8": Fp8Scheme(SCHEMES["fp8"].projections, fp8_activations=True),
+    "o+gate_up-w8a16": Fp8Scheme(("o", "gate_up"), fp8_activations=False),
+    "gate_up-w8a16": Fp8Scheme(("gate_up",), fp8_activations=False),
+    "qkv+o+gate_up-w8a16": Fp8Scheme(("qkv", "o", "gate_up"), fp8_activations=False),
 }
 
 
@@ -143,6 +146,7 @@ def main() -> None:
         floor = compare(predictions(load_dense(model_dir, torch.float32, a.device), ids), ref)
         result["noise_floor_vs_fp32"] = dict(positions=floor["positions"], agreement=floor["agreement"],
                                              ppl_fp32=floor["ppl_dense"], ppl=floor["ppl_fp8"], ppl_ratio=floor["ppl_ratio"])
+        print(json.dumps({"noise_floor_vs_fp32": result["noise_floor_vs_fp32"]}), flush=True)
     for name in a.scheme or list(SCHEMES):
         model = quantized(model_dir, DTYPES[a.dtype], a.device, name)
         r = compare(ref, predictions(model, ids)) | step_bytes(model)
