@@ -5,7 +5,7 @@ dense model over the held text (bench/fp8_accuracy.py's measures; that bench run
 is comma-separated key=value pairs:
 - w: the weight scales: `row` (one per output row, served), `G` (one per row and group of G along K; the
   last group of a row may be shorter), `bf16` (weights rounded to bf16 instead), `dense`;
-- a: the activation scales: `token` (served by fp8-all), `G` (per token and group of G), `none` (weight-only),
+- a: the activation scales: `token` (served by fp8), `G` (per token and group of G), `none` (weight-only),
   `bf16` (rounded to bf16);
 - skip: projections kept dense, `+`-joined (qkv, o, gate_up, down); keep: layer indices kept dense
   (negative from the end); only: the only layers quantized;

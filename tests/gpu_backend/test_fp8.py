@@ -1,4 +1,4 @@
-"""FP8 weights (`--quantization fp8` and `fp8-all`, gpu_backend/models/fp8.py): quantization, the FP8 matmuls
+"""FP8 weights (`--quantization fp8` and `fp8-partial`, gpu_backend/models/fp8.py): quantization, the FP8 matmuls
 against a dequantized reference, which projections each scheme quantizes, a model's logits, and an FP8
 compressed-tensors checkpoint read back exactly."""
 from __future__ import annotations
@@ -55,7 +55,7 @@ def test_weight_only_fp8_linear_is_x_times_the_dequantized_weight(dtype):
 
 
 @pytest.mark.parametrize("scheme,fp8_names,dense_names", [
-    ("fp8", ("o", "gate_up"), ("qkv", "down")), ("fp8-all", ("qkv", "o", "gate_up", "down"), ())])
+    ("fp8-partial", ("o", "gate_up"), ("qkv", "down")), ("fp8", ("qkv", "o", "gate_up", "down"), ())])
 def test_each_scheme_quantizes_its_projections(scheme, fp8_names, dense_names):
     cfg = tiny_cfg("llama")
     model = ours_from(hf_reference(cfg), cfg)
@@ -66,7 +66,7 @@ def test_each_scheme_quantizes_its_projections(scheme, fp8_names, dense_names):
         assert all(isinstance(getattr(layer, n), torch.Tensor) for n in dense_names)
 
 
-@pytest.mark.parametrize("kind,scheme", [("llama", "fp8"), ("llama", "fp8-all"), ("qwen2", "fp8-all")])
+@pytest.mark.parametrize("kind,scheme", [("llama", "fp8"), ("qwen2", "fp8"), ("llama", "fp8-partial")])
 def test_an_fp8_model_stays_close_to_its_dense_twin(kind, scheme):
     cfg = tiny_cfg(kind)
     hf = hf_reference(cfg)
@@ -105,7 +105,7 @@ def test_a_compressed_tensors_fp8_checkpoint_loads_back_bit_for_bit(tmp_path):
     cfg = tiny_cfg("llama")
     written = _fp8_checkpoint(tmp_path, cfg, ours_from(hf_reference(cfg), cfg))
     _, model, _ = load_model(str(tmp_path), progress=False)
-    assert model.quantization == "fp8-all"  # implied by the checkpoint: every projection is FP8 already
+    assert model.quantization == "fp8"  # implied by the checkpoint: every projection is FP8 already
     layer = model.decoder_weights().layers[1]
     parts = [written[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]
     assert torch.equal(layer.qkv.q.view(torch.uint8), torch.cat([p.q for p in parts]).view(torch.uint8))
@@ -129,7 +129,7 @@ def test_an_unknown_checkpoint_quantization_and_flag_are_refused(tmp_path):
 def test_releasing_the_dense_projections_keeps_the_fp8_ones():
     cfg = tiny_cfg("llama")
     model = ours_from(hf_reference(cfg), cfg)
-    model.quantization = "fp8-all"
+    model.quantization = "fp8"
     weights = fuse_weights(model)
     release_dense_projections_(model, weights)
     assert model.model.layers[0].mlp.down_proj.weight.numel() == 0
@@ -139,7 +139,7 @@ def test_releasing_the_dense_projections_keeps_the_fp8_ones():
 def test_releasing_keeps_the_projections_a_scheme_leaves_dense():
     cfg = tiny_cfg("llama")
     model = ours_from(hf_reference(cfg), cfg)
-    model.quantization = "fp8"  # q/k/v and down stay dense: down_proj's weight is what the step reads
+    model.quantization = "fp8-partial"  # q/k/v and down stay dense: down_proj's weight is what the step reads
     weights = fuse_weights(model)
     down = weights.layers[0].down.clone()
     release_dense_projections_(model, weights)

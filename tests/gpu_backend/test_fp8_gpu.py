@@ -67,7 +67,7 @@ def test_the_weight_only_fp8_gemm_is_x_times_the_dequantized_rows(m, n, k):
     torch.testing.assert_close(out.float(), dequantized.float(), rtol=2e-2, atol=2e-3)
 
 
-def _fp8_runner(model, cfg, scheme: str = "fp8-all"):
+def _fp8_runner(model, cfg, scheme: str = "fp8"):
     from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig
 
     model.quantization = scheme
@@ -77,14 +77,14 @@ def _fp8_runner(model, cfg, scheme: str = "fp8-all"):
                      progress=False, keep_graphs=True)
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "fp8-all"])
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-partial"])
 def test_persistent_gives_host_tokens_with_fp8_weights_and_kv(served, scheme):  # noqa: F811
     cfg, model = _peaky_model()
     runner = _fp8_runner(model.to(device="cuda", dtype=torch.bfloat16), cfg, scheme)
     assert runner.kv_cache.dtype == torch.float8_e4m3fn
     layer = runner.weights.layers[0]
-    assert type(layer.gate_up).__name__ == "Fp8Weight" and layer.gate_up.fp8_activations == (scheme == "fp8-all")
-    assert type(layer.down).__name__ == ("Fp8Weight" if scheme == "fp8-all" else "Tensor")
+    assert type(layer.gate_up).__name__ == "Fp8Weight" and layer.gate_up.fp8_activations == (scheme == "fp8")
+    assert type(layer.down).__name__ == ("Fp8Weight" if scheme == "fp8" else "Tensor")
     host_tokens, host_fin, _ = _drive(runner, cfg, _specs(), config=CONFIG)
     s = served(runner, cfg)
     slots = s.submit(_specs())

@@ -241,7 +241,7 @@ def test_cpu_engine_serves_a_tiny_moe_model():
         e.close()
 
 
-# ---- FP8 (--quantization fp8-all): the attention projections (and Phi-3's MLP), not the experts ----
+# ---- FP8 (--quantization fp8): the attention projections (and Phi-3's MLP), not the experts ----
 @pytest.mark.parametrize("kind", ["phi3", "qwen3_moe"])
 def test_fp8_quantizes_the_projections_and_keeps_the_experts(kind):
     from gpu_backend.models.fp8 import Fp8Weight, release_dense_projections_
@@ -250,7 +250,7 @@ def test_fp8_quantizes_the_projections_and_keeps_the_experts(kind):
     cfg = tiny_cfg(kind)
     hf = hf_reference(cfg)
     dense, fp8 = ours_from(hf, cfg), ours_from(hf, cfg)
-    fp8.quantization = "fp8-all"
+    fp8.quantization = "fp8"
     ids = [5, 17, 42, 3, 88, 61, 9, 30, 71, 12]
     a = PagedRun(dense).step([SeqState(list(ids))], [len(ids)])[0]
     b = PagedRun(fp8).step([SeqState(list(ids))], [len(ids)])[0]
