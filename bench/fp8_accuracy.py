@@ -111,7 +111,8 @@ def step_bytes(model) -> dict:
     w = model.decoder_weights()
     proj = sum(t.num_bytes if hasattr(t, "num_bytes") else t.numel() * t.element_size()
                for layer in w.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    proj_bf16 = sum(t.shape[0] * t.shape[1] * 2 for layer in w.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    proj_bf16 = sum(t.shape[0] * t.shape[1] * 2
+                    for layer in w.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
     head = w.lm_head.numel() * 2
     return dict(projection_bytes=proj, projection_bytes_bf16=proj_bf16, step_bytes=proj + head,
                 step_bytes_bf16=proj_bf16 + head, step_bytes_vs_bf16=(proj + head) / (proj_bf16 + head))
@@ -144,13 +145,15 @@ def main() -> None:
     if a.floor and a.dtype != "fp32":
         floor = compare(predictions(load_dense(model_dir, torch.float32, a.device), ids), ref)
         result["noise_floor_vs_fp32"] = dict(positions=floor["positions"], agreement=floor["agreement"],
-                                             ppl_fp32=floor["ppl_dense"], ppl=floor["ppl_fp8"], ppl_ratio=floor["ppl_ratio"])
+                                             ppl_fp32=floor["ppl_dense"], ppl=floor["ppl_fp8"],
+                                             ppl_ratio=floor["ppl_ratio"])
         print(json.dumps({"noise_floor_vs_fp32": result["noise_floor_vs_fp32"]}), flush=True)
     for name in a.scheme or list(SCHEMES):
         model = quantized(model_dir, DTYPES[a.dtype], a.device, name)
         r = compare(ref, predictions(model, ids)) | step_bytes(model)
         if a.free_running:
-            r |= dict(free_running_tokens=a.free_running, free_running_same_prefix=free_running(dense, model, ids[:64], a.free_running))
+            same = free_running(dense, model, ids[:64], a.free_running)
+            r |= dict(free_running_tokens=a.free_running, free_running_same_prefix=same)
         r["gates"] = dict(agreement_ge_0_95=r["agreement"] >= 0.95, ppl_within_2pct=r["ppl_ratio"] <= 1.02)
         result["schemes"][name] = r
         print(json.dumps({name: r}), flush=True)

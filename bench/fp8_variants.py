@@ -11,7 +11,8 @@ is comma-separated key=value pairs:
   (negative from the end); only: the only layers quantized;
 - kv: the KV cache: `fp8` (unscaled e4m3, as served) or `fp8_token` (one scale per token and head).
 
-    python -m bench.fp8_variants --tokens 1000 "w=row,a=token" "w=128,a=token" "skip=down,a=none" "kv=fp8,w=dense,a=none"
+    python -m bench.fp8_variants --tokens 1000 "w=row,a=token" "w=128,a=token" "skip=down,a=none" \
+        "kv=fp8,w=dense,a=none"
 """
 from __future__ import annotations
 

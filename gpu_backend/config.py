@@ -47,7 +47,7 @@ class BackendConfig:
     num_slots: int = 256                   # ring slots: requests in flight at most
     max_output_len: int = 1024             # per-slot response buffer, in tokens
     block_size: int = 16                   # tokens per KV block
-    quantization: str | None = None        # fp8 or fp8-partial: FP8 weights for the decoder's projections (models/fp8.py)
+    quantization: str | None = None        # fp8 or fp8-partial: FP8 projection weights (models/fp8.py)
     kv_cache_dtype: str = "auto"           # auto (the model's dtype) or fp8 (e4m3, host and persistent modes)
     kv_cache_mb: int = 1024                # KV cache size (cpu mode)
     tensor_parallel_size: int = 1          # GPUs the model is split over (host, persistent): cuda:0..N-1

@@ -17,8 +17,9 @@ row's largest weight sits at the FP8 maximum, as a channel-scaled checkpoint's d
 calibrated. The LM head and the embedding stay in the model's dtype, as the common FP8 releases keep them.
 
 `fp8_linear` is the one FP8 matmul both runners call: `torch._scaled_mm` (CPU and GPU) for FP8 activations,
-else the FP8 weight times the dense activations (kernels/fp8_gemm.py on the GPU); at one token the GPU runner streams the FP8 rows through `kernels/gemv.py`
-instead (weight-only in both schemes: the activation stays bf16, the bytes a batch-1 step reads are the weights).
+else the FP8 weight times the dense activations (kernels/fp8_gemm.py on the GPU); at one token the GPU runner
+streams the FP8 rows through `kernels/gemv.py` instead (weight-only in both schemes: the activation stays bf16,
+the bytes a batch-1 step reads are the weights).
 """
 from __future__ import annotations
 
