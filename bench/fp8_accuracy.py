@@ -1,4 +1,4 @@
-"""FP8 accuracy gates (issue 22): FP8 weights against the dense model on real weights (the demo model).
+"""FP8 accuracy gates (issue 22): FP8 schemes against the dense model on real weights (the demo model).
 
 Over a held text (bench/data/held_text.txt: the Python license, prose the model did not see in this form):
 - agreement: at each position, with the same text before it (teacher forcing), does the FP8 model's greedy
@@ -6,8 +6,13 @@ Over a held text (bench/data/held_text.txt: the Python license, prose the model 
 - perplexity of the text under each model. Gate: FP8 within 2% of dense.
 - free-running greedy: how many tokens the two models' continuations of the text's first 64 tokens agree
   for (reported, no gate: one early difference changes everything after it).
+- the noise floor (`--floor`): the dense model in --dtype against the same model in float32, same measures.
 
-    python -m bench.fp8_accuracy --tokens 2000 --dtype bf16 --out bench/results/fp8_accuracy.json
+The dense reference runs once; each scheme (`--scheme`, repeatable) is a fresh copy of the model with that
+scheme's projections quantized (models/fp8.py's `SCHEMES`, plus `EXTRA_SCHEMES` below for comparison).
+
+    python -m bench.fp8_accuracy --tokens 2000 --dtype bf16 --scheme fp8 --scheme fp8-partial --floor \
+        --out bench/results/fp8_accuracy-<commit>-<machine>.json
 """
 from __future__ import annotations
 
@@ -22,12 +27,19 @@ import torch
 
 from gpu_backend.models import load_model
 from gpu_backend.models.demo import ensure_demo_model
-from gpu_backend.models.fp8 import quantize_weight
+from gpu_backend.models.fp8 import QUANTIZED_PROJECTIONS, SCHEMES, Fp8Scheme, quantize_decoder_weights
 from gpu_backend.models.generate import BlockPool, SeqState, greedy_generate, make_step
 from gpu_backend.models.llama import allocate_kv_cache
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TEXT = Path(__file__).parent / "data" / "held_text.txt"
+# not served; for comparison (the name: the projections in FP8, and how activations are kept)
+EXTRA_SCHEMES = {
+    "all-w8a16": Fp8Scheme(QUANTIZED_PROJECTIONS, fp8_activations=False),
+    "o+gate_up-w8a8": Fp8Scheme(("o", "gate_up"), fp8_activations=True),
+    "gate_up-w8a16": Fp8Scheme(("gate_up",), fp8_activations=False),
+    "qkv+o+gate_up-w8a16": Fp8Scheme(("qkv", "o", "gate_up"), fp8_activations=False),
+}
 
 
 def tokenize(model_dir: Path, text: str, limit: int) -> list[int]:
@@ -53,33 +65,62 @@ def teacher_forced_logits(model, ids: list[int], chunk: int = 256):
         yield model.compute_logits(hidden)
 
 
-def compare(dense, fp8, ids: list[int]) -> dict:
-    agree = total = 0
-    nll = {"dense": 0.0, "fp8": 0.0}
+def predictions(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(greedy token [n], negative log-likelihood of the text's next token [n]) at every position."""
     targets = torch.tensor(ids[1:])
-    pos = 0
-    for ld, lq in zip(teacher_forced_logits(dense, ids[:-1]), teacher_forced_logits(fp8, ids[:-1])):
-        t = targets[pos:pos + ld.shape[0]].to(ld.device)
-        agree += int((ld.argmax(-1) == lq.argmax(-1)).sum())
-        total += ld.shape[0]
-        for name, logits in (("dense", ld), ("fp8", lq)):
-            nll[name] += float(torch.nn.functional.cross_entropy(logits, t, reduction="sum"))
-        pos += ld.shape[0]
-    ppl = {k: math.exp(v / total) for k, v in nll.items()}
-    return dict(positions=total, agreement=agree / total, ppl_dense=ppl["dense"], ppl_fp8=ppl["fp8"],
-                ppl_ratio=ppl["fp8"] / ppl["dense"])
+    greedy, nll, pos = [], [], 0
+    for logits in teacher_forced_logits(model, ids[:-1]):
+        t = targets[pos:pos + logits.shape[0]].to(logits.device)
+        greedy.append(logits.argmax(-1).cpu())
+        nll.append(torch.nn.functional.cross_entropy(logits, t, reduction="none").cpu())
+        pos += logits.shape[0]
+    return torch.cat(greedy), torch.cat(nll)
 
 
-@torch.no_grad()
-def _apply_variant(model, variant: str) -> None:
-    """w8a16: the FP8 model's projections dequantized back into a dense model (rows are scaled one by one,
-    so quantizing q, k, v or gate, up apart equals quantizing them fused): the weights' share of the error."""
-    if variant == "w8a16":
-        for layer in model.model.layers:
-            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                        layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                lin.weight.copy_(quantize_weight(lin.weight).dequantize(lin.weight.dtype))
-        model.quantization = None
+def compare(ref: tuple[torch.Tensor, torch.Tensor], other: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    ppl_ref, ppl = math.exp(float(ref[1].mean())), math.exp(float(other[1].mean()))
+    return dict(positions=len(ref[0]), agreement=float((ref[0] == other[0]).float().mean()),
+                ppl_dense=ppl_ref, ppl_fp8=ppl, ppl_ratio=ppl / ppl_ref)
+
+
+def load_dense(model_dir: Path, dtype: torch.dtype, device: str):
+    _, model, _ = load_model(str(model_dir), dtype=dtype, device=device, progress=False)
+    if device == "cpu" and dtype != torch.float32:
+        # the CPU loader stores Linear weights transposed for float32 MKL; bf16 GEMMs on that layout take ~30x
+        # longer on CPUs without bf16 instructions (a bench-only concern: the cpu engine runs float32)
+        with torch.no_grad():
+            for lin in (m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+                lin.weight.data = lin.weight.data.contiguous()
+            model.tie_weights()
+    return model
+
+
+def quantized(model_dir: Path, dtype: torch.dtype, device: str, name: str):
+    """A fresh dense copy with `name`'s projections replaced by FP8 ones (as `--quantization` does at load)."""
+    model = load_dense(model_dir, dtype, device)
+    if name in SCHEMES:
+        model.quantization = name
+    else:
+        quantize_decoder_weights(model.decoder_weights().layers, EXTRA_SCHEMES[name])
+    return model
+
+
+def step_bytes(model) -> dict:
+    """Bytes a batch-1 decode step reads for weights: the projections as stored plus the LM head (the
+    embedding table is a gather of one row); the bf16 figure for the same shapes beside it."""
+    w = model.decoder_weights()
+    proj = sum(t.num_bytes if hasattr(t, "num_bytes") else t.numel() * t.element_size()
+               for layer in w.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    proj_bf16 = sum(t.shape[0] * t.shape[1] * 2
+                    for layer in w.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    head = w.lm_head.numel() * 2
+    return dict(projection_bytes=proj, projection_bytes_bf16=proj_bf16, step_bytes=proj + head,
+                step_bytes_bf16=proj_bf16 + head, step_bytes_vs_bf16=(proj + head) / (proj_bf16 + head))
+
+
+def free_running(dense, other, prompt: list[int], n: int) -> int:
+    a, b = greedy_generate(dense, [prompt], n)[0], greedy_generate(other, [prompt], n)[0]
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def main() -> None:
@@ -88,27 +129,35 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2000)
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="the dense model's (and FP8 model's activations')")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--free-running", type=int, default=256, help="greedy tokens generated by each model")
-    p.add_argument("--variant", choices=("w8a8", "w8a16"), default="w8a8",
-                   help="w8a8: what --quantization fp8 runs; w8a16: FP8 weights, activations unquantized (where "
-                        "the error comes from)")
+    p.add_argument("--free-running", type=int, default=256, help="greedy tokens generated by each model (0: none)")
+    p.add_argument("--scheme", action="append", choices=list(SCHEMES) + list(EXTRA_SCHEMES),
+                   help="repeatable; default: every --quantization scheme")
+    p.add_argument("--floor", action="store_true", help="also the dense --dtype model against float32")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     model_dir = ensure_demo_model() if a.model == "demo" else Path(a.model)
     ids = tokenize(model_dir, TEXT.read_text(), a.tokens)
     t0 = time.time()
-    _, dense, _ = load_model(str(model_dir), dtype=DTYPES[a.dtype], device=a.device, progress=False)
-    _, fp8, _ = load_model(str(model_dir), dtype=DTYPES[a.dtype], device=a.device, progress=False, quantization="fp8")
-    _apply_variant(fp8, a.variant)
-    result = compare(dense, fp8, ids)
-    prompt = ids[:64]
-    g_dense = greedy_generate(dense, [prompt], a.free_running)[0]
-    g_fp8 = greedy_generate(fp8, [prompt], a.free_running)[0]
-    same = next((i for i, (x, y) in enumerate(zip(g_dense, g_fp8)) if x != y), min(len(g_dense), len(g_fp8)))
-    result.update(free_running_tokens=a.free_running, free_running_same_prefix=same,
-                  gates=dict(agreement_ge_0_95=result["agreement"] >= 0.95, ppl_within_2pct=result["ppl_ratio"] <= 1.02),
-                  variant=a.variant, model=str(a.model), dtype=a.dtype, device=a.device, text=str(TEXT.name),
-                  machine=platform.node(), torch=torch.__version__, seconds=round(time.time() - t0, 1))
+    dense = load_dense(model_dir, DTYPES[a.dtype], a.device)
+    ref = predictions(dense, ids)
+    result = dict(model=str(a.model), dtype=a.dtype, device=a.device, text=TEXT.name, tokens=a.tokens,
+                  machine=platform.node(), torch=torch.__version__, schemes={})
+    if a.floor and a.dtype != "fp32":
+        floor = compare(predictions(load_dense(model_dir, torch.float32, a.device), ids), ref)
+        result["noise_floor_vs_fp32"] = dict(positions=floor["positions"], agreement=floor["agreement"],
+                                             ppl_fp32=floor["ppl_dense"], ppl=floor["ppl_fp8"],
+                                             ppl_ratio=floor["ppl_ratio"])
+        print(json.dumps({"noise_floor_vs_fp32": result["noise_floor_vs_fp32"]}), flush=True)
+    for name in a.scheme or list(SCHEMES):
+        model = quantized(model_dir, DTYPES[a.dtype], a.device, name)
+        r = compare(ref, predictions(model, ids)) | step_bytes(model)
+        if a.free_running:
+            same = free_running(dense, model, ids[:64], a.free_running)
+            r |= dict(free_running_tokens=a.free_running, free_running_same_prefix=same)
+        r["gates"] = dict(agreement_ge_0_95=r["agreement"] >= 0.95, ppl_within_2pct=r["ppl_ratio"] <= 1.02)
+        result["schemes"][name] = r
+        print(json.dumps({name: r}), flush=True)
+    result["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(result, indent=2))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

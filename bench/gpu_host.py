@@ -338,7 +338,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=384, help="prompt tokens per stream")
     ap.add_argument("--decode-steps", type=int, default=64, help="all-decode steps timed per batch size")
     ap.add_argument("--profile", action="store_true", help="also print a per-kernel breakdown of a batch-1 step")
-    ap.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights (models/fp8.py)")
+    ap.add_argument("--quantization", choices=("fp8", "fp8-partial"), default=None, help="FP8 weights (models/fp8.py)")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over the first N GPUs")
     ap.add_argument("--no-persistent", action="store_true", help="host engine and bare steps only")

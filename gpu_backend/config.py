@@ -47,7 +47,7 @@ class BackendConfig:
     num_slots: int = 256                   # ring slots: requests in flight at most
     max_output_len: int = 1024             # per-slot response buffer, in tokens
     block_size: int = 16                   # tokens per KV block
-    quantization: str | None = None        # fp8: FP8 weights for the decoder's projections (models/fp8.py)
+    quantization: str | None = None        # fp8 or fp8-partial: FP8 projection weights (models/fp8.py)
     kv_cache_dtype: str = "auto"           # auto (the model's dtype) or fp8 (e4m3, host and persistent modes)
     kv_cache_mb: int = 1024                # KV cache size (cpu mode)
     tensor_parallel_size: int = 1          # GPUs the model is split over (host, persistent): cuda:0..N-1
@@ -77,7 +77,8 @@ class BackendConfig:
 
     def __post_init__(self) -> None:
         self._check(self.mode in MODES, "mode", f"{self.mode!r} is not one of {', '.join(MODES)}")
-        self._check(self.quantization in (None, "fp8"), "quantization", f"{self.quantization!r} is not fp8")
+        self._check(self.quantization in (None, "fp8", "fp8-partial"), "quantization",
+                    f"{self.quantization!r} is not fp8 or fp8-partial")
         self._check(self.kv_cache_dtype in ("auto", "fp8"), "kv_cache_dtype", f"{self.kv_cache_dtype!r} is not auto or fp8")
         self._check(self.kv_cache_dtype == "auto" or self.mode != "cpu", "kv_cache_dtype",
                     "fp8 is for the GPU modes (host, persistent); the cpu engine keeps a float32 cache")

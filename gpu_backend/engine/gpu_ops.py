@@ -31,7 +31,7 @@ class TritonOps:
             if x.shape[0] == 1:  # weight-only at one token: the step is a read of the FP8 rows
                 n, k, warps = config or self.k["gemv_default"]
                 return self.k["gemv"](x, weight.q, bias, config=(n, 2 * k, warps), scale=weight.scale)  # same bytes
-            return fp8_linear(x, weight, bias, quantize=self.k["fp8_quant"])
+            return fp8_linear(x, weight, bias, quantize=self.k["fp8_quant"], weight_only_mm=self.k["fp8_w8a16"])
         if config is not None:
             return self.k["gemv"](x, weight, bias, config=config)
         return F.linear(x, weight, bias)

@@ -116,10 +116,11 @@ class GpuRunner:
         one graph per bucket and step buffer)."""
         from kernels import paged_attention, rmsnorm, rope_kv, sampling, swiglu  # triton: GPU hosts only
 
-        from kernels import fp8_quant, gemv, moe
+        from kernels import fp8_gemm, fp8_quant, gemv, moe
 
         self._k = dict(attn=paged_attention.paged_attention, rmsnorm=rmsnorm.rmsnorm, gemv=gemv.gemv,
                        gemv_default=gemv.DEFAULT_CONFIG, fp8_quant=fp8_quant.quantize_tokens,
+                       fp8_w8a16=fp8_gemm.fp8_weight_only_mm,
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
                        swiglu=swiglu.swiglu, sample=sampling.sample, moe=moe.fused_moe)
         self.tp, self.follower = tp, tp is not None and not tp.is_leader
@@ -136,7 +137,7 @@ class GpuRunner:
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         self.weights = fuse_weights(model)  # q/k/v and gate/up fused; the model's Linear weights become views
         if getattr(model, "quantization", None):
-            release_dense_projections_(model)  # the FP8 copies are what the steps read
+            release_dense_projections_(model, self.weights)  # the FP8 copies are what the steps read
             torch.cuda.empty_cache()
         self.buckets = token_buckets(config.max_num_batched_tokens)
         self.buffer_sets = [StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .fp8 import Fp8Weight, quantize_decoder_weights
+from .fp8 import SCHEMES, Fp8Weight, quantize_decoder_weights
 
 
 @dataclass
@@ -146,8 +146,9 @@ def fuse_weights(model: nn.Module) -> DecoderWeights:
     """`_fuse_dense`, then the projections quantized when the model was loaded with a quantization
     (`model.quantization`, set by `weights.load_model`; `fp8.py`)."""
     weights = _fuse_dense(model)
-    if getattr(model, "quantization", None) == "fp8":
-        quantize_decoder_weights(weights.layers)
+    scheme = SCHEMES.get(getattr(model, "quantization", None))
+    if scheme is not None:
+        quantize_decoder_weights(weights.layers, scheme)
     return weights
 
 

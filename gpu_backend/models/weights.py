@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from .config import ModelConfig
 from .llama import LlamaModel, transpose_linear_storage_
-from .fp8 import FP8_DTYPE, check_quantization
+from .fp8 import CHECKPOINT_SCHEME, FP8_DTYPE, check_quantization
 from .presets import preset_config
 
 RANDOM_PREFIX = "random:"
@@ -54,7 +54,7 @@ def load_model(spec: str, dtype: torch.dtype | None = None, device: torch.device
     check_fits(cfg, dtype, device)
     model = _empty_model(cfg, dtype, device)
     if checkpoint_quantization(model_dir) is not None:
-        quantization = "fp8"
+        quantization = CHECKPOINT_SCHEME
     load_safetensors_(model, model_dir, progress=progress)
     model.quantization = quantization
     return cfg, model, model_dir

@@ -20,7 +20,7 @@ from torch import nn
 
 from gpu_backend.models import ModelConfig
 from gpu_backend.models.llama import LlamaModel
-from gpu_backend.models.fp8 import check_quantization
+from gpu_backend.models.fp8 import CHECKPOINT_SCHEME, check_quantization
 from gpu_backend.models.weights import (RANDOM_PREFIX, RANDOM_SEED, _empty_model, check_fits, checkpoint_quantization,
                                         init_random_, load_safetensors_, read_config)
 
@@ -141,7 +141,7 @@ def load_rank_models(spec: str, devices: list[torch.device], quantization: str |
     model_dir = Path(spec).expanduser()
     cfg = read_config(model_dir)
     local = local_config(cfg, world)
-    quantization = "fp8" if checkpoint_quantization(model_dir) is not None else check_quantization(quantization)
+    quantization = CHECKPOINT_SCHEME if checkpoint_quantization(model_dir) is not None else check_quantization(quantization)
     models = []
     for rank, device in enumerate(devices):
         check_fits(local, dtype, device)

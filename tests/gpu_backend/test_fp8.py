@@ -1,5 +1,6 @@
-"""FP8 weights (`--quantization fp8`, gpu_backend/models/fp8.py): quantization, the FP8 matmul against a
-dequantized reference, a model's logits, and an FP8 compressed-tensors checkpoint read back exactly."""
+"""FP8 weights (`--quantization fp8` and `fp8-partial`, gpu_backend/models/fp8.py): quantization, the FP8 matmuls
+against a dequantized reference, which projections each scheme quantizes, a model's logits, and an FP8
+compressed-tensors checkpoint read back exactly."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,9 @@ from safetensors.torch import save_file
 
 from gpu_backend.config import BackendConfig, ConfigError
 from gpu_backend.models import LlamaModel, SeqState, load_model
-from gpu_backend.models.fp8 import (FP8_MAX, Fp8Weight, fp8_linear, quantize_tokens, quantize_weight,
+from gpu_backend.models.fp8 import (FP8_MAX, SCHEMES, Fp8Weight, fp8_linear, quantize_tokens, quantize_weight,
                                     release_dense_projections_)
+from gpu_backend.models.llama_forward import fuse_weights
 from tests.gpu_backend.conftest_models import PagedRun, hf_reference, ours_from, tiny_cfg
 
 
@@ -37,13 +39,39 @@ def test_fp8_linear_equals_the_dequantized_operands_product():
     assert float((fp8_linear(x, wq, b) - dense).norm() / dense.norm()) < 0.06
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_an_fp8_model_stays_close_to_its_dense_twin(kind):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_only_fp8_linear_is_x_times_the_dequantized_weight(dtype):
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(5, 64, generator=gen).to(dtype), torch.randn(32, 64, generator=gen)
+    wq = quantize_weight(w, fp8_activations=False)
+    reference = x.float() @ wq.dequantize().t()  # x itself, not x rounded to FP8
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 6e-2)  # bf16: weight and output rounding
+    torch.testing.assert_close(fp8_linear(x, wq).float(), reference, rtol=rtol, atol=atol)
+    assert fp8_linear(x, wq).dtype == dtype
+    def rel_err(y):
+        return float((y.float() - reference).norm() / reference.norm())
+    # FP8 activations add e4m3's ~2% noise: well above the weight-only path's own rounding
+    assert rel_err(fp8_linear(x, quantize_weight(w))) > max(0.005, 3 * rel_err(fp8_linear(x, wq)))
+
+
+@pytest.mark.parametrize("scheme,fp8_names,dense_names", [
+    ("fp8-partial", ("o", "gate_up"), ("qkv", "down")), ("fp8", ("qkv", "o", "gate_up", "down"), ())])
+def test_each_scheme_quantizes_its_projections(scheme, fp8_names, dense_names):
+    cfg = tiny_cfg("llama")
+    model = ours_from(hf_reference(cfg), cfg)
+    model.quantization = scheme
+    for layer in model.decoder_weights().layers:
+        assert all(isinstance(getattr(layer, n), Fp8Weight) for n in fp8_names)
+        assert all(getattr(layer, n).fp8_activations == SCHEMES[scheme].fp8_activations for n in fp8_names)
+        assert all(isinstance(getattr(layer, n), torch.Tensor) for n in dense_names)
+
+
+@pytest.mark.parametrize("kind,scheme", [("llama", "fp8"), ("qwen2", "fp8"), ("llama", "fp8-partial")])
+def test_an_fp8_model_stays_close_to_its_dense_twin(kind, scheme):
     cfg = tiny_cfg(kind)
     hf = hf_reference(cfg)
     dense, fp8 = ours_from(hf, cfg), ours_from(hf, cfg)
-    fp8.quantization = "fp8"
-    assert all(isinstance(getattr(fp8.decoder_weights().layers[0], n), Fp8Weight) for n in ("qkv", "o", "gate_up", "down"))
+    fp8.quantization = scheme
     ids = [5, 17, 42, 3, 88, 61, 9, 30, 71, 12]
     a = PagedRun(dense).step([SeqState(list(ids))], [len(ids)])[0]
     b = PagedRun(fp8).step([SeqState(list(ids))], [len(ids)])[0]
@@ -77,7 +105,7 @@ def test_a_compressed_tensors_fp8_checkpoint_loads_back_bit_for_bit(tmp_path):
     cfg = tiny_cfg("llama")
     written = _fp8_checkpoint(tmp_path, cfg, ours_from(hf_reference(cfg), cfg))
     _, model, _ = load_model(str(tmp_path), progress=False)
-    assert model.quantization == "fp8"  # implied by the checkpoint
+    assert model.quantization == "fp8"  # implied by the checkpoint: every projection is FP8 already
     layer = model.decoder_weights().layers[1]
     parts = [written[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]
     assert torch.equal(layer.qkv.q.view(torch.uint8), torch.cat([p.q for p in parts]).view(torch.uint8))
@@ -102,8 +130,20 @@ def test_releasing_the_dense_projections_keeps_the_fp8_ones():
     cfg = tiny_cfg("llama")
     model = ours_from(hf_reference(cfg), cfg)
     model.quantization = "fp8"
-    from gpu_backend.models.llama_forward import fuse_weights
     weights = fuse_weights(model)
-    release_dense_projections_(model)
+    release_dense_projections_(model, weights)
     assert model.model.layers[0].mlp.down_proj.weight.numel() == 0
     assert weights.layers[0].down.q.shape == (cfg.hidden_size, cfg.intermediate_size)
+
+
+def test_releasing_keeps_the_projections_a_scheme_leaves_dense():
+    cfg = tiny_cfg("llama")
+    model = ours_from(hf_reference(cfg), cfg)
+    model.quantization = "fp8-partial"  # q/k/v and down stay dense: down_proj's weight is what the step reads
+    weights = fuse_weights(model)
+    down = weights.layers[0].down.clone()
+    release_dense_projections_(model, weights)
+    layer = model.model.layers[0]
+    assert layer.self_attn.o_proj.weight.numel() == 0 and layer.mlp.gate_proj.weight.numel() == 0
+    assert torch.equal(weights.layers[0].down, down) and layer.mlp.down_proj.weight.numel() == down.numel()
+    assert layer.self_attn.q_proj.weight.numel() > 0 and weights.layers[0].qkv.numel() > 0

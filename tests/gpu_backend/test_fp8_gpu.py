@@ -1,6 +1,6 @@
-"""FP8 on the GPU (run on the device machine, skipped elsewhere): the FP8 GEMV and GEMM against their
-dequantized reference, and the persistent loop giving host mode's tokens bit for bit with FP8 weights and an
-FP8 KV cache (`--quantization fp8 --kv-cache-dtype fp8`)."""
+"""FP8 on the GPU (run on the device machine, skipped elsewhere): the FP8 GEMV, the W8A8 GEMM and the
+weight-only GEMM against their dequantized reference, and the persistent loop giving host mode's tokens bit for
+bit with FP8 weights (both `--quantization` schemes) and an FP8 KV cache (`--kv-cache-dtype fp8`)."""
 from __future__ import annotations
 
 import pytest
@@ -49,21 +49,42 @@ def test_the_fp8_gemm_is_the_dequantized_operands_product(m):
     torch.testing.assert_close(fp8_linear(x, wq).float(), reference, rtol=2e-2, atol=2e-3)
 
 
-def _fp8_runner(model, cfg):
+@pytest.mark.parametrize("m,n,k", [(2, 4096, 4096), (8, 1000, 576), (64, 6144, 4096), (200, 3072, 1536),
+                                   (256, 4096, 14336)])
+def test_the_weight_only_fp8_gemm_is_x_times_the_dequantized_rows(m, n, k):
+    from kernels.fp8_gemm import fp8_weight_only_mm
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    wq = quantize_weight(w, fp8_activations=False)
+    reference = x.float() @ wq.dequantize().t() + b.float()
+    out = fp8_weight_only_mm(x, wq.q, wq.scale, b)
+    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-3)  # bf16 output rounding
+    torch.testing.assert_close(fp8_linear(x, wq, b, weight_only_mm=fp8_weight_only_mm), out, rtol=0, atol=0)
+    dequantized = fp8_linear(x, wq, b)  # the default path: x times the dequantized bf16 weight
+    torch.testing.assert_close(out.float(), dequantized.float(), rtol=2e-2, atol=2e-3)
+
+
+def _fp8_runner(model, cfg, scheme: str = "fp8"):
     from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig
 
-    model.quantization = "fp8"
+    model.quantization = scheme
     return GpuRunner(model, cfg, GpuRunnerConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=16,
                                                  context_len=512, num_kv_blocks=96, sampling_extensions=False,
                                                  kv_cache_dtype="fp8"),
                      progress=False, keep_graphs=True)
 
 
-def test_persistent_gives_host_tokens_with_fp8_weights_and_kv(served):  # noqa: F811
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-partial"])
+def test_persistent_gives_host_tokens_with_fp8_weights_and_kv(served, scheme):  # noqa: F811
     cfg, model = _peaky_model()
-    runner = _fp8_runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
+    runner = _fp8_runner(model.to(device="cuda", dtype=torch.bfloat16), cfg, scheme)
     assert runner.kv_cache.dtype == torch.float8_e4m3fn
-    assert type(runner.weights.layers[0].gate_up).__name__ == "Fp8Weight"
+    layer = runner.weights.layers[0]
+    assert type(layer.gate_up).__name__ == "Fp8Weight" and layer.gate_up.fp8_activations == (scheme == "fp8")
+    assert type(layer.down).__name__ == ("Fp8Weight" if scheme == "fp8" else "Tensor")
     host_tokens, host_fin, _ = _drive(runner, cfg, _specs(), config=CONFIG)
     s = served(runner, cfg)
     slots = s.submit(_specs())

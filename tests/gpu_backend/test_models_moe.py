@@ -258,7 +258,7 @@ def test_fp8_quantizes_the_projections_and_keeps_the_experts(kind):
     weights = fuse_weights(fp8)
     layer = weights.layers[0]
     assert isinstance(layer.qkv, Fp8Weight) and isinstance(layer.o, Fp8Weight)
-    release_dense_projections_(fp8)
+    release_dense_projections_(fp8, weights)
     mlp = fp8.model.layers[0].mlp
     if cfg.is_moe:
         assert layer.gate_up is None and layer.experts_gate_up.dtype == torch.float32
