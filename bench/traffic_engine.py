@@ -48,6 +48,23 @@ def lag_us(token: int, recv_ns: int) -> float:
     return ((recv_ns // TIME_UNIT_NS) % span - (token - 1)) % span * TIME_UNIT_NS / 1e3
 
 
+def serve(engine, stop: mp.Event, stats_path: str | None) -> None:
+    """Either fake engine's loop: the control plane up, `engine.step` until `stop` (sleeping `engine.idle_s`
+    between steps; 0: spin), then everything closed and `engine.stats()` written to `stats_path`."""
+    engine.control.start()
+    engine.consumer.set_state(EngineState.SERVING)
+    try:
+        while not stop.is_set():
+            engine.step(time.monotonic())
+            if engine.idle_s:
+                time.sleep(engine.idle_s)
+    finally:
+        engine.control.stop()
+        engine.ring.close()
+        if stats_path:
+            Path(stats_path).write_text(json.dumps(engine.stats()))
+
+
 class TrafficEngine:
     """The fake engine's loop (benchmark only): tokens at `tok_s` per stream, 0 = one per stream per step.
     Each token id encodes its publish time (`token_for`), so a client can measure per-token latency.
@@ -84,18 +101,7 @@ class TrafficEngine:
         # Before the control plane's threads start, so that they have it too: one of them holding the GIL
         # while the client has the core would hold this loop up. Never for a spinning loop (idle_s 0).
         self.sched = _raise_priority() if self.idle_s else "normal"
-        self.control.start()
-        self.consumer.set_state(EngineState.SERVING)
-        try:
-            while not stop.is_set():
-                self.step(time.monotonic())
-                if self.idle_s:
-                    time.sleep(self.idle_s)
-        finally:
-            self.control.stop()
-            self.ring.close()
-            if stats_path:
-                Path(stats_path).write_text(json.dumps(self.stats()))
+        serve(self, stop, stats_path)
 
     def stats(self) -> dict:
         """How evenly tokens went out: their lateness against their due times (us), and the loop's scheduling."""
@@ -230,17 +236,7 @@ class MaskTrafficEngine:
         self.num_sampled = self.num_skipped = 0
 
     def run(self, stop: mp.Event, stats_path: str | None = None) -> None:
-        self.control.start()
-        self.consumer.set_state(EngineState.SERVING)
-        try:
-            while not stop.is_set():
-                self.step(time.monotonic())
-                time.sleep(self.idle_s)
-        finally:
-            self.control.stop()
-            self.ring.close()
-            if stats_path:
-                Path(stats_path).write_text(json.dumps(self.stats()))
+        serve(self, stop, stats_path)
 
     def stats(self) -> dict:
         lat = np.sort(np.frombuffer(self.mask_latency_us, dtype=np.float64)) if len(self.mask_latency_us) else None
