@@ -14,6 +14,7 @@ OUT=${OUT:-bench/results}; MODE=${MODE:-persistent}; MODEL=${MODEL:-random:llama
 RATE=${RATE:-16}; N=${N:-1000}; CONV=${CONV:-64}; TURNS=${TURNS:-8}; CONC=${CONC:-64}
 SYSTEM_LEN=${SYSTEM_LEN:-2000}; QUESTION_LEN=${QUESTION_LEN:-50}; ANSWER_LEN=${ANSWER_LEN:-100}
 OFF_FLAGS=${OFF_FLAGS---no-prefix-caching}; PORT=${PORT:-8000}  # PORT: `one`'s server (two runs side by side)
+TAGS=${TAGS:-on off}  # `one`'s runs: TAGS=on measures caching on only (e.g. host mode beside persistent's pair)
 read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 4096 --num-slots 1024 --max-output-len 2048}"
 export BLINK_API_KEY=${BLINK_API_KEY:-bench-key} BLINK_LOG_LEVEL=${BLINK_LOG_LEVEL:-WARNING}
 mkdir -p "$OUT"
@@ -26,13 +27,17 @@ turns=(--workload multi-turn --conversations "$CONV" --turns "$TURNS" --user-len
 
 one() {
     local tag flags
-    for tag in on off; do
+    for tag in $TAGS; do
         flags=(); [ "$tag" = off ] && flags=($OFF_FLAGS)
         start_serve "$PORT" "$OUT/prefix-serve-$tag.log" --grpc-port 0 --mode "$MODE" --model "$MODEL" "${SERVE_FLAGS[@]}" "${flags[@]}"
         eval "shared_$tag=\$(bench \"$OUT/prefix-shared-$tag\" http://127.0.0.1:$PORT/v1 blink-$MODE-cache-$tag \"\${shared[@]}\")"
         eval "turns_$tag=\$(bench \"$OUT/prefix-turns-$tag\" http://127.0.0.1:$PORT/v1 blink-$MODE-cache-$tag \"\${turns[@]}\")"
         stop_serve $serve
     done
+    if [ "$TAGS" != "on off" ]; then  # one side only: its own figures
+        for f in ${shared_on:-} ${turns_on:-} ${shared_off:-} ${turns_off:-}; do $PY bench/prefix_compare.py --on "$f"; done
+        return
+    fi
     $PY bench/prefix_compare.py --on "$shared_on" --off "$shared_off"
     $PY bench/prefix_compare.py --on "$turns_on" --off "$turns_off"
 }

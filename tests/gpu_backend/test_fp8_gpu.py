@@ -31,11 +31,14 @@ def test_the_fp8_gemv_is_the_dequantized_rows_product(n, k):
 def test_the_one_kernel_quantizer_matches_the_torch_ops(m, k):
     from kernels.fp8_quant import quantize_tokens as one_kernel
 
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16) * torch.logspace(-2, 2, m, device="cuda")[:, None]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16) * torch.logspace(-2, 2, m, device="cuda")[:, None]
     q, s = one_kernel(x)
     q_ref, s_ref = quantize_tokens(x)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
-    assert (q.float() - q_ref.float()).abs().le(q_ref.float().abs() / 8 + 1e-3).all()  # at most one rounding step
+    # at most one rounding step: an eighth of the value for normal e4m3 numbers, 2^-9 among the subnormals (the
+    # kernel's division is not torch's bit for bit, so a value on a rounding boundary may land on either side)
+    assert (q.float() - q_ref.float()).abs().le(q_ref.float().abs() / 8 + 2 ** -9).all()
 
 
 @pytest.mark.parametrize("m", [1, 8, 64, 256])
@@ -63,8 +66,10 @@ def test_the_weight_only_fp8_gemm_is_x_times_the_dequantized_rows(m, n, k):
     out = fp8_weight_only_mm(x, wq.q, wq.scale, b)
     torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-3)  # bf16 output rounding
     torch.testing.assert_close(fp8_linear(x, wq, b, weight_only_mm=fp8_weight_only_mm), out, rtol=0, atol=0)
-    dequantized = fp8_linear(x, wq, b)  # the default path: x times the dequantized bf16 weight
-    torch.testing.assert_close(out.float(), dequantized.float(), rtol=2e-2, atol=2e-3)
+    # the default path rounds the dequantized weight to bf16 before its GEMM (the kernel scales its float32 sums):
+    # near-zero outputs differ by a few bf16 steps of the operands, so the two meet within a looser bound
+    dequantized = fp8_linear(x, wq, b)
+    torch.testing.assert_close(out.float(), dequantized.float(), rtol=2e-2, atol=2e-2)
 
 
 def _fp8_runner(model, cfg, scheme: str = "fp8"):
@@ -84,7 +89,7 @@ def test_persistent_gives_host_tokens_with_fp8_weights_and_kv(served, scheme):  
     assert runner.kv_cache.dtype == torch.float8_e4m3fn
     layer = runner.weights.layers[0]
     assert type(layer.gate_up).__name__ == "Fp8Weight" and layer.gate_up.fp8_activations == (scheme == "fp8")
-    assert type(layer.down).__name__ == ("Fp8Weight" if scheme == "fp8" else "Tensor")
+    assert (type(layer.down).__name__ == "Fp8Weight") == (scheme == "fp8")  # fp8-partial keeps down in bf16
     host_tokens, host_fin, _ = _drive(runner, cfg, _specs(), config=CONFIG)
     s = served(runner, cfg)
     slots = s.submit(_specs())
