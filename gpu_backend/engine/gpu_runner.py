@@ -84,10 +84,11 @@ class GpuRunnerConfig:
     sampling_extensions: bool = True
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3, unscaled (vLLM's default scale 1.0)
     # projections that a one-token step runs through kernels/gemv.py instead of cuBLAS, with the
-    # (BLOCK_N, BLOCK_K, num_warps) that streamed Llama-3-8B's shapes fastest on an H200 (bench/NOTES.md)
+    # (BLOCK_N, BLOCK_K, num_warps) that streamed Llama-3-8B's shapes fastest on an H200 (bench/NOTES.md); the MoE
+    # router (128 x 2048 on Qwen3-30B-A3B) took cuBLAS 5 us a layer on an H100: narrow rows give it 32 programs
     gemv_projections: tuple[tuple[str, tuple[int, int, int]], ...] = (
         ("qkv", (8, 512, 4)), ("o", (8, 512, 4)), ("gate_up", (16, 256, 4)), ("down", (8, 512, 8)),
-        ("lm_head", (16, 256, 4)))
+        ("lm_head", (16, 256, 4)), ("router", (4, 512, 4)))
 
     def __post_init__(self) -> None:
         if not 0.05 <= self.gpu_memory_fraction <= 0.99:
