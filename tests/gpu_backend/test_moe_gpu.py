@@ -7,7 +7,7 @@
   the torch ops' (the plain expert loop) on the same GPU;
 - the persistent loop gives the host engine's tokens bit for bit on a tiny MoE model;
 - while the persistent loop decodes a MoE model, the host makes no CUDA call per step (the routing never
-  leaves the GPU): CUPTI, in a child process, sees a handful of runtime calls over 100 steps or more.
+  leaves the GPU): CUPTI's callbacks, in a child process, see a handful of runtime calls over 100 steps or more.
 """
 from __future__ import annotations
 
@@ -163,12 +163,18 @@ def test_persistent_gives_the_host_engines_tokens_bit_for_bit_on_moe():
         s.close()
 
 
-def _host_cuda_calls_while_decoding() -> dict:
-    """In a child process (CUPTI, once on, stays on in its process and slows device-launched graphs): the
-    persistent loop decodes a tiny Qwen3-MoE while the profiler records the host's CUDA runtime/driver calls."""
-    from torch.profiler import DeviceType, ProfilerActivity, profile
+def _host_cuda_calls_while_decoding(kind: str = "moe") -> dict:
+    """In a child process (CUPTI takes one subscriber per process): the persistent loop decodes a tiny Qwen3-MoE
+    while CUPTI's callback API names every CUDA runtime/driver call the host makes (no kernel tracing, which
+    slowed the device-launched graphs to minutes under `torch.profiler`)."""
+    from cuda_calls import CudaCalls
+    from test_gpu_runner import _peaky_model
 
-    cfg, runner = _loop_moe()
+    if kind == "moe":
+        cfg, runner = _loop_moe()
+    else:  # the dense twin: the same check on a Llama-shaped model
+        cfg, model = _peaky_model()
+        runner = _loop_runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
     gen = random.Random(2)
     specs = [RequestSpec(i, [gen.randrange(3, 512) for _ in range(8)], 200, temperature=0.0, ignore_eos=True)
              for i in range(4)]
@@ -177,22 +183,22 @@ def _host_cuda_calls_while_decoding() -> dict:
         slots = s.submit(specs)
         s.engine.start()
         s.wait(lambda: all(len(s.tokens[x]) >= 10 for x in slots))      # past the launch and the prefills
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with CudaCalls() as counted:
             before = sum(len(s.tokens[x]) for x in slots)
             s.wait(lambda: all(len(s.tokens[x]) >= 150 for x in slots))
             decoded = sum(len(s.tokens[x]) for x in slots) - before
         s.wait(lambda: len(s.finishes) == len(slots))
     finally:
         s.close()
-    calls = [e.name for e in prof.events() if e.device_type == DeviceType.CPU and e.name.startswith("cu")]
-    return {"decoded": decoded, "calls": calls}
+    return {"decoded": decoded, "calls": counted.names}
 
 
-def test_persistent_moe_steps_make_no_host_cuda_call():
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_persistent_steps_make_no_host_cuda_call(kind):
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), str(here), os.environ.get("PYTHONPATH", "")])}
-    code = "import json, test_moe_gpu as t; print('RESULT', json.dumps(t._host_cuda_calls_while_decoding()))"
-    res = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=600)
+    code = f"import json, test_moe_gpu as t; print('RESULT', json.dumps(t._host_cuda_calls_while_decoding({kind!r})))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     result = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("RESULT "))[7:])
     decoded, calls = result["decoded"], result["calls"]
