@@ -119,7 +119,7 @@ def _moe_calls():
     bf = dict(dtype=torch.bfloat16)
     experts, hidden, inter = 128, 2048, 768
     gate_up, down = torch.zeros(experts, 2 * inter, hidden, **bf), torch.zeros(experts, hidden, inter, **bf)
-    for tokens in (1, 256, 512):
+    for tokens in (1, 16, 256, 512):                      # 1 and 16: routing in one launch (_route_decode_kernel)
         x, logits = torch.zeros(tokens, hidden, **bf), torch.zeros(tokens, experts, **bf)
         yield f"MoE T={tokens}", lambda x=x, logits=logits: fused_moe(x, logits, gate_up, down, 8, True)
 
