@@ -139,11 +139,25 @@ def test_moe_rejects_bad_arguments(device):
         moe_route(torch.zeros(2, 4, device=device), 5, True)
 
 
+def test_fused_moe_decode_path_equals_the_three_launch_path(device):
+    """fused_moe at decode sizes (routing in one launch) gives the same bits as moe_route then moe_experts."""
+    gen = torch.Generator().manual_seed(7)
+    num_experts, top_k, hidden, inter = (16, 4, 64, 48) if device == "cpu" else (128, 8, 512, 320)
+    gate_up, down = _experts(num_experts, hidden, inter, device, gen)
+    for num_tokens in (1, 5, 16):
+        assert route_in_one_launch(num_tokens, top_k, num_experts)
+        x = torch.randn(num_tokens, hidden, generator=gen).to(device, torch.bfloat16)
+        logits = torch.randn(num_tokens, num_experts, generator=gen).to(device, torch.bfloat16)
+        want = moe_experts(x, *moe_route(logits, top_k, True), gate_up, down)
+        assert torch.equal(fused_moe(x, logits, gate_up, down, top_k, True), want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here; CUDA graphs need one")
-def test_fused_moe_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("num_tokens", [16, 64])          # 16: routing in one launch; 64: three launches
+def test_fused_moe_replays_in_a_cuda_graph(num_tokens):
     gen = torch.Generator().manual_seed(4)
-    num_experts, top_k, hidden, inter, num_tokens = 128, 8, 256, 192, 64
+    num_experts, top_k, hidden, inter = 128, 8, 256, 192
     gate_up, down = _experts(num_experts, hidden, inter, "cuda", gen)
     router = torch.randn(num_experts, hidden, generator=gen).mul(hidden ** -0.5).to("cuda", torch.bfloat16)
     x = torch.randn(num_tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
