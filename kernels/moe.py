@@ -61,7 +61,7 @@ def _exact_sum(x, axis: tl.constexpr):
 @triton.jit
 def _route_rows(logits_ptr, logits_stride, rows, row_ok, num_experts, ROWS: tl.constexpr, TOP_K: tl.constexpr,
                 K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Softmax, top_k (ties to the lower id), renormalised: rows [ROWS] of the logits -> (weights, ids) [ROWS, K_PAD]."""
+    """Softmax, top_k (ties to the lower id), renormalised: logits rows [ROWS] -> (weights, ids) [ROWS, K_PAD]."""
     cols = tl.arange(0, BLOCK_E)[None, :]
     col_ok = cols < num_experts
     logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * logits_stride + cols, mask=row_ok[:, None] & col_ok,

@@ -211,7 +211,7 @@ def test_decode_routing_in_one_launch_matches_the_three_kernels_bit_for_bit(devi
                 got = moe_route_decode(logits, top_k, renormalize, bm, max_blocks)
                 names = ("weights", "ids", "sorted", "counts", "offsets", "block_expert", "block_start", "block_end")
                 for name, g, w in zip(names, got, want):
-                    assert g.dtype == w.dtype and torch.equal(g, w), f"{name} differs at T={num_tokens}, E={num_experts}"
+                    assert g.dtype == w.dtype and torch.equal(g, w), f"{name} at T={num_tokens}, E={num_experts}"
             assert (counts == 0).any() or num_tokens * top_k >= num_experts
 
 
