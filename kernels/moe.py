@@ -151,7 +151,8 @@ def _route_decode_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, counts_pt
                          T_P: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                          BLOCK_E: tl.constexpr, E_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, E_P: tl.constexpr,
                          CHUNK: tl.constexpr):
-    # one program: launches 1-3 (route, align, block table) for a decode step's T <= T_P tokens
+    """Launches 1-3 (route, align, block table) as one program for a decode step's T <= T_P tokens: saves two
+    launches a MoE layer (96 a Qwen3-30B-A3B step); GPU timing not measured yet (kernels/device_check.py)."""
     rows = tl.arange(0, T_P)
     row_ok = rows < num_tokens
     top_w, top_id = _route_rows(logits_ptr, logits_stride, rows, row_ok, num_experts, T_P, TOP_K, K_PAD,

@@ -95,6 +95,8 @@ def _qk_norm_rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot
                             cos_stride, sin_stride, cache_kv_stride, max_pos, head_dim, eps,
                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                             HALF_P: tl.constexpr, DIM_P: tl.constexpr):
+    """Qwen3's q/k RMSNorm + RoPE + KV write in one launch: saves the two RMSNorm launches a layer (96 a
+    48-layer step); GPU timing not measured yet (kernels/device_check.py times it beside the three launches)."""
     # grid (T, NUM_HEADS + NUM_KV_HEADS): program (t, h) owns q head h, or k and v head h - NUM_HEADS
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
