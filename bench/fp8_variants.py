@@ -65,7 +65,9 @@ class EmulatedOps(torch_ops.TorchOps):
         y = F.linear(round_as(x, weight.activations), weight.weight, bias)
         return y.to(torch.bfloat16).float() if weight.activations == "bf16" else y
 
-    def rope_kv(self, q, k, v, layer):
+    def rope_kv(self, q, k, v, layer, q_norm=None, k_norm=None, eps=1e-6):
+        if q_norm is not None:  # Qwen3: normalise before the emulated KV rounding, as before the norms moved here
+            q, k = self.rmsnorm(q, q_norm, eps), self.rmsnorm(k, k_norm, eps)
         if self.kv == "fp8":
             k, v = (t.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() for t in (k, v))
         elif self.kv == "fp8_token":

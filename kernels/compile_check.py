@@ -98,13 +98,28 @@ def _llama_calls():
     yield "N=4", lambda: uniforms(params["seeds"], params["positions"])
 
 
+def _qwen3_calls():
+    """Qwen3-30B-A3B's attention (32 heads, 4 KV heads of 128): per-head q/k RMSNorm fused into RoPE + KV write."""
+    from kernels.rope_kv import rope_and_cache_kv
+    bf = dict(dtype=torch.bfloat16)
+    heads, kv_heads, dim = 32, 4, 128
+    cache = torch.zeros(2, 64, 16, kv_heads, dim, **bf)
+    norm = torch.zeros(dim, **bf)
+    for tokens in (1, 512):
+        qkv = torch.zeros(tokens, heads + 2 * kv_heads, dim, **bf)
+        yield f"qk-norm T={tokens}", lambda qkv=qkv, t=tokens: rope_and_cache_kv(
+            qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], torch.zeros(t, dtype=torch.int32),
+            torch.zeros(8192, dim // 2), torch.zeros(8192, dim // 2), torch.zeros(t, dtype=torch.int64), cache,
+            q_norm=norm, k_norm=norm, eps=1e-6)
+
+
 def _moe_calls():
     """Qwen3-30B-A3B's experts (128 of hidden 2048, width 768, 8 per token) at decode and prefill sizes."""
     from kernels.moe import fused_moe
     bf = dict(dtype=torch.bfloat16)
     experts, hidden, inter = 128, 2048, 768
     gate_up, down = torch.zeros(experts, 2 * inter, hidden, **bf), torch.zeros(experts, hidden, inter, **bf)
-    for tokens in (1, 256, 512):
+    for tokens in (1, 16, 256, 512):                      # 1 and 16: routing in one launch (_route_decode_kernel)
         x, logits = torch.zeros(tokens, hidden, **bf), torch.zeros(tokens, experts, **bf)
         yield f"MoE T={tokens}", lambda x=x, logits=logits: fused_moe(x, logits, gate_up, down, 8, True)
 
@@ -112,7 +127,7 @@ def _moe_calls():
 def main() -> int:
     driver.set_active(_Sm90Driver())
     JITFunction._do_compile = _compile_only
-    for label, call in (*_llama_calls(), *_moe_calls()):
+    for label, call in (*_llama_calls(), *_qwen3_calls(), *_moe_calls()):
         LABEL[0] = label
         call()
     print(f"{'kernel [shape]':<44} {'regs':>5} {'spill B':>8}  launch")

@@ -18,9 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 
 from kernel_batches import make_batch  # noqa: E402
-from kernels.moe import fused_moe, moe_route  # noqa: E402
+from kernels.moe import (fused_moe, max_row_blocks, moe_align, moe_block_table, moe_route,  # noqa: E402
+                         moe_route_decode)
 from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.rmsnorm import add_rmsnorm  # noqa: E402
+from kernels.rmsnorm import add_rmsnorm, rmsnorm  # noqa: E402
 from kernels.rope_kv import rope_and_cache_kv  # noqa: E402
 from kernels.sampling import sample  # noqa: E402
 from kernels.swiglu import swiglu  # noqa: E402
@@ -90,6 +91,38 @@ def bench_rope(rows: int):
                                                                  batch.slot_mapping, cache)), moved, 0
 
 
+def bench_qk_norm_rope(rows: int):
+    """Qwen3-30B-A3B's q/k norm + RoPE + KV write (32 heads, 4 KV heads of 128): fused, then as three launches."""
+    heads, kv_heads = 32, 4
+    batch = make_batch([rows], [rows], rows, 1, -(-rows // 16), -(-rows // 16) + 1, "cuda", torch.Generator())
+    cache = torch.randn(2, -(-rows // 16) + 1, 16, kv_heads, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    qkv = torch.randn(rows, heads + 2 * kv_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv[:, :heads], qkv[:, heads: heads + kv_heads], qkv[:, heads + kv_heads:]
+    cos = sin = torch.randn(8192, HEAD_DIM // 2, device="cuda")
+    w = torch.ones(HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    moved = rows * HEAD_DIM * (2 * heads + 4 * kv_heads) * BF16 + 2 * rows * HEAD_DIM // 2 * 4
+    args = (batch.positions, cos, sin, batch.slot_mapping, cache)
+    yield f"qk-norm + rope_kv fused T={rows}", time_us(lambda: rope_and_cache_kv(
+        q, k, v, *args, q_norm=w, k_norm=w, eps=1e-6)), moved, 0
+    normed = lambda x: rmsnorm(x.reshape(-1, HEAD_DIM), w, 1e-6).view(x.shape)
+    three = lambda: rope_and_cache_kv(normed(q), normed(k), v, *args)
+    yield f"qk-norm + rope_kv 3 launches T={rows}", time_us(three), moved, 0
+
+
+def bench_routing(rows: int):
+    """Qwen3-30B-A3B's routing (128 experts, 8 per token): one launch, then route + align + block table."""
+    logits = torch.randn(rows, 128, device="cuda").to(torch.bfloat16)
+    blocks = max_row_blocks(rows, 8, 128, 16)
+
+    def three():
+        weights, ids = moe_route(logits, 8, True)
+        _, counts, offsets = moe_align(ids, 128)
+        return moe_block_table(counts, offsets, 16, blocks)
+    moved = logits.numel() * BF16
+    yield f"moe routing 1 launch T={rows}", time_us(lambda: moe_route_decode(logits, 8, True, 16, blocks)), moved, 0
+    yield f"moe routing 3 launches T={rows}", time_us(three), moved, 0
+
+
 def bench_attention(name: str, q_lens, ctx_lens, num_tokens, max_seqs):
     batch, cache = _attn_setup(q_lens, ctx_lens, num_tokens, max_seqs)
     q = torch.randn(num_tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -137,6 +170,7 @@ def main() -> None:
             bench_attention("mixed T=512 (2 chunks, 200 dec)", [1] * 200 + [256, 56],
                             [1000 + 5 * i for i in range(200)] + [1280, 56], 512, 256),
             bench_attention("prefill 1x2048", [2048], [2048], 2048, 1),
+            bench_qk_norm_rope(1), bench_qk_norm_rope(16), bench_routing(1), bench_routing(16),
             bench_sampling(1), bench_sampling(64), bench_moe(1), bench_moe(8), bench_moe(64), bench_moe(256)]
     for run in runs:
         for name, us, moved, flops in run:

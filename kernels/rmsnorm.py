@@ -78,9 +78,14 @@ def _launch(x, residual, weight, out, residual_out, eps: float, has_residual: bo
     num_rows, hidden = x.shape
     if num_rows == 0:
         return
-    block = next_pow2(hidden)
-    num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     _rmsnorm_kernel[(num_rows,)](
         x, residual, weight, out, residual_out,
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0), hidden, float(eps),
-        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=num_warps)
+        HAS_RESIDUAL=has_residual, BLOCK=next_pow2(hidden), num_warps=row_warps(hidden))
+
+
+def row_warps(hidden: int) -> int:
+    """Warps for one row of `hidden`: with the row's block (next power of two) they fix its reduction order,
+    which kernels/rope_kv.py's fused q/k norm repeats."""
+    block = next_pow2(hidden)
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16

@@ -4,8 +4,16 @@ One program per token: q is rotated in place; k is rotated and written, with v, 
 (`slot_mapping[t] = block_id * block_size + offset`). Rows whose slot is negative are padding: nothing
 is written to the cache for them. `k` itself is left unrotated: attention reads K from the cache only.
 
-The wrapper is graph-capturable: one launch with a grid of T programs fixed by the shapes, no host sync,
-no device value read on the host; launch once before capture (the first launch compiles).
+With `q_norm` and `k_norm` (Qwen3's per-head RMSNorm) a second kernel, `_qk_norm_rope_kv_kernel`, runs one
+program per (token, head) row: it normalises the row as kernels/rmsnorm.py does (float32 sum of squares over
+head_dim, the same one-dimensional reduction, rounded to the activation dtype, times the weight, rounded
+again), then rotates those rounded values, so q and the cache hold bit for bit what the separate
+`rmsnorm(q)`, `rmsnorm(k)`, `rope_and_cache_kv` launches gave. It saves those two RMSNorm launches (and, at
+T > 1, the copies that flattened the strided q and k views) per layer: 96 launches a step for a 48-layer
+Qwen3. Its GPU timing is not measured yet.
+
+The wrappers are graph-capturable: one launch with a grid fixed by the shapes, no host sync, no device value
+read on the host; launch once before capture (the first launch compiles).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._common import check, next_pow2
+from .rmsnorm import row_warps
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -60,9 +69,67 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, ca
     tl.store(cv_ptr, v.to(cache_ptr.dtype.element_ty), mask=vm)
 
 
+@triton.jit
+def _norm_rotate(x_ptr, w_ptr, cos, sin, head_dim, eps, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                 DIM_P: tl.constexpr):
+    """One head row at x_ptr: RMSNorm (kernels/rmsnorm.py's numerics) then RoPE; -> the two rotated halves, f32."""
+    cols = tl.arange(0, DIM_P)
+    # the whole row, reduced exactly as _rmsnorm_kernel reduces a row of `head_dim` (same order, same rounding)
+    h = tl.load(x_ptr + cols, mask=cols < head_dim, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / head_dim + eps)
+    act = x_ptr.dtype.element_ty
+    j = tl.arange(0, HALF_P)
+    ok = j < HALF
+    x1 = tl.load(x_ptr + j, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + j, mask=ok, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + j, mask=ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + j, mask=ok, other=0.0).to(tl.float32)
+    x1 = ((x1 * rstd).to(act).to(tl.float32) * w1).to(act).to(tl.float32)
+    x2 = ((x2 * rstd).to(act).to(tl.float32) * w2).to(act).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _qk_norm_rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, q_norm_ptr,
+                            k_norm_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                            cos_stride, sin_stride, cache_kv_stride, max_pos, head_dim, eps,
+                            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            HALF_P: tl.constexpr, DIM_P: tl.constexpr):
+    """Qwen3's q/k RMSNorm + RoPE + KV write in one launch: saves the two RMSNorm launches a layer (96 a
+    48-layer step); GPU timing not measured yet (kernels/device_check.py times it beside the three launches)."""
+    # grid (T, NUM_HEADS + NUM_KV_HEADS): program (t, h) owns q head h, or k and v head h - NUM_HEADS
+    HALF: tl.constexpr = HEAD_DIM // 2
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_pos - 1)  # padding rows: any value
+    j = tl.arange(0, HALF_P)
+    j_ok = j < HALF
+    cos = tl.load(cos_ptr + pos * cos_stride + j, mask=j_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * sin_stride + j, mask=j_ok, other=0.0).to(tl.float32)
+    if head < NUM_HEADS:
+        row_ptr = q_ptr + t * q_stride_t + head * q_stride_h
+        r1, r2 = _norm_rotate(row_ptr, q_norm_ptr, cos, sin, head_dim, eps, HALF, HALF_P, DIM_P)
+        tl.store(row_ptr + j, r1.to(q_ptr.dtype.element_ty), mask=j_ok)
+        tl.store(row_ptr + HALF + j, r2.to(q_ptr.dtype.element_ty), mask=j_ok)
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:                                     # padding rows write nothing
+            kh = head - NUM_HEADS
+            r1, r2 = _norm_rotate(k_ptr + t * k_stride_t + kh * k_stride_h, k_norm_ptr, cos, sin, head_dim, eps,
+                                  HALF, HALF_P, DIM_P)
+            # cache row of this slot: [NUM_KV_HEADS, HEAD_DIM] contiguous
+            ck_ptr = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kh * HEAD_DIM
+            tl.store(ck_ptr + j, r1.to(cache_ptr.dtype.element_ty), mask=j_ok)
+            tl.store(ck_ptr + HALF + j, r2.to(cache_ptr.dtype.element_ty), mask=j_ok)
+            d = tl.arange(0, DIM_P)
+            v = tl.load(v_ptr + t * v_stride_t + kh * v_stride_h + d, mask=d < HEAD_DIM, other=0.0)
+            tl.store(ck_ptr + cache_kv_stride + d, v.to(cache_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
 def rope_and_cache_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                      layer_cache: torch.Tensor) -> torch.Tensor:
+                      layer_cache: torch.Tensor, q_norm: torch.Tensor | None = None,
+                      k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """Rotate q in place; write rotated k and v into `layer_cache` at `slot_mapping`. Returns q.
 
     q: [T, H, D]; k, v: [T, KVH, D] (views of a fused qkv output are fine: any row/head strides, last
@@ -70,11 +137,18 @@ def rope_and_cache_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     cos, sin: [max_pos, D] (Hugging Face layout, halves equal) or [max_pos, D/2], float32 or q's dtype,
     Llama-3 scaling already applied; slot_mapping: [T] int64, -1 = padding row (not written);
     layer_cache: [2, num_blocks, block_size, KVH, D] contiguous (kv_cache[layer]).
-    Graph-capturable; no host sync.
+    q_norm, k_norm: [D] (Qwen3), both or neither: each head row of q and k is RMS-normalised (epsilon `eps`)
+    and times its weight, rounded to q's dtype as `kernels.rmsnorm.rmsnorm` rounds, before it is rotated;
+    q is then normalised and rotated in place. Graph-capturable; no host sync.
     """
     num_tokens, num_heads, head_dim = _check_args(q, k, v, positions, cos, sin, slot_mapping, layer_cache)
     num_kv_heads = k.shape[1]
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm go together: pass both (Qwen3's per-head norms) or neither")
     if num_tokens == 0:
+        return q
+    if q_norm is not None:
+        _launch_qk_norm(q, k, v, positions, cos, sin, slot_mapping, layer_cache, q_norm, k_norm, eps)
         return q
     _rope_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos, sin, slot_mapping, layer_cache,
@@ -84,6 +158,20 @@ def rope_and_cache_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         HEADS_P=next_pow2(num_heads), KV_HEADS_P=next_pow2(num_kv_heads),
         HALF_P=next_pow2(head_dim // 2), DIM_P=next_pow2(head_dim), num_warps=4)
     return q
+
+
+def _launch_qk_norm(q, k, v, positions, cos, sin, slot_mapping, layer_cache, q_norm, k_norm, eps: float) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        check(name, weight, dtype=_DTYPES, shape=(head_dim,), device=q.device)
+    num_kv_heads = k.shape[1]
+    # the block and warps kernels/rmsnorm.py gives a row of head_dim: the row's reduction order is then its own
+    _qk_norm_rope_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
+        q, k, v, positions, cos, sin, slot_mapping, layer_cache, q_norm, k_norm,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), sin.stride(0), layer_cache.stride(0), cos.shape[0], head_dim, float(eps),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HALF_P=next_pow2(head_dim // 2), DIM_P=next_pow2(head_dim), num_warps=row_warps(head_dim))
 
 
 def _check_args(q, k, v, positions, cos, sin, slot_mapping, layer_cache) -> tuple[int, int, int]:

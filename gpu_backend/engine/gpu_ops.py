@@ -37,19 +37,21 @@ class TritonOps:
         return F.linear(x, weight, bias)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dim() == 3:  # Qwen3's per-head q/k norm: x [T, heads, D], a strided view of the qkv output
-            flat = x.reshape(-1, x.shape[-1])                                 # [T * heads, D], a copy
-            return self.k["rmsnorm"](flat, weight, eps).view(x.shape)
         return self.k["rmsnorm"](x, weight, eps)
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k["add_rmsnorm"](x, residual, weight, eps)
 
-    def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                eps: float = 1e-6) -> torch.Tensor:
         d, t = self.d, self.t
-        self.k["rope_kv"](q, k, v, d["positions"][:t], self.cos, self.sin, d["slot_mapping"][:t], self.kv_cache[layer])
-        return q  # rotated in place; the rotated k lives in the cache only
+        # Qwen3's q/k norms run inside the same kernel (kernels/rope_kv.py): one launch instead of three
+        norms = {} if q_norm is None else dict(q_norm=q_norm, k_norm=k_norm, eps=eps)
+        self.k["rope_kv"](q, k, v, d["positions"][:t], self.cos, self.sin, d["slot_mapping"][:t],
+                          self.kv_cache[layer], **norms)
+        return q  # normalised and rotated in place; the rotated k lives in the cache only
 
     def attention(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         d, t, s = self.d, self.t, self.s

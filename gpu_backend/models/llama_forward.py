@@ -3,8 +3,8 @@
 The layer sequence lives here; the kernels are pluggable (`DecoderOps`): torch reference ops on the CPU
 (`models/torch_ops.py`, the `cpu` engine and `LlamaModel.forward`), Triton kernels over the step buffer on
 the GPU (`engine/gpu_ops.py`, run eagerly or captured into bucketed CUDA graphs by `engine/gpu_runner.py`).
-Per layer: (residual add +) RMSNorm -> qkv GEMM -> [per-head q/k norm] -> RoPE fused with the KV-cache
-write -> paged attention -> o GEMM [-> all-reduce] -> add + RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM (or, in a mixture-of-experts layer, the
+Per layer: (residual add +) RMSNorm -> qkv GEMM -> [per-head q/k norm, in the same op as] RoPE fused with
+the KV-cache write -> paged attention -> o GEMM [-> all-reduce] -> add + RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM (or, in a mixture-of-experts layer, the
 `moe` op: router, top-k, each token through its experts' SwiGLU MLPs, weighted sum) [-> all-reduce]; the
 last layer's residual add is fused into the final norm of the head. With tensor parallelism
 (gpu_backend/parallel/) each rank holds its share of the heads and MLP columns (`cfg` is the rank's shape) and
@@ -77,8 +77,12 @@ class DecoderOps(Protocol):
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(residual + x), residual + x)."""
 
-    def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        """Rotate q and k by their positions; write k and v into layer `layer`'s cache. Returns rotated q."""
+    def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                eps: float = 1e-6) -> torch.Tensor:
+        """Rotate q and k by their positions; write k and v into layer `layer`'s cache. Returns rotated q.
+        With `q_norm`, `k_norm` ([D], Qwen3) each head row of q and k is first RMS-normalised (`eps`) and
+        scaled, rounded as `rmsnorm` rounds; the GPU does it in the RoPE kernel (one launch, not three)."""
 
     def attention(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Each token over its sequence's cached context (causal): [T, H, D]."""
@@ -128,9 +132,7 @@ def _attention_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: 
     q = qkv[:, :q_size].unflatten(1, (cfg.num_heads, cfg.head_dim))
     k = qkv[:, q_size:q_size + kv_size].unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
     v = qkv[:, q_size + kv_size:].unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
-    if layer.q_norm is not None:
-        q, k = ops.rmsnorm(q, layer.q_norm, cfg.rms_norm_eps), ops.rmsnorm(k, layer.k_norm, cfg.rms_norm_eps)
-    q = ops.rope_kv(q, k, v, i)
+    q = ops.rope_kv(q, k, v, i, q_norm=layer.q_norm, k_norm=layer.k_norm, eps=cfg.rms_norm_eps)  # norms: Qwen3
     return ops.all_reduce(ops.linear("o", ops.attention(q, i).flatten(1), layer.o))
 
 

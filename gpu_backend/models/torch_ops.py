@@ -45,7 +45,11 @@ class TorchOps:
         residual = residual + x
         return rms_norm(residual, weight, eps), residual
 
-    def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                eps: float = 1e-6) -> torch.Tensor:
+        if q_norm is not None:  # Qwen3's per-head norms, then the rotation (the GPU fuses both into one kernel)
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
         q, k = apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
         write_kv(self.kv_cache[layer], k, v, self.plan.slot_mapping)
         self._fresh = (k, v)  # a whole-context prefill attends over these instead of gathering the cache

@@ -30,7 +30,10 @@ def _rotate(x, cos, sin):  # x [T, heads, D]; cos, sin [T, D/2]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def _rope_kv(q, k, v, positions, cos, sin, slot_mapping, layer_cache):
+def _rope_kv(q, k, v, positions, cos, sin, slot_mapping, layer_cache, q_norm=None, k_norm=None, eps=1e-6):
+    if q_norm is not None:  # Qwen3: each head row normalised first, q in place like the kernel
+        q.copy_(rms_norm(q, q_norm, eps))
+        k = rms_norm(k, k_norm, eps)
     c, s = cos[positions], sin[positions]
     q.copy_(_rotate(q, c, s))
     real = slot_mapping >= 0

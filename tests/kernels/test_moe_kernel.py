@@ -1,6 +1,6 @@
 """The fused mixture of experts against the plain torch op (gpu_backend/models/moe.py): routing, the counting
 sort by expert, the grouped expert GEMMs at M = 1, 8, 64, 256 tokens with experts that get no token, and
-one CUDA graph replayed over new inputs."""
+one CUDA graph replayed over new inputs; the one-launch decode routing against the three launches, bit for bit."""
 import pytest
 import torch
 
@@ -8,7 +8,7 @@ pytest.importorskip("triton", reason="triton is not installed (CI may not instal
 
 from gpu_backend.models.moe import expert_mlp, moe_reference, route  # noqa: E402
 from kernels.moe import (ExpertTiles, block_m, expert_tiles, fused_moe, max_row_blocks, moe_align, moe_block_table,  # noqa: E402
-                         moe_experts, moe_route)
+                         moe_experts, moe_route, moe_route_decode, route_in_one_launch)
 
 
 def _experts(num_experts, hidden, inter, device, gen, dtype=torch.bfloat16):
@@ -139,11 +139,25 @@ def test_moe_rejects_bad_arguments(device):
         moe_route(torch.zeros(2, 4, device=device), 5, True)
 
 
+def test_fused_moe_decode_path_equals_the_three_launch_path(device):
+    """fused_moe at decode sizes (routing in one launch) gives the same bits as moe_route then moe_experts."""
+    gen = torch.Generator().manual_seed(7)
+    num_experts, top_k, hidden, inter = (16, 4, 64, 48) if device == "cpu" else (128, 8, 512, 320)
+    gate_up, down = _experts(num_experts, hidden, inter, device, gen)
+    for num_tokens in (1, 5, 16):
+        assert route_in_one_launch(num_tokens, top_k, num_experts)
+        x = torch.randn(num_tokens, hidden, generator=gen).to(device, torch.bfloat16)
+        logits = torch.randn(num_tokens, num_experts, generator=gen).to(device, torch.bfloat16)
+        want = moe_experts(x, *moe_route(logits, top_k, True), gate_up, down)
+        assert torch.equal(fused_moe(x, logits, gate_up, down, top_k, True), want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here; CUDA graphs need one")
-def test_fused_moe_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("num_tokens", [16, 64])          # 16: routing in one launch; 64: three launches
+def test_fused_moe_replays_in_a_cuda_graph(num_tokens):
     gen = torch.Generator().manual_seed(4)
-    num_experts, top_k, hidden, inter, num_tokens = 128, 8, 256, 192, 64
+    num_experts, top_k, hidden, inter = 128, 8, 256, 192
     gate_up, down = _experts(num_experts, hidden, inter, "cuda", gen)
     router = torch.randn(num_experts, hidden, generator=gen).mul(hidden ** -0.5).to("cuda", torch.bfloat16)
     x = torch.randn(num_tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
@@ -167,3 +181,43 @@ def test_fused_moe_replays_in_a_cuda_graph():
         want = moe_reference(x, router, gate_up, down, top_k, True)
         clear = _clear_rows(x, router, top_k)
         torch.testing.assert_close(out[clear].float(), want[clear].float(), atol=3e-2, rtol=3e-2)
+
+
+def _logits_with_ties(num_tokens, num_experts, gen):
+    """Router logits on a coarse grid (many exact ties between experts), a few rows all equal."""
+    logits = torch.randint(0, 6, (num_tokens, num_experts), generator=gen).float() * 0.75
+    logits[::5] = 1.0
+    return logits
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_decode_routing_in_one_launch_matches_the_three_kernels_bit_for_bit(device, renormalize):
+    """moe_route_decode (one program) against moe_route + moe_align + moe_block_table: every output equal, for
+    1..16 tokens, random and tied logits, experts with no pairs, bf16 and float32 logits."""
+    gen = torch.Generator().manual_seed(6)
+    # the interpreter runs the 128 align programs one by one: fewer token counts there
+    token_counts = range(1, 17) if device == "cuda" else (1, 2, 5, 16)
+    for num_experts, top_k in ((128, 8), (8, 2), (6, 3)):
+        for num_tokens in token_counts:
+            assert route_in_one_launch(num_tokens, top_k, num_experts)
+            ties = _logits_with_ties(num_tokens, num_experts, gen)
+            for logits in (torch.randn(num_tokens, num_experts, generator=gen).to(torch.bfloat16), ties):
+                logits = logits.to(device)
+                weights, ids = moe_route(logits, top_k, renormalize)
+                sorted_pairs, counts, offsets = moe_align(ids, num_experts)
+                bm = block_m(num_tokens * top_k, num_experts)
+                max_blocks = max_row_blocks(num_tokens, top_k, num_experts, bm)
+                want = (weights, ids, sorted_pairs, counts, offsets, *moe_block_table(counts, offsets, bm, max_blocks))
+                got = moe_route_decode(logits, top_k, renormalize, bm, max_blocks)
+                names = ("weights", "ids", "sorted", "counts", "offsets", "block_expert", "block_start", "block_end")
+                for name, g, w in zip(names, got, want):
+                    assert g.dtype == w.dtype and torch.equal(g, w), f"{name} at T={num_tokens}, E={num_experts}"
+            assert (counts == 0).any() or num_tokens * top_k >= num_experts
+
+
+def test_one_launch_routing_bounds():
+    assert route_in_one_launch(1, 8, 128) and route_in_one_launch(16, 8, 128) and not route_in_one_launch(17, 8, 128)
+    assert route_in_one_launch(64, 2, 8) and not route_in_one_launch(0, 8, 128)
+    assert not route_in_one_launch(16, 8, 512)              # 16 x 512 logits: one program would be too wide
+    with pytest.raises(ValueError, match="moe_route_decode takes at most 128"):
+        moe_route_decode(torch.zeros(32, 128), 8, True, 16, 64)

@@ -1,4 +1,5 @@
-"""RoPE + paged KV-cache write against the model's float32 rotate_half reference."""
+"""RoPE + paged KV-cache write against the model's float32 rotate_half reference; with Qwen3's q/k norms fused in,
+against the separate RMSNorm and RoPE kernels, bit for bit."""
 import pytest
 import torch
 
@@ -6,6 +7,7 @@ pytest.importorskip("triton", reason="triton is not installed (CI may not instal
 
 from gpu_backend.models.rope import apply_rope  # noqa: E402
 from kernel_batches import make_batch  # noqa: E402
+from kernels.rmsnorm import rmsnorm  # noqa: E402
 from kernels.rope_kv import rope_and_cache_kv  # noqa: E402
 
 
@@ -68,3 +70,52 @@ def test_rope_rejects_bad_tables(device):
         rope_and_cache_kv(q, k, v, pos, bad, bad, slots, cache)
     with pytest.raises(ValueError, match="slot_mapping"):
         rope_and_cache_kv(q, k, v, pos, bad[:, :8], bad[:, :8], slots.int(), cache)
+
+
+def _qk_norm_then_rope(q, k, v, positions, cos, sin, slots, cache, q_norm, k_norm, eps):
+    """The launches the fused kernel replaces: rmsnorm over each head row of q and k, then rope_kv."""
+    q_normed = rmsnorm(q.reshape(-1, q.shape[-1]), q_norm, eps).view(q.shape)
+    k_normed = rmsnorm(k.reshape(-1, k.shape[-1]), k_norm, eps).view(k.shape)
+    return rope_and_cache_kv(q_normed, k_normed, v, positions, cos, sin, slots, cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qk_norm_fused_into_rope_matches_the_separate_kernels_bit_for_bit(device, dtype):
+    """Qwen3's per-head q/k RMSNorm inside the RoPE + KV-write kernel: q, the cache's K and V equal what
+    rmsnorm(q), rmsnorm(k) then rope_and_cache_kv give, bit for bit, padding rows (slot -1) included."""
+    gen = torch.Generator().manual_seed(11)
+    for heads, kv_heads, head_dim, q_lens, ctx_lens, num_tokens, max_seqs in CASES[device]:
+        num_blocks = sum(-(-c // 16) for c in ctx_lens) + 5
+        batch = make_batch(q_lens, ctx_lens, num_tokens, max_seqs, max(-(-c // 16) for c in ctx_lens), num_blocks,
+                           device, gen)
+        qkv = (torch.randn(num_tokens, heads + 2 * kv_heads, head_dim, generator=gen) * 3).to(device, dtype)
+        q, k, v = qkv[:, :heads], qkv[:, heads: heads + kv_heads], qkv[:, heads + kv_heads:]
+        q_norm, k_norm = (torch.rand(head_dim, generator=gen).add(0.5).to(device, dtype) for _ in range(2))
+        cos, sin = _tables(max(ctx_lens) + 3, head_dim, 1e6, device)
+        want_cache = torch.full((2, num_blocks, 16, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+        got_cache = want_cache.clone()
+        k0 = k.clone()
+        want_q = _qk_norm_then_rope(q, k, v, batch.positions, cos, sin, batch.slot_mapping, want_cache,
+                                    q_norm, k_norm, 1e-6)
+
+        got_q = rope_and_cache_kv(q, k, v, batch.positions, cos, sin, batch.slot_mapping, got_cache,
+                                  q_norm=q_norm, k_norm=k_norm, eps=1e-6)
+
+        assert got_q.data_ptr() == q.data_ptr(), "q is normalised and rotated in place"
+        assert torch.equal(got_q, want_q), "q differs from rmsnorm + rope"
+        assert torch.equal(got_cache.isnan(), want_cache.isnan()), "other slots or padding rows were written"
+        assert torch.equal(got_cache.nan_to_num(), want_cache.nan_to_num()), "cached K or V differs"
+        assert torch.equal(k, k0), "k itself must not be modified"
+
+
+def test_qk_norm_needs_both_weights(device):
+    q = torch.zeros(2, 4, 8, dtype=torch.bfloat16, device=device)
+    k = v = torch.zeros(2, 2, 8, dtype=torch.bfloat16, device=device)
+    cache = torch.zeros(2, 3, 16, 2, 8, dtype=torch.bfloat16, device=device)
+    pos, slots = torch.zeros(2, dtype=torch.int32, device=device), torch.zeros(2, dtype=torch.int64, device=device)
+    table = torch.zeros(10, 8, device=device)
+    with pytest.raises(ValueError, match="q_norm and k_norm"):
+        rope_and_cache_kv(q, k, v, pos, table, table, slots, cache, q_norm=torch.ones(8, device=device))
+    with pytest.raises(ValueError, match="k_norm"):
+        rope_and_cache_kv(q, k, v, pos, table, table, slots, cache, q_norm=torch.ones(8, device=device),
+                          k_norm=torch.ones(6, device=device))
