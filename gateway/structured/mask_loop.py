@@ -13,7 +13,10 @@ event loop's) the poller feeds the matcher and the mask is written back on the e
 
 One request's steps run one at a time, in order (its matcher is not shared); requests run side by side on the
 pool's threads, and a request whose grammar masks slowly moves to a slow lane of its own (SLOW_MASK_THREADS below),
-so one slow grammar holds up only its own request's masks.
+so one slow grammar holds up only its own request's masks. A request whose steps have proved fast on the pool
+(INLINE_AFTER_STEPS in a row under INLINE_STEP_S) is stepped by the watcher itself, in a batch with the other
+requests whose tokens it saw at the same time (`step_batch`): no hop to a pool thread, and one GIL release for
+the batch's masks instead of one per request (each GIL wait may be a switch interval).
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ from .grammar import Compiled, Grammars
 MASK_THREADS = 8
 SLOW_MASK_THREADS = 2
 SLOW_STEP_S = 0.02
+# A step under INLINE_STEP_S is fast; after INLINE_AFTER_STEPS fast pool steps in a row the watcher runs the
+# request's steps itself (a batch that takes over SLOW_STEP_S sends its requests back to the pool, where the
+# slow one is found out). A new request starts on the pool: a slow grammar never gets into a batch unproved.
+INLINE_STEP_S = 0.002
+INLINE_AFTER_STEPS = 2
 # One token's mask step may take this long; a request whose step takes longer ends with an error instead of
 # leaving its row waiting (the poller checks every heartbeat_check_s; llguidance's fuel limits make it rare).
 MASK_STEP_LIMIT_S = 5.0
@@ -59,7 +67,7 @@ class MaskLoop:
     """One constrained request's matcher, advanced by the tokens it generates; see the module's docstring."""
 
     __slots__ = ("grammars", "matcher", "put_mask", "on_error", "num_consumed", "num_seen", "_pending", "_running",
-                 "closed", "_loop", "put_from_pool", "_lock", "_step_started_s", "slow")
+                 "closed", "_loop", "put_from_pool", "_lock", "_step_started_s", "slow", "fast_steps")
 
     def __init__(self, grammars: Grammars, compiled: Compiled, put_mask: PutMask, on_error: OnError,
                  put_from_pool: bool = False):
@@ -76,6 +84,7 @@ class MaskLoop:
         self._running = False
         self._step_started_s = 0.0  # when the running step was queued (time.monotonic)
         self.slow = False  # a step took over SLOW_STEP_S: the next ones run on the slow lane
+        self.fast_steps = 0  # pool steps in a row under INLINE_STEP_S (the watcher may batch it from INLINE_AFTER_STEPS)
         self.closed = False
         self._loop = asyncio.get_running_loop()
 
@@ -84,18 +93,36 @@ class MaskLoop:
         `first_index` (the index of `token_ids[0]` among the generated tokens), those already handed over are
         skipped: two readers (the poller, the mask watcher) may hand over the same tokens."""
         with self._lock:
-            if self.closed:
-                return
-            if first_index is not None and first_index != self.num_seen:
-                if first_index > self.num_seen:  # a gap: never, both readers read every token in order
-                    return
-                token_ids = token_ids[self.num_seen - first_index:]
-            if not token_ids:
-                return
-            self.num_seen += len(token_ids)
-            self._pending += token_ids
-            if not self._running:
+            if self._take_locked(token_ids, first_index) and not self._running:
                 self._start()
+
+    def take_inline(self, token_ids: list[int], first_index: int) -> list[int] | None:
+        """`advance` for the watcher: when this request's steps have proved fast and none is running, its
+        tokens to consume now on the caller's thread (`step_batch`, which ends the step); else None (queued on
+        the pool as `advance` does, or nothing new)."""
+        with self._lock:
+            if not self._take_locked(token_ids, first_index) or self._running:
+                return None
+            if not self.put_from_pool or self.slow or self.fast_steps < INLINE_AFTER_STEPS:
+                self._start()
+                return None
+            tokens, self._pending, self._running = self._pending, [], True
+            self._step_started_s = time.monotonic()
+            return tokens
+
+    def _take_locked(self, token_ids: list[int], first_index: int | None) -> bool:
+        """The tokens not handed over yet into `_pending`; whether there were any (never once closed)."""
+        if self.closed:
+            return False
+        if first_index is not None and first_index != self.num_seen:
+            if first_index > self.num_seen:  # a gap: never, both readers read every token in order
+                return False
+            token_ids = token_ids[self.num_seen - first_index:]
+        if not token_ids:
+            return False
+        self.num_seen += len(token_ids)
+        self._pending += token_ids
+        return True
 
     def close(self) -> None:
         """The request ended: steps still running deliver nothing. A mask a pool thread is writing is written
@@ -127,7 +154,9 @@ class MaskLoop:
             result: np.ndarray | str | None = self.consume_and_mask(token_ids)
         except Exception as exc:  # a library failure ends this request, never the pool
             result = f"the grammar engine failed: {exc}"
-        self.slow = self.slow or time.monotonic() - started_s > SLOW_STEP_S
+        took_s = time.monotonic() - started_s
+        self.slow = self.slow or took_s > SLOW_STEP_S
+        self.fast_steps = self.fast_steps + 1 if took_s < INLINE_STEP_S else 0
         if self.put_from_pool:
             self._end_step(result)
             return
@@ -160,12 +189,16 @@ class MaskLoop:
 
     def consume_and_mask(self, token_ids: list[int]) -> np.ndarray | str:
         """The mask after `token_ids`, or why the grammar refused one of them. Blocking."""
+        return self.consume(token_ids) or self.grammars.mask_of(self.matcher)
+
+    def consume(self, token_ids: list[int]) -> str | None:
+        """The matcher takes `token_ids`: None, or why the grammar refused one of them."""
         for token_id in token_ids:
             if not self.matcher.consume_token(token_id):
                 return (f"generated token {token_id} (position {self.num_consumed}) is outside the requested "
                         f"grammar: {self.matcher.get_error() or 'rejected'}")
             self.num_consumed += 1
-        return self.grammars.mask_of(self.matcher)
+        return None
 
     def _put_locked(self, words: np.ndarray) -> str | None:
         """On the pool thread, holding the lock: the mask into the ring; None, or why it could not."""
@@ -193,3 +226,31 @@ class MaskLoop:
                     self._start()
                 return
         self.on_error(result)
+
+
+def step_batch(steps: list[tuple[MaskLoop, list[int]]]) -> None:
+    """On the watcher's thread: the steps `MaskLoop.take_inline` handed over, each request's tokens consumed,
+    then the masks of each model's requests in one `Grammars.masks_of` call, each put as the pool's step
+    would (`_end_step`). A batch over SLOW_STEP_S sends its requests back to the pool (`fast_steps` = 0)."""
+    started_s = time.monotonic()
+    groups: dict[int, tuple[Grammars, list[MaskLoop]]] = {}
+    for loop, token_ids in steps:
+        try:
+            error = loop.consume(token_ids)
+        except Exception as exc:  # a library failure ends this request, never the watcher
+            error = f"the grammar engine failed: {exc}"
+        if error:
+            loop._end_step(error)
+        else:
+            groups.setdefault(id(loop.grammars), (loop.grammars, []))[1].append(loop)
+    for grammars, loops in groups.values():
+        error = ""
+        try:
+            masks: np.ndarray | None = grammars.masks_of([loop.matcher for loop in loops])
+        except Exception as exc:
+            masks, error = None, f"the grammar engine failed: {exc}"
+        slow = time.monotonic() - started_s > SLOW_STEP_S
+        for i, loop in enumerate(loops):
+            if slow:
+                loop.fast_steps = 0
+            loop._end_step(error if masks is None else masks[i])
