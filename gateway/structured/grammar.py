@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +32,6 @@ PARSER_LIMITS = dict(step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_s
 
 
 _compile_pool: ThreadPoolExecutor | None = None
-_executor: llguidance.LLExecutor | None = None
-MASK_BATCH_THREADS = 8  # llguidance's threads for a batch of masks (`Grammars.masks_of`), at most the cores we may use
 
 
 def compile_pool() -> ThreadPoolExecutor:
@@ -43,14 +40,6 @@ def compile_pool() -> ThreadPoolExecutor:
     if _compile_pool is None:
         _compile_pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar-compile")
     return _compile_pool
-
-
-def mask_executor() -> llguidance.LLExecutor:
-    """llguidance's own thread pool for batches of masks (it computes them side by side with the GIL released)."""
-    global _executor
-    if _executor is None:
-        _executor = llguidance.LLExecutor(num_threads=max(1, min(MASK_BATCH_THREADS, len(os.sched_getaffinity(0)))))
-    return _executor
 
 
 def mask_words(vocab_size: int) -> int:
@@ -178,23 +167,6 @@ class Grammars:
         if len(words) < self.num_words:  # a ring sized for more tokens than the model has: those stay banned
             return np.concatenate([words, np.zeros(self.num_words - len(words), dtype=np.uint32)])
         return words[:self.num_words].copy()
-
-    def masks_of(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:
-        """`mask_of` of each matcher, computed side by side in one call that releases the GIL once (the mask
-        watcher's batch of a step's tokens): [len(matchers), num_words] uint32. Blocking."""
-        width = mask_words(self.vocab_size)  # llguidance's words (its tokenizer has vocab_size tokens)
-        out = np.zeros((len(matchers), max(width, self.num_words)), dtype=np.int32)
-        live = [(m, i) for i, m in enumerate(matchers) if not (m.is_stopped() and not m.is_error())]
-        if live:
-            scratch = out if width == out.shape[1] else np.zeros((len(matchers), width), dtype=np.int32)
-            mask_executor().unsafe_compute_mask_ptr(live, scratch.ctypes.data, width * 4, len(matchers))
-            if scratch is not out:
-                out[:, :width] = scratch
-        words = out.view(np.uint32)[:, :self.num_words]
-        for i, m in enumerate(matchers):
-            if m.is_stopped() and not m.is_error():
-                words[i] = self.eos_mask()
-        return words
 
     def eos_mask(self) -> np.ndarray:
         words = np.zeros(self.num_words, dtype=np.uint32)

@@ -13,10 +13,12 @@ event loop's) the poller feeds the matcher and the mask is written back on the e
 
 One request's steps run one at a time, in order (its matcher is not shared); requests run side by side on the
 pool's threads, and a request whose grammar masks slowly moves to a slow lane of its own (SLOW_MASK_THREADS below),
-so one slow grammar holds up only its own request's masks. A request whose steps have proved fast on the pool
-(INLINE_AFTER_STEPS in a row under INLINE_STEP_S) is stepped by the watcher itself, in a batch with the other
-requests whose tokens it saw at the same time (`step_batch`): no hop to a pool thread, and one GIL release for
-the batch's masks instead of one per request (each GIL wait may be a switch interval).
+so one slow grammar holds up only its own request's masks. When the watcher finds few requests with news
+(a lone stream, a quiet moment), it runs the step of one whose steps have proved fast on the pool
+(INLINE_AFTER_STEPS in a row under INLINE_STEP_S) itself (`take_inline`, then `step`): no hop to a pool thread
+and its GIL wait. Measured (bench/mask_latency.py): batching a whole step's masks on the watcher (llguidance's
+parallel fill) was 2x slower at 16 and 64 streams than the pool: one thread serializes them, and the library's
+worker threads spin on shared cores.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ from .grammar import Compiled, Grammars
 MASK_THREADS = 8
 SLOW_MASK_THREADS = 2
 SLOW_STEP_S = 0.02
-# A step under INLINE_STEP_S is fast; after INLINE_AFTER_STEPS fast pool steps in a row the watcher runs the
-# request's steps itself (a batch that takes over SLOW_STEP_S sends its requests back to the pool, where the
-# slow one is found out). A new request starts on the pool: a slow grammar never gets into a batch unproved.
+# A step under INLINE_STEP_S is fast; after INLINE_AFTER_STEPS fast pool steps in a row the watcher may run the
+# request's steps itself (a step over SLOW_STEP_S there sends it back to the pool, slow lane). A new request
+# starts on the pool: a slow grammar never holds up the watcher unproved.
 INLINE_STEP_S = 0.002
 INLINE_AFTER_STEPS = 2
 # One token's mask step may take this long; a request whose step takes longer ends with an error instead of
@@ -84,7 +86,7 @@ class MaskLoop:
         self._running = False
         self._step_started_s = 0.0  # when the running step was queued (time.monotonic)
         self.slow = False  # a step took over SLOW_STEP_S: the next ones run on the slow lane
-        self.fast_steps = 0  # pool steps in a row under INLINE_STEP_S (the watcher may batch it from INLINE_AFTER_STEPS)
+        self.fast_steps = 0  # pool steps in a row under INLINE_STEP_S (from INLINE_AFTER_STEPS the watcher may step it)
         self.closed = False
         self._loop = asyncio.get_running_loop()
 
@@ -96,14 +98,14 @@ class MaskLoop:
             if self._take_locked(token_ids, first_index) and not self._running:
                 self._start()
 
-    def take_inline(self, token_ids: list[int], first_index: int) -> list[int] | None:
-        """`advance` for the watcher: when this request's steps have proved fast and none is running, its
-        tokens to consume now on the caller's thread (`step_batch`, which ends the step); else None (queued on
-        the pool as `advance` does, or nothing new)."""
+    def take_inline(self, token_ids: list[int], first_index: int, inline: bool = True) -> list[int] | None:
+        """`advance` for the watcher: when `inline`, this request's steps have proved fast and none is running,
+        its tokens, for the caller to run their step now on its thread (`step`); else None (queued on the pool
+        as `advance` does, or nothing new)."""
         with self._lock:
             if not self._take_locked(token_ids, first_index) or self._running:
                 return None
-            if not self.put_from_pool or self.slow or self.fast_steps < INLINE_AFTER_STEPS:
+            if not inline or not self.put_from_pool or self.slow or self.fast_steps < INLINE_AFTER_STEPS:
                 self._start()
                 return None
             tokens, self._pending, self._running = self._pending, [], True
@@ -145,10 +147,11 @@ class MaskLoop:
     def _start(self) -> None:
         tokens, self._pending, self._running = self._pending, [], True
         self._step_started_s = time.monotonic()
-        mask_pool(self.slow).submit(self._step, tokens)
+        mask_pool(self.slow).submit(self.step, tokens)
 
-    def _step(self, token_ids: list[int]) -> None:
-        """In a pool thread: consume the tokens, compute the next mask, put it (or hand it to the event loop)."""
+    def step(self, token_ids: list[int]) -> None:
+        """In a pool thread (or the watcher's, `take_inline`): consume the tokens, compute the next mask, put it
+        (or hand it to the event loop)."""
         started_s = time.monotonic()
         try:
             result: np.ndarray | str | None = self.consume_and_mask(token_ids)
@@ -189,16 +192,12 @@ class MaskLoop:
 
     def consume_and_mask(self, token_ids: list[int]) -> np.ndarray | str:
         """The mask after `token_ids`, or why the grammar refused one of them. Blocking."""
-        return self.consume(token_ids) or self.grammars.mask_of(self.matcher)
-
-    def consume(self, token_ids: list[int]) -> str | None:
-        """The matcher takes `token_ids`: None, or why the grammar refused one of them."""
         for token_id in token_ids:
             if not self.matcher.consume_token(token_id):
                 return (f"generated token {token_id} (position {self.num_consumed}) is outside the requested "
                         f"grammar: {self.matcher.get_error() or 'rejected'}")
             self.num_consumed += 1
-        return None
+        return self.grammars.mask_of(self.matcher)
 
     def _put_locked(self, words: np.ndarray) -> str | None:
         """On the pool thread, holding the lock: the mask into the ring; None, or why it could not."""
@@ -226,31 +225,3 @@ class MaskLoop:
                     self._start()
                 return
         self.on_error(result)
-
-
-def step_batch(steps: list[tuple[MaskLoop, list[int]]]) -> None:
-    """On the watcher's thread: the steps `MaskLoop.take_inline` handed over, each request's tokens consumed,
-    then the masks of each model's requests in one `Grammars.masks_of` call, each put as the pool's step
-    would (`_end_step`). A batch over SLOW_STEP_S sends its requests back to the pool (`fast_steps` = 0)."""
-    started_s = time.monotonic()
-    groups: dict[int, tuple[Grammars, list[MaskLoop]]] = {}
-    for loop, token_ids in steps:
-        try:
-            error = loop.consume(token_ids)
-        except Exception as exc:  # a library failure ends this request, never the watcher
-            error = f"the grammar engine failed: {exc}"
-        if error:
-            loop._end_step(error)
-        else:
-            groups.setdefault(id(loop.grammars), (loop.grammars, []))[1].append(loop)
-    for grammars, loops in groups.values():
-        error = ""
-        try:
-            masks: np.ndarray | None = grammars.masks_of([loop.matcher for loop in loops])
-        except Exception as exc:
-            masks, error = None, f"the grammar engine failed: {exc}"
-        slow = time.monotonic() - started_s > SLOW_STEP_S
-        for i, loop in enumerate(loops):
-            if slow:
-                loop.fast_steps = 0
-            loop._end_step(error if masks is None else masks[i])

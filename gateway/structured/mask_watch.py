@@ -5,10 +5,9 @@ on one worker, bench/mask_latency.py) no longer delays the engine.
 
 It only reads (`ShmProducer.peek_tokens`: the tokens after the ones the matcher has, validated by the
 response's sequence number, read before and after them); the poller stays the one reader that advances the
-ring's consumed counter and delivers tokens to clients. Requests whose mask steps have proved fast are stepped
-right here, all those with news at once (`mask_loop.step_batch`: one GIL release for their masks); the others
-go to the mask loops' pool, so a slow grammar holds up only its own request. The thread runs while constrained
-requests are in flight and sleeps when there are none.
+ring's consumed counter and delivers tokens to clients. The mask work runs on the mask loops' pool, so a slow
+grammar holds up only its own request; a lone request whose steps proved fast is stepped right here
+(INLINE_MAX_READY). The thread runs while constrained requests are in flight and sleeps when there are none.
 
 It waits for news in C with the GIL released (`csrc/mask_wait.c`, built with the C compiler on first use like
 the native stream round): Python wakes only when tokens came, or the watched set changed. Nothing can wake it
@@ -21,7 +20,7 @@ it polls in Python every WATCH_PERIOD_S (each poll takes the GIL from the event 
 The event loop thread holds the GIL most of the time under load, and a thread that waits for it gets it only
 when the holder drops it: on a blocking call, or after `sys.getswitchinterval()` (5 ms by default, most of a
 decode step). While the watcher runs, the process's switch interval is SWITCH_INTERVAL_S, so that the watcher
-(two holds of the GIL per batch) and the pool threads wait for it a fraction of a step.
+and the pool threads (mask i + 1 after token i: three short holds of the GIL) wait for it a fraction of a step.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from protocols import ring as R
 from protocols.native_build import cached_build
 
 from ..streaming.stream_round import FLAGS, c_compiler, cache_dir
-from .mask_loop import MaskLoop, step_batch
+from .mask_loop import MaskLoop
 
 log = logging.getLogger("blink.gateway.structured")
 
@@ -61,6 +60,9 @@ MISSED_STEPS = 4  # after this many steps with no news the period is forgotten (
 NATIVE_TIMEOUT_S = 0.05  # the longest C wait (a change to the watched set ends it at once)
 WATCH_PERIOD_S = 0.0003  # between Python scans where the C wait is not built
 SWITCH_INTERVAL_S = 0.0002  # the GIL's switch interval while constrained requests are watched
+# News for at most this many requests at once: the watcher runs their mask steps itself (MaskLoop.take_inline);
+# more go to the pool, whose threads compute side by side (one thread would serialize them: measured 2x slower)
+INLINE_MAX_READY = 1
 SOURCE = Path(__file__).parent / "csrc" / "mask_wait.c"
 
 # (first index) -> the request's generated tokens from there on ([] if none yet), or None while its slot does not
@@ -216,10 +218,10 @@ class MaskWatch:
         return num_fed
 
     def scan(self, watched: list[tuple[MaskLoop, TokenSource]] | None = None) -> int:
-        """The new tokens of the `watched` requests (all of them by default) to their mask loops: those proved
-        fast stepped now, side by side (`step_batch`), the others queued on the pool; closed ones dropped.
-        Returns how many loops got tokens."""
-        num_fed, batch = 0, []
+        """The new tokens of the `watched` requests (all of them by default) to their mask loops, queued on the
+        pool, or, for at most INLINE_MAX_READY of them whose steps proved fast, stepped here (no pool hop);
+        closed ones dropped. Returns how many loops got tokens."""
+        news = []
         for loop, source in list(self._loops.values()) if watched is None else watched:
             if loop.closed:
                 self._drop(id(loop))
@@ -232,13 +234,13 @@ class MaskWatch:
                 self._drop(id(loop))
                 continue
             if tokens:
-                num_fed += 1
-                inline = loop.take_inline(tokens, start)
-                if inline:
-                    batch.append((loop, inline))
-        if batch:
-            step_batch(batch)
-        return num_fed
+                news.append((loop, tokens, start))
+        inline = len(news) <= INLINE_MAX_READY
+        for loop, tokens, start in news:
+            mine = loop.take_inline(tokens, start, inline)
+            if mine:
+                loop.step(mine)
+        return len(news)
 
     def _sweep(self) -> None:
         """Closed loops out of the watched set (one look at each: cheap next to a wake)."""

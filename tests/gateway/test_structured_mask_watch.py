@@ -228,3 +228,34 @@ def test_the_step_clock_naps_finely_only_where_tokens_are_due():
     assert clock.plan(last + 7 * ms + lead + 1)[0] == last + 14 * ms - lead  # a step without news: the next one
     far = clock.plan(last + 7 * ms * (MW.MISSED_STEPS + 1))
     assert far[0] == far[2] and clock.period_ns is None
+
+
+def test_the_watcher_steps_a_lone_proved_request_itself_and_leaves_several_to_the_pool(grammars, byte_tokenizer):
+    """Scans by hand (the watcher's thread sleeps): a request runs its first INLINE_AFTER_STEPS steps on the pool;
+    after that, news for it alone is stepped on the scanning thread, while news for several at once goes to the
+    pool's threads (one thread would serialize their masks)."""
+    compiled = grammars.compile_sync(Constraint("regex", "[a-z ]+", "r"))
+    ids = byte_tokenizer.encode("hello world and again and again").ids
+    assert len(ids) >= 2 * ML.INLINE_AFTER_STEPS + 2
+    watch = MaskWatch(period_s=60.0, native=False)
+
+    async def run():
+        tokens, puts = ([], []), ([], [])
+        loops = [MaskLoop(grammars, compiled, lambda i, w, k=k: puts[k].append(threading.current_thread().name),
+                          pytest.fail, put_from_pool=True) for k in (0, 1)]
+        for k in (0, 1):
+            watch.watch(loops[k], lambda start, k=k: tokens[k][start:])
+        for n in range(ML.INLINE_AFTER_STEPS + 1):  # one request's news at a time
+            tokens[0].append(ids[n])
+            assert watch.scan() == 1 and until(lambda: len(puts[0]) == n + 1)
+        assert all(name.startswith("grammar-mask") for name in puts[0][:-1]), puts[0]
+        assert puts[0][-1] == threading.current_thread().name  # proved fast: stepped by the scan itself
+        first = ML.INLINE_AFTER_STEPS + 1
+        for n in range(first):  # both requests' news in each scan
+            tokens[0].append(ids[first + n])
+            tokens[1].append(ids[n])
+            assert watch.scan() == 2 and until(lambda: len(puts[0]) == first + n + 1 and len(puts[1]) == n + 1)
+        assert all(name.startswith("grammar-mask") for name in puts[0][first:] + puts[1]), puts
+        for loop in loops:
+            loop.close()
+    asyncio.run(run())
