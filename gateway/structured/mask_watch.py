@@ -48,14 +48,17 @@ log = logging.getLogger("blink.gateway.structured")
 
 # The C wait's naps: fine ones where tokens may come any moment (just after news, the rest of a step's tokens
 # for TAIL_S; from LEAD_S before the next step's are due to LEAD_S after), coarse ones in between and while
-# no step period is known. On the development VM each wake costs ~35 us of a core: 5,000 a second (the old
-# fixed 0.2 ms) took 11% of a core with nothing to do.
-FINE_NAP_S = 0.0001
+# no step period is known. On the development VM each wake costs ~35 us of a core: 5,000 a second (a fixed
+# 0.2 ms nap) took 11% of a core with nothing to do. FINE_NAP_S is that old nap: where the period is no help
+# (several engines' steps interleaved) the wait costs what it did.
+FINE_NAP_S = 0.0002
 COARSE_NAP_S = 0.001
 TAIL_S = 0.0005
-LEAD_S = 0.0003
+LEAD_S = 0.0005
 MIN_PERIOD_S = 0.001  # bursts closer than this are one step's (a slow publish) and make no period
-PERIODS_KEPT = 16  # the period is the shortest of the last few intervals between bursts (skipped steps double one)
+# The period is the median of the last few intervals between bursts: robust to a skipped step (an interval of
+# two) and to a burst seen late (the watcher was busy), either of which would bias a minimum or a mean.
+PERIODS_KEPT = 9
 MISSED_STEPS = 4  # after this many steps with no news the period is forgotten (coarse naps until news)
 NATIVE_TIMEOUT_S = 0.05  # the longest C wait (a change to the watched set ends it at once)
 WATCH_PERIOD_S = 0.0003  # between Python scans where the C wait is not built
@@ -108,15 +111,15 @@ class StepClock:
         self.intervals: collections.deque[int] = collections.deque(maxlen=PERIODS_KEPT)
 
     def news(self, now_ns: int) -> None:
-        if now_ns - self.last_news_ns > TAIL_S * 1e9:
-            if now_ns - self.burst_ns >= MIN_PERIOD_S * 1e9:
+        if now_ns - self.last_news_ns > TAIL_S * 1e9 and now_ns - self.burst_ns >= MIN_PERIOD_S * 1e9:
+            if self.burst_ns > 0:  # not the first news
                 self.intervals.append(now_ns - self.burst_ns)
             self.burst_ns = now_ns
         self.last_news_ns = now_ns
 
     @property
     def period_ns(self) -> int | None:
-        return min(self.intervals) if len(self.intervals) >= 2 else None
+        return sorted(self.intervals)[len(self.intervals) // 2] if len(self.intervals) >= 3 else None
 
     def plan(self, now_ns: int) -> tuple[int, int, int]:
         """(fine_from_ns, fine_until_ns, deadline_ns) for the next wait from `now_ns` (csrc/mask_wait.c)."""

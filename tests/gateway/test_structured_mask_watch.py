@@ -216,14 +216,17 @@ def test_the_step_clock_naps_finely_only_where_tokens_are_due():
     clock, ms = MW.StepClock(), 1_000_000
     t0 = 1_000 * ms
     assert clock.plan(t0)[0] == clock.plan(t0)[2]  # nothing known: no fine window before the deadline
-    for k in range(3):
+    for k in (0, 1, 2, 4):  # step 3 had no news (an interval of two steps)
         clock.news(t0 + 7 * ms * k)
         clock.news(t0 + 7 * ms * k + ms // 10)  # the same step's other tokens: one burst
-    assert clock.period_ns == 7 * ms
-    last = t0 + 14 * ms
+    clock.news(t0 + 35 * ms - ms // 2)  # seen early (the last burst was seen late)
+    clock.news(t0 + 35 * ms + ms // 10)
+    assert clock.period_ns == 7 * ms  # the median: neither 6.5 nor 14
+    clock.news(t0 + 42 * ms)
+    last = t0 + 42 * ms
     fine_from, fine_until, deadline = clock.plan(last + 2 * ms)
     lead = int(MW.LEAD_S * 1e9)
-    assert fine_until == last + ms // 10 + int(MW.TAIL_S * 1e9)
+    assert fine_until == last + int(MW.TAIL_S * 1e9)
     assert (fine_from, deadline) == (last + 7 * ms - lead, last + 7 * ms + lead)
     assert clock.plan(last + 7 * ms + lead + 1)[0] == last + 14 * ms - lead  # a step without news: the next one
     far = clock.plan(last + 7 * ms * (MW.MISSED_STEPS + 1))
