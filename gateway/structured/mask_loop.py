@@ -13,7 +13,12 @@ event loop's) the poller feeds the matcher and the mask is written back on the e
 
 One request's steps run one at a time, in order (its matcher is not shared); requests run side by side on the
 pool's threads, and a request whose grammar masks slowly moves to a slow lane of its own (SLOW_MASK_THREADS below),
-so one slow grammar holds up only its own request's masks.
+so one slow grammar holds up only its own request's masks. When the watcher finds few requests with news
+(a lone stream, a quiet moment), it runs the step of one whose steps have proved fast on the pool
+(INLINE_AFTER_STEPS in a row under INLINE_STEP_S) itself (`take_inline`, then `step`): no hop to a pool thread
+and its GIL wait. Measured (bench/mask_latency.py): batching a whole step's masks on the watcher (llguidance's
+parallel fill) was 2x slower at 16 and 64 streams than the pool: one thread serializes them, and the library's
+worker threads spin on shared cores.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ from .grammar import Compiled, Grammars
 MASK_THREADS = 8
 SLOW_MASK_THREADS = 2
 SLOW_STEP_S = 0.02
+# A step under INLINE_STEP_S is fast; after INLINE_AFTER_STEPS fast pool steps in a row the watcher may run the
+# request's steps itself (a step over SLOW_STEP_S there sends it back to the pool, slow lane). A new request
+# starts on the pool: a slow grammar never holds up the watcher unproved.
+INLINE_STEP_S = 0.002
+INLINE_AFTER_STEPS = 2
 # One token's mask step may take this long; a request whose step takes longer ends with an error instead of
 # leaving its row waiting (the poller checks every heartbeat_check_s; llguidance's fuel limits make it rare).
 MASK_STEP_LIMIT_S = 5.0
@@ -59,7 +69,7 @@ class MaskLoop:
     """One constrained request's matcher, advanced by the tokens it generates; see the module's docstring."""
 
     __slots__ = ("grammars", "matcher", "put_mask", "on_error", "num_consumed", "num_seen", "_pending", "_running",
-                 "closed", "_loop", "put_from_pool", "_lock", "_step_started_s", "slow")
+                 "closed", "_loop", "put_from_pool", "_lock", "_step_started_s", "slow", "fast_steps")
 
     def __init__(self, grammars: Grammars, compiled: Compiled, put_mask: PutMask, on_error: OnError,
                  put_from_pool: bool = False):
@@ -76,6 +86,7 @@ class MaskLoop:
         self._running = False
         self._step_started_s = 0.0  # when the running step was queued (time.monotonic)
         self.slow = False  # a step took over SLOW_STEP_S: the next ones run on the slow lane
+        self.fast_steps = 0  # pool steps in a row under INLINE_STEP_S (from INLINE_AFTER_STEPS the watcher may step it)
         self.closed = False
         self._loop = asyncio.get_running_loop()
 
@@ -84,18 +95,36 @@ class MaskLoop:
         `first_index` (the index of `token_ids[0]` among the generated tokens), those already handed over are
         skipped: two readers (the poller, the mask watcher) may hand over the same tokens."""
         with self._lock:
-            if self.closed:
-                return
-            if first_index is not None and first_index != self.num_seen:
-                if first_index > self.num_seen:  # a gap: never, both readers read every token in order
-                    return
-                token_ids = token_ids[self.num_seen - first_index:]
-            if not token_ids:
-                return
-            self.num_seen += len(token_ids)
-            self._pending += token_ids
-            if not self._running:
+            if self._take_locked(token_ids, first_index) and not self._running:
                 self._start()
+
+    def take_inline(self, token_ids: list[int], first_index: int, inline: bool = True) -> list[int] | None:
+        """`advance` for the watcher: when `inline`, this request's steps have proved fast and none is running,
+        its tokens, for the caller to run their step now on its thread (`step`); else None (queued on the pool
+        as `advance` does, or nothing new)."""
+        with self._lock:
+            if not self._take_locked(token_ids, first_index) or self._running:
+                return None
+            if not inline or not self.put_from_pool or self.slow or self.fast_steps < INLINE_AFTER_STEPS:
+                self._start()
+                return None
+            tokens, self._pending, self._running = self._pending, [], True
+            self._step_started_s = time.monotonic()
+            return tokens
+
+    def _take_locked(self, token_ids: list[int], first_index: int | None) -> bool:
+        """The tokens not handed over yet into `_pending`; whether there were any (never once closed)."""
+        if self.closed:
+            return False
+        if first_index is not None and first_index != self.num_seen:
+            if first_index > self.num_seen:  # a gap: never, both readers read every token in order
+                return False
+            token_ids = token_ids[self.num_seen - first_index:]
+        if not token_ids:
+            return False
+        self.num_seen += len(token_ids)
+        self._pending += token_ids
+        return True
 
     def close(self) -> None:
         """The request ended: steps still running deliver nothing. A mask a pool thread is writing is written
@@ -118,16 +147,19 @@ class MaskLoop:
     def _start(self) -> None:
         tokens, self._pending, self._running = self._pending, [], True
         self._step_started_s = time.monotonic()
-        mask_pool(self.slow).submit(self._step, tokens)
+        mask_pool(self.slow).submit(self.step, tokens)
 
-    def _step(self, token_ids: list[int]) -> None:
-        """In a pool thread: consume the tokens, compute the next mask, put it (or hand it to the event loop)."""
+    def step(self, token_ids: list[int]) -> None:
+        """In a pool thread (or the watcher's, `take_inline`): consume the tokens, compute the next mask, put it
+        (or hand it to the event loop)."""
         started_s = time.monotonic()
         try:
             result: np.ndarray | str | None = self.consume_and_mask(token_ids)
         except Exception as exc:  # a library failure ends this request, never the pool
             result = f"the grammar engine failed: {exc}"
-        self.slow = self.slow or time.monotonic() - started_s > SLOW_STEP_S
+        took_s = time.monotonic() - started_s
+        self.slow = self.slow or took_s > SLOW_STEP_S
+        self.fast_steps = self.fast_steps + 1 if took_s < INLINE_STEP_S else 0
         if self.put_from_pool:
             self._end_step(result)
             return

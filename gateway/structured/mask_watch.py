@@ -1,16 +1,21 @@
 """The gateway process's mask watcher: one thread that reads the constrained requests' new tokens straight from
-the ring (shm) and hands them to their mask loops (`MaskLoop.advance`), so that token i reaches the grammar,
-and mask i + 1 the ring, without waiting for the event loop: a loop busy with other streams' writes (measured:
-P50 15-22 ms at 64 streams on one worker, bench/mask_latency.py) no longer delays the engine.
+the ring (shm) and hands them to their mask loops, so that token i reaches the grammar, and mask i + 1 the ring,
+without waiting for the event loop: a loop busy with other streams' writes (measured: P50 15-22 ms at 64 streams
+on one worker, bench/mask_latency.py) no longer delays the engine.
 
 It only reads (`ShmProducer.peek_tokens`: the tokens after the ones the matcher has, validated by the
 response's sequence number, read before and after them); the poller stays the one reader that advances the
-ring's consumed counter and delivers tokens to clients. The mask work itself runs on the mask loops' pool, so
-a slow grammar holds up only its own request. The thread runs while constrained requests are in flight and
-sleeps when there are none. It waits for news in C with the GIL released (`csrc/mask_wait.c`, built with the C
-compiler on first use like the native stream round; checks every NATIVE_PERIOD_S): Python wakes only when a
-token came. Without a compiler it polls in Python every WATCH_PERIOD_S (each poll takes the GIL from the event
-loop: measured, about 0.3 of a core at 10,000 polls a second on the development VM).
+ring's consumed counter and delivers tokens to clients. The mask work runs on the mask loops' pool, so a slow
+grammar holds up only its own request; a lone request whose steps proved fast is stepped right here
+(INLINE_MAX_READY). The thread runs while constrained requests are in flight and sleeps when there are none.
+
+It waits for news in C with the GIL released (`csrc/mask_wait.c`, built with the C compiler on first use like
+the native stream round): Python wakes only when tokens came, or the watched set changed. Nothing can wake it
+from the ring (the engine only stores words), so the C wait naps between looks, and each nap is a timer wake
+(tens of microseconds of a core on a VM). The naps follow the engine's steps (`StepClock`): the engine steps
+all rows at once, so news comes in bursts one step apart; the wait naps finely (FINE_NAP_S) just after news
+and from just before the next step's tokens are due, coarsely (COARSE_NAP_S) in between. Without a compiler
+it polls in Python every WATCH_PERIOD_S (each poll takes the GIL from the event loop).
 
 The event loop thread holds the GIL most of the time under load, and a thread that waits for it gets it only
 when the holder drops it: on a blocking call, or after `sys.getswitchinterval()` (5 ms by default, most of a
@@ -20,6 +25,7 @@ and the pool threads (mask i + 1 after token i: three short holds of the GIL) wa
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import logging
@@ -40,12 +46,26 @@ from .mask_loop import MaskLoop
 
 log = logging.getLogger("blink.gateway.structured")
 
-# How often the C wait looks at the watched responses (no GIL, no Python): each look is a timer wake, and on the
-# development VM wakes every 50 us cost about a quarter of a core; 0.2 ms adds 0.1 ms to a mask on average.
-NATIVE_PERIOD_S = 0.0002
-NATIVE_TIMEOUT_S = 0.001  # the longest C wait: then requests that came meanwhile are watched too
+# The C wait's naps: fine ones where tokens may come any moment (just after news, the rest of a step's tokens
+# for TAIL_S; from LEAD_S before the next step's are due to LEAD_S after), coarse ones in between and while
+# no step period is known. On the development VM each wake costs ~35 us of a core: 5,000 a second (a fixed
+# 0.2 ms nap) took 11% of a core with nothing to do. FINE_NAP_S is that old nap: where the period is no help
+# (several engines' steps interleaved) the wait costs what it did.
+FINE_NAP_S = 0.0002
+COARSE_NAP_S = 0.001
+TAIL_S = 0.0005
+LEAD_S = 0.0005
+MIN_PERIOD_S = 0.001  # bursts closer than this are one step's (a slow publish) and make no period
+# The period is the median of the last few intervals between bursts: robust to a skipped step (an interval of
+# two) and to a burst seen late (the watcher was busy), either of which would bias a minimum or a mean.
+PERIODS_KEPT = 9
+MISSED_STEPS = 4  # after this many steps with no news the period is forgotten (coarse naps until news)
+NATIVE_TIMEOUT_S = 0.05  # the longest C wait (a change to the watched set ends it at once)
 WATCH_PERIOD_S = 0.0003  # between Python scans where the C wait is not built
 SWITCH_INTERVAL_S = 0.0002  # the GIL's switch interval while constrained requests are watched
+# News for at most this many requests at once: the watcher runs their mask steps itself (MaskLoop.take_inline);
+# more go to the pool, whose threads compute side by side (one thread would serialize them: measured 2x slower)
+INLINE_MAX_READY = 1
 SOURCE = Path(__file__).parent / "csrc" / "mask_wait.c"
 
 # (first index) -> the request's generated tokens from there on ([] if none yet), or None while its slot does not
@@ -78,8 +98,43 @@ def native_wait():
     fn = lib.blink_mask_wait
     fn.restype = ctypes.c_int32
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32,
-                   ctypes.c_int64, ctypes.c_int64]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, *[ctypes.c_int64] * 5]
     return fn
+
+
+class StepClock:
+    """When the engine's next tokens are due, learnt from when news came (monotonic ns): the engine steps all
+    its rows at once, so news comes in bursts one step apart (a burst is news within TAIL_S of the last)."""
+
+    def __init__(self):
+        self.burst_ns = self.last_news_ns = -(1 << 62)
+        self.intervals: collections.deque[int] = collections.deque(maxlen=PERIODS_KEPT)
+
+    def news(self, now_ns: int) -> None:
+        if now_ns - self.last_news_ns > TAIL_S * 1e9 and now_ns - self.burst_ns >= MIN_PERIOD_S * 1e9:
+            if self.burst_ns > 0:  # not the first news
+                self.intervals.append(now_ns - self.burst_ns)
+            self.burst_ns = now_ns
+        self.last_news_ns = now_ns
+
+    @property
+    def period_ns(self) -> int | None:
+        return sorted(self.intervals)[len(self.intervals) // 2] if len(self.intervals) >= 3 else None
+
+    def plan(self, now_ns: int) -> tuple[int, int, int]:
+        """(fine_from_ns, fine_until_ns, deadline_ns) for the next wait from `now_ns` (csrc/mask_wait.c)."""
+        fine_until = self.last_news_ns + int(TAIL_S * 1e9)
+        deadline = now_ns + int(NATIVE_TIMEOUT_S * 1e9)
+        period = self.period_ns
+        if period is None:
+            return deadline, fine_until, deadline
+        lead = int(LEAD_S * 1e9)
+        steps = max(1, -(-(now_ns - self.burst_ns - lead) // period))  # the first step due after now - lead
+        if steps > MISSED_STEPS:
+            self.intervals.clear()
+            return deadline, fine_until, deadline
+        due = self.burst_ns + steps * period
+        return due - lead, fine_until, min(deadline, due + lead)
 
 
 class MaskWatch:
@@ -94,14 +149,17 @@ class MaskWatch:
         self._thread: threading.Thread | None = None
         self._default_interval_s = sys.getswitchinterval()
         self._version = 0  # bumped when the watched set changes: the C wait's arrays are rebuilt
-        self._arrays: tuple | None = None  # (version, loops, response addresses, seqs) for the C wait
+        self._version_word = np.zeros(1, dtype=np.uint64)  # _version, where the C wait sees it
+        # (version, watched, response addresses, seqs, seen, ready) for the C wait
+        self._arrays: tuple | None = None
+        self.clock = StepClock()
 
     def watch(self, loop: MaskLoop, source: TokenSource | Peek) -> None:
         """Feed `loop` from `source` until the loop closes (the request ended)."""
         source = source if isinstance(source, TokenSource) else TokenSource(source)
         with self._lock:
             self._loops[id(loop)] = (loop, source)
-            self._version += 1
+            self._bump_locked()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="grammar-watch", daemon=True)
                 self._thread.start()
@@ -120,15 +178,19 @@ class MaskWatch:
                 self._wake.clear()
                 sys.setswitchinterval(self.switch_interval_s)
                 continue
-            news = self._wait_native(wait) if wait is not None else None
-            if news is None:
+            ready = self._wait_native(wait) if wait is not None else None
+            if ready is None:  # no C wait for these sources: a Python scan of all of them now and then
                 time.sleep(self.period_s)
-            if not self.scan() and news:  # news no loop could take (a slot past its buffer): no busy loop
+                self.scan()
+                continue
+            self._sweep()
+            if ready and not self._feed(ready):  # news no loop could take (a slot past its buffer): no busy loop
                 time.sleep(self.period_s)
 
-    def _wait_native(self, wait) -> bool | None:
-        """Until a watched response has news (True) or NATIVE_TIMEOUT_S passed (False), in C; None where a
-        source has no response to watch (then the caller polls)."""
+    def _wait_native(self, wait) -> list[int] | None:
+        """The watched requests whose responses have news (indices into the C wait's arrays), once some have
+        ([] after a while with none, or when the watched set changed), waiting in C; None where a source has
+        no response to watch (then the caller polls)."""
         if self._arrays is None or self._arrays[0] != self._version:
             with self._lock:
                 watched = list(self._loops.values())
@@ -137,36 +199,66 @@ class MaskWatch:
                 return None
             addresses = np.array([source.response.ctypes.data for _, source in watched], dtype=np.uintp)
             seqs = np.array([source.seq for _, source in watched], dtype=np.uint64)
-            self._arrays = (version, [loop for loop, _ in watched], addresses, seqs)
-        _, loops, addresses, seqs = self._arrays
-        seen = np.fromiter((loop.num_seen for loop in loops), dtype=np.uint32, count=len(loops))
-        return wait(addresses.ctypes.data, seqs.ctypes.data, seen.ctypes.data, len(loops), R.RESP_PRODUCED,
-                    int(NATIVE_PERIOD_S * 1e9), int(NATIVE_TIMEOUT_S * 1e9)) >= 0
+            seen = np.array([loop.num_seen for loop, _ in watched], dtype=np.uint32)
+            self._arrays = (version, watched, addresses, seqs, seen, np.zeros(len(watched), dtype=np.int32))
+        version, watched, addresses, seqs, seen, ready = self._arrays
+        fine_from, fine_until, deadline = self.clock.plan(time.monotonic_ns())
+        count = wait(addresses.ctypes.data, seqs.ctypes.data, seen.ctypes.data, len(watched), R.RESP_PRODUCED,
+                     ready.ctypes.data, self._version_word.ctypes.data, version, fine_from, fine_until,
+                     int(FINE_NAP_S * 1e9), int(COARSE_NAP_S * 1e9), deadline)
+        if count <= 0:
+            return []
+        self.clock.news(time.monotonic_ns())
+        return ready[:count].tolist()
 
-    def scan(self) -> int:
-        """One pass over the watched loops: their new tokens to each; closed ones dropped. Returns how many
-        loops got tokens."""
-        num_fed = 0
-        for key, (loop, source) in list(self._loops.items()):
+    def _feed(self, ready: list[int]) -> int:
+        """`scan` of the C wait's ready requests (indices into its arrays), then what their loops have seen
+        into its `seen`, so that tokens handed over are no news any more."""
+        watched, seen = self._arrays[1], self._arrays[4]
+        num_fed = self.scan([watched[i] for i in ready])
+        for i in ready:
+            seen[i] = watched[i][0].num_seen
+        return num_fed
+
+    def scan(self, watched: list[tuple[MaskLoop, TokenSource]] | None = None) -> int:
+        """The new tokens of the `watched` requests (all of them by default) to their mask loops, queued on the
+        pool, or, for at most INLINE_MAX_READY of them whose steps proved fast, stepped here (no pool hop);
+        closed ones dropped. Returns how many loops got tokens."""
+        news = []
+        for loop, source in list(self._loops.values()) if watched is None else watched:
             if loop.closed:
-                self._drop(key)
+                self._drop(id(loop))
                 continue
             start = loop.num_seen
             try:
                 tokens = source.peek(start)  # None: the engine has not taken the request yet
             except Exception:  # the ring is gone (shutdown): the poller ends the request
                 log.debug("mask watch: a ring read failed", exc_info=True)
-                self._drop(key)
+                self._drop(id(loop))
                 continue
             if tokens:
-                loop.advance(tokens, start)
-                num_fed += 1
-        return num_fed
+                news.append((loop, tokens, start))
+        inline = len(news) <= INLINE_MAX_READY
+        for loop, tokens, start in news:
+            mine = loop.take_inline(tokens, start, inline)
+            if mine:
+                loop.step(mine)
+        return len(news)
+
+    def _sweep(self) -> None:
+        """Closed loops out of the watched set (one look at each: cheap next to a wake)."""
+        closed = [key for key, (loop, _) in self._loops.items() if loop.closed]
+        for key in closed:
+            self._drop(key)
 
     def _drop(self, key: int) -> None:
         with self._lock:
-            self._loops.pop(key, None)
-            self._version += 1
+            if self._loops.pop(key, None) is not None:
+                self._bump_locked()
+
+    def _bump_locked(self) -> None:
+        self._version += 1
+        self._version_word[0] = self._version  # ends a C wait on the old set at its next look
 
 
 _watch: MaskWatch | None = None

@@ -67,16 +67,17 @@ def test_peek_reads_the_tokens_without_consuming_them_and_checks_the_seq(ring_pa
 
 
 def test_masks_follow_the_tokens_while_the_event_loop_is_blocked(grammars, byte_tokenizer):
-    """The watcher reads the tokens, the pool computes and writes each mask and starts the next step: the event
-    loop, blocked throughout, is on none of it. The poller handing over the same tokens adds nothing."""
+    """The watcher reads the tokens, the pool computes and writes each mask and starts the next step, and once
+    the request's steps proved fast the watcher computes them itself: the event loop, blocked throughout, is on
+    none of it. The poller handing over the same tokens adds nothing."""
     compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
     ids = byte_tokenizer.encode("hello world").ids
     watch, generated = MaskWatch(period_s=0.0002), []
 
     async def run():
-        put, errors, threads = [], [], set()
+        put, errors, threads = [], [], []
         def put_mask(index, words):
-            threads.add(threading.current_thread().name)
+            threads.append(threading.current_thread().name)
             put.append(index)
         loop = MaskLoop(grammars, compiled, put_mask, errors.append, put_from_pool=True)
         watch.watch(loop, lambda start: generated[start:])
@@ -84,7 +85,9 @@ def test_masks_follow_the_tokens_while_the_event_loop_is_blocked(grammars, byte_
             generated.append(token)
             assert until(lambda: len(put) == n + 1), f"no mask for token {n} while the event loop was blocked"
         assert put == list(range(1, len(ids) + 1)) and not errors
-        assert all(name.startswith("grammar-mask") for name in threads)
+        first = ML.INLINE_AFTER_STEPS + 1  # the first mask is the spec's; then the pool's until proved fast
+        assert all(name.startswith("grammar-mask") for name in threads[:first - 1]), threads
+        assert threads[first - 1:] == ["grammar-watch"] * (len(ids) - first + 1), threads
         loop.advance(list(ids), 0)  # the poller's copy of the same tokens
         loop.advance(list(ids[1:]), 1)
         loop.advance([], len(ids))
@@ -175,11 +178,11 @@ def test_the_native_wait_feeds_masks_from_a_real_ring_and_never_spins_on_a_stale
     ids = byte_tokenizer.encode("hello world").ids
 
     class CountingWatch(MaskWatch):
-        scans = 0
+        wakes = 0  # returns from the C wait to Python
 
-        def scan(self):
-            CountingWatch.scans += 1
-            return super().scan()
+        def _wait_native(self, wait):
+            CountingWatch.wakes += 1
+            return super()._wait_native(wait)
     watch = CountingWatch()
 
     async def run():
@@ -191,7 +194,8 @@ def test_the_native_wait_feeds_masks_from_a_real_ring_and_never_spins_on_a_stale
         watch.watch(loop, TokenSource(lambda start: producer.peek_tokens(slot, seq, start),
                                       producer.response_view(slot), seq))
         time.sleep(0.3)  # not taken yet: the stale produced = 3 is not this request's
-        assert not put and CountingWatch.scans < 600, CountingWatch.scans  # about one per 1 ms wait, not a spin
+        # Python wakes once per NATIVE_TIMEOUT_S (50 ms), not per look at the ring
+        assert not put and CountingWatch.wakes < 30, CountingWatch.wakes
         consumer.take_new()
         for n, token in enumerate(ids):
             consumer.publish(slot, [token])
@@ -200,4 +204,61 @@ def test_the_native_wait_feeds_masks_from_a_real_ring_and_never_spins_on_a_stale
         loop.close()
         consumer.finish(slot, FinishReason.STOP)
         assert until(lambda: watch.num_watched == 0)
+    asyncio.run(run())
+
+
+def test_the_step_clock_naps_finely_only_where_tokens_are_due():
+    """News every 7 ms (an engine's steps): after two intervals the wait naps coarsely until LEAD_S before the
+    next step is due and finely from there to LEAD_S after it; a step with no news moves the window one period
+    on; many such and the period is forgotten (coarse naps until news)."""
+    from gateway.structured import mask_watch as MW
+
+    clock, ms = MW.StepClock(), 1_000_000
+    t0 = 1_000 * ms
+    assert clock.plan(t0)[0] == clock.plan(t0)[2]  # nothing known: no fine window before the deadline
+    for k in (0, 1, 2, 4):  # step 3 had no news (an interval of two steps)
+        clock.news(t0 + 7 * ms * k)
+        clock.news(t0 + 7 * ms * k + ms // 10)  # the same step's other tokens: one burst
+    clock.news(t0 + 35 * ms - ms // 2)  # seen early (the last burst was seen late)
+    clock.news(t0 + 35 * ms + ms // 10)
+    assert clock.period_ns == 7 * ms  # the median: neither 6.5 nor 14
+    clock.news(t0 + 42 * ms)
+    last = t0 + 42 * ms
+    fine_from, fine_until, deadline = clock.plan(last + 2 * ms)
+    lead = int(MW.LEAD_S * 1e9)
+    assert fine_until == last + int(MW.TAIL_S * 1e9)
+    assert (fine_from, deadline) == (last + 7 * ms - lead, last + 7 * ms + lead)
+    assert clock.plan(last + 7 * ms + lead + 1)[0] == last + 14 * ms - lead  # a step without news: the next one
+    far = clock.plan(last + 7 * ms * (MW.MISSED_STEPS + 1))
+    assert far[0] == far[2] and clock.period_ns is None
+
+
+def test_the_watcher_steps_a_lone_proved_request_itself_and_leaves_several_to_the_pool(grammars, byte_tokenizer):
+    """Scans by hand (the watcher's thread sleeps): a request runs its first INLINE_AFTER_STEPS steps on the pool;
+    after that, news for it alone is stepped on the scanning thread, while news for several at once goes to the
+    pool's threads (one thread would serialize their masks)."""
+    compiled = grammars.compile_sync(Constraint("regex", "[a-z ]+", "r"))
+    ids = byte_tokenizer.encode("hello world and again and again").ids
+    assert len(ids) >= 2 * ML.INLINE_AFTER_STEPS + 2
+    watch = MaskWatch(period_s=60.0, native=False)
+
+    async def run():
+        tokens, puts = ([], []), ([], [])
+        loops = [MaskLoop(grammars, compiled, lambda i, w, k=k: puts[k].append(threading.current_thread().name),
+                          pytest.fail, put_from_pool=True) for k in (0, 1)]
+        for k in (0, 1):
+            watch.watch(loops[k], lambda start, k=k: tokens[k][start:])
+        for n in range(ML.INLINE_AFTER_STEPS + 1):  # one request's news at a time
+            tokens[0].append(ids[n])
+            assert watch.scan() == 1 and until(lambda: len(puts[0]) == n + 1)
+        assert all(name.startswith("grammar-mask") for name in puts[0][:-1]), puts[0]
+        assert puts[0][-1] == threading.current_thread().name  # proved fast: stepped by the scan itself
+        first = ML.INLINE_AFTER_STEPS + 1
+        for n in range(first):  # both requests' news in each scan
+            tokens[0].append(ids[first + n])
+            tokens[1].append(ids[n])
+            assert watch.scan() == 2 and until(lambda: len(puts[0]) == first + n + 1 and len(puts[1]) == n + 1)
+        assert all(name.startswith("grammar-mask") for name in puts[0][first:] + puts[1]), puts
+        for loop in loops:
+            loop.close()
     asyncio.run(run())
