@@ -4,10 +4,15 @@ dependent launch (PDL). Needs Triton (>= 3.4: `launch_pdl`, `tl.extra.cuda.gdc_*
 One hidden state h ([4096] bf16, gpu) goes through `num_links` kernels, alternating a row RMSNorm (h -> xn) and
 a GEMV of a [1024, 4096] weight of its own (xn -> one quarter of h, the quarters in turn), so each kernel reads
 the previous one's output and every GEMV streams 8 MiB that no other link reads (no L2 reuse, as in a step).
-The variants launch the same arithmetic three ways:
+The variants launch the same arithmetic four ways:
   plain       ordinary launches;
   wait        `launch_pdl=True` and `gdc_wait()` before the kernel's first load;
-  wait_early  that, and `gdc_launch_dependents()` after the kernel's loads (the next kernel may start early).
+  wait_early  that, and `gdc_launch_dependents()` after the kernel's loads (the next kernel may start early);
+  prefetch    wait_early with each kernel's first weight tile loaded before its `gdc_wait()` (weights are
+              never written, so only the activations need the predecessor): whether a GEMV's weight stream
+              can start under the previous kernel's tail.
+Every variant runs the same instructions in the same order apart from the gdc ones and where that first load
+sits, so their outputs must agree bit for bit.
 """
 from __future__ import annotations
 
@@ -16,21 +21,25 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-VARIANTS = ("plain", "wait", "wait_early")
-# variant -> (launch_pdl, WAIT, EARLY)
-_LAUNCH = {"plain": (False, False, False), "wait": (True, True, False), "wait_early": (True, True, True)}
+VARIANTS = ("plain", "wait", "wait_early", "prefetch")
+# variant -> (launch_pdl, WAIT, EARLY, PREFETCH)
+_LAUNCH = {"plain": (False, False, False, False), "wait": (True, True, False, False),
+           "wait_early": (True, True, True, False), "prefetch": (True, True, True, True)}
 HIDDEN, GEMV_ROWS = 4096, 1024
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 8, 512, 4  # kernels/gemv.py's DEFAULT_CONFIG
 NORM_WARPS = 8
 
 
 @triton.jit
-def _norm_kernel(h_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, WAIT: tl.constexpr, EARLY: tl.constexpr):
-    if WAIT:
-        gdc_wait()
+def _norm_kernel(h_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, WAIT: tl.constexpr, EARLY: tl.constexpr,
+                 PREFETCH: tl.constexpr):
     cols = tl.arange(0, N)
-    x = tl.load(h_ptr + cols).to(tl.float32)
+    if WAIT and not PREFETCH:
+        gdc_wait()
     w = tl.load(w_ptr + cols).to(tl.float32)
+    if WAIT and PREFETCH:
+        gdc_wait()
+    x = tl.load(h_ptr + cols).to(tl.float32)
     if EARLY:
         gdc_launch_dependents()
     r = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
@@ -39,13 +48,18 @@ def _norm_kernel(h_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, WAIT: tl.constexpr
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 WAIT: tl.constexpr, EARLY: tl.constexpr):
-    if WAIT:
-        gdc_wait()
+                 WAIT: tl.constexpr, EARLY: tl.constexpr, PREFETCH: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ptr = w_ptr + rows.to(tl.int64)[:, None] * K
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    cols = tl.arange(0, BLOCK_K)
+    if WAIT and not PREFETCH:
+        gdc_wait()
+    w = tl.load(row_ptr + cols[None, :])  # the first tile, peeled in every variant: the same sums in each
+    if WAIT and PREFETCH:
+        gdc_wait()
+    x = tl.load(x_ptr + cols)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(row_ptr + cols[None, :])
         x = tl.load(x_ptr + cols)
@@ -58,17 +72,18 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 def norm(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, variant: str, eps: float = 1e-5) -> None:
     """out = rmsnorm(h) * weight; all [HIDDEN] bf16, contiguous."""
-    pdl, wait, early = _LAUNCH[variant]
-    _norm_kernel[(1,)](h, weight, out, eps, N=h.numel(), WAIT=wait, EARLY=early, num_warps=NORM_WARPS,
-                       launch_pdl=pdl)
+    pdl, wait, early, prefetch = _LAUNCH[variant]
+    _norm_kernel[(1,)](h, weight, out, eps, N=h.numel(), WAIT=wait, EARLY=early, PREFETCH=prefetch,
+                       num_warps=NORM_WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, variant: str) -> None:
     """out = weight @ x; x [K], weight [N, K], out [N], bf16, contiguous (N a multiple of GEMV_BLOCK_N)."""
-    pdl, wait, early = _LAUNCH[variant]
+    pdl, wait, early, prefetch = _LAUNCH[variant]
     n, k = weight.shape
     _gemv_kernel[(n // GEMV_BLOCK_N,)](x, weight, out, K=k, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K,
-                                       WAIT=wait, EARLY=early, num_warps=GEMV_WARPS, launch_pdl=pdl)
+                                       WAIT=wait, EARLY=early, PREFETCH=prefetch, num_warps=GEMV_WARPS,
+                                       launch_pdl=pdl)
 
 
 class Chain:

@@ -4,9 +4,10 @@
     python bench/pdl_probe.py [--links 300] [--reps 100] [--rounds 3] [--out bench/results]
 
 A chain of `--links` kernels shaped like a batch-1 decode step's (bench/pdl_kernels.py: RMSNorm over 4096 bf16
-and a GEMV of [1024, 4096], alternating, each reading the previous one's output) in three variants: plain
-launches, `launch_pdl=True` with `gdc_wait()` first, and that plus `gdc_launch_dependents()` after the loads.
-The three must give the same output bit for bit (checked after one replay of each graph from the same state).
+and a GEMV of [1024, 4096], alternating, each reading the previous one's output) in four variants: plain
+launches, `launch_pdl=True` with `gdc_wait()` first, that plus `gdc_launch_dependents()` after the loads, and
+that with each kernel's first weight tile loaded before its wait. They must give the same output bit for bit
+(checked after one replay of each graph from the same state).
 Each variant is captured into a torch CUDA graph and timed (CUDA events, GPU time per chain) four ways:
   torch           `CUDAGraph.replay()` from the host (what host mode does);
   child           the graph as a child node of a plainly instantiated graph, host-launched (bench/pdl_probe.cu);
@@ -41,7 +42,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from blink.bench.results import commit  # noqa: E402
 
-VARIANTS = ("plain", "wait", "wait_early")  # bench/pdl_kernels.py's, repeated here: importing it needs Triton
+# bench/pdl_kernels.py's, repeated here: importing that needs Triton (a test checks that they agree)
+VARIANTS = ("plain", "wait", "wait_early", "prefetch")
 MECHANISMS = {"torch": None, "child": 0, "devlaunch": 1, "relaunch": 2}  # name -> blink_pdl_time's mode
 REFERENCE_TOLERANCE = 0.1  # |h| ~ 1-4 in bf16 (2^-8 relative): a wrong kernel is off by far more
 STEPS = {3: "building the graph", 4: "instantiate/upload/launch", 5: "device relaunch stopped short"}
@@ -115,7 +117,8 @@ def _lib() -> ctypes.CDLL:
     header = ROOT / "kernels" / "csrc" / "include" / "blink_graph_measure.cuh"
     lib = ctypes.CDLL(str(cached_build("pdl_probe", (source, header), library_argv(source, "bench/pdl_probe.py"))))
     u32, p = ctypes.c_uint32, ctypes.c_void_p
-    lib.blink_pdl_time.argtypes, lib.blink_pdl_time.restype = [p, u32, u32, u32, ctypes.POINTER(ctypes.c_double)], ctypes.c_int
+    lib.blink_pdl_time.argtypes = [p, u32, u32, u32, ctypes.POINTER(ctypes.c_double)]
+    lib.blink_pdl_time.restype = ctypes.c_int
     lib.blink_pdl_edges.argtypes, lib.blink_pdl_edges.restype = [p, p, p], ctypes.c_int
     lib.blink_pdl_error_name.argtypes, lib.blink_pdl_error_name.restype = [ctypes.c_int], ctypes.c_char_p
     return lib
@@ -200,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "pdl_probe", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__, "cuda_runtime": torch.version.cuda,
               "links": args.links, "reps": args.reps, "rounds": args.rounds, "same_output": same,
-              "reference_max_abs_err": ref_err, "edges": {v: {"plain": p, "programmatic": q} for v, (p, q) in edges.items()},
+              "reference_max_abs_err": ref_err,
+              "edges": {v: {"plain": p, "programmatic": q} for v, (p, q) in edges.items()},
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
     out = Path(os.environ.get("OUT") or args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """bench/pdl_probe.py's arithmetic and table on made-up timings (no GPU, no Triton): which rows it runs, us per
 kernel against the plain chain run the same way, and refused instantiations kept as rows."""
+import ast
 import sys
 from pathlib import Path
 
@@ -20,9 +21,9 @@ def test_arguments_default_to_a_300_kernel_chain_and_refuse_an_odd_one(capsys):
 
 def test_rows_flatten_edges_only_where_there_are_edges_to_flatten():
     keys = pdl_probe.row_keys()
-    assert len(keys) == len(set(keys)) == 4 + 2 * (4 + 3)
+    assert len(keys) == len(set(keys)) == 4 + 3 * (4 + 3)
     assert not any(flat for variant, mech, flat in keys if variant == "plain" or mech == "torch")
-    assert ("wait_early", "relaunch", True) in keys
+    assert ("prefetch", "relaunch", True) in keys
 
 
 def test_us_per_kernel_is_the_median_chain_over_links_and_compared_within_a_mechanism():
@@ -51,3 +52,12 @@ def test_error_codes_name_the_step_and_the_cuda_error():
     assert pdl_probe.describe_error(4001, "cudaErrorInvalidValue") == \
         "step 4 (instantiate/upload/launch): cudaErrorInvalidValue (1)"
     assert pdl_probe.describe_error(5000, "cudaSuccess") == "step 5 (device relaunch stopped short)"
+
+
+
+def test_the_variants_are_the_kernels_module_s():
+    """Read from bench/pdl_kernels.py's source: importing it needs Triton, which the CPU tests do without."""
+    source = (Path(pdl_probe.__file__).parent / "pdl_kernels.py").read_text()
+    assigned = next(node for node in ast.parse(source).body if isinstance(node, ast.Assign)
+                    and getattr(node.targets[0], "id", None) == "VARIANTS")
+    assert ast.literal_eval(assigned.value) == pdl_probe.VARIANTS
