@@ -82,6 +82,13 @@ int blink_pdl_time(void* child, uint32_t iterations, uint32_t mode, uint32_t pla
   return relaunched && left_after != 0 ? 1000 * 5 : 0;
 }
 
+// The driver's and this library's runtime's CUDA versions (1000 * major + 10 * minor); 0 or a CUDA error code.
+int blink_pdl_versions(int* driver_out, int* runtime_out) {
+  TRY(cudaDriverGetVersion(driver_out), 0);
+  TRY(cudaRuntimeGetVersion(runtime_out), 0);
+  return 0;
+}
+
 // cudaGetErrorName of a code from the functions above (the part below 1000)
 const char* blink_pdl_error_name(int code) { return cudaGetErrorName((cudaError_t)(code % 1000)); }
 

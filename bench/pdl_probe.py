@@ -15,9 +15,9 @@ Each variant is captured into a torch CUDA graph and timed (CUDA events, GPU tim
                   bucket graphs are), host-launched;
   relaunch        that plus a one-thread kernel after the child that tail-launches the graph again from the
                   device, `--reps` times (the persistent loop's mechanism without its work).
-The PDL variants are also run with their programmatic edges made plain (`plain_edges`): whether device launch
-accepts the edges, and what the kernels' gdc instructions cost without them. A refused instantiation is a row
-with its CUDA error, not a crash. The figure is us per kernel (chain time / links), the median over `--rounds`
+The PDL variants are also run with their programmatic edges made plain (`plain_edges`, column `flat`): whether
+device launch accepts the edges, and what the kernels' gdc instructions cost without them. A refused
+instantiation is a row with its CUDA error, not a crash. The figure is us per kernel (chain time / links), the median over `--rounds`
 rounds (the variants alternate within a round), beside the difference from the plain chain run the same way.
 Prints a table, writes a JSON file (commit, GPU, rows); exits 1 when the outputs differ or the kernels miss
 the float32 reference.
@@ -120,6 +120,7 @@ def _lib() -> ctypes.CDLL:
     lib.blink_pdl_time.argtypes = [p, u32, u32, u32, ctypes.POINTER(ctypes.c_double)]
     lib.blink_pdl_time.restype = ctypes.c_int
     lib.blink_pdl_edges.argtypes, lib.blink_pdl_edges.restype = [p, p, p], ctypes.c_int
+    lib.blink_pdl_versions.argtypes, lib.blink_pdl_versions.restype = [p, p], ctypes.c_int
     lib.blink_pdl_error_name.argtypes, lib.blink_pdl_error_name.restype = [ctypes.c_int], ctypes.c_char_p
     return lib
 
@@ -154,10 +155,25 @@ def _replay_ns(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     return 1e6 * a.elapsed_time(b) / reps
 
 
+def _versions() -> dict[str, int]:
+    driver, runtime = ctypes.c_int(), ctypes.c_int()
+    code = _lib().blink_pdl_versions(ctypes.byref(driver), ctypes.byref(runtime))
+    return {"cuda_driver": driver.value, "cuda_runtime_probe": runtime.value} if code == 0 else {}
+
+
+def measurement_order(keys: list[tuple[str, str, bool]], rounds: int) -> list[tuple[str, str, bool]]:
+    """Every key `rounds` times: mechanism by mechanism (a device launch that breaks the context then loses
+    only the rows after it), the variants alternating within each round (clock drift spreads over all)."""
+    return [k for mech in MECHANISMS for _ in range(rounds) for k in keys if k[1] == mech]
+
+
 def _measure(graph: torch.cuda.CUDAGraph, mech: str, plain_edges: bool, reps: int) -> float | str:
     """Chain time in ns, or the error in words."""
     if MECHANISMS[mech] is None:
-        return _replay_ns(graph, reps)
+        try:
+            return _replay_ns(graph, reps)
+        except RuntimeError as e:  # a broken context after an earlier row: recorded, the rows so far kept
+            return f"torch replay: {e}".splitlines()[0]
     torch.cuda.synchronize()
     ns = ctypes.c_double()
     code = _lib().blink_pdl_time(graph.raw_cuda_graph(), reps, MECHANISMS[mech], int(plain_edges), ctypes.byref(ns))
@@ -181,13 +197,23 @@ def _same_output(chain, graphs: dict) -> tuple[bool, float]:
     return same, err
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import triton
-
+def _chain(num_links: int):
     from pdl_kernels import Chain  # needs Triton
 
-    chain = Chain(args.links)
+    return Chain(num_links)
+
+
+def _environment() -> dict:
+    """What the figures depend on: GPU, torch, Triton, CUDA driver and runtimes."""
+    import triton
+
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "cuda_runtime": torch.version.cuda, **_versions()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    chain = _chain(args.links)
     graphs = {v: _capture(chain, v) for v in VARIANTS}
     edges = {v: _edges(g) for v, g in graphs.items()}
     same, ref_err = _same_output(chain, graphs)
@@ -195,13 +221,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{ref_err:.3g}; edges (plain/programmatic): {edges}", flush=True)
     keys = row_keys()
     samples: dict[tuple[str, str, bool], list[float | str]] = {k: [] for k in keys}
-    for _ in range(args.rounds):
-        for key in keys:  # the variants alternate within a round: clock drift spreads over all of them
-            samples[key].append(_measure(graphs[key[0]], key[1], key[2], args.reps))
+    for key in measurement_order(keys, args.rounds):
+        samples[key].append(_measure(graphs[key[0]], key[1], key[2], args.reps))
     rows = summarize(samples, args.links)
     print(format_table(rows, edges), flush=True)
-    result = {"bench": "pdl_probe", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "triton": triton.__version__, "cuda_runtime": torch.version.cuda,
+    result = {"bench": "pdl_probe", "commit": commit(short=True) or "unknown", **_environment(),
               "links": args.links, "reps": args.reps, "rounds": args.rounds, "same_output": same,
               "reference_max_abs_err": ref_err,
               "edges": {v: {"plain": p, "programmatic": q} for v, (p, q) in edges.items()},
@@ -212,7 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return 0 if same and ref_err < REFERENCE_TOLERANCE else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
