@@ -17,10 +17,14 @@ Each variant is captured into a torch CUDA graph and timed (CUDA events, GPU tim
                   device, `--reps` times (the persistent loop's mechanism without its work).
 The PDL variants are also run with their programmatic edges made plain (`plain_edges`, column `flat`): whether
 device launch accepts the edges, and what the kernels' gdc instructions cost without them. A refused
-instantiation is a row with its CUDA error, not a crash. The figure is us per kernel (chain time / links), the median over `--rounds`
-rounds (the variants alternate within a round), beside the difference from the plain chain run the same way.
-Prints a table, writes a JSON file (commit, GPU, rows); exits 1 when the outputs differ or the kernels miss
-the float32 reference.
+instantiation is a row with its CUDA error, not a crash. The figure is us per kernel (chain time / links), the
+median over `--rounds` rounds (the variants alternate within a round), beside the difference from the plain
+chain run the same way. Prints a table, writes a JSON file (commit, GPU, rows); exits 1 when the outputs differ
+or the kernels miss the float32 reference.
+
+    python bench/pdl_probe.py --compile-check    # no GPU: each kernel of each variant compiled for sm_90
+                                                 # (kernels/compile_check.py's stand-in driver), with its
+                                                 # registers, spills and where the gdc instructions sit
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=100, help="chains timed per measurement")
     ap.add_argument("--rounds", type=int, default=3, help="measurements per row (median reported)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--compile-check", action="store_true", help="compile the kernels for sm_90 only (no GPU)")
     args = ap.parse_args(argv)
     if args.links < 2 or args.links % 2:
         ap.error(f"--links must be an even number >= 2, got {args.links}")
@@ -211,8 +216,44 @@ def _environment() -> dict:
             "cuda_runtime": torch.version.cuda, **_versions()}
 
 
+def compile_check() -> int:
+    """Each variant's kernels compiled for sm_90 with no GPU; prints registers, spills and the order of the gdc
+    instructions among the global loads and stores (PTX). Returns 1 when a kernel spills."""
+    import re
+
+    import triton
+    from triton.compiler import ASTSource
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from kernels import compile_check as cc
+    from pdl_kernels import Chain
+
+    spilled = []
+
+    def compile_only(self, key, signature, device, constexprs, options, attrs, warmup):
+        compiled = triton.compile(ASTSource(self, signature, constexprs, attrs), target=cc.TARGET,
+                                  options=options.__dict__)
+        regs, spills = cc._ptxas_usage(compiled.asm["ptx"])
+        ops = re.findall(r"griddepcontrol\.\w+|ld\.global|st\.global", compiled.asm["ptx"])
+        order = [op for i, op in enumerate(ops) if i == 0 or op != ops[i - 1]]
+        print(f"  {self.__name__:<13} launch_pdl={int(compiled.metadata.launch_pdl)} regs={regs:<4} "
+              f"spill={spills:<3} {' > '.join(order)}")
+        spilled.append(spills)
+
+    driver.set_active(cc._Sm90Driver())
+    JITFunction._do_compile = compile_only
+    chain = Chain(2, device="cpu")
+    for variant in VARIANTS:
+        print(variant)
+        chain.run(variant)
+    return 1 if any(spilled) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compile_check:
+        return compile_check()
     chain = _chain(args.links)
     graphs = {v: _capture(chain, v) for v in VARIANTS}
     edges = {v: _edges(g) for v, g in graphs.items()}
