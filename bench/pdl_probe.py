@@ -174,12 +174,12 @@ def measurement_order(keys: list[tuple[str, str, bool]], rounds: int) -> list[tu
 
 def _measure(graph: torch.cuda.CUDAGraph, mech: str, plain_edges: bool, reps: int) -> float | str:
     """Chain time in ns, or the error in words."""
-    if MECHANISMS[mech] is None:
-        try:
+    try:
+        if MECHANISMS[mech] is None:
             return _replay_ns(graph, reps)
-        except RuntimeError as e:  # a broken context after an earlier row: recorded, the rows so far kept
-            return f"torch replay: {e}".splitlines()[0]
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    except RuntimeError as e:  # a context broken by an earlier row: recorded, the rows so far kept
+        return f"torch: {e}".splitlines()[0]
     ns = ctypes.c_double()
     code = _lib().blink_pdl_time(graph.raw_cuda_graph(), reps, MECHANISMS[mech], int(plain_edges), ctypes.byref(ns))
     return describe_error(code, _lib().blink_pdl_error_name(code).decode()) if code else ns.value
