@@ -23,8 +23,8 @@ Config = tuple[int, int, int, int, int, int, bool]
 
 
 @triton.jit
-def _w8_nk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, m, n, k, x_stride, w_stride, out_stride,
-                  K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+def _w8_nk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, m, n, k, x_stride, w_stride, out_stride, K_PER_SPLIT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                   SWAP: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

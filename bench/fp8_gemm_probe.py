@@ -200,7 +200,8 @@ def _variants(m: int) -> list[tuple[str, str, object]]:
 
 
 def _reference(variant: str, x, w32):
-    """float32 x @ w32^T (w32 = q * scale[:, None], float32); for w8a8, x as its per-token FP8 values times their scales."""
+    """float32 x @ w32^T (w32 = q * scale[:, None], float32); for w8a8, x as its per-token FP8 values times
+    their scales."""
     from kernels.fp8_quant import quantize_tokens
 
     if variant == "w8a8":
@@ -275,7 +276,8 @@ def compile_check(ms: list[int]) -> int:
                                   options=options.__dict__)
         regs, spills = cc._ptxas_usage(compiled.asm["ptx"])
         shared = compiled.metadata.shared
-        mma = "wgmma" if "wgmma.mma_async" in compiled.asm["ptx"] else "mma.sync" if "mma.sync" in compiled.asm["ptx"] else "-"
+        ptx = compiled.asm["ptx"]
+        mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "-"
         print(f"  {self.__name__:<18} w{options.num_warps} s{options.num_stages} {shown:<60} regs={regs:<4} "
               f"spill={spills:<4} shared={shared / 1024:6.1f} KB {mma}")
         if spills or shared > SHARED_LIMIT_BYTES:
