@@ -100,3 +100,27 @@ def test_main_writes_the_json_and_fails_when_a_variant_misses(tmp_path, monkeypa
     monkeypatch.setattr(probe, "measure_shape", lambda shape, ms: [r for r in _rows()[:3] if r["shape"] == shape])
     assert probe.main(["--out", str(tmp_path), "--shapes", "gate_up"]) == 0
     assert "best gate_up" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("m", [3, 40, 130])
+def test_every_candidate_kernel_matches_the_dequantized_weight_in_triton_s_interpreter(m, monkeypatch):
+    """bench/fp8_gemm_kernels.py on the CPU through Triton's interpreter (needs Triton; fp16 activations, as the
+    interpreter mishandles bf16): each tile, swap and split-K of m's tier against float32 x @ (q * scale)^T."""
+    import importlib
+
+    from gpu_backend.models.fp8 import quantize_weight
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")     # read when Triton and the kernels load: import afresh
+    pytest.importorskip("triton")
+    sys.modules.pop("fp8_gemm_kernels", None)
+    kernels = importlib.import_module("fp8_gemm_kernels")
+    gen = torch.Generator().manual_seed(m)
+    n, k = 256, 512
+    fw = quantize_weight(torch.randn(n, k, generator=gen) * k ** -0.5, fp8_activations=False)
+    x = torch.randn(m, k, generator=gen).to(torch.float16)
+    ref = x.float() @ fw.dequantize().t()
+    for cfg in probe.candidates_for(m):
+        out = kernels.w8_nk_mm(x, fw.q, fw.scale, cfg)
+        assert out.shape == (m, n) and out.dtype == x.dtype
+        assert probe.tolerance_ratio(out, ref)[1] < 0.5, probe.config_name(cfg)
+    sys.modules.pop("fp8_gemm_kernels", None)
