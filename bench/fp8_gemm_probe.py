@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -43,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from blink.bench.results import commit  # noqa: E402
+from blink.bench.results import bench_out, commit, write_summary  # noqa: E402
 
 SHAPES = {"o": (4096, 4096), "gate_up": (28672, 4096)}  # name -> (N, K), Llama-3-8B
 M_VALUES = (1, 8, 16, 32, 64, 128, 256, 512)
@@ -307,10 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "fp8_gemm_probe", "commit": commit(short=True) or "unknown", **_environment(),
               "l2_defeat_bytes": L2_DEFEAT_BYTES, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "rows": rows, "best": best}
-    out = Path(os.environ.get("OUT") or args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"fp8_gemm_probe-{result['commit']}.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = write_summary(bench_out(args.out) / f"fp8_gemm_probe-{result['commit']}.json", result)
     print(f"wrote {path}")
     return 0 if all(r["ok"] for r in rows) else 1
 

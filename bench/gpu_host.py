@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from blink.bench.collectors import thread_run_ns, threads_cpu_s  # noqa: E402
-from blink.bench.results import commit  # noqa: E402
+from blink.bench.results import bench_out, commit, write_summary  # noqa: E402
 from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig  # noqa: E402
 from gpu_backend.engine.graph_variant import GraphVariant  # noqa: E402
 from gpu_backend.engine.loop import EngineConfig, EngineLoop  # noqa: E402
@@ -133,16 +133,9 @@ def allreduce_us(runner, batch_size: int, per_graph: int = 64, reps: int = 20) -
 
 
 def bare_replay_ms(runner: GpuRunner, batch: Batch, reps: int = 50) -> float:
-    graph = _Replay(runner, batch)
-    for _ in range(5):
-        graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
+    from kernels.device_check import replay_ms
+
+    return replay_ms(_Replay(runner, batch), reps, warmup=5)
 
 
 def replay_gap_us(runner: GpuRunner, batch: Batch, reps: int = 30) -> float:
@@ -421,12 +414,9 @@ def main() -> None:
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "kv_blocks": runner.num_blocks, "graphs": len(runner.graphs), "capture_s": runner.capture_s,
               "setup_s": setup_s, "copy_gbps": gbps, "rows": rows}
-    out = Path(os.environ.get("OUT") or args.out)
-    out.mkdir(parents=True, exist_ok=True)
     variant = "".join(f"-{v}" for v in (args.quantization and "fp8w", args.kv_cache_dtype != "auto" and "fp8kv",
                                         tp > 1 and f"tp{tp}") if v)
-    path = out / f"gpu_host-{result['commit']}{variant}.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = write_summary(bench_out(args.out) / f"gpu_host-{result['commit']}{variant}.json", result)
     print(f"wrote {path}")
     print("| batch | bare step ms | floor ms | GB/s | % copy | host step ms | host adds us | host CPU us/token "
           "| persistent step ms | persistent adds us | over device relaunch alone us | tokens seen -> next step us "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from blink.bench.results import commit  # noqa: E402
+from blink.bench.results import bench_out, commit, write_summary  # noqa: E402
 from gpu_backend.engine.gpu_runner import GpuRunner, GpuRunnerConfig  # noqa: E402
 from gpu_backend.models import load_model  # noqa: E402
 from gpu_host import bare_replay_ms, decode_batch, mechanism_replay_ms, persistent_engine  # noqa: E402
@@ -130,10 +129,7 @@ def main() -> None:
     result = {"bench": "loop_ab", "commit": commit(short=True) or "unknown", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "model": args.model, "env_b": args.env, "rounds": args.rounds,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
-    out = Path(os.environ.get("OUT") or args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"loop_ab-{name}-{result['commit']}.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = write_summary(bench_out(args.out) / f"loop_ab-{name}-{result['commit']}.json", result)
     print(f"wrote {path}")
 
 

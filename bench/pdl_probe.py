@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import json
-import os
 import statistics
 import sys
 import time
@@ -44,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from blink.bench.results import commit  # noqa: E402
+from blink.bench.results import bench_out, commit, write_summary  # noqa: E402
 
 # bench/pdl_kernels.py's, repeated here: importing that needs Triton (a test checks that they agree)
 VARIANTS = ("plain", "wait", "wait_early", "prefetch")
@@ -149,15 +147,9 @@ def _edges(graph: torch.cuda.CUDAGraph) -> tuple[int, int]:
 
 
 def _replay_ns(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    for _ in range(3):
-        graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return 1e6 * a.elapsed_time(b) / reps
+    from kernels.device_check import replay_ms
+
+    return 1e6 * replay_ms(graph, reps)
 
 
 def _versions() -> dict[str, int]:
@@ -271,10 +263,7 @@ def main(argv: list[str] | None = None) -> int:
               "reference_max_abs_err": ref_err,
               "edges": {v: {"plain": p, "programmatic": q} for v, (p, q) in edges.items()},
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
-    out = Path(os.environ.get("OUT") or args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pdl_probe-{result['commit']}.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = write_summary(bench_out(args.out) / f"pdl_probe-{result['commit']}.json", result)
     print(f"wrote {path}")
     return 0 if same and ref_err < REFERENCE_TOLERANCE else 1
 

@@ -31,6 +31,20 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 12825
 BF16 = 2
 
 
+def replay_ms(graph, reps: int, warmup: int = 3) -> float:
+    """Mean milliseconds per replay of an already captured graph (anything with `.replay()`), after `warmup`
+    replays, timed with CUDA events over `reps` back-to-back replays."""
+    for _ in range(warmup):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def time_us(fn, reps: int = REPS) -> float:
     """Mean microseconds per call of fn, replayed from a CUDA graph of `reps` calls."""
     side = torch.cuda.Stream()

@@ -80,6 +80,12 @@ def records_path(summary: str | Path) -> Path:
     return summary.with_name(summary.name.removesuffix(".json") + RECORDS_SUFFIX)
 
 
+def bench_out(default: str | Path) -> Path:
+    """The folder a benchmark writes into: $OUT when set (the device machine's folder that comes back), else
+    `default` (its --out)."""
+    return Path(os.environ.get("OUT") or default)
+
+
 def write_summary(path: str | Path, doc: dict, records: dict | None = None) -> Path:
     """Write `doc` at `path` and, when given, `records` (per-request lists) gzipped beside it; the summary
     names the records file and says how many entries each list had, so a reader knows what is left out."""
