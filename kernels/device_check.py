@@ -184,7 +184,7 @@ def main() -> None:
             bench_attention("mixed T=512 (2 chunks, 200 dec)", [1] * 200 + [256, 56],
                             [1000 + 5 * i for i in range(200)] + [1280, 56], 512, 256),
             bench_attention("prefill 1x2048", [2048], [2048], 2048, 1),
-            bench_qk_norm_rope(1), bench_qk_norm_rope(16), bench_routing(1), bench_routing(16),
+            bench_qk_norm_rope(1), bench_qk_norm_rope(16), bench_routing(1), bench_routing(4), bench_routing(16),
             bench_sampling(1), bench_sampling(64), bench_moe(1), bench_moe(8), bench_moe(64), bench_moe(256)]
     for run in runs:
         for name, us, moved, flops in run:

@@ -20,11 +20,13 @@ choice. Six launches (after the router GEMM), each with a grid fixed by the shap
 5. The same kernel over the down weights: h rows by pair -> y [P, hidden] f32, scaled by the pair's weight.
 6. `_combine_kernel`: each token's k rows of y summed in a fixed order, rounded once (deterministic: no
    atomics anywhere).
-A decode step (`route_in_one_launch`: up to 128 token-expert pairs, e.g. 16 tokens x 8) runs launches 1-3 as
-one program instead, `_route_decode_kernel`: the route of all its tokens as one [T, E] tile, the counting
+A decode step of up to 32 token-expert pairs (`route_decode_pays`, e.g. 4 tokens x 8; the kernel takes up to 128,
+`route_in_one_launch`) runs launches 1-3 as one program instead, `_route_decode_kernel`: the route of all its tokens as one [T, E] tile, the counting
 sort as [experts, pairs] tiles, then (after a block barrier) the same block-table code, writing bit for bit
 what the three launches write. It saves two launches per MoE layer, 96 a step of Qwen3-30B-A3B (whose eager
-batch-1 step spent 110 + 116 + 188 us in launches 1-3 on an H100); its GPU timing is not measured yet.
+batch-1 step spent 110 + 116 + 188 us in launches 1-3 on an H100). On an H100 (c7232c8, kernels/device_check.py)
+one launch takes 6.8 us at 1 token (three: 9.1) but 27.7 at 16 tokens (three: 16.7): its one program's sort
+grows with the pairs while the three launches spread them, so it is used up to 32 pairs (the crossing).
 
 Weights read: only the experts some token chose (programs of experts without pairs load nothing); each
 chosen expert's tiles are read once per BLOCK_M of its pairs. Rounding follows the plain torch op
@@ -47,6 +49,7 @@ _BLOCK_K = 64
 _ALIGN_BLOCK = 1024
 _COMBINE_BLOCK = 1024
 _DECODE_PAIRS = 128      # route_in_one_launch's bounds
+_DECODE_PAYS_PAIRS = 32  # route_decode_pays: where one program stops beating three launches (H100, measured)
 _DECODE_LOGITS = 4096
 _DECODE_SORT_TILE = 2048  # [experts, pairs] flags per step of the sort: 128 registers at 16 x 8 (4,096: 255)
 
@@ -264,13 +267,21 @@ def route_in_one_launch(num_tokens: int, top_k: int, num_experts: int) -> bool:
     return 0 < num_tokens and tokens_p * k_pad <= _DECODE_PAIRS and tokens_p * experts_p <= _DECODE_LOGITS
 
 
+def route_decode_pays(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether `fused_moe` routes a step of num_tokens in one launch: it can (`route_in_one_launch`) and the
+    padded pairs are few enough for one program to beat three launches (32: 6.8 vs 9.1 us at 8 pairs, 27.7 vs
+    16.7 at 128 on an H100)."""
+    return (route_in_one_launch(num_tokens, top_k, num_experts)
+            and next_pow2(max(num_tokens, 1)) * next_pow2(top_k) <= _DECODE_PAYS_PAIRS)
+
+
 def moe_route_decode(router_logits: torch.Tensor, top_k: int, renormalize: bool, bm: int,
                      max_blocks: int) -> tuple[torch.Tensor, ...]:
     """`moe_route`, `moe_align` and `moe_block_table` in one launch of one program, for a decode step
     (`route_in_one_launch`): router_logits [T, E] -> (weights [T, k] f32, ids [T, k] i32, sorted pairs [T*k],
     counts [E], offsets [E], block expert / start / end [max_blocks], all int32), bit for bit what the three
-    launches write. It saves two launches a MoE layer (96 a step of Qwen3-30B-A3B); its GPU timing is not
-    measured yet. Graph-capturable; no host sync."""
+    launches write. It saves two launches a MoE layer (96 a step of Qwen3-30B-A3B); `fused_moe` uses it up to 32
+    pairs (`route_decode_pays`). Graph-capturable; no host sync."""
     num_tokens, num_experts = _check_route(router_logits, top_k)
     if not route_in_one_launch(num_tokens, top_k, num_experts):
         raise ValueError(f"moe_route_decode takes at most {_DECODE_PAIRS} token-expert pairs and "
@@ -408,11 +419,11 @@ def _expert_mlps(x, weights, sorted_pairs, table, bm: int, experts_gate_up, expe
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, experts_gate_up: torch.Tensor,
               experts_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
     """The whole mixture of experts after the router GEMM: `moe_route` then `moe_experts`; a decode step
-    (`route_in_one_launch`) routes, sorts and lists its row blocks in one launch (`moe_route_decode`) instead
+    (`route_decode_pays`) routes, sorts and lists its row blocks in one launch (`moe_route_decode`) instead
     of three, with the same bits. x [T, hidden]; router_logits [T, E]. -> [T, hidden]. Graph-capturable; no
     host sync."""
     num_tokens, num_experts = router_logits.shape
-    if not route_in_one_launch(num_tokens, top_k, num_experts):
+    if not route_decode_pays(num_tokens, top_k, num_experts):
         weights, ids = moe_route(router_logits, top_k, renormalize)
         return moe_experts(x, weights, ids, experts_gate_up, experts_down)
     bm, row_blocks = _row_blocks(num_tokens, top_k, num_experts)

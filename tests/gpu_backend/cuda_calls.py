@@ -4,9 +4,14 @@
 device-launched graphs that made a window of 150 steps take minutes. Callbacks alone cost nothing until the host
 calls CUDA, and then tell which function it called: what a "no host CUDA call per step" test needs.
 
-    with CudaCalls() as calls:
-        ... decode for a while ...
+    with CudaCalls() as calls:          # subscribe before the persistent loop starts (see below)
+        ... start the loop ...
+        with calls.window():
+            ... decode for a while ...
     assert len(calls.names) < 10, calls.names
+
+Subscribe before the persistent kernel runs: on an H100, `cuptiEnableDomain` called while the loop's kernel
+was resident never returned (it waits for the device to go idle, which a persistent loop never does).
 
 CUPTI allows one subscriber per process: use it in a child process, not beside `torch.profiler`.
 """
@@ -52,6 +57,11 @@ class CudaCalls:
         self._lib = _load_cupti()
         self._callback = _CALLBACK(self._on_call)  # kept alive as long as CUPTI may call it
         self._subscriber = ctypes.c_void_p()
+        self._recording = False
+
+    def window(self) -> "_Window":
+        """Record the calls made inside this block (the callbacks run from subscription on)."""
+        return _Window(self)
 
     def _check(self, status: int, what: str) -> None:
         if status != 0:
@@ -61,7 +71,7 @@ class CudaCalls:
 
     def _on_call(self, _userdata, _domain, _cbid, data) -> None:
         record = ctypes.cast(data, ctypes.POINTER(_CallbackData)).contents
-        if record.callback_site == API_ENTER:
+        if self._recording and record.callback_site == API_ENTER:
             self.names.append((record.function_name or b"?").decode())
 
     def __enter__(self) -> "CudaCalls":
@@ -74,3 +84,15 @@ class CudaCalls:
         for domain in (DRIVER_API, RUNTIME_API):
             self._lib.cuptiEnableDomain(0, self._subscriber, domain)
         self._check(self._lib.cuptiUnsubscribe(self._subscriber), "cuptiUnsubscribe")
+
+
+class _Window:
+    def __init__(self, calls: CudaCalls) -> None:
+        self._calls = calls
+
+    def __enter__(self) -> CudaCalls:
+        self._calls._recording = True
+        return self._calls
+
+    def __exit__(self, *_exc) -> None:
+        self._calls._recording = False

@@ -178,16 +178,18 @@ def _host_cuda_calls_while_decoding(kind: str = "moe") -> dict:
     gen = random.Random(2)
     specs = [RequestSpec(i, [gen.randrange(3, 512) for _ in range(8)], 200, temperature=0.0, ignore_eos=True)
              for i in range(4)]
+    counted = CudaCalls()
     s = Served(runner, cfg)
     try:
-        slots = s.submit(specs)
-        s.engine.start()
-        s.wait(lambda: all(len(s.tokens[x]) >= 10 for x in slots))      # past the launch and the prefills
-        with CudaCalls() as counted:
-            before = sum(len(s.tokens[x]) for x in slots)
-            s.wait(lambda: all(len(s.tokens[x]) >= 150 for x in slots))
-            decoded = sum(len(s.tokens[x]) for x in slots) - before
-        s.wait(lambda: len(s.finishes) == len(slots))
+        with counted:                       # subscribed before the loop's kernel is resident
+            slots = s.submit(specs)
+            s.engine.start()
+            s.wait(lambda: all(len(s.tokens[x]) >= 10 for x in slots))  # past the launch and the prefills
+            with counted.window():
+                before = sum(len(s.tokens[x]) for x in slots)
+                s.wait(lambda: all(len(s.tokens[x]) >= 150 for x in slots))
+                decoded = sum(len(s.tokens[x]) for x in slots) - before
+            s.wait(lambda: len(s.finishes) == len(slots))
     finally:
         s.close()
     return {"decoded": decoded, "calls": counted.names}

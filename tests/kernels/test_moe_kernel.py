@@ -8,7 +8,7 @@ pytest.importorskip("triton", reason="triton is not installed (CI may not instal
 
 from gpu_backend.models.moe import expert_mlp, moe_reference, route  # noqa: E402
 from kernels.moe import (ExpertTiles, block_m, expert_tiles, fused_moe, max_row_blocks, moe_align, moe_block_table,  # noqa: E402
-                         moe_experts, moe_route, moe_route_decode, route_in_one_launch)
+                         moe_experts, moe_route, moe_route_decode, route_decode_pays, route_in_one_launch)
 
 
 def _experts(num_experts, hidden, inter, device, gen, dtype=torch.bfloat16):
@@ -219,5 +219,8 @@ def test_one_launch_routing_bounds():
     assert route_in_one_launch(1, 8, 128) and route_in_one_launch(16, 8, 128) and not route_in_one_launch(17, 8, 128)
     assert route_in_one_launch(64, 2, 8) and not route_in_one_launch(0, 8, 128)
     assert not route_in_one_launch(16, 8, 512)              # 16 x 512 logits: one program would be too wide
+    # fused_moe takes the one launch only where it was faster on an H100: up to 32 padded pairs
+    assert route_decode_pays(1, 8, 128) and route_decode_pays(4, 8, 128) and not route_decode_pays(5, 8, 128)
+    assert route_decode_pays(16, 2, 8) and not route_decode_pays(17, 2, 8) and not route_decode_pays(16, 2, 512)
     with pytest.raises(ValueError, match="moe_route_decode takes at most 128"):
         moe_route_decode(torch.zeros(32, 128), 8, True, 16, 64)
