@@ -55,7 +55,7 @@ import torch
 from gpu_backend.engine.gpu_ops import TritonOps
 from gpu_backend.engine.graph_variant import GraphVariant
 from gpu_backend.engine.sampler import (LogitAdjustments, PromptCache, SampledSeq, SamplingRow, apply_masks,
-                                        token_logprobs, top_logprobs)
+                                        await_masks, token_logprobs, top_logprobs)
 from gpu_backend.engine.sched_native import StepGeometry
 from gpu_backend.engine.step_buffers import ScheduledStep, StepBuffers, token_buckets
 from gpu_backend.models import ModelConfig, allocate_kv_cache
@@ -166,6 +166,7 @@ class GpuRunner:
         self._set = 0  # the step buffer (index into buffer_sets) that self.bufs is
         self._prompts = PromptCache()
         self._done = torch.cuda.Event()
+        self._logits_done = torch.cuda.Event()  # a step's LOGITS part: the last chance for its token masks
         self.num_blocks = self._size_kv_cache()
         self.kv_cache = allocate_kv_cache(cfg, self.num_blocks, config.block_size, self.kv_dtype, self.device)
         self.graphs: dict[tuple[int, GraphVariant], torch.cuda.CUDAGraph] = {}
@@ -291,14 +292,15 @@ class GpuRunner:
     def _step_extended(self, num_tokens: int, greedy: bool,
                        sampled: tuple[SampledSeq, ...]) -> tuple[list[TokenLogprob | None], dict[int, int]]:
         """A step whose sampled rows (`sampled`, in order) include some with extensions: the LOGITS graph (or
-        its eager twin), then, while it runs, their rows (token masks are read now: the latest chance for a
-        mask to come), then the extensions and sampling, eagerly. Writes tokens_dev; returns the logprobs
+        its eager twin), then, while it runs, their rows (a token mask not there yet is awaited until the logits
+        are done: `sampler.await_masks`), then the extensions and sampling, eagerly. Writes tokens_dev; returns the logprobs
         and the rows that sample no token (`sampler.apply_masks`)."""
         if self.config.use_graphs:
             self.graphs[(num_tokens, LOGITS)].replay()
         else:
             self._step(num_tokens, LOGITS)
-        rows = self._prompts.rows(sampled)
+        self._logits_done.record()
+        rows = await_masks(self._prompts.rows(sampled), sampled, self._logits_done.query)
         return self._sample_extended(self.logits_dev[:self.config.seqs_in(num_tokens)], greedy, rows)
 
     def _sample_extended(self, logits: torch.Tensor, greedy: bool,
@@ -327,7 +329,7 @@ class GpuRunner:
         from tqdm import tqdm
 
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self._graph_pool = torch.cuda.graph_pool_handle()
         variants = (GraphVariant.SAMPLE,) if self.follower else (GraphVariant.SAMPLE, GraphVariant.GREEDY) \
             + ((LOGITS,) if self.sampling_extensions else ()) + ((POST, POST_GREEDY) if self.loop_logprobs is not None else ())
         keys = [(i, b, g) for i in range(len(self.buffer_sets)) for b in reversed(self.buckets) for g in variants]
@@ -355,14 +357,18 @@ class GpuRunner:
         loop lists its branches (step buffer, bucket, greedy). The loop counts their nodes to find where a
         step graph's logits are done (it waits for the tokens from there, not from the graph's start).
         Captured over the first step buffer only: the other buffer's graphs have the same nodes. Dropped
-        once counted."""
-        logits = torch.zeros(self.config.max_num_seqs, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        once counted, never replayed: so they share the step graphs' memory pool (each in a pool of its own
+        held a sampler's workspace, about 1.5 GiB at 1,024 rows of a 128k vocabulary, and together they ran an
+        H100 out of memory at `--max-num-seqs 1024`)."""
+        logits = self.logits_dev if self.logits_dev is not None else torch.zeros(
+            self.config.max_num_seqs, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        pool = getattr(self, "_graph_pool", None) or torch.cuda.graph_pool_handle()
         once = []
         stream = torch.cuda.Stream(self.device)
         for bucket in self.buckets:
             for greedy in (False, True):
                 graph = torch.cuda.CUDAGraph(keep_graph=True)
-                with torch.cuda.graph(graph, stream=stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self._sample(logits[:self.config.seqs_in(bucket)], greedy)
                 once.append(graph)
         torch.cuda.synchronize(self.device)

@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from gpu_backend.engine.sampler import SamplingRow, sample, uniforms
+from gpu_backend.engine.sampler import SamplingRow, await_masks, sample, uniforms
 
 
 def row(seed=1, position=10, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0):
@@ -55,3 +55,50 @@ def test_sampling_follows_the_distribution():
     logits = torch.log(probs).unsqueeze(0)
     counts = np.bincount([sample(logits, [row(seed=s)])[0] for s in range(3000)], minlength=3) / 3000
     assert np.allclose(counts, probs.numpy(), atol=0.03)
+
+
+class _Seq:
+    """A constrained request whose mask appears in the ring on the `arrives`-th read (None: never)."""
+
+    def __init__(self, arrives: int | None):
+        self.arrives, self.reads = arrives, 0
+
+    def token_mask(self):
+        self.reads += 1
+        if self.arrives is not None and self.reads >= self.arrives:
+            return np.full(4, 0xFFFFFFFF, dtype=np.uint32)
+        return None
+
+
+def _ready_after(polls: int):
+    state = {"asked": 0}
+
+    def ready() -> bool:
+        state["asked"] += 1
+        return state["asked"] > polls
+    return ready, state
+
+
+def test_await_masks_reads_late_masks_until_the_logits_are_done():
+    plain = SamplingRow(1.0, 1.0, 0, 0.0, 1, 5)
+    early = SamplingRow(1.0, 1.0, 0, 0.0, 2, 5, constrained=True, token_mask=np.ones(4, dtype=np.uint32))
+    late, never = _Seq(arrives=3), _Seq(arrives=None)
+    rows = [plain, early, SamplingRow(1.0, 1.0, 0, 0.0, 3, 5, constrained=True),
+            SamplingRow(1.0, 1.0, 0, 0.0, 4, 5, constrained=True)]
+    ready, state = _ready_after(polls=5)
+    out = await_masks(rows, [None, None, late, never], ready, poll_s=0.0)
+    assert out[0] is plain and out[1] is early              # rows with nothing to wait for are kept as they are
+    assert out[2].token_mask is not None and late.reads == 3  # came on the third read, then not read again
+    assert out[3].token_mask is None                        # never came: the row waits (TOKEN_WAIT)
+    assert state["asked"] == 6 and never.reads == 6         # read on every poll and once after the logits were done
+    assert rows[2].token_mask is None                       # the caller's list is not changed
+
+
+def test_await_masks_reads_once_more_after_the_logits_are_done():
+    rows = [SamplingRow(1.0, 1.0, 0, 0.0, 1, 5, constrained=True)]
+    seq = _Seq(arrives=1)
+    ready, state = _ready_after(polls=0)                   # the logits are already done at the first ask
+    out = await_masks(rows, [seq], ready, poll_s=0.0)
+    assert out[0].token_mask is not None and seq.reads == 1 and state["asked"] == 1
+    ready, state = _ready_after(polls=0)
+    assert await_masks([SamplingRow(1.0, 1.0, 0, 0.0, 1, 5)], [None], ready) and state["asked"] == 0
