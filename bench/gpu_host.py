@@ -414,7 +414,9 @@ def main() -> None:
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "kv_blocks": runner.num_blocks, "graphs": len(runner.graphs), "capture_s": runner.capture_s,
               "setup_s": setup_s, "copy_gbps": gbps, "rows": rows}
-    variant = "".join(f"-{v}" for v in (args.quantization and "fp8w", args.kv_cache_dtype != "auto" and "fp8kv",
+    # the model in the name: runs of several models in one folder (one device call) must not overwrite each other
+    model = args.model.split(":")[-1].rstrip("/").split("/")[-1]
+    variant = "".join(f"-{v}" for v in (model, args.quantization and "fp8w", args.kv_cache_dtype != "auto" and "fp8kv",
                                         tp > 1 and f"tp{tp}") if v)
     path = write_summary(bench_out(args.out) / f"gpu_host-{result['commit']}{variant}.json", result)
     print(f"wrote {path}")
