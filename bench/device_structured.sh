@@ -4,7 +4,8 @@
 #   MODE=persistent C=1,16,64 OUT_LEN=128 bench/device_structured.sh      # MODE="persistent host": both
 # 1. a check: CHECK_N requests (0: none) under a bounded schema (every string and array bounded, so noise ends;
 #    CHECK_SCHEMA names another) must all give valid JSON where they end; then schema compile time, cold vs cached
-#    (COMPILE_REPEATS one-token request pairs);
+#    (COMPILE_REPEATS one-token request pairs); with CORPUS=1 (default) every constraint of the test corpus (200+
+#    JSON schemas, regexes, choices: bench/structured_check.py --corpus), each ended answer valid under its own;
 # 2. for each concurrency in C: N requests (default 4 x C, at least 8; ShareGPT-shaped prompts cut to PROMPT_LEN
 #    words, answers capped at OUT_LEN tokens) plain, with ignore_eos, then every request under a small object
 #    schema with one free-text field (a random model never closes it: the answers run to OUT_LEN like the plain
@@ -20,7 +21,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}; MODE=${MODE:-persistent}; MODEL=${MODEL:-random:llama-3-8b}; PY=${PYTHON:-python3}
 PORT=${PORT:-8000}; C=${C:-1,16,64}; N=${N:-}; PROMPT_LEN=${PROMPT_LEN:-128}; OUT_LEN=${OUT_LEN:-128}
-CHECK_N=${CHECK_N:-16}; CHECK_LEN=${CHECK_LEN:-1024}; COMPILE_REPEATS=${COMPILE_REPEATS:-5}
+CHECK_N=${CHECK_N:-16}; CHECK_LEN=${CHECK_LEN:-1024}; COMPILE_REPEATS=${COMPILE_REPEATS:-5}; CORPUS=${CORPUS:-1}
 CHECK_SCHEMA=${CHECK_SCHEMA:-$OUT/structured-check-schema.json}
 GATEWAY_CORES=${GATEWAY_CORES-auto}; STRUCT_CACHE=${STRUCT_CACHE:-/tmp/blink-structured-cache}
 # no prefix caching: the constrained run resends the plain run's prompts, and hits would shorten its prefills
@@ -67,6 +68,10 @@ one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concu
             --num-requests "$CHECK_N" --max-tokens "$CHECK_LEN" --compile-repeats "$COMPILE_REPEATS" \
             --out "$OUT/structured-check-$mode.json" ||
             { echo "CHECK FAILED ($mode): see above"; failed=1; }
+    fi
+    if [ "$CORPUS" != 0 ]; then  # issue 24's gate: every ended answer valid under each corpus constraint
+        $PY bench/structured_check.py --url $url --corpus --max-tokens "$CHECK_LEN" \
+            --out "$OUT/structured-corpus-$mode.json" || { echo "CORPUS CHECK FAILED ($mode): see above"; failed=1; }
     fi
     for conc in ${C//,/ }; do
         echo "[${SECONDS}s] $mode: concurrency $conc, plain then constrained"

@@ -11,6 +11,9 @@ Then, with --compile-repeats R: R one-token requests, each under a schema the se
 `title`: compiled now) and again under the same one (cached); the median difference estimates what compiling
 costs a request (cold minus cached; the first constrained request of a model also builds the grammar engine's
 tokenizer, which the check's requests have done before this).
+With --corpus instead of --schema: one request per constraint of the test corpus (tests/gateway/schemas/corpus.py:
+200+ JSON schemas of real-world shapes, regexes and choice lists, the last two through vLLM's `structured_outputs`),
+each ended answer checked against its own constraint (a regex with Python's `re.fullmatch`).
 Standard library only (plus jsonschema if present): it runs where only the benchmark's client does.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -27,11 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def ask(url: str, api_key: str | None, model: str, schema: dict, max_tokens: int, index: int) -> dict:
-    """One constrained chat request: {"finish_reason", "content"} or {"error"}."""
+def ask(url: str, api_key: str | None, model: str, schema: dict, max_tokens: int, index: int,
+        constraint: dict | None = None) -> dict:
+    """One constrained chat request (under `schema`, or the request fields `constraint` when given):
+    {"finish_reason", "content"} or {"error"}."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "seed": index,
             "messages": [{"role": "user", "content": f"w{index} w{index + 1} w{index + 2}"}],
-            "response_format": {"type": "json_schema", "json_schema": {"name": "check", "schema": schema}}}
+            **(constraint or {"response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "check", "schema": schema}}})}
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     req = urllib.request.Request(url + "/chat/completions", json.dumps(body).encode(), headers)
     try:
@@ -41,6 +48,25 @@ def ask(url: str, api_key: str | None, model: str, schema: dict, max_tokens: int
         detail = exc.read().decode()[:300] if isinstance(exc, urllib.error.HTTPError) else ""
         return {"error": f"{type(exc).__name__}: {exc} {detail}".strip()}
     return {"finish_reason": choice["finish_reason"], "content": choice["message"]["content"]}
+
+
+def corpus() -> list[tuple[dict, object]]:
+    """(request fields, validator: text -> error or None) for every constraint of the test corpus."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.gateway.schemas.corpus import CHOICES, REGEXES, json_schemas
+
+    def schema_item(schema):
+        fields = {"response_format": {"type": "json_schema", "json_schema": {"name": "corpus", "schema": schema}}}
+        return fields, lambda text: validation_error(text, schema)
+
+    def regex_item(pattern):
+        return ({"structured_outputs": {"regex": pattern}},
+                lambda text: None if re.fullmatch(pattern, text) else f"does not match {pattern!r}")
+
+    def choice_item(choices):
+        return {"structured_outputs": {"choice": choices}}, lambda text: None if text in choices else f"not one of {choices}"
+    return ([schema_item(s) for s in json_schemas()] + [regex_item(r) for r in REGEXES]
+            + [choice_item(c) for c in CHOICES])
 
 
 def validation_error(text: str, schema: dict) -> str | None:
@@ -61,18 +87,19 @@ def validation_error(text: str, schema: dict) -> str | None:
     return None
 
 
-def check(answers: list[dict], schema: dict) -> dict:
-    """Counts of how the answers ended and the invalid ones (with the reason)."""
+def check(answers: list[dict], schema: dict | None = None, validators: list | None = None) -> dict:
+    """Counts of how the answers ended and the invalid ones (with the reason): each against `schema`, or
+    answer i against validators[i] (text -> error or None)."""
     out = {"num_requests": len(answers), "failed": [a["error"] for a in answers if "error" in a],
            "ended": 0, "valid": 0, "length": 0, "invalid": []}
-    for a in answers:
+    for i, a in enumerate(answers):
         if "error" in a:
             continue
         if a["finish_reason"] != "stop":
             out["length"] += 1
             continue
         out["ended"] += 1
-        error = validation_error(a["content"], schema)
+        error = validators[i](a["content"]) if validators else validation_error(a["content"], schema)
         if error:
             out["invalid"].append({"content": a["content"][:300], "error": error})
         else:
@@ -101,24 +128,35 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000/v1")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
-    p.add_argument("--schema", required=True, help="JSON schema file")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--schema", help="JSON schema file")
+    group.add_argument("--corpus", action="store_true", help="every constraint of the test corpus, one request each")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--compile-repeats", type=int, default=0, help="cold/cached one-token request pairs")
     p.add_argument("--out", default=None, help="write the counts as JSON here")
     args = p.parse_args(argv)
     api_key = os.environ.get("BLINK_API_KEY") or os.environ.get("OPENAI_API_KEY")
-    schema = json.loads(Path(args.schema).read_text())
     model = args.model or first_model(args.url, api_key)
-    with ThreadPoolExecutor(min(args.num_requests, 32)) as pool:
-        answers = list(pool.map(lambda i: ask(args.url, api_key, model, schema, args.max_tokens, i),
-                                range(args.num_requests)))
-    report = check(answers, schema)
+    if args.corpus:
+        items = corpus()
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(lambda i: ask(args.url, api_key, model, {}, args.max_tokens, i, items[i][0]),
+                                    range(len(items))))
+        report = check(answers, validators=[v for _, v in items])
+        report["corpus"] = True
+        print(f"structured corpus: {len(items)} constraints; ", end="")
+    else:
+        schema = json.loads(Path(args.schema).read_text())
+        with ThreadPoolExecutor(min(args.num_requests, 32)) as pool:
+            answers = list(pool.map(lambda i: ask(args.url, api_key, model, schema, args.max_tokens, i),
+                                    range(args.num_requests)))
+        report = check(answers, schema)
     print(f"structured check: {report['valid']} of {report['ended']} ended answers valid, {report['length']} cut "
           f"by max_tokens ({args.max_tokens}), {len(report['failed'])} failed"
           + "".join(f"\n  invalid: {x['error']}: {x['content']!r}" for x in report["invalid"][:5])
           + "".join(f"\n  failed: {x}" for x in report["failed"][:3]), flush=True)
-    if args.compile_repeats:
+    if args.compile_repeats and not args.corpus:
         report["compile"] = compile_latency(lambda s: ask(args.url, api_key, model, s, 1, 0), schema,
                                             args.compile_repeats)
         c = report["compile"]

@@ -53,3 +53,19 @@ def test_the_demo_model_under_a_small_schema_passes(live_server, tmp_path, monke
     assert code == 0, capsys.readouterr().out
     assert report["ended"] == report["valid"] == 2 and not report["invalid"]
     assert report["compile"]["failed"] == [] and report["compile"]["median_cold_ms"] > 0
+
+
+def test_the_corpus_checks_each_answer_against_its_own_constraint():
+    items = structured_check.corpus()
+    assert len(items) >= 200
+    kinds = [next(iter(fields)) for fields, _ in items]
+    assert kinds.count("response_format") >= 200 and "structured_outputs" in kinds
+    regex = next(i for i, (f, _) in enumerate(items) if f.get("structured_outputs", {}).get("regex") == "(yes|no)")
+    choice = next(i for i, (f, _) in enumerate(items) if f.get("structured_outputs", {}).get("choice") == ["spam", "ham"])
+    answers = [{"finish_reason": "length", "content": ""}] * len(items)
+    answers[regex] = {"finish_reason": "stop", "content": "yes"}
+    answers[choice] = {"finish_reason": "stop", "content": "eggs"}
+    answers[0] = {"finish_reason": "stop", "content": "not json"}
+    report = structured_check.check(answers, validators=[v for _, v in items])
+    assert report["ended"] == 3 and report["valid"] == 1 and report["length"] == len(items) - 3
+    assert sorted(x["content"] for x in report["invalid"]) == ["eggs", "not json"]
