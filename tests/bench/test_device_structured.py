@@ -86,7 +86,7 @@ def test_the_script_runs_on_the_cpu_backend(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path / "out"),
            "MODE": "cpu", "MODEL": "random:smollm2-135m", "PORT": str(free_port()), "C": "2", "N": "2",
            "PROMPT_LEN": "8", "OUT_LEN": "4", "CHECK_N": "2", "CHECK_LEN": "16", "CHECK_SCHEMA": str(schema),
-           "COMPILE_REPEATS": "1",
+           "COMPILE_REPEATS": "1", "CORPUS": "0",  # the corpus: tests/bench/test_structured_check.py
            "GATEWAY_CORES": "",
            "STRUCT_CACHE": str(tmp_path / "cache"),
            "SERVE_FLAGS": "--context-len 512 --num-slots 4 --max-output-len 64 --kv-cache-mb 64 --no-prefix-caching"}
