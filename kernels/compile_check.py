@@ -115,13 +115,16 @@ def _qwen3_calls():
 
 def _moe_calls():
     """Qwen3-30B-A3B's experts (128 of hidden 2048, width 768, 8 per token) at decode and prefill sizes."""
-    from kernels.moe import fused_moe
+    from kernels.moe import fused_moe, max_row_blocks, moe_route_decode
     bf = dict(dtype=torch.bfloat16)
     experts, hidden, inter = 128, 2048, 768
     gate_up, down = torch.zeros(experts, 2 * inter, hidden, **bf), torch.zeros(experts, hidden, inter, **bf)
-    for tokens in (1, 16, 256, 512):                      # 1 and 16: routing in one launch (_route_decode_kernel)
+    for tokens in (1, 16, 256, 512):                      # 1: routing in one launch (_route_decode_kernel)
         x, logits = torch.zeros(tokens, hidden, **bf), torch.zeros(tokens, experts, **bf)
         yield f"MoE T={tokens}", lambda x=x, logits=logits: fused_moe(x, logits, gate_up, down, 8, True)
+    # the one-launch routing at its widest (16 x 8 pairs; fused_moe stops using it at 32): registers, spills
+    logits = torch.zeros(16, experts, **bf)
+    yield "MoE routing T=16", lambda: moe_route_decode(logits, 8, True, 16, max_row_blocks(16, 8, experts, 16))
 
 
 def main() -> int:

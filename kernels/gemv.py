@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check
+from ._common import check, pdl_launch, pdl_on
 
 # (BLOCK_N, BLOCK_K, num_warps); the best all-round on an H200 (bench/gemv_probe.py, bench/NOTES.md)
 DEFAULT_CONFIG = (8, 512, 4)
@@ -21,7 +22,10 @@ DEFAULT_CONFIG = (8, 512, 4)
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, n, k, w_stride,
-                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
+    if PDL:  # _common.pdl_on
+        gdc_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
     row_ptr = w_ptr + rows.to(tl.int64)[:, None] * w_stride
@@ -32,6 +36,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, n, k, w_stride,
         w = tl.load(row_ptr + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if PDL:
+        gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if HAS_SCALE:  # FP8 rows: W = q * scale[row]
         y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
@@ -66,5 +72,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, scale if scale is not None else x,
                                              bias if bias is not None else x, out, n, k, weight.stride(0),
                                              HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-                                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+                                             BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_on(), num_warps=warps,
+                                             **pdl_launch())
     return out

@@ -41,8 +41,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check, next_pow2
+from ._common import check, next_pow2, pdl_launch, pdl_on
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _BLOCK_K = 64
@@ -88,7 +89,11 @@ def _route_rows(logits_ptr, logits_stride, rows, row_ok, num_experts, ROWS: tl.c
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, logits_stride, num_experts,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                  PDL: tl.constexpr):
+    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) + tl.arange(0, 1)
     top_w, top_id = _route_rows(logits_ptr, logits_stride, rows, rows >= 0, num_experts, 1, TOP_K, K_PAD,
                                 RENORMALIZE, BLOCK_E)
@@ -98,7 +103,10 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, logits_stride, num_experts,
 
 
 @triton.jit
-def _align_kernel(ids_ptr, num_pairs, sorted_ptr, counts_ptr, offsets_ptr, BLOCK: tl.constexpr):
+def _align_kernel(ids_ptr, num_pairs, sorted_ptr, counts_ptr, offsets_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
+        gdc_wait()
+        gdc_launch_dependents()
     expert = tl.program_id(0)
     offset = tl.full((), 0, tl.int32)                     # pairs of lower experts come first
     for start in range(0, num_pairs, BLOCK):
@@ -118,7 +126,10 @@ def _align_kernel(ids_ptr, num_pairs, sorted_ptr, counts_ptr, offsets_ptr, BLOCK
 
 @triton.jit
 def _block_table_kernel(counts_ptr, offsets_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, num_experts,
-                        max_blocks, BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr):
+                        max_blocks, BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
+        gdc_wait()
+        gdc_launch_dependents()
     _write_block_table(counts_ptr, offsets_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, num_experts,
                        max_blocks, BLOCK_M, E_P, CHUNK)
 
@@ -153,9 +164,12 @@ def _route_decode_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, counts_pt
                          block_start_ptr, block_end_ptr, num_tokens, logits_stride, num_experts, max_blocks,
                          T_P: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                          BLOCK_E: tl.constexpr, E_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, E_P: tl.constexpr,
-                         CHUNK: tl.constexpr):
+                         CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Launches 1-3 (route, align, block table) as one program for a decode step's T <= T_P tokens: saves two
     launches a MoE layer (96 a Qwen3-30B-A3B step); GPU timing not measured yet (kernels/device_check.py)."""
+    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.arange(0, T_P)
     row_ok = rows < num_tokens
     top_w, top_id = _route_rows(logits_ptr, logits_stride, rows, row_ok, num_experts, T_P, TOP_K, K_PAD,
@@ -185,7 +199,10 @@ def _route_decode_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, counts_pt
 def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
                         pair_weights_ptr, n_out, k_dim, a_stride, w_stride_e, w_stride_n, out_stride, up_offset,
                         TOP_K: tl.constexpr, SWIGLU: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
+        gdc_wait()
+        gdc_launch_dependents()
     # SWIGLU: a = x rows by token, w = gate_up [E, 2 I, hidden], out = h [P, I] in a's dtype
     # else:   a = h rows by pair,  w = down [E, hidden, I],      out = y [P, hidden] f32, scaled by the weight
     expert = tl.load(block_expert_ptr + tl.program_id(0))
@@ -225,7 +242,10 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, blo
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
+        gdc_wait()
+        gdc_launch_dependents()
     # out[t] = sum over j in order of y[t * TOP_K + j]: float32, rounded once
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -246,7 +266,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     if num_tokens:
         _route_kernel[(num_tokens,)](router_logits, weights, ids, router_logits.stride(0), num_experts, TOP_K=top_k,
                                      K_PAD=next_pow2(top_k), RENORMALIZE=bool(renormalize),
-                                     BLOCK_E=next_pow2(num_experts), num_warps=1)
+                                     BLOCK_E=next_pow2(num_experts), PDL=pdl_on(), num_warps=1,
+                                     **pdl_launch())
     return weights, ids
 
 
@@ -298,7 +319,7 @@ def moe_route_decode(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         router_logits, weights, ids, sorted_pairs, counts_offsets[0], counts_offsets[1], table[0], table[1], table[2],
         num_tokens, router_logits.stride(0), num_experts, max_blocks, T_P=tokens_p, TOP_K=top_k, K_PAD=k_pad,
         RENORMALIZE=bool(renormalize), BLOCK_E=e_p, E_CHUNK=min(e_p, max(1, _DECODE_SORT_TILE // (tokens_p * k_pad))),
-        BLOCK_M=bm, E_P=e_p, CHUNK=_table_chunk(e_p), num_warps=4)
+        BLOCK_M=bm, E_P=e_p, CHUNK=_table_chunk(e_p), PDL=pdl_on(), num_warps=4, **pdl_launch())
     return weights, ids, sorted_pairs, counts_offsets[0], counts_offsets[1], table[0], table[1], table[2]
 
 
@@ -313,7 +334,8 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    _align_kernel[(num_experts,)](ids, num_pairs, sorted_pairs, counts, offsets, BLOCK=_ALIGN_BLOCK, num_warps=4)
+    _align_kernel[(num_experts,)](ids, num_pairs, sorted_pairs, counts, offsets, BLOCK=_ALIGN_BLOCK, PDL=pdl_on(),
+                                  num_warps=4, **pdl_launch())
     return sorted_pairs, counts, offsets
 
 
@@ -333,7 +355,7 @@ def moe_block_table(counts: torch.Tensor, offsets: torch.Tensor, bm: int,
     e_p = next_pow2(num_experts)
     table = torch.empty((3, max_blocks), dtype=torch.int32, device=counts.device)
     _block_table_kernel[(1,)](counts, offsets, table[0], table[1], table[2], num_experts, max_blocks, BLOCK_M=bm,
-                              E_P=e_p, CHUNK=_table_chunk(e_p), num_warps=4)
+                              E_P=e_p, CHUNK=_table_chunk(e_p), PDL=pdl_on(), num_warps=4, **pdl_launch())
     return table[0], table[1], table[2]
 
 
@@ -403,7 +425,7 @@ def _expert_mlps(x, weights, sorted_pairs, table, bm: int, experts_gate_up, expe
     y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     tiles = tiles or expert_tiles(bm)
     bn = tiles.block_n
-    common = dict(TOP_K=top_k, BLOCK_M=bm, **tiles.launch())
+    common = dict(TOP_K=top_k, BLOCK_M=bm, PDL=pdl_on(), **tiles.launch(), **pdl_launch())
     _expert_gemm_kernel[(row_blocks, triton.cdiv(inter, bn))](
         x, experts_gate_up, h, sorted_pairs, *table, weights, inter, hidden, x.stride(0),
         experts_gate_up.stride(0), experts_gate_up.stride(1), h.stride(0), inter, SWIGLU=True, **common)
@@ -412,7 +434,8 @@ def _expert_mlps(x, weights, sorted_pairs, table, bm: int, experts_gate_up, expe
         experts_down.stride(0), experts_down.stride(1), y.stride(0), 0, SWIGLU=False, **common)
     out = torch.empty_like(x)
     _combine_kernel[(num_tokens, triton.cdiv(hidden, _COMBINE_BLOCK))](y, out, hidden, TOP_K=top_k,
-                                                                       BLOCK=_COMBINE_BLOCK, num_warps=4)
+                                                                       BLOCK=_COMBINE_BLOCK, PDL=pdl_on(),
+                                                                       num_warps=4, **pdl_launch())
     return out
 
 

@@ -28,8 +28,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check, next_pow2, num_sms
+from ._common import check, next_pow2, num_sms, pdl_launch, pdl_on
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
@@ -59,7 +60,10 @@ def _attn_tile_kernel(
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
         MAX_SEQS_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
+        gdc_wait()
+        gdc_launch_dependents()
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,8 +148,11 @@ def _attn_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, seq_ids_ptr, q_start_
                         num_seqs_ptr, max_blocks, o_stride_t, o_stride_h,
                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                        SPLITS_P: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+                        SPLITS_P: tl.constexpr, SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr):
     """Merge the partials of tokens whose tile used several splits; others were written directly."""
+    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
+        gdc_wait()
+        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq = tl.load(seq_ids_ptr + tok)
@@ -232,7 +239,8 @@ def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, 
         part_o = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
     common = dict(PAGE=page, BLOCK_Q=cfg["block_q"], BLOCK_N=cfg["block_n"], NUM_SPLITS=splits,
-                  SPLIT_KEYS=cfg["split_keys"], NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg["block_d"])
+                  SPLIT_KEYS=cfg["split_keys"], NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg["block_d"],
+                  PDL=pdl_on(), **pdl_launch())
     _attn_tile_kernel[(cfg["num_tiles"], num_kv_heads, splits)](
         q, layer_cache, out, part_o, part_lse, seq_ids, q_start, ctx_lens, block_tables, num_seqs,
         float(scale) * _LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check, next_pow2
+from ._common import check, next_pow2, pdl_launch, pdl_on
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -21,10 +22,12 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                     x_stride, res_stride, out_stride, res_out_stride, hidden, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    if PDL:  # _common.pdl_on: the predecessor's writes first
+        gdc_wait()
     h = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -34,6 +37,8 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
     normed = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_launch_dependents()
     tl.store(out_ptr + row * out_stride + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -81,7 +86,8 @@ def _launch(x, residual, weight, out, residual_out, eps: float, has_residual: bo
     _rmsnorm_kernel[(num_rows,)](
         x, residual, weight, out, residual_out,
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0), hidden, float(eps),
-        HAS_RESIDUAL=has_residual, BLOCK=next_pow2(hidden), num_warps=row_warps(hidden))
+        HAS_RESIDUAL=has_residual, BLOCK=next_pow2(hidden), PDL=pdl_on(), num_warps=row_warps(hidden),
+        **pdl_launch())
 
 
 def row_warps(hidden: int) -> int:

@@ -9,15 +9,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check
+from ._common import check, pdl_launch, pdl_on
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = 1024
 
 
 @triton.jit
-def _swiglu_kernel(gate_up_ptr, out_ptr, in_stride, out_stride, inter, BLOCK: tl.constexpr):
+def _swiglu_kernel(gate_up_ptr, out_ptr, in_stride, out_stride, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -40,5 +44,6 @@ def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     check("out", out, dtype=gate_up.dtype, shape=(num_rows, inter), device=gate_up.device)
     if num_rows:
         grid = (num_rows, triton.cdiv(inter, _BLOCK))
-        _swiglu_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=_BLOCK, num_warps=4)
+        _swiglu_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=_BLOCK, PDL=pdl_on(),
+                             num_warps=4, **pdl_launch())
     return out

@@ -1,0 +1,62 @@
+"""`BLINK_PDL=1` (programmatic dependent launch in the decode step's Triton kernels, kernels/_common.pdl_on)
+changes when a kernel starts, never what it computes: on a tiny Llama and a tiny Qwen3-MoE, the host engine's
+and the persistent loop's tokens with it on equal those with it off, bit for bit. Each side runs in a child
+process (the switch is read once per process). GPU only; PDL needs Hopper or later."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")]
+
+HERE = Path(__file__).resolve().parent
+
+
+def _tokens_here(kind: str) -> dict:
+    """In the child: the host engine's, then the persistent loop's tokens for test_gpu_runner's specs."""
+    from kernels._common import pdl_on
+    from test_gpu_runner import _drive, _peaky_model, _specs
+    from test_moe_gpu import _loop_moe
+    from test_persistent import CONFIG, Served
+    from test_persistent import _runner as _loop_runner
+
+    if kind == "moe":
+        cfg, runner = _loop_moe()
+    else:
+        cfg, model = _peaky_model()
+        runner = _loop_runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
+    host, _, _ = _drive(runner, cfg, _specs(), config=CONFIG)
+    s = Served(runner, cfg)
+    try:
+        slots = s.submit(_specs())
+        s.engine.start()
+        s.wait(lambda: len(s.finishes) == len(slots))
+        persistent = [s.tokens[x] for x in slots]
+    finally:
+        s.close()
+    return {"pdl": pdl_on(), "host": host, "persistent": persistent}
+
+
+def _tokens(kind: str, pdl: str) -> dict:
+    env = {**os.environ, "BLINK_PDL": pdl,
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    code = f"import json, test_pdl_gpu as t; print('RESULT', json.dumps(t._tokens_here({kind!r})))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return json.loads(next(line for line in res.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_pdl_gives_the_same_tokens_in_host_and_persistent_modes(kind):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    off, on = _tokens(kind, "0"), _tokens(kind, "1")
+    assert not off["pdl"] and on["pdl"]
+    assert on["host"] == off["host"] and on["persistent"] == off["persistent"]
+    assert on["persistent"] == on["host"]
