@@ -157,6 +157,7 @@ class MaskWatch:
     def watch(self, loop: MaskLoop, source: TokenSource | Peek) -> None:
         """Feed `loop` from `source` until the loop closes (the request ended)."""
         source = source if isinstance(source, TokenSource) else TokenSource(source)
+        loop.watched = True
         with self._lock:
             self._loops[id(loop)] = (loop, source)
             self._bump_locked()

@@ -262,3 +262,53 @@ def test_the_watcher_steps_a_lone_proved_request_itself_and_leaves_several_to_th
         for loop in loops:
             loop.close()
     asyncio.run(run())
+
+
+class _WatchedLoop:
+    """A mask loop the watcher feeds (the poller's side of it only): records what the poller hands over."""
+
+    def __init__(self, watched: bool):
+        self.watched, self.advanced, self.closed = watched, [], False
+
+    def advance(self, tokens, first_index):
+        self.advanced.append((list(tokens), first_index))
+
+    def close(self):
+        self.closed = True
+
+    def fail_if_overdue(self, now_s, limit_s=None):
+        return False
+
+
+def test_the_poller_does_not_spin_for_tokens_the_mask_watcher_feeds():
+    """A constrained request's tokens reach its grammar through the watcher: the poller still delivers them
+    (and hands them to the loop, which skips those it has), but they re-arm no spin, which would hold the GIL
+    and a core the mask path needs; a plain request's tokens and an unwatched loop's (tcp) still do."""
+    from gateway.backends.backend import Backend
+    from gateway.config import GatewayConfig
+    from protocols.messages import BackendInfo
+
+    geometry = RingGeometry(num_slots=3, max_prompt_len=16, max_output_len=8, max_stop_ids=2)
+    ring = create_ring(f"blink-nospin-{os.getpid()}", geometry, "fp")
+    info = BackendInfo(addr="test", model_name="m", model_dir="", model_fingerprint="fp", context_len=64,
+                       vocab_size=100, eos_token_ids=(0,), engine_mode="test", ring_name=ring.name, geometry=geometry)
+    backend = Backend(info, ShmProducer(attach_ring(ring.name)), GatewayConfig(slot_wait_s=5.0))
+
+    async def main():
+        engine = RingConsumer(ring)
+        watched, plain, unwatched = [await backend.submit(RequestSpec(i, [1, 2], 4)) for i in range(3)]
+        watched.mask_loop, unwatched.mask_loop = _WatchedLoop(True), _WatchedLoop(False)
+        slots = {t.spec.request_id: t.slot for t in engine.take_new()}
+        engine.publish(slots[0], [7])
+        assert backend.poller._poll_once() == 0  # news, but none worth a spin
+        assert watched.mask_loop.advanced == [([7], 0)] and (await watched.next()).tokens == [7]
+        engine.publish(slots[1], [8])
+        assert backend.poller._poll_once() == 1
+        engine.publish(slots[2], [9])
+        assert backend.poller._poll_once() == 1 and unwatched.mask_loop.advanced == [([9], 0)]
+        await backend.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ring.close()
