@@ -193,19 +193,21 @@ def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = N
 
 # ------------------------------------------------------------------ constrained mode (bench/mask_latency.py)
 MASK_TOKENIZER_SEED = 0
+MASK_PRESET = "smollm2-135m"  # the constrained mode's default vocabulary (size, BOS, EOS); llama-3-8b: 128,256
+MAX_STEPS_LATE = 8  # the per-token histogram of steps waited for a mask: 0 .. MAX_STEPS_LATE (the last: or more)
 
 
-def mask_tokenizer_dir(cache_dir: Path) -> Path:
-    """A byte-level tokenizer folder of the fake engine's vocabulary size that JSON can be spelled in
+def mask_tokenizer_dir(cache_dir: Path, preset: str = MASK_PRESET) -> Path:
+    """A byte-level tokenizer folder of `preset`'s vocabulary size, BOS and EOS that JSON can be spelled in
     (`bench/structured_vocab.py`), with the random models' chat template; written once under `cache_dir`."""
     from gpu_backend.models.random_tokenizer import CHAT_TEMPLATE
     from structured_vocab import build_tokenizer
 
-    target = Path(cache_dir) / f"mask-traffic-v{TOKENIZER_CFG.vocab_size}"
+    cfg = preset_config(preset)
+    target = Path(cache_dir) / f"mask-traffic-v{cfg.vocab_size}-b{cfg.bos_token_id}-e{'-'.join(map(str, cfg.eos_token_ids))}"
     if not (target / "tokenizer.json").is_file():
         target.mkdir(parents=True, exist_ok=True)
-        tok = build_tokenizer(TOKENIZER_CFG.vocab_size, TOKENIZER_CFG.bos_token_id, TOKENIZER_CFG.eos_token_ids,
-                              MASK_TOKENIZER_SEED)
+        tok = build_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids, MASK_TOKENIZER_SEED)
         tok.save(str(target / "tokenizer.json.tmp"))
         (target / "tokenizer.json.tmp").replace(target / "tokenizer.json")
         (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
@@ -220,20 +222,24 @@ class MaskTrafficEngine:
     the loop watches the awaited masks, so it records per token: mask latency (publishing token i -> seeing
     mask i + 1 in the ring) and the steps rows skipped. An unconstrained row gets one fixed token per step."""
 
-    def __init__(self, ring_name: str, control: str, step_s: float, num_slots: int = 256, idle_s: float = 0.0001):
-        g = RingGeometry(num_slots, 4096, 1024, mask_words=(TOKENIZER_CFG.vocab_size + 31) // 32)
+    def __init__(self, ring_name: str, control: str, step_s: float, num_slots: int = 256, idle_s: float = 0.0001,
+                 preset: str = MASK_PRESET):
+        cfg = preset_config(preset)
+        g = RingGeometry(num_slots, 4096, 1024, mask_words=(cfg.vocab_size + 31) // 32)
         self.ring = create_ring(ring_name, g, MODEL_NAME)
         self.consumer = RingConsumer(self.ring)
-        self.eos_id = TOKENIZER_CFG.eos_token_ids[0]
-        desc = BackendDescription(MODEL_NAME, str(mask_tokenizer_dir(default_cache_dir())), MODEL_NAME, 4096,
-                                  TOKENIZER_CFG.vocab_size, tuple(TOKENIZER_CFG.eos_token_ids), "traffic")
+        self.eos_id = cfg.eos_token_ids[0]
+        desc = BackendDescription(MODEL_NAME, str(mask_tokenizer_dir(default_cache_dir(), preset)), MODEL_NAME, 4096,
+                                  cfg.vocab_size, tuple(cfg.eos_token_ids), "traffic")
         self.control = ControlServer(control, desc, self.ring)
         self.step_s, self.idle_s, self.next_step_s = step_s, idle_s, 0.0
         self.rng = np.random.default_rng(0)
-        self.rows: dict[int, list] = {}  # slot -> [seq, spec, produced, mask words of token `produced` or None]
+        # slot -> [seq, spec, produced, mask words of token `produced` or None, constrained, steps skipped for it]
+        self.rows: dict[int, list] = {}
         self.published_ns: dict[int, int] = {}  # slot -> when its last token went out (awaiting the next mask)
         self.mask_latency_us = array.array("d")
         self.num_sampled = self.num_skipped = 0
+        self.steps_late = np.zeros(MAX_STEPS_LATE + 1, np.int64)  # constrained tokens by the steps they waited
 
     def run(self, stop: mp.Event, stats_path: str | None = None) -> None:
         serve(self, stop, stats_path)
@@ -246,13 +252,14 @@ class MaskTrafficEngine:
                 "mask_latency_us_p99": pct(0.99), "mask_latency_us_max": pct(1.0),
                 "mask_over_one_step": int(np.sum(lat > self.step_s * 1e6)) if lat is not None else 0,
                 "row_steps": rows, "skipped_steps": self.num_skipped,
-                "skipped_fraction": self.num_skipped / rows if rows else None}
+                "skipped_fraction": self.num_skipped / rows if rows else None,
+                "tokens_by_steps_waited": self.steps_late.tolist()}
 
     def step(self, now: float) -> None:
         self.consumer.beat()
         for t in self.consumer.take_new():
             mask0 = np.frombuffer(t.spec.token_mask, np.uint32) if t.spec.token_mask is not None else None
-            self.rows[t.slot] = [t.seq, t.spec, 0, mask0, t.spec.token_mask is not None]
+            self.rows[t.slot] = [t.seq, t.spec, 0, mask0, t.spec.token_mask is not None, 0]
         self._watch_masks()
         if now < self.next_step_s:
             return
@@ -276,7 +283,7 @@ class MaskTrafficEngine:
 
     def _sample_row(self, slot: int) -> int | None:
         """The row's token this step, or None: cancelled (finished now), no room, or waiting for its mask."""
-        seq, spec, produced, words, constrained = self.rows[slot]
+        seq, spec, produced, words, constrained, waited = self.rows[slot]
         if self.consumer.cancelled(slot, seq):
             self._finish(slot, FinishReason.CANCELLED)
             return None
@@ -284,12 +291,16 @@ class MaskTrafficEngine:
             return None
         if constrained and words is None:
             self.num_skipped += 1
+            self.rows[slot][5] += 1
             return None  # this row waits for its mask; the others go on
         self.num_sampled += 1
+        if constrained:
+            self.steps_late[min(waited, MAX_STEPS_LATE)] += 1
+            self.rows[slot][5] = 0
         return self._pick(words) if constrained else ord("a")
 
     def _publish(self, slot: int, token: int) -> None:
-        seq, spec, produced, words, constrained = self.rows[slot]
+        seq, spec, produced, words, constrained, _ = self.rows[slot]
         if token == self.eos_id:
             return self._finish(slot, FinishReason.STOP)
         self.consumer.publish(slot, [token])
@@ -315,20 +326,22 @@ class MaskTrafficEngine:
         del self.rows[slot]
 
 
-def _mask_engine_main(ring: str, control: str, step_s: float, stop: mp.Event, stats_path: str | None) -> None:
+def _mask_engine_main(ring: str, control: str, step_s: float, stop: mp.Event, stats_path: str | None,
+                      preset: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     gc.freeze()
-    MaskTrafficEngine(ring, control, step_s).run(stop, stats_path)
+    MaskTrafficEngine(ring, control, step_s, preset=preset).run(stop, stats_path)
 
 
 @contextlib.contextmanager
-def mask_traffic_engine(step_s: float, stats_path: str | None = None):
-    """A MaskTrafficEngine process; yields (ring name, control address, pid); its stats go to `stats_path`."""
-    mask_tokenizer_dir(default_cache_dir())  # built here once, before the engine's fork
+def mask_traffic_engine(step_s: float, stats_path: str | None = None, preset: str = MASK_PRESET):
+    """A MaskTrafficEngine process with `preset`'s vocabulary; yields (ring name, control address, pid); its
+    stats go to `stats_path`."""
+    mask_tokenizer_dir(default_cache_dir(), preset)  # built here once, before the engine's fork
     ring, control = f"blink-masktraffic-{os.getpid()}", f"127.0.0.1:{free_port()}"
     stop = mp.Event()
     engine = mp.get_context("fork").Process(target=_mask_engine_main, daemon=True,
-                                            args=(ring, control, step_s, stop, stats_path))
+                                            args=(ring, control, step_s, stop, stats_path, preset))
     engine.start()
     try:
         deadline = time.monotonic() + 60

@@ -69,7 +69,7 @@ class MaskLoop:
     """One constrained request's matcher, advanced by the tokens it generates; see the module's docstring."""
 
     __slots__ = ("grammars", "matcher", "put_mask", "on_error", "num_consumed", "num_seen", "_pending", "_running",
-                 "closed", "_loop", "put_from_pool", "_lock", "_step_started_s", "slow", "fast_steps")
+                 "closed", "_loop", "put_from_pool", "_lock", "_step_started_s", "slow", "fast_steps", "watched")
 
     def __init__(self, grammars: Grammars, compiled: Compiled, put_mask: PutMask, on_error: OnError,
                  put_from_pool: bool = False):
@@ -88,6 +88,8 @@ class MaskLoop:
         self.slow = False  # a step took over SLOW_STEP_S: the next ones run on the slow lane
         self.fast_steps = 0  # pool steps in a row under INLINE_STEP_S (from INLINE_AFTER_STEPS the watcher may step it)
         self.closed = False
+        # The mask watcher feeds it (mask_watch.py): its poller need not spin for its tokens (poller._poll_once)
+        self.watched = False
         self._loop = asyncio.get_running_loop()
 
     def advance(self, token_ids: list[int], first_index: int | None = None) -> None:

@@ -7,7 +7,7 @@ It only reads (`ShmProducer.peek_tokens`: the tokens after the ones the matcher 
 response's sequence number, read before and after them); the poller stays the one reader that advances the
 ring's consumed counter and delivers tokens to clients. The mask work runs on the mask loops' pool, so a slow
 grammar holds up only its own request; a lone request whose steps proved fast is stepped right here
-(INLINE_MAX_READY). The thread runs while constrained requests are in flight and sleeps when there are none.
+(INLINE_MAX_READY, INLINE_MAX_WATCHED). The thread runs while constrained requests are in flight and sleeps when there are none.
 
 It waits for news in C with the GIL released (`csrc/mask_wait.c`, built with the C compiler on first use like
 the native stream round): Python wakes only when tokens came, or the watched set changed. Nothing can wake it
@@ -66,6 +66,10 @@ SWITCH_INTERVAL_S = 0.0002  # the GIL's switch interval while constrained reques
 # News for at most this many requests at once: the watcher runs their mask steps itself (MaskLoop.take_inline);
 # more go to the pool, whose threads compute side by side (one thread would serialize them: measured 2x slower)
 INLINE_MAX_READY = 1
+# ... and only while it watches at most this many: a step proved fast may still take milliseconds (llguidance's
+# first mask in a new lexer state, e.g. a bounded string near its maxLength: 2-4 ms on a 128k vocabulary), and
+# meanwhile the watcher notices no other request's tokens: their masks would be late by that much.
+INLINE_MAX_WATCHED = 1
 SOURCE = Path(__file__).parent / "csrc" / "mask_wait.c"
 
 # (first index) -> the request's generated tokens from there on ([] if none yet), or None while its slot does not
@@ -157,6 +161,7 @@ class MaskWatch:
     def watch(self, loop: MaskLoop, source: TokenSource | Peek) -> None:
         """Feed `loop` from `source` until the loop closes (the request ended)."""
         source = source if isinstance(source, TokenSource) else TokenSource(source)
+        loop.watched = True
         with self._lock:
             self._loops[id(loop)] = (loop, source)
             self._bump_locked()
@@ -222,8 +227,9 @@ class MaskWatch:
 
     def scan(self, watched: list[tuple[MaskLoop, TokenSource]] | None = None) -> int:
         """The new tokens of the `watched` requests (all of them by default) to their mask loops, queued on the
-        pool, or, for at most INLINE_MAX_READY of them whose steps proved fast, stepped here (no pool hop);
-        closed ones dropped. Returns how many loops got tokens."""
+        pool, or, for at most INLINE_MAX_READY of them whose steps proved fast while no more than
+        INLINE_MAX_WATCHED are watched, stepped here (no pool hop); closed ones dropped. Returns how many loops
+        got tokens."""
         news = []
         for loop, source in list(self._loops.values()) if watched is None else watched:
             if loop.closed:
@@ -238,7 +244,7 @@ class MaskWatch:
                 continue
             if tokens:
                 news.append((loop, tokens, start))
-        inline = len(news) <= INLINE_MAX_READY
+        inline = len(news) <= INLINE_MAX_READY and len(self._loops) <= INLINE_MAX_WATCHED
         for loop, tokens, start in news:
             mine = loop.take_inline(tokens, start, inline)
             if mine:

@@ -235,30 +235,85 @@ def test_the_step_clock_naps_finely_only_where_tokens_are_due():
 
 def test_the_watcher_steps_a_lone_proved_request_itself_and_leaves_several_to_the_pool(grammars, byte_tokenizer):
     """Scans by hand (the watcher's thread sleeps): a request runs its first INLINE_AFTER_STEPS steps on the pool;
-    after that, news for it alone is stepped on the scanning thread, while news for several at once goes to the
-    pool's threads (one thread would serialize their masks)."""
+    after that, while it is the only one watched, its news is stepped on the scanning thread. Once another is
+    watched, its news goes to the pool's threads, alone too (a step there may take milliseconds, and the other
+    request's tokens would wait for the watcher meanwhile), and so does news for both at once (one thread would
+    serialize their masks)."""
     compiled = grammars.compile_sync(Constraint("regex", "[a-z ]+", "r"))
     ids = byte_tokenizer.encode("hello world and again and again").ids
-    assert len(ids) >= 2 * ML.INLINE_AFTER_STEPS + 2
+    assert len(ids) >= 2 * ML.INLINE_AFTER_STEPS + 3
     watch = MaskWatch(period_s=60.0, native=False)
 
     async def run():
         tokens, puts = ([], []), ([], [])
         loops = [MaskLoop(grammars, compiled, lambda i, w, k=k: puts[k].append(threading.current_thread().name),
                           pytest.fail, put_from_pool=True) for k in (0, 1)]
-        for k in (0, 1):
-            watch.watch(loops[k], lambda start, k=k: tokens[k][start:])
-        for n in range(ML.INLINE_AFTER_STEPS + 1):  # one request's news at a time
+        watch.watch(loops[0], lambda start: tokens[0][start:])
+        for n in range(ML.INLINE_AFTER_STEPS + 1):  # the one request's news
             tokens[0].append(ids[n])
             assert watch.scan() == 1 and until(lambda: len(puts[0]) == n + 1)
         assert all(name.startswith("grammar-mask") for name in puts[0][:-1]), puts[0]
         assert puts[0][-1] == threading.current_thread().name  # proved fast: stepped by the scan itself
+        watch.watch(loops[1], lambda start: tokens[1][start:])
         first = ML.INLINE_AFTER_STEPS + 1
+        tokens[0].append(ids[first])  # news for the proved request alone, another one watched
+        assert watch.scan() == 1 and until(lambda: len(puts[0]) == first + 1)
+        first += 1
         for n in range(first):  # both requests' news in each scan
             tokens[0].append(ids[first + n])
             tokens[1].append(ids[n])
             assert watch.scan() == 2 and until(lambda: len(puts[0]) == first + n + 1 and len(puts[1]) == n + 1)
-        assert all(name.startswith("grammar-mask") for name in puts[0][first:] + puts[1]), puts
+        assert all(name.startswith("grammar-mask") for name in puts[0][first - 1:] + puts[1]), puts
         for loop in loops:
             loop.close()
     asyncio.run(run())
+
+
+class _WatchedLoop:
+    """A mask loop the watcher feeds (the poller's side of it only): records what the poller hands over."""
+
+    def __init__(self, watched: bool):
+        self.watched, self.advanced, self.closed = watched, [], False
+
+    def advance(self, tokens, first_index):
+        self.advanced.append((list(tokens), first_index))
+
+    def close(self):
+        self.closed = True
+
+    def fail_if_overdue(self, now_s, limit_s=None):
+        return False
+
+
+def test_the_poller_does_not_spin_for_tokens_the_mask_watcher_feeds():
+    """A constrained request's tokens reach its grammar through the watcher: the poller still delivers them
+    (and hands them to the loop, which skips those it has), but they re-arm no spin, which would hold the GIL
+    and a core the mask path needs; a plain request's tokens and an unwatched loop's (tcp) still do."""
+    from gateway.backends.backend import Backend
+    from gateway.config import GatewayConfig
+    from protocols.messages import BackendInfo
+
+    geometry = RingGeometry(num_slots=3, max_prompt_len=16, max_output_len=8, max_stop_ids=2)
+    ring = create_ring(f"blink-nospin-{os.getpid()}", geometry, "fp")
+    info = BackendInfo(addr="test", model_name="m", model_dir="", model_fingerprint="fp", context_len=64,
+                       vocab_size=100, eos_token_ids=(0,), engine_mode="test", ring_name=ring.name, geometry=geometry)
+    backend = Backend(info, ShmProducer(attach_ring(ring.name)), GatewayConfig(slot_wait_s=5.0))
+
+    async def main():
+        engine = RingConsumer(ring)
+        watched, plain, unwatched = [await backend.submit(RequestSpec(i, [1, 2], 4)) for i in range(3)]
+        watched.mask_loop, unwatched.mask_loop = _WatchedLoop(True), _WatchedLoop(False)
+        slots = {t.spec.request_id: t.slot for t in engine.take_new()}
+        engine.publish(slots[0], [7])
+        assert backend.poller._poll_once() == 0  # news, but none worth a spin
+        assert watched.mask_loop.advanced == [([7], 0)] and (await watched.next()).tokens == [7]
+        engine.publish(slots[1], [8])
+        assert backend.poller._poll_once() == 1
+        engine.publish(slots[2], [9])
+        assert backend.poller._poll_once() == 1 and unwatched.mask_loop.advanced == [([9], 0)]
+        await backend.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ring.close()
