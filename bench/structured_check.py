@@ -64,7 +64,8 @@ def corpus() -> list[tuple[dict, object]]:
                 lambda text: None if re.fullmatch(pattern, text) else f"does not match {pattern!r}")
 
     def choice_item(choices):
-        return {"structured_outputs": {"choice": choices}}, lambda text: None if text in choices else f"not one of {choices}"
+        return ({"structured_outputs": {"choice": choices}},
+                lambda text: None if text in choices else f"not one of {choices}")
     return ([schema_item(s) for s in json_schemas()] + [regex_item(r) for r in REGEXES]
             + [choice_item(c) for c in CHOICES])
 

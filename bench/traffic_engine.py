@@ -204,7 +204,8 @@ def mask_tokenizer_dir(cache_dir: Path, preset: str = MASK_PRESET) -> Path:
     from structured_vocab import build_tokenizer
 
     cfg = preset_config(preset)
-    target = Path(cache_dir) / f"mask-traffic-v{cfg.vocab_size}-b{cfg.bos_token_id}-e{'-'.join(map(str, cfg.eos_token_ids))}"
+    eos = "-".join(map(str, cfg.eos_token_ids))
+    target = Path(cache_dir) / f"mask-traffic-v{cfg.vocab_size}-b{cfg.bos_token_id}-e{eos}"
     if not (target / "tokenizer.json").is_file():
         target.mkdir(parents=True, exist_ok=True)
         tok = build_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids, MASK_TOKENIZER_SEED)

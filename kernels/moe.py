@@ -21,8 +21,8 @@ choice. Six launches (after the router GEMM), each with a grid fixed by the shap
 6. `_combine_kernel`: each token's k rows of y summed in a fixed order, rounded once (deterministic: no
    atomics anywhere).
 A decode step of up to 32 token-expert pairs (`route_decode_pays`, e.g. 4 tokens x 8; the kernel takes up to 128,
-`route_in_one_launch`) runs launches 1-3 as one program instead, `_route_decode_kernel`: the route of all its tokens as one [T, E] tile, the counting
-sort as [experts, pairs] tiles, then (after a block barrier) the same block-table code, writing bit for bit
+`route_in_one_launch`) runs launches 1-3 as one program instead, `_route_decode_kernel`: the route of all its
+tokens as one [T, E] tile, the counting sort as [experts, pairs] tiles, then (after a block barrier) the same block-table code, writing bit for bit
 what the three launches write. It saves two launches per MoE layer, 96 a step of Qwen3-30B-A3B (whose eager
 batch-1 step spent 110 + 116 + 188 us in launches 1-3 on an H100). On an H100 (c7232c8, kernels/device_check.py)
 one launch takes 6.8 us at 1 token (three: 9.1) but 27.7 at 16 tokens (three: 16.7): its one program's sort

@@ -7,7 +7,8 @@ It only reads (`ShmProducer.peek_tokens`: the tokens after the ones the matcher 
 response's sequence number, read before and after them); the poller stays the one reader that advances the
 ring's consumed counter and delivers tokens to clients. The mask work runs on the mask loops' pool, so a slow
 grammar holds up only its own request; a lone request whose steps proved fast is stepped right here
-(INLINE_MAX_READY, INLINE_MAX_WATCHED). The thread runs while constrained requests are in flight and sleeps when there are none.
+(INLINE_MAX_READY, INLINE_MAX_WATCHED). The thread runs while constrained requests are in flight and sleeps when
+there are none.
 
 It waits for news in C with the GIL released (`csrc/mask_wait.c`, built with the C compiler on first use like
 the native stream round): Python wakes only when tokens came, or the watched set changed. Nothing can wake it

@@ -293,7 +293,8 @@ class GpuRunner:
                        sampled: tuple[SampledSeq, ...]) -> tuple[list[TokenLogprob | None], dict[int, int]]:
         """A step whose sampled rows (`sampled`, in order) include some with extensions: the LOGITS graph (or
         its eager twin), then, while it runs, their rows (a token mask not there yet is awaited until the logits
-        are done: `sampler.await_masks`), then the extensions and sampling, eagerly. Writes tokens_dev; returns the logprobs
+        are done: `sampler.await_masks`), then the extensions and sampling, eagerly. Writes tokens_dev; returns
+        the logprobs
         and the rows that sample no token (`sampler.apply_masks`)."""
         if self.config.use_graphs:
             self.graphs[(num_tokens, LOGITS)].replay()

@@ -61,7 +61,8 @@ def test_the_corpus_checks_each_answer_against_its_own_constraint():
     kinds = [next(iter(fields)) for fields, _ in items]
     assert kinds.count("response_format") >= 200 and "structured_outputs" in kinds
     regex = next(i for i, (f, _) in enumerate(items) if f.get("structured_outputs", {}).get("regex") == "(yes|no)")
-    choice = next(i for i, (f, _) in enumerate(items) if f.get("structured_outputs", {}).get("choice") == ["spam", "ham"])
+    choice = next(i for i, (f, _) in enumerate(items)
+                  if f.get("structured_outputs", {}).get("choice") == ["spam", "ham"])
     answers = [{"finish_reason": "length", "content": ""}] * len(items)
     answers[regex] = {"finish_reason": "stop", "content": "yes"}
     answers[choice] = {"finish_reason": "stop", "content": "eggs"}
