@@ -29,7 +29,7 @@ from gpu_backend.engine.cpu_runner import CpuRunner  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec  # noqa: E402
 from reference_scheduler import Batch, ScheduledSeq, step_of  # noqa: E402
 from test_gpu_runner import _drive, _runner, _seq, _specs, bf16_twin, chunked_logits  # noqa: E402
-from test_persistent import CONFIG, Served  # noqa: E402
+from test_persistent import CONFIG, Served, serve_to_end  # noqa: E402
 from test_persistent import _runner as _loop_runner  # noqa: E402
 
 SHAPES = dict(vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512,
@@ -152,15 +152,9 @@ def _loop_moe():
 def test_persistent_gives_the_host_engines_tokens_bit_for_bit_on_moe():
     cfg, runner = _loop_moe()
     host_tokens, host_fin, _ = _drive(runner, cfg, _specs(), config=CONFIG)
-    s = Served(runner, cfg)
-    try:
-        slots = s.submit(_specs())
-        s.engine.start()
-        s.wait(lambda: len(s.finishes) == len(slots))
-        assert [s.finishes[x][0] for x in slots] == host_fin == [FinishReason.LENGTH] * 4
-        assert [s.tokens[x] for x in slots] == host_tokens
-    finally:
-        s.close()
+    tokens, finishes = serve_to_end(runner, cfg, _specs())
+    assert finishes == host_fin == [FinishReason.LENGTH] * 4
+    assert tokens == host_tokens
 
 
 def _host_cuda_calls_while_decoding(kind: str = "moe") -> dict:

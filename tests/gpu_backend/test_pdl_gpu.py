@@ -23,7 +23,7 @@ def _tokens_here(kind: str) -> dict:
     from kernels._common import pdl_on
     from test_gpu_runner import _drive, _peaky_model, _specs
     from test_moe_gpu import _loop_moe
-    from test_persistent import CONFIG, Served
+    from test_persistent import CONFIG, serve_to_end
     from test_persistent import _runner as _loop_runner
 
     if kind == "moe":
@@ -32,14 +32,7 @@ def _tokens_here(kind: str) -> dict:
         cfg, model = _peaky_model()
         runner = _loop_runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
     host, _, _ = _drive(runner, cfg, _specs(), config=CONFIG)
-    s = Served(runner, cfg)
-    try:
-        slots = s.submit(_specs())
-        s.engine.start()
-        s.wait(lambda: len(s.finishes) == len(slots))
-        persistent = [s.tokens[x] for x in slots]
-    finally:
-        s.close()
+    persistent, _ = serve_to_end(runner, cfg, _specs())
     return {"pdl": pdl_on(), "host": host, "persistent": persistent}
 
 

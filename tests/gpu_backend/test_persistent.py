@@ -93,6 +93,18 @@ class Served:
             self.ring.close()
 
 
+def serve_to_end(runner, cfg, specs) -> tuple[list[list[int]], list[FinishReason]]:
+    """`specs` through a fresh persistent engine until every one ends: (tokens, finish reasons), in order."""
+    s = Served(runner, cfg)
+    try:
+        slots = s.submit(specs)
+        s.engine.start()
+        s.wait(lambda: len(s.finishes) == len(slots))
+        return [s.tokens[x] for x in slots], [s.finishes[x][0] for x in slots]
+    finally:
+        s.close()
+
+
 @pytest.fixture
 def served():
     opened = []
