@@ -251,10 +251,10 @@ def persistent_new_tokens(runner: GpuRunner, batch_size: int, prompt_len: int, d
     while the host watches: 4x the window), but no more than the KV cache holds for the whole batch. Past it
     the loop preempts and recomputes, and the window would time that (Qwen3-32B at batch 64 on an H100, with
     ~10 GB of KV: 48.5 ms steps against 29.6 bare)."""
-    want = prefill_steps(runner, batch_size, prompt_len) + 4 * decode_steps_wanted
+    prefill = prefill_steps(runner, batch_size, prompt_len)
+    want, need = prefill + 4 * decode_steps_wanted, prefill + decode_steps_wanted + 8
     block = runner.config.block_size
     room = runner.num_blocks // batch_size * block - prompt_len - block  # a block of slack per stream
-    need = prefill_steps(runner, batch_size, prompt_len) + decode_steps_wanted + 8
     if room < need:
         print(f"warning: the KV cache ({runner.num_blocks} blocks of {block}) holds {room} new tokens a stream at "
               f"batch {batch_size}, under the {need} the persistent window needs: expect preemption in it",

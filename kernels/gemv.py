@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import check, pdl_launch, pdl_on
+from .pdl import pdl_release, pdl_wait
 
 # (BLOCK_N, BLOCK_K, num_warps); the best all-round on an H200 (bench/gemv_probe.py, bench/NOTES.md)
 DEFAULT_CONFIG = (8, 512, 4)
@@ -24,8 +24,7 @@ DEFAULT_CONFIG = (8, 512, 4)
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, n, k, w_stride,
                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):
-    if PDL:  # _common.pdl_on
-        gdc_wait()
+    pdl_wait(PDL)  # kernels/pdl.py
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
     row_ptr = w_ptr + rows.to(tl.int64)[:, None] * w_stride
@@ -36,8 +35,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, n, k, w_stride,
         w = tl.load(row_ptr + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    if PDL:
-        gdc_launch_dependents()
+    pdl_release(PDL)
     y = tl.sum(acc, axis=1)
     if HAS_SCALE:  # FP8 rows: W = q * scale[row]
         y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)

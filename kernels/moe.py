@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import check, next_pow2, pdl_launch, pdl_on
+from .pdl import pdl_enter
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _BLOCK_K = 64
@@ -91,9 +91,7 @@ def _route_rows(logits_ptr, logits_stride, rows, row_ok, num_experts, ROWS: tl.c
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, logits_stride, num_experts,
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
                   PDL: tl.constexpr):
-    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # kernels/pdl.py
     rows = tl.program_id(0) + tl.arange(0, 1)
     top_w, top_id = _route_rows(logits_ptr, logits_stride, rows, rows >= 0, num_experts, 1, TOP_K, K_PAD,
                                 RENORMALIZE, BLOCK_E)
@@ -104,9 +102,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, logits_stride, num_experts,
 
 @triton.jit
 def _align_kernel(ids_ptr, num_pairs, sorted_ptr, counts_ptr, offsets_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # kernels/pdl.py
     expert = tl.program_id(0)
     offset = tl.full((), 0, tl.int32)                     # pairs of lower experts come first
     for start in range(0, num_pairs, BLOCK):
@@ -127,9 +123,7 @@ def _align_kernel(ids_ptr, num_pairs, sorted_ptr, counts_ptr, offsets_ptr, BLOCK
 @triton.jit
 def _block_table_kernel(counts_ptr, offsets_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, num_experts,
                         max_blocks, BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # kernels/pdl.py
     _write_block_table(counts_ptr, offsets_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, num_experts,
                        max_blocks, BLOCK_M, E_P, CHUNK)
 
@@ -167,9 +161,7 @@ def _route_decode_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, counts_pt
                          CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Launches 1-3 (route, align, block table) as one program for a decode step's T <= T_P tokens: saves two
     launches a MoE layer (96 a Qwen3-30B-A3B step); GPU timing not measured yet (kernels/device_check.py)."""
-    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # kernels/pdl.py
     rows = tl.arange(0, T_P)
     row_ok = rows < num_tokens
     top_w, top_id = _route_rows(logits_ptr, logits_stride, rows, row_ok, num_experts, T_P, TOP_K, K_PAD,
@@ -200,9 +192,7 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, blo
                         pair_weights_ptr, n_out, k_dim, a_stride, w_stride_e, w_stride_n, out_stride, up_offset,
                         TOP_K: tl.constexpr, SWIGLU: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # kernels/pdl.py
     # SWIGLU: a = x rows by token, w = gate_up [E, 2 I, hidden], out = h [P, I] in a's dtype
     # else:   a = h rows by pair,  w = down [E, hidden, I],      out = y [P, hidden] f32, scaled by the weight
     expert = tl.load(block_expert_ptr + tl.program_id(0))
@@ -243,9 +233,7 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, blo
 
 @triton.jit
 def _combine_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # kernels/pdl.py
     # out[t] = sum over j in order of y[t * TOP_K + j]: float32, rounded once
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

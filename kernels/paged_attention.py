@@ -28,9 +28,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import check, next_pow2, num_sms, pdl_launch, pdl_on
+from .pdl import pdl_enter
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
@@ -61,9 +61,7 @@ def _attn_tile_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
         MAX_SEQS_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # kernels/pdl.py
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,9 +148,7 @@ def _attn_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, seq_ids_ptr, q_start_
                         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         SPLITS_P: tl.constexpr, SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr):
     """Merge the partials of tokens whose tile used several splits; others were written directly."""
-    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # kernels/pdl.py
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq = tl.load(seq_ids_ptr + tok)

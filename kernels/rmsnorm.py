@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import check, next_pow2, pdl_launch, pdl_on
+from .pdl import pdl_release, pdl_wait
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -26,8 +26,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    if PDL:  # _common.pdl_on: the predecessor's writes first
-        gdc_wait()
+    pdl_wait(PDL)  # kernels/pdl.py
     h = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -37,8 +36,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
     normed = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if PDL:
-        gdc_launch_dependents()
+    pdl_release(PDL)
     tl.store(out_ptr + row * out_stride + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import check, pdl_launch, pdl_on
+from .pdl import pdl_enter
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = 1024
@@ -19,9 +19,7 @@ _BLOCK = 1024
 
 @triton.jit
 def _swiglu_kernel(gate_up_ptr, out_ptr, in_stride, out_stride, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # _common.pdl_on: wait for the predecessor, then let the successor launch
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # kernels/pdl.py
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
