@@ -46,7 +46,7 @@ from gpu_backend.engine.graph_variant import GraphVariant  # noqa: E402
 from gpu_backend.engine.loop import EngineConfig, EngineLoop  # noqa: E402
 from gpu_backend.engine.persistent import PersistentEngine  # noqa: E402
 from gpu_backend.models import load_model  # noqa: E402
-from kernels._common import pdl_on  # noqa: E402
+from kernels._common import pdl_mode  # noqa: E402
 from protocols.ring import FinishReason, RequestSpec, RingGeometry  # noqa: E402
 from protocols.shm import attach_ring, create_ring  # noqa: E402
 from protocols.shm_consumer import RingConsumer  # noqa: E402
@@ -430,11 +430,12 @@ def main() -> None:
               "gpus": [torch.cuda.get_device_name(i) for i in range(tp)],
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "kv_blocks": runner.num_blocks, "graphs": len(runner.graphs), "capture_s": runner.capture_s,
-              "setup_s": setup_s, "copy_gbps": gbps, "pdl": pdl_on(), "rows": rows}
+              "setup_s": setup_s, "copy_gbps": gbps, "pdl": pdl_mode(), "rows": rows}
     # the model in the name: runs of several models in one folder (one device call) must not overwrite each other
     model = args.model.split(":")[-1].rstrip("/").split("/")[-1]
     variant = "".join(f"-{v}" for v in (model, args.quantization and "fp8w", args.kv_cache_dtype != "auto" and "fp8kv",
-                                        tp > 1 and f"tp{tp}", pdl_on() and "pdl") if v)
+                                        tp > 1 and f"tp{tp}",
+                                        {"1": "pdl", "0": "nopdl"}.get(pdl_mode())) if v)
     path = write_summary(bench_out(args.out) / f"gpu_host-{result['commit']}{variant}.json", result)
     print(f"wrote {path}")
     print("| batch | bare step ms | floor ms | GB/s | % copy | host step ms | host adds us | host CPU us/token "

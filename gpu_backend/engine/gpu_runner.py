@@ -62,6 +62,7 @@ from gpu_backend.models import ModelConfig, allocate_kv_cache
 from gpu_backend.models.fp8 import release_dense_projections_
 from gpu_backend.models.llama_forward import decoder_layers, fuse_weights, lm_head_logits
 from gpu_backend.models.rope import rope_inv_freq
+from kernels._common import pdl_step
 from protocols.ring import TokenLogprob
 
 log = logging.getLogger("blink.gpu_runner")
@@ -233,7 +234,11 @@ class GpuRunner:
         """The part of a model step for a bucket of `num_tokens` that `variant` names (what its graph
         captures): the whole step into tokens_dev (SAMPLE, GREEDY), the whole step up to the sampled rows'
         logits into logits_dev (LOGITS), or the part after them (POST, POST_GREEDY: the persistent loop's
-        extended branch)."""
+        extended branch). Its kernels launch with programmatic dependent launch where `pdl_step` says."""
+        with pdl_step(num_tokens):
+            self._step_kernels(num_tokens, variant)
+
+    def _step_kernels(self, num_tokens: int, variant: GraphVariant) -> None:
         s = self.config.seqs_in(num_tokens)
         if variant in (POST, POST_GREEDY):
             self._post(s, variant is POST_GREEDY)

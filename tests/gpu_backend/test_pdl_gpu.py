@@ -1,7 +1,8 @@
-"""`BLINK_PDL=1` (programmatic dependent launch in the decode step's Triton kernels, kernels/_common.pdl_on)
-changes when a kernel starts, never what it computes: on a tiny Llama and a tiny Qwen3-MoE, the host engine's
-and the persistent loop's tokens with it on equal those with it off, bit for bit. Each side runs in a child
-process (the switch is read once per process). GPU only; PDL needs Hopper or later."""
+"""Programmatic dependent launch in the decode step's Triton kernels (kernels/_common.pdl_on) changes when a
+kernel starts, never what it computes: on a tiny Llama and a tiny Qwen3-MoE, the host engine's and the persistent
+loop's tokens with it on in every step (`BLINK_PDL=1`) and in the 1-token steps only (the default, "auto") equal
+those with it off (`BLINK_PDL=0`), bit for bit. Each side runs in a child process (the switch is read once per
+process). GPU only; PDL needs Hopper or later."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 
 def _tokens_here(kind: str) -> dict:
     """In the child: the host engine's, then the persistent loop's tokens for test_gpu_runner's specs."""
-    from kernels._common import pdl_on
+    from kernels._common import pdl_mode
     from test_gpu_runner import _drive, _peaky_model, _specs
     from test_moe_gpu import _loop_moe
     from test_persistent import CONFIG, serve_to_end
@@ -33,7 +34,7 @@ def _tokens_here(kind: str) -> dict:
         runner = _loop_runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
     host, _, _ = _drive(runner, cfg, _specs(), config=CONFIG)
     persistent, _ = serve_to_end(runner, cfg, _specs())
-    return {"pdl": pdl_on(), "host": host, "persistent": persistent}
+    return {"pdl": pdl_mode(), "host": host, "persistent": persistent}
 
 
 def _tokens(kind: str, pdl: str) -> dict:
@@ -49,7 +50,8 @@ def _tokens(kind: str, pdl: str) -> dict:
 def test_pdl_gives_the_same_tokens_in_host_and_persistent_modes(kind):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90 or later")
-    off, on = _tokens(kind, "0"), _tokens(kind, "1")
-    assert not off["pdl"] and on["pdl"]
-    assert on["host"] == off["host"] and on["persistent"] == off["persistent"]
+    off, on, auto = _tokens(kind, "0"), _tokens(kind, "1"), _tokens(kind, "auto")
+    assert (off["pdl"], on["pdl"], auto["pdl"]) == ("0", "1", "auto")
+    for run in (on, auto):  # "auto": on in the 1-token steps only, so a step graph mixes both launches
+        assert run["host"] == off["host"] and run["persistent"] == off["persistent"]
     assert on["persistent"] == on["host"]
