@@ -49,8 +49,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N GPUs of this host (1, 2, 4, 8; the first N visible ones; host and "
                         "persistent modes): heads and MLP columns per GPU, all-reduces over NVLink, one ring")
-    p.add_argument("--gpu-memory-fraction", type=float, default=0.9,
-                   help="share of the GPU's memory for weights, activations and KV cache (host mode)")
+    p.add_argument("--gpu-memory-utilization", "--gpu-memory-fraction", dest="gpu_memory_fraction", type=float,
+                   default=0.9, help="share of the GPU's memory for weights, activations and KV cache (host and "
+                                     "persistent modes; vLLM's name): the KV cache gets what the rest leaves")
     p.add_argument("--no-graphs", action="store_true", help="host mode: run steps eagerly (debugging)")
     p.add_argument("--no-sampling-extensions", action="store_true",
                    help="host and persistent modes: no presence/frequency/repetition penalties, logit_bias or "

@@ -33,6 +33,15 @@ def test_flags_become_one_frozen_config(monkeypatch):
     assert BackendConfig(mode="persistent", use_graphs=False).gpu_runner_config(64).use_graphs  # the loop needs graphs
 
 
+def test_the_memory_share_takes_vllms_flag_and_the_old_one(monkeypatch):
+    monkeypatch.delenv("BLINK_BACKEND_CONFIG", raising=False)
+    assert config_from_args(_parse()).gpu_memory_fraction == 0.9
+    assert config_from_args(_parse("--gpu-memory-utilization", "0.95")).gpu_memory_fraction == 0.95
+    assert config_from_args(_parse("--gpu-memory-fraction", "0.8")).gpu_memory_fraction == 0.8
+    with pytest.raises(ConfigError, match="gpu_memory_fraction"):
+        config_from_args(_parse("--gpu-memory-utilization", "1.5"))
+
+
 def test_defaults_depend_on_the_mode():
     cpu, host = BackendConfig(), BackendConfig(mode="host")
     assert (cpu.batched_tokens, cpu.num_seqs, cpu.device) == (256, 64, "cpu")
