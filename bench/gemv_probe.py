@@ -1,13 +1,19 @@
-"""Batch-1 decode GEMMs of Llama-3-8B: which torch/cuBLAS path streams the weights fastest.
+"""Batch-1 decode GEMMs: which kernels/gemv.py tile streams each projection's weights fastest, and cuBLAS beside.
 
-    python bench/gemv_probe.py
+    python bench/gemv_probe.py                                   # Llama-3-8B's projections, a few tiles, cuBLAS
+    python bench/gemv_probe.py --model qwen3-30b-a3b --model phi-4 --sweep --out bench/results/gemv.json
 
-Each variant runs inside a CUDA graph, 4 weight copies in rotation so the 60 MB L2 holds none of them;
-GB/s counts the weight bytes read once. Prints one row per (shape, variant).
+Shapes come from the model presets (gpu_backend/models/presets.py): qkv, o, gate_up, down, lm_head, and the MoE
+router. Each variant runs inside a CUDA graph over enough weight copies (at least 4, at least 256 MB in all) that
+the 50-60 MB L2 holds none of them, as in a step where every layer's weights are new; GB/s counts the weight bytes
+read once. `--sweep` times every (BLOCK_N, BLOCK_K, num_warps) of a grid and prints the best per shape beside the
+one the GPU runner uses now (`gpu_runner.GpuRunnerConfig.gemv_projections` / kernels/gemv.gemv_config).
 """
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -16,30 +22,69 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_backend.models.presets import preset_config  # noqa: E402
 from kernels.device_check import time_us  # noqa: E402  (replays `reps` captured calls in one graph)
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "lm_head": (128256, 4096)}
+FEW = ((4, 512, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 256, 4), (8, 512, 8), (32, 256, 8))
+SWEEP = tuple(itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8)))
+
+
+def projections(name: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each batch-1 GEMV of preset `name`."""
+    c = preset_config(name)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q), "lm_head": (c.vocab_size, c.hidden_size)}
+    if c.num_experts:
+        shapes["router"] = (c.num_experts, c.hidden_size)
+    else:
+        shapes.update(gate_up=(2 * c.intermediate_size, c.hidden_size), down=(c.hidden_size, c.intermediate_size))
+    return shapes
 
 
 def main() -> None:
-    for name, (n, k) in SHAPES.items():
-        # each captured call takes the next of 4 copies, so the graph streams weights L2 cannot hold
-        ws = itertools.cycle([torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)])
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        x8 = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
-        variants = {"F.linear M=1": lambda: F.linear(x, next(ws)), "F.linear M=8": lambda: F.linear(x8, next(ws))}
-        from kernels.gemv import gemv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", help="a preset (repeat); default llama-3-8b")
+    ap.add_argument("--sweep", action="store_true", help="every tile of the grid, not a few")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args()
+    from gpu_backend.engine.gpu_runner import GpuRunnerConfig
+    from kernels.gemv import gemv, gemv_config
 
-        for cfg in ((4, 512, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 256, 4), (8, 512, 8), (32, 256, 8)):
-            us = time_us(lambda c=cfg: gemv(x, next(ws), config=c))
-            print(f"{name:8s} triton   gemv {str(cfg):14s} {us:8.1f} us {n * k * 2 / us / 1e3:7.0f} GB/s", flush=True)
-        for lib in ("cublas",):
-            torch.backends.cuda.preferred_blas_library(lib)
-            for vname, fn in variants.items():
-                us = time_us(fn)
-                print(f"{name:8s} {lib:8s} {vname:14s} {us:8.1f} us {n * k * 2 / us / 1e3:7.0f} GB/s", flush=True)
-        torch.backends.cuda.preferred_blas_library("cublas")
+    current = dict(GpuRunnerConfig.gemv_projections)
+    rows, seen = [], set()
+    for model in args.model or ["llama-3-8b"]:
+        for name, (n, k) in projections(model).items():
+            if (n, k) in seen:
+                continue
+            seen.add((n, k))
+            copies = max(4, -(-(256 << 20) // (n * k * 2)))
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            turn = itertools.cycle(ws)
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+            timed = {}
+            for cfg in SWEEP if args.sweep else FEW:
+                if cfg[0] * cfg[1] > 16384:  # the accumulator tile: too many registers a thread
+                    continue
+                timed[cfg] = time_us(lambda c=cfg: gemv(x, next(turn), out=out, config=c), reps=copies)
+            cublas = time_us(lambda: F.linear(x, next(turn)), reps=copies)
+            best = min(timed, key=timed.get)
+            now = current.get(name), gemv_config(n, k)
+            row = {"model": model, "projection": name, "n": n, "k": k, "mb": n * k * 2 / 1e6,
+                   "best": list(best), "best_us": timed[best], "cublas_us": cublas,
+                   "runner_config": list(now[0]) if now[0] else None,
+                   "runner_us": timed.get(now[0]) if now[0] else None,
+                   "rule_config": list(now[1]), "rule_us": timed.get(now[1]),
+                   "all": {str(c): round(us, 2) for c, us in sorted(timed.items(), key=lambda kv: kv[1])[:12]}}
+            rows.append(row)
+            gbps = lambda us: n * k * 2 / us / 1e3  # noqa: E731
+            print(f"{model:14s} {name:8s} {n:6d} x {k:5d}: best {str(best):15s} {timed[best]:7.1f} us "
+                  f"{gbps(timed[best]):5.0f} GB/s | runner {str(now[0]):15s} {row['runner_us'] or float('nan'):7.1f} | "
+                  f"rule {str(now[1]):15s} {row['rule_us'] or float('nan'):7.1f} | cuBLAS {cublas:7.1f} us", flush=True)
+            del ws
+    if args.out:
+        Path(args.out).write_text(json.dumps({"bench": "gemv_probe", "gpu": torch.cuda.get_device_name(),
+                                              "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

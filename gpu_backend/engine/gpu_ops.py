@@ -26,14 +26,14 @@ class TritonOps:
         self.tp = tp  # kernels/tp_comm.RankComm under tensor parallelism, else None
 
     def linear(self, name: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        config = self.gemv.get(name) if x.shape[0] == 1 else None
+        one_token = x.shape[0] == 1  # a read of the weights: kernels/gemv.py, the tile by shape or overridden
         if isinstance(weight, Fp8Weight):
-            if x.shape[0] == 1:  # weight-only at one token: the step is a read of the FP8 rows
-                n, k, warps = config or self.k["gemv_default"]
+            if one_token:  # weight-only: the step is a read of the FP8 rows
+                n, k, warps = self.gemv.get(name) or self.k["gemv_config"](*weight.q.shape)
                 return self.k["gemv"](x, weight.q, bias, config=(n, 2 * k, warps), scale=weight.scale)  # same bytes
             return fp8_linear(x, weight, bias, quantize=self.k["fp8_quant"], weight_only_mm=self.k["fp8_w8a16"])
-        if config is not None:
-            return self.k["gemv"](x, weight, bias, config=config)
+        if one_token:
+            return self.k["gemv"](x, weight, bias, config=self.gemv.get(name))
         return F.linear(x, weight, bias)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

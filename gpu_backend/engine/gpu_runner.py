@@ -84,12 +84,10 @@ class GpuRunnerConfig:
     # penalties, logit bias, logprobs: a third graph per bucket, the logits buffer, memory for the eager part
     sampling_extensions: bool = True
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3, unscaled (vLLM's default scale 1.0)
-    # projections that a one-token step runs through kernels/gemv.py instead of cuBLAS, with the
-    # (BLOCK_N, BLOCK_K, num_warps) that streamed Llama-3-8B's shapes fastest on an H200 (bench/NOTES.md); the MoE
-    # router (128 x 2048 on Qwen3-30B-A3B) took cuBLAS 5 us a layer on an H100: narrow rows give it 32 programs
-    gemv_projections: tuple[tuple[str, tuple[int, int, int]], ...] = (
-        ("qkv", (8, 512, 4)), ("o", (8, 512, 4)), ("gate_up", (16, 256, 4)), ("down", (8, 512, 8)),
-        ("lm_head", (16, 256, 4)), ("router", (4, 512, 4)))
+    # a one-token step runs every projection through kernels/gemv.py (cuBLAS streams narrow matrices well under
+    # the copy bandwidth), with the tile kernels/gemv.gemv_config picks by shape; here (name, (BLOCK_N, BLOCK_K,
+    # num_warps)) pairs override it per projection (qkv, o, gate_up, down, lm_head, router) for experiments
+    gemv_projections: tuple[tuple[str, tuple[int, int, int]], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.05 <= self.gpu_memory_fraction <= 0.99:
@@ -121,7 +119,7 @@ class GpuRunner:
         from kernels import fp8_gemm, fp8_quant, gemv, moe
 
         self._k = dict(attn=paged_attention.paged_attention, rmsnorm=rmsnorm.rmsnorm, gemv=gemv.gemv,
-                       gemv_default=gemv.DEFAULT_CONFIG, fp8_quant=fp8_quant.quantize_tokens,
+                       gemv_config=gemv.gemv_config, fp8_quant=fp8_quant.quantize_tokens,
                        fp8_w8a16=fp8_gemm.fp8_weight_only_mm,
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
                        swiglu=swiglu.swiglu, sample=sampling.sample, moe=moe.fused_moe)
