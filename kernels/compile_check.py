@@ -115,7 +115,7 @@ def _qwen3_calls():
 
 def _moe_calls():
     """Qwen3-30B-A3B's experts (128 of hidden 2048, width 768, 8 per token) at decode and prefill sizes."""
-    from kernels.moe import fused_moe, max_row_blocks, moe_route_decode
+    from kernels.moe import fused_moe, max_row_blocks, moe_one_token, moe_route_decode
     bf = dict(dtype=torch.bfloat16)
     experts, hidden, inter = 128, 2048, 768
     gate_up, down = torch.zeros(experts, 2 * inter, hidden, **bf), torch.zeros(experts, hidden, inter, **bf)
@@ -125,6 +125,9 @@ def _moe_calls():
     # the one-launch routing at its widest (16 x 8 pairs; fused_moe stops using it at 32): registers, spills
     logits = torch.zeros(16, experts, **bf)
     yield "MoE routing T=16", lambda: moe_route_decode(logits, 8, True, 16, max_row_blocks(16, 8, experts, 16))
+    # one token: router + routing, gate_up, down in three launches
+    x, router = torch.zeros(1, hidden, **bf), torch.zeros(experts, hidden, **bf)
+    yield "MoE one token", lambda: moe_one_token(x, router, gate_up, down, 8, True)
 
 
 def main() -> int:

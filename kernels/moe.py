@@ -28,6 +28,10 @@ batch-1 step spent 110 + 116 + 188 us in launches 1-3 on an H100). On an H100 (c
 one launch takes 6.8 us at 1 token (three: 9.1) but 27.7 at 16 tokens (three: 16.7): its one program's sort
 grows with the pairs while the three launches spread them, so it is used up to 32 pairs (the crossing).
 
+A one-token step (batch-1 decode) takes `moe_one_token` instead, router GEMV included: three launches (router
+logits with the routing done by the last program to finish; the chosen experts' gate_up + SwiGLU as GEMVs; their
+down GEMVs weighted and summed in choice order), no sort, no block table, no combine; the same roundings.
+
 Weights read: only the experts some token chose (programs of experts without pairs load nothing); each
 chosen expert's tiles are read once per BLOCK_M of its pairs. Rounding follows the plain torch op
 (`gpu_backend/models/moe.py`): gate and up rounded to the activation dtype, silu rounded, their product
@@ -43,7 +47,7 @@ import triton
 import triton.language as tl
 
 from ._common import check, next_pow2, pdl_launch, pdl_on
-from .pdl import pdl_enter
+from .pdl import pdl_enter, pdl_release, pdl_wait
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _BLOCK_K = 64
@@ -244,6 +248,86 @@ def _combine_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.const
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _one_router_kernel(x_ptr, router_ptr, logits_ptr, weights_ptr, ids_ptr, done_ptr, num_experts, hidden,
+                       router_stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One token: program e computes router logit e (a GEMV row, rounded to the activation dtype as F.linear
+    would); the last program to finish (a counter it resets) routes all of them (`_route_rows`)."""
+    pdl_wait(PDL)  # kernels/pdl.py
+    expert = tl.program_id(0)
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        ok = k < hidden
+        w = tl.load(router_ptr + expert.to(tl.int64) * router_stride + k, mask=ok, other=0.0)
+        acc += w.to(tl.float32) * tl.load(x_ptr + k, mask=ok, other=0.0).to(tl.float32)
+    pdl_release(PDL)
+    tl.store(logits_ptr + expert, tl.sum(acc, axis=0).to(logits_ptr.dtype.element_ty))
+    # acq_rel: the stores above are seen by whichever program comes last, and it sees all of them
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel") == num_experts - 1:
+        rows = tl.arange(0, 1)
+        top_w, top_id = _route_rows(logits_ptr, 0, rows, rows < 1, num_experts, 1, TOP_K, K_PAD, RENORMALIZE,
+                                    BLOCK_E)
+        slots = tl.arange(0, K_PAD)[None, :]
+        tl.store(weights_ptr + slots, top_w, mask=slots < TOP_K)
+        tl.store(ids_ptr + slots, top_id, mask=slots < TOP_K)
+        tl.store(done_ptr, 0)                             # ready for the next launch (which waits for this one)
+
+
+@triton.jit
+def _one_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, hidden, inter, w_stride_e, w_stride_n,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One token, program (j, n): h[j, n-block] = silu(gate_e x) * (up_e x), e = ids[j], rounded as
+    `_expert_gemm_kernel` rounds (gate and up to the activation dtype, silu, the product)."""
+    pdl_wait(PDL)  # kernels/pdl.py
+    j = tl.program_id(0)
+    expert = tl.load(ids_ptr + j).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    gate_rows = w_ptr + expert * w_stride_e + cols.to(tl.int64)[:, None] * w_stride_n
+    up_rows = gate_rows + inter * w_stride_n
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < hidden
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = col_ok[:, None] & k_ok[None, :]
+        acc += tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    pdl_release(PDL)
+    act = h_ptr.dtype.element_ty
+    gate = tl.sum(acc, axis=1).to(act).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32)
+    tl.store(h_ptr + j * inter + cols, (silu * tl.sum(acc_up, axis=1).to(act).to(tl.float32)).to(act), mask=col_ok)
+
+
+@triton.jit
+def _one_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, w_stride_e, w_stride_n,
+                     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One token, program n: out[n-block] = sum over j in order of weights[j] * (down_e h[j]), e = ids[j]: each
+    expert's rows rounded to the activation dtype, weighted and summed in float32, rounded once (what the down
+    GEMM and `_combine_kernel` do, in one launch)."""
+    pdl_wait(PDL)  # kernels/pdl.py
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    act = out_ptr.dtype.element_ty
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + j).to(tl.int64)
+        rows = w_ptr + expert * w_stride_e + cols.to(tl.int64)[:, None] * w_stride_n
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < inter
+            h = tl.load(h_ptr + j * inter + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * h
+        total += tl.sum(acc, axis=1).to(act).to(tl.float32) * tl.load(weights_ptr + j)
+    pdl_release(PDL)
+    tl.store(out_ptr + cols, total.to(act), mask=col_ok)
+
+
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int32), best first: softmax
     over all E in float32, top_k (ties to the lower id), weights renormalised to sum 1 when `renormalize`.
@@ -441,6 +525,60 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, experts_gate_up: tor
     weights, ids, sorted_pairs, _, _, *table = moe_route_decode(router_logits, top_k, renormalize, bm, row_blocks)
     _check_experts(x, weights, ids, experts_gate_up, experts_down)
     return _expert_mlps(x, weights, sorted_pairs, table, bm, experts_gate_up, experts_down, None)
+
+
+_ONE_TOKEN_TILE = (2, 1024, 4)   # the experts' GEMVs: rows a program, K a step, warps (kernels/gemv.py's tile)
+_ONE_TOKEN_ROUTER = (1024, 8)     # the router: K a step, warps (kernels/gemv.py's tile under 512 rows)
+_done_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor,
+                  experts_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """A one-token step's whole mixture of experts, the router GEMV included, in three launches instead of
+    five (router GEMV, routing, gate_up, down, combine): (1) one program per expert computes its router logit
+    and the last to finish routes them (softmax, top_k, renormalised: `_route_rows`); (2) gate_up + SwiGLU of
+    the k chosen experts, a GEMV each, program (choice, rows); (3) the down GEMVs of the k experts, weighted
+    and summed in float32 in choice order, rounded once. At one token there is nothing to sort: each choice is
+    one row. The roundings are `fused_moe`'s (the sums' order within a row differs: GEMV, not tl.dot).
+    x [1, hidden]; router [E, hidden]; the experts as `moe_experts` takes them. -> [1, hidden].
+    Graph-capturable, no host sync; launch it once on a device before capturing it there (the first launch
+    makes the device's completion counter)."""
+    check("x", x, dtype=_DTYPES, shape=(1, None))
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous")
+    hidden = x.shape[1]
+    check("router", router, dtype=x.dtype, ndim=2, device=x.device)
+    num_experts = router.shape[0]
+    check("router", router, shape=(num_experts, hidden))
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts} (the experts), got {top_k}")
+    check("experts_gate_up", experts_gate_up, dtype=x.dtype, ndim=3, device=x.device)
+    inter = experts_gate_up.shape[1] // 2
+    check("experts_gate_up", experts_gate_up, shape=(num_experts, 2 * inter, hidden))
+    check("experts_down", experts_down, dtype=x.dtype, shape=(num_experts, hidden, inter), device=x.device)
+    done = _done_counters.get(x.device)
+    if done is None:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moe_one_token: launch it once on this device before capturing it in a CUDA graph")
+        done = _done_counters[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    logits = torch.empty(num_experts, dtype=x.dtype, device=x.device)
+    weights = torch.empty(top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(top_k, dtype=torch.int32, device=x.device)
+    h = torch.empty((top_k, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    pdl = dict(PDL=pdl_on(), **pdl_launch())
+    router_k, router_warps = _ONE_TOKEN_ROUTER
+    _one_router_kernel[(num_experts,)](x, router, logits, weights, ids, done, num_experts, hidden, router.stride(0),
+                                       TOP_K=top_k, K_PAD=next_pow2(top_k), RENORMALIZE=bool(renormalize),
+                                       BLOCK_E=next_pow2(num_experts), BLOCK_K=router_k, num_warps=router_warps, **pdl)
+    bn, bk, warps = _ONE_TOKEN_TILE
+    _one_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
+        x, experts_gate_up, ids, h, hidden, inter, experts_gate_up.stride(0), experts_gate_up.stride(1),
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl)
+    _one_down_kernel[(triton.cdiv(hidden, bn),)](
+        h, experts_down, ids, weights, out, hidden, inter, experts_down.stride(0), experts_down.stride(1),
+        TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, next_pow2(inter)), num_warps=warps, **pdl)
+    return out
 
 
 def _check_experts(x, weights, ids, gate_up, down) -> tuple[int, int, int, int]:

@@ -71,6 +71,9 @@ class TritonOps:
 
     def moe(self, x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor, experts_down: torch.Tensor,
             top_k: int, renormalize: bool) -> torch.Tensor:
-        # the routing stays on the GPU: kernels/moe.py groups the pairs by expert with fixed grids
+        # the routing stays on the GPU: kernels/moe.py groups the pairs by expert with fixed grids; one token
+        # needs no grouping: its router, routing and k experts' GEMVs take three launches (moe_one_token)
+        if x.shape[0] == 1:
+            return self.k["moe_one_token"](x, router, experts_gate_up, experts_down, top_k, renormalize)
         logits = self.linear("router", x, router)                             # [T, E]
         return self.k["moe"](x, logits, experts_gate_up, experts_down, top_k, renormalize)

@@ -122,7 +122,8 @@ class GpuRunner:
                        gemv_config=gemv.gemv_config, fp8_quant=fp8_quant.quantize_tokens,
                        fp8_w8a16=fp8_gemm.fp8_weight_only_mm,
                        add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
-                       swiglu=swiglu.swiglu, sample=sampling.sample, moe=moe.fused_moe)
+                       swiglu=swiglu.swiglu, sample=sampling.sample, moe=moe.fused_moe,
+                       moe_one_token=moe.moe_one_token)
         self.tp, self.follower = tp, tp is not None and not tp.is_leader
         if self.follower:
             config = dataclasses.replace(config, sampling_extensions=False)

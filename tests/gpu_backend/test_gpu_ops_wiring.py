@@ -67,7 +67,8 @@ def _moe(x, logits, gate_up, down, top_k, renormalize):
     return torch.stack(rows)
 
 
-KERNELS = dict(moe=_moe, rmsnorm=rms_norm, add_rmsnorm=lambda x, r, w, eps: (rms_norm(r + x, w, eps), r + x),
+KERNELS = dict(moe=_moe, moe_one_token=lambda x, router, *rest: _moe(x, F.linear(x, router), *rest),
+               rmsnorm=rms_norm, add_rmsnorm=lambda x, r, w, eps: (rms_norm(r + x, w, eps), r + x),
                rope_kv=_rope_kv, attn=_attn, swiglu=lambda gu: F.silu(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1],
                gemv=lambda x, w, b, config: F.linear(x, w, b))
 
@@ -107,7 +108,8 @@ def test_triton_ops_wiring_matches_the_torch_ops_step_by_step(model, engine):
 
 
 def test_triton_ops_wiring_of_a_moe_model_with_qk_norm():
-    """Qwen3-MoE: the per-head q/k norms and the moe op (router GEMM, then the fused kernel's contract)."""
+    """Qwen3-MoE: the per-head q/k norms and the moe ops (router GEMM, then the fused kernel's contract; at one
+    token the one-token path's, router included)."""
     cfg = tiny_cfg("qwen3_moe", max_position_embeddings=CONTEXT_LEN)
     torch.manual_seed(1)
     e = Engine((cfg, LlamaModel(cfg).eval()), num_blocks=24, budget=16, max_seqs=4, runner_cls=TwinRunner)

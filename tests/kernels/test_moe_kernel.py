@@ -8,7 +8,8 @@ pytest.importorskip("triton", reason="triton is not installed (CI may not instal
 
 from gpu_backend.models.moe import expert_mlp, moe_reference, route  # noqa: E402
 from kernels.moe import (ExpertTiles, block_m, expert_tiles, fused_moe, max_row_blocks, moe_align, moe_block_table,  # noqa: E402
-                         moe_experts, moe_route, moe_route_decode, route_decode_pays, route_in_one_launch)
+                         moe_experts, moe_one_token, moe_route, moe_route_decode, route_decode_pays,
+                         route_in_one_launch)
 
 
 def _experts(num_experts, hidden, inter, device, gen, dtype=torch.bfloat16):
@@ -224,3 +225,40 @@ def test_one_launch_routing_bounds():
     assert route_decode_pays(16, 2, 8) and not route_decode_pays(17, 2, 8) and not route_decode_pays(16, 2, 512)
     with pytest.raises(ValueError, match="moe_route_decode takes at most 128"):
         moe_route_decode(torch.zeros(32, 128), 8, True, 16, 64)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_one_token_path_matches_the_batched_kernels(device, renormalize):
+    """moe_one_token (router, routing, experts in three launches, GEMVs) against fused_moe after the router's
+    F.linear: the same experts chosen with the same weights, outputs within bf16 rounding; called again on new
+    inputs (the completion counter resets itself), with experts that get no token."""
+    gen = torch.Generator().manual_seed(11)
+    num_experts, top_k, hidden, inter = (16, 4, 64, 48) if device == "cpu" else (128, 8, 2048, 768)
+    gate_up, down = _experts(num_experts, hidden, inter, device, gen)
+    router = torch.randn(num_experts, hidden, generator=gen).mul(hidden ** -0.5).to(device, torch.bfloat16)
+    checked = 0
+    for _ in range(4):
+        x = torch.randn(1, hidden, generator=gen).to(device, torch.bfloat16)
+        if not _clear_rows(x, router, top_k)[0]:
+            continue                                      # a near-tie may route either way: not comparable
+        checked += 1
+        got = moe_one_token(x, router, gate_up, down, top_k, renormalize)
+        want = fused_moe(x, torch.nn.functional.linear(x, router), gate_up, down, top_k, renormalize)
+        ref = moe_reference(x, router, gate_up, down, top_k, renormalize)
+        assert got.shape == x.shape and got.dtype == x.dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    assert checked >= 2
+
+
+def test_one_token_path_rejects_bad_arguments(device):
+    x = torch.zeros(1, 32, dtype=torch.bfloat16, device=device)
+    router = torch.zeros(4, 32, dtype=torch.bfloat16, device=device)
+    gate_up = torch.zeros(4, 2 * 16, 32, dtype=torch.bfloat16, device=device)
+    down = torch.zeros(4, 32, 16, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="x must have shape"):
+        moe_one_token(torch.zeros(2, 32, dtype=torch.bfloat16, device=device), router, gate_up, down, 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_one_token(x, router, gate_up, down, 5, True)
+    with pytest.raises(ValueError, match="experts_down"):
+        moe_one_token(x, router, gate_up, down[:, :16], 2, True)
