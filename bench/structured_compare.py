@@ -6,11 +6,12 @@ bench/device_structured.sh).
 Each pair is one workload and concurrency run twice: plain, then with every request under a `response_format`.
 For each run: TPOT mean/P50/P99, output tok/s, tokens per request, how requests ended (a constrained one ends
 with `stop` when its JSON is complete, else `length`), the gateway's and the backend's CPU per token. Per pair:
-constrained over plain for TPOT and throughput (the issue's target: TPOT at most 1.03x), the gateway CPU a
-constrained token adds (mask work), and how many constrained streams one gateway core sustains at the
-measured TPOT (a core's second over the CPU seconds one stream costs per second). The gateway's CPU over a run
-includes what it spends idle (polling the ring), so per token it overstates at low token rates; the constrained
-minus plain difference is the mask work where both runs went at about the same rate.
+constrained over plain for TPOT and throughput (the issue's target: TPOT at most 1.03x), the mask work per
+constrained token (the CPU of the gateway's grammar threads, `grammar-*`, in every worker: `blink bench` records
+the gateway tree's CPU by thread; older files without it: constrained minus plain gateway CPU, which the
+poller's spinning for plain streams alone can drive below zero), and how many constrained streams one gateway
+core sustains at the measured TPOT, with all their gateway work (which includes its idle polling, so it
+understates at low token rates) and with their mask work alone.
 """
 from __future__ import annotations
 
@@ -30,6 +31,19 @@ TPOT_TARGET_X = 1.03
 def _cpu_per_token(doc: dict, name: str) -> float | None:
     figures = doc.get("server", {}).get(name) or {}
     return figures.get("cpu_s_per_token") if figures.get("available") else None
+
+
+MASK_THREADS = "grammar-"  # the gateway's grammar threads: gateway/structured (mask pools, the mask watcher)
+
+
+def _mask_cpu_per_token(doc: dict) -> float | None:
+    """CPU seconds the gateway's grammar threads (every worker's mask pools and mask watcher) ran, per generated
+    token: the mask work itself, apart from the poller's and the HTTP work (which the plain run has too)."""
+    figures = doc.get("server", {}).get("gateway_cpu") or {}
+    threads, tokens = figures.get("per_thread_cpu_s"), figures.get("generated_tokens")
+    if not figures.get("available") or threads is None or not tokens:
+        return None
+    return sum(v for name, v in threads.items() if name.startswith(MASK_THREADS)) / tokens
 
 
 def finish_reasons(path: Path) -> dict:
@@ -55,6 +69,7 @@ def figures(path: Path) -> dict:
             "tpot_mean_ms": m["tpot_ms"]["mean"], "tpot_p50_ms": m["tpot_ms"]["median"],
             "tpot_p99_ms": m["tpot_ms"]["p99"], "output_tok_s": m["output_throughput_tok_s"],
             "gateway_cpu_s_per_token": _cpu_per_token(doc, "gateway_cpu"),
+            "mask_threads_cpu_s_per_token": _mask_cpu_per_token(doc),
             "backend_cpu_s_per_token": _cpu_per_token(doc, "cpu"), "finish_reasons": finish_reasons(Path(path)),
             "gpus": doc.get("environment", {}).get("gpus"), "commit": doc.get("environment", {}).get("commit")}
 
@@ -66,15 +81,24 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def compare(plain: dict, constrained: dict) -> dict:
     """Constrained over plain, the mask's gateway CPU per token, and streams per gateway core."""
     gw_plain, gw_con = plain["gateway_cpu_s_per_token"], constrained["gateway_cpu_s_per_token"]
-    mask_cpu_us = (gw_con - gw_plain) * 1e6 if gw_plain is not None and gw_con is not None else None
+    # the grammar threads' own CPU per token where the run recorded threads; else constrained minus plain (which
+    # the poller's spinning for plain streams, not for constrained ones, can drive below zero)
+    mask_s = constrained.get("mask_threads_cpu_s_per_token")
+    if mask_s is None and gw_plain is not None and gw_con is not None:
+        mask_s = gw_con - gw_plain
+    mask_cpu_us = mask_s * 1e6 if mask_s is not None else None
     tpot_s = (constrained["tpot_mean_ms"] or 0) / 1000
-    streams = tpot_s / gw_con if gw_con and tpot_s else None  # one stream costs gw_con / tpot_s core-s per second
+    # one stream costs gw_con / tpot_s core-seconds a second, everything counted (the HTTP and polling work too);
+    # its mask work alone mask_s / tpot_s
+    streams = tpot_s / gw_con if gw_con and tpot_s else None
+    mask_streams = tpot_s / mask_s if mask_s and mask_s > 0 and tpot_s else None
     keys = ("tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "output_tok_s")
     ratios = {k: _ratio(constrained[k], plain[k]) for k in keys}
     return {"concurrency": plain["concurrency"], "plain": plain, "constrained": constrained,
             "constrained_over_plain": ratios, "tpot_mean_within_target": ratios["tpot_mean_ms"] is not None
             and ratios["tpot_mean_ms"] <= TPOT_TARGET_X, "mask_gateway_cpu_us_per_token": mask_cpu_us,
-            "constrained_streams_per_gateway_core": streams}
+            "mask_from_threads": constrained.get("mask_threads_cpu_s_per_token") is not None,
+            "constrained_streams_per_gateway_core": streams, "mask_work_streams_per_core": mask_streams}
 
 
 COLUMNS = [("label", 28), ("conc", 5), ("ok/n", 8), ("tok/req", 8), ("TPOT mean", 10), ("TPOT p50", 9),
@@ -102,9 +126,10 @@ def ratio_line(pair: dict) -> str:
     return (f"  constrained/plain at concurrency {pair['concurrency']}: TPOT mean {_fmt(r['tpot_mean_ms'], 3)}x "
             f"(target <= {TPOT_TARGET_X}x), P50 {_fmt(r['tpot_p50_ms'], 3)}x, P99 {_fmt(r['tpot_p99_ms'], 3)}x, "
             f"tok/s {_fmt(r['output_tok_s'], 3)}x; mask work on the gateway "
-            f"{_fmt(pair['mask_gateway_cpu_us_per_token'])} us/token; "
-            f"{_fmt(pair['constrained_streams_per_gateway_core'], 0)} constrained streams per gateway core "
-            f"at this TPOT")
+            f"{_fmt(pair['mask_gateway_cpu_us_per_token'])} us/token "
+            f"({'its grammar threads' if pair['mask_from_threads'] else 'constrained minus plain'}); "
+            f"{_fmt(pair['constrained_streams_per_gateway_core'], 0)} constrained streams per gateway core at this "
+            f"TPOT with all their gateway work, {_fmt(pair['mask_work_streams_per_core'], 0)} with their mask work")
 
 
 def table(pairs: list[dict]) -> str:

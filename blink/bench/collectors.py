@@ -4,9 +4,9 @@ Each collector has `start()` and `stop(generated_tokens) -> dict`; one that cann
 `{"available": False, "reason": "not available: <why>"}` instead of failing.
 - `CpuCollector`: user + system CPU seconds of a process and all its descendants, from
   /proc/PID/stat (utime, stime, and cutime/cstime for descendants that exited and were reaped in the
-  window), per generated token; and where it goes, by thread name (`per_thread_cpu_s`, from each thread's
-  /proc/PID/task/TID/schedstat run time in nanoseconds, so milliseconds show: which threads a backend's
-  steady CPU comes from).
+  window), per generated token; and where it goes, by thread name over the whole tree (`per_thread_cpu_s`, from
+  each thread's /proc/PID/task/TID/schedstat run time in nanoseconds, so milliseconds show: which threads a
+  backend's steady CPU comes from, or a gateway's workers' grammar threads).
 - `NvmlCollector`: `nvmlDeviceGetTotalEnergyConsumption` delta (mJ) per generated token, summed over the
   GPUs, and GPU utilisation sampled every `interval_s` on a thread.
 - `roofline`: achieved GB/s of a decode step against a copy bandwidth (BENCH.md "Roofline").
@@ -100,9 +100,9 @@ def thread_run_ns(pid: int) -> dict[int, tuple[str, int]]:
     return threads
 
 
-def threads_cpu_s(start: dict[int, tuple[str, int]], end: dict[int, tuple[str, int]]) -> dict[str, float]:
-    """CPU seconds per thread name between two `thread_run_ns` snapshots (threads of one name summed; a thread
-    that ended in between is not counted here), largest first."""
+def threads_cpu_s(start: dict, end: dict) -> dict[str, float]:
+    """CPU seconds per thread name between two snapshots of `thread_run_ns` (keyed by tid) or of a tree (keyed by
+    (pid, tid)): threads of one name summed, a thread that ended in between not counted here; largest first."""
     by_name: dict[str, float] = {}
     for tid, (name, run_ns) in end.items():
         before = start.get(tid, (name, 0))[1]
@@ -111,7 +111,7 @@ def threads_cpu_s(start: dict[int, tuple[str, int]], end: dict[int, tuple[str, i
 
 
 class CpuCollector:
-    """CPU seconds of a process tree over the window, per generated token; the root process's by thread."""
+    """CPU seconds of a process tree over the window, per generated token; by thread name over the tree."""
 
     def __init__(self, pid: int):
         self.pid = pid
@@ -121,14 +121,18 @@ class CpuCollector:
     def _snapshot(self) -> dict[int, float]:
         return {p: cpu_seconds(p) for p in process_tree(self.pid)}
 
+    def _tree_threads(self) -> dict[tuple[int, int], tuple[str, int]]:
+        """(pid, tid) -> (thread name, run ns) over the process tree: a gateway's workers are child processes."""
+        return {(p, tid): v for p in process_tree(self.pid) for tid, v in thread_run_ns(p).items()}
+
     def start(self) -> None:
         self._start = self._snapshot()
-        self._threads = thread_run_ns(self.pid)
+        self._threads = self._tree_threads()
 
     def stop(self, generated_tokens: int) -> dict:
         if not Path(f"/proc/{self.pid}").exists():
             return {"available": False, "reason": f"not available: process {self.pid} is gone"}
-        end, threads = self._snapshot(), thread_run_ns(self.pid)
+        end, threads = self._snapshot(), self._tree_threads()
         per_pid = {p: end[p] - self._start.get(p, 0.0) for p in end}
         cpu_s = sum(per_pid.values())
         return {"available": True, "pid": self.pid, "num_processes": len(end), "cpu_s": cpu_s,

@@ -64,6 +64,23 @@ def test_cpu_collector_names_the_threads_its_cpu_went_to():
     assert list(threads)[0] == "spinner"  # largest first
 
 
+def test_cpu_collector_names_the_threads_of_its_child_processes_too():
+    """A gateway's grammar threads live in its worker processes: the tree's threads are counted by name."""
+    parent = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'import sys; exec(sys.stdin.read())'; sleep 30"],
+                              stdin=subprocess.PIPE)
+    try:
+        c = CpuCollector(parent.pid)
+        c.start()
+        parent.stdin.write(SPIN_NAMED.replace("time.sleep(30)", "time.sleep(3)").encode())
+        parent.stdin.close()
+        time.sleep(1.5)
+        out = c.stop(generated_tokens=1)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert out["per_thread_cpu_s"].get("spinner", 0) >= 0.25, out["per_thread_cpu_s"]
+
+
 @pytest.mark.slow
 def test_cpu_collector_attributes_generation_to_the_backend(live_server, backend_pid):
     gateway = [p for p in process_tree(live_server.proc.pid)[1:] if b"gateway" in cmdline(p)]
