@@ -36,14 +36,21 @@ def _cpu_per_token(doc: dict, name: str) -> float | None:
 MASK_THREADS = "grammar-"  # the gateway's grammar threads: gateway/structured (mask pools, the mask watcher)
 
 
-def _mask_cpu_per_token(doc: dict) -> float | None:
-    """CPU seconds the gateway's grammar threads (every worker's mask pools and mask watcher) ran, per generated
-    token: the mask work itself, apart from the poller's and the HTTP work (which the plain run has too)."""
+def _mask_threads_per_token(doc: dict) -> dict[str, float] | None:
+    """CPU seconds per generated token of each of the gateway's grammar threads (every worker's): the mask pools
+    (`grammar-mask`, `grammar-slow`: mask steps only) and the mask watcher (`grammar-watch`: its looks at the
+    ring, which cost the more per token the slower tokens come, and the steps it runs inline). Apart from the
+    poller's and the HTTP work, which the plain run has too. None where the run recorded no threads."""
     figures = doc.get("server", {}).get("gateway_cpu") or {}
     threads, tokens = figures.get("per_thread_cpu_s"), figures.get("generated_tokens")
     if not figures.get("available") or threads is None or not tokens:
         return None
-    return sum(v for name, v in threads.items() if name.startswith(MASK_THREADS)) / tokens
+    return {name: v / tokens for name, v in threads.items() if name.startswith(MASK_THREADS)}
+
+
+def _mask_cpu_per_token(doc: dict) -> float | None:
+    by_thread = _mask_threads_per_token(doc)
+    return sum(by_thread.values()) if by_thread is not None else None
 
 
 def finish_reasons(path: Path) -> dict:
@@ -70,6 +77,7 @@ def figures(path: Path) -> dict:
             "tpot_p99_ms": m["tpot_ms"]["p99"], "output_tok_s": m["output_throughput_tok_s"],
             "gateway_cpu_s_per_token": _cpu_per_token(doc, "gateway_cpu"),
             "mask_threads_cpu_s_per_token": _mask_cpu_per_token(doc),
+            "mask_threads_by_name_s_per_token": _mask_threads_per_token(doc),
             "backend_cpu_s_per_token": _cpu_per_token(doc, "cpu"), "finish_reasons": finish_reasons(Path(path)),
             "gpus": doc.get("environment", {}).get("gpus"), "commit": doc.get("environment", {}).get("commit")}
 
@@ -127,9 +135,16 @@ def ratio_line(pair: dict) -> str:
             f"(target <= {TPOT_TARGET_X}x), P50 {_fmt(r['tpot_p50_ms'], 3)}x, P99 {_fmt(r['tpot_p99_ms'], 3)}x, "
             f"tok/s {_fmt(r['output_tok_s'], 3)}x; mask work on the gateway "
             f"{_fmt(pair['mask_gateway_cpu_us_per_token'])} us/token "
-            f"({'its grammar threads' if pair['mask_from_threads'] else 'constrained minus plain'}); "
+            f"({_mask_source(pair)}); "
             f"{_fmt(pair['constrained_streams_per_gateway_core'], 0)} constrained streams per gateway core at this "
             f"TPOT with all their gateway work, {_fmt(pair['mask_work_streams_per_core'], 0)} with their mask work")
+
+
+def _mask_source(pair: dict) -> str:
+    by_name = pair["constrained"].get("mask_threads_by_name_s_per_token")
+    if not pair["mask_from_threads"] or by_name is None:
+        return "constrained minus plain"
+    return "its grammar threads: " + ", ".join(f"{n} {v * 1e6:.1f}" for n, v in sorted(by_name.items()) if v) or "-"
 
 
 def table(pairs: list[dict]) -> str:

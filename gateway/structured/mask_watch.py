@@ -43,7 +43,7 @@ from protocols import ring as R
 from protocols.native_build import cached_build
 
 from ..streaming.stream_round import FLAGS, c_compiler, cache_dir
-from .mask_loop import MaskLoop
+from .mask_loop import MaskLoop, name_os_thread
 
 log = logging.getLogger("blink.gateway.structured")
 
@@ -176,6 +176,7 @@ class MaskWatch:
         return len(self._loops)
 
     def _run(self) -> None:
+        name_os_thread("grammar-watch")
         wait = native_wait() if self.native else None
         while True:
             if not self._loops:

@@ -58,7 +58,7 @@ def test_the_mask_work_is_the_grammar_threads_cpu_where_the_run_recorded_threads
     streams): the difference says -30 us, the grammar threads' own CPU says what the masks cost."""
     plain = _run(tmp_path, "plain", 10.0, 1600.0, 100e-6, ["length"] * 4)
     threads = {"python3": 0.030, "grammar-mask_0": 0.0128, "grammar-mask_1": 0.0064, "grammar-watch": 0.0064,
-               "grammar-mask-sl": 0.0}
+               "grammar-slow": 0.0}
     con = _run(tmp_path, "json", 10.4, 1500.0, 70e-6, ["length"] * 4,
                {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, threads)
     out = tmp_path / "cmp.json"
@@ -68,4 +68,5 @@ def test_the_mask_work_is_the_grammar_threads_cpu_where_the_run_recorded_threads
     assert pair["mask_gateway_cpu_us_per_token"] == pytest.approx(0.0256 / 512 * 1e6)  # 50 us a token
     assert pair["mask_work_streams_per_core"] == pytest.approx(10.4e-3 / 50e-6)
     assert pair["constrained_streams_per_gateway_core"] == pytest.approx(10.4e-3 / 70e-6)
-    assert "50.0 us/token (its grammar threads)" in capsys.readouterr().out
+    assert "50.0 us/token (its grammar threads: grammar-mask_0 25.0, grammar-mask_1 12.5, grammar-watch 12.5)" \
+        in capsys.readouterr().out

@@ -207,3 +207,17 @@ def test_a_constrained_stream_never_goes_to_the_native_round():
     asked = []
     assert native.go(handle, 0, True, b"", b"", None, 0, lambda: asked.append(1), lambda taken: None) is False
     assert not asked  # refused before the stream's state was even asked for
+
+
+def test_the_grammar_threads_carry_their_names_to_the_os():
+    """`blink bench` counts a gateway's CPU by OS thread name (/proc's comm): the mask pools' threads are named."""
+    import sys
+    from pathlib import Path
+
+    from gateway.structured.mask_loop import mask_pool
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("thread names through /proc are Linux's")
+    for slow, name in ((False, "grammar-mask"), (True, "grammar-slow")):
+        comm = mask_pool(slow).submit(lambda: Path("/proc/thread-self/comm").read_text().strip()).result(timeout=5)
+        assert comm == name
