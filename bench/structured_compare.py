@@ -48,11 +48,6 @@ def _mask_threads_per_token(doc: dict) -> dict[str, float] | None:
     return {name: v / tokens for name, v in threads.items() if name.startswith(MASK_THREADS)}
 
 
-def _mask_cpu_per_token(doc: dict) -> float | None:
-    by_thread = _mask_threads_per_token(doc)
-    return sum(by_thread.values()) if by_thread is not None else None
-
-
 def finish_reasons(path: Path) -> dict:
     """How the run's requests ended, from the records beside the summary (empty where they are gone)."""
     try:
@@ -69,15 +64,15 @@ def _ended(record: dict) -> str:
 def figures(path: Path) -> dict:
     """The figures of one run."""
     doc = json.loads(Path(path).read_text())
-    m = doc["metrics"]
+    m, mask_threads = doc["metrics"], _mask_threads_per_token(doc)
     return {"label": doc["label"], "file": Path(path).name, "constrained": bool(doc.get("response_format")),
             "concurrency": doc["arrivals"].get("max_concurrency"), "completed": m["completed"],
             "num_requests": m["num_requests"], "tokens_per_request": m["total_output_tokens"] / max(m["completed"], 1),
             "tpot_mean_ms": m["tpot_ms"]["mean"], "tpot_p50_ms": m["tpot_ms"]["median"],
             "tpot_p99_ms": m["tpot_ms"]["p99"], "output_tok_s": m["output_throughput_tok_s"],
             "gateway_cpu_s_per_token": _cpu_per_token(doc, "gateway_cpu"),
-            "mask_threads_cpu_s_per_token": _mask_cpu_per_token(doc),
-            "mask_threads_by_name_s_per_token": _mask_threads_per_token(doc),
+            "mask_threads_cpu_s_per_token": sum(mask_threads.values()) if mask_threads is not None else None,
+            "mask_threads_by_name_s_per_token": mask_threads,
             "backend_cpu_s_per_token": _cpu_per_token(doc, "cpu"), "finish_reasons": finish_reasons(Path(path)),
             "gpus": doc.get("environment", {}).get("gpus"), "commit": doc.get("environment", {}).get("commit")}
 

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from ._common import check, next_pow2, pdl_launch, pdl_on
+from .gemv import DEFAULT_CONFIG, gemv_config
 from .pdl import pdl_enter, pdl_release, pdl_wait
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -346,9 +347,13 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
 def _check_route(router_logits: torch.Tensor, top_k: int) -> tuple[int, int]:
     check("router_logits", router_logits, dtype=(*_DTYPES, torch.float32), ndim=2)
     num_tokens, num_experts = router_logits.shape
+    _check_top_k(top_k, num_experts)
+    return num_tokens, num_experts
+
+
+def _check_top_k(top_k: int, num_experts: int) -> None:
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k must be in 1..{num_experts} (the experts), got {top_k}")
-    return num_tokens, num_experts
 
 
 def route_in_one_launch(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -527,8 +532,6 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, experts_gate_up: tor
     return _expert_mlps(x, weights, sorted_pairs, table, bm, experts_gate_up, experts_down, None)
 
 
-_ONE_TOKEN_TILE = (2, 1024, 4)   # the experts' GEMVs: rows a program, K a step, warps (kernels/gemv.py's tile)
-_ONE_TOKEN_ROUTER = (1024, 8)     # the router: K a step, warps (kernels/gemv.py's tile under 512 rows)
 _done_counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -550,12 +553,10 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     check("router", router, dtype=x.dtype, ndim=2, device=x.device)
     num_experts = router.shape[0]
     check("router", router, shape=(num_experts, hidden))
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k must be in 1..{num_experts} (the experts), got {top_k}")
-    check("experts_gate_up", experts_gate_up, dtype=x.dtype, ndim=3, device=x.device)
-    inter = experts_gate_up.shape[1] // 2
-    check("experts_gate_up", experts_gate_up, shape=(num_experts, 2 * inter, hidden))
-    check("experts_down", experts_down, dtype=x.dtype, shape=(num_experts, hidden, inter), device=x.device)
+    _check_top_k(top_k, num_experts)
+    if _check_expert_weights(x, experts_gate_up, experts_down)[0] != num_experts:
+        raise ValueError(f"router has {num_experts} experts, experts_gate_up {experts_gate_up.shape[0]}")
+    inter = experts_down.shape[2]
     done = _done_counters.get(x.device)
     if done is None:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -567,11 +568,11 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     h = torch.empty((top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     pdl = dict(PDL=pdl_on(), **pdl_launch())
-    router_k, router_warps = _ONE_TOKEN_ROUTER
+    _, router_k, router_warps = gemv_config(num_experts, hidden)  # one row a program: kernels/gemv.py's narrow tile
     _one_router_kernel[(num_experts,)](x, router, logits, weights, ids, done, num_experts, hidden, router.stride(0),
                                        TOP_K=top_k, K_PAD=next_pow2(top_k), RENORMALIZE=bool(renormalize),
                                        BLOCK_E=next_pow2(num_experts), BLOCK_K=router_k, num_warps=router_warps, **pdl)
-    bn, bk, warps = _ONE_TOKEN_TILE
+    bn, bk, warps = DEFAULT_CONFIG  # the experts' GEMVs: kernels/gemv.py's tile
     _one_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
         x, experts_gate_up, ids, h, hidden, inter, experts_gate_up.stride(0), experts_gate_up.stride(1),
         BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl)
@@ -581,13 +582,20 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     return out
 
 
-def _check_experts(x, weights, ids, gate_up, down) -> tuple[int, int, int, int]:
-    check("x", x, dtype=_DTYPES, ndim=2)
-    num_tokens, hidden = x.shape
+def _check_expert_weights(x, gate_up, down) -> tuple[int, int]:
+    """(experts, intermediate width) of gate_up [E, 2 I, hidden] (gate rows first) and down [E, hidden, I]."""
+    hidden = x.shape[1]
     check("experts_gate_up", gate_up, dtype=x.dtype, ndim=3, device=x.device)
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     check("experts_gate_up", gate_up, shape=(num_experts, 2 * inter, hidden))
     check("experts_down", down, dtype=x.dtype, shape=(num_experts, hidden, inter), device=x.device)
+    return num_experts, inter
+
+
+def _check_experts(x, weights, ids, gate_up, down) -> tuple[int, int, int, int]:
+    check("x", x, dtype=_DTYPES, ndim=2)
+    num_tokens, hidden = x.shape
+    num_experts, inter = _check_expert_weights(x, gate_up, down)
     check("ids", ids, dtype=torch.int32, ndim=2, device=x.device)
     top_k = ids.shape[1]
     check("ids", ids, shape=(num_tokens, top_k))
