@@ -30,7 +30,8 @@ grows with the pairs while the three launches spread them, so it is used up to 3
 
 A one-token step (batch-1 decode) takes `moe_one_token` instead, router GEMV included: three launches (router
 logits with the routing done by the last program to finish; the chosen experts' gate_up + SwiGLU as GEMVs; their
-down GEMVs weighted and summed in choice order), no sort, no block table, no combine; the same roundings.
+down GEMVs weighted and summed, the k experts loaded together), no sort, no block table, no combine; the same
+roundings.
 
 Weights read: only the experts some token chose (programs of experts without pairs load nothing); each
 chosen expert's tiles are read once per BLOCK_M of its pairs. Rounding follows the plain torch op
@@ -306,27 +307,33 @@ def _one_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, hidden, inter, w_stride_e,
 
 @triton.jit
 def _one_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, w_stride_e, w_stride_n,
-                     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """One token, program n: out[n-block] = sum over j in order of weights[j] * (down_e h[j]), e = ids[j]: each
-    expert's rows rounded to the activation dtype, weighted and summed in float32, rounded once (what the down
-    GEMM and `_combine_kernel` do, in one launch)."""
+                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
+    """One token, program n: out[n-block] = sum over j of weights[j] * (down_e h[j]), e = ids[j]: each expert's
+    rows rounded to the activation dtype, weighted and summed in float32, rounded once (what the down GEMM and
+    `_combine_kernel` do, in one launch). The k experts' rows load together, [K_PAD, BLOCK_N, BLOCK_K] a step,
+    so each step has k times the loads in flight of one expert's GEMV."""
     pdl_wait(PDL)  # kernels/pdl.py
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    act = out_ptr.dtype.element_ty
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        expert = tl.load(ids_ptr + j).to(tl.int64)
-        rows = w_ptr + expert * w_stride_e + cols.to(tl.int64)[:, None] * w_stride_n
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < inter
-            h = tl.load(h_ptr + j * inter + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * h
-        total += tl.sum(acc, axis=1).to(act).to(tl.float32) * tl.load(weights_ptr + j)
+    choice = tl.arange(0, K_PAD)
+    choice_ok = choice < TOP_K
+    experts = tl.load(ids_ptr + choice, mask=choice_ok, other=0).to(tl.int64)
+    rows = w_ptr + experts[:, None, None] * w_stride_e + cols.to(tl.int64)[None, :, None] * w_stride_n
+    row_ok = choice_ok[:, None, None] & col_ok[None, :, None]
+    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < inter
+        h = tl.load(h_ptr + choice[:, None] * inter + k[None, :], mask=choice_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(rows + k[None, None, :], mask=row_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
+        acc += w * h[:, None, :]
     pdl_release(PDL)
-    tl.store(out_ptr + cols, total.to(act), mask=col_ok)
+    act = out_ptr.dtype.element_ty
+    weights = tl.load(weights_ptr + choice, mask=choice_ok, other=0.0)
+    y = tl.sum(acc, axis=2).to(act).to(tl.float32) * weights[:, None]       # [K_PAD, BLOCK_N]
+    tl.store(out_ptr + cols, tl.sum(y, axis=0).to(act), mask=col_ok)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -541,7 +548,7 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     five (router GEMV, routing, gate_up, down, combine): (1) one program per expert computes its router logit
     and the last to finish routes them (softmax, top_k, renormalised: `_route_rows`); (2) gate_up + SwiGLU of
     the k chosen experts, a GEMV each, program (choice, rows); (3) the down GEMVs of the k experts, weighted
-    and summed in float32 in choice order, rounded once. At one token there is nothing to sort: each choice is
+    and summed in float32, rounded once. At one token there is nothing to sort: each choice is
     one row. The roundings are `fused_moe`'s (the sums' order within a row differs: GEMV, not tl.dot).
     x [1, hidden]; router [E, hidden]; the experts as `moe_experts` takes them. -> [1, hidden].
     Graph-capturable, no host sync; launch it once on a device before capturing it there (the first launch
@@ -576,9 +583,13 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     _one_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
         x, experts_gate_up, ids, h, hidden, inter, experts_gate_up.stride(0), experts_gate_up.stride(1),
         BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl)
+    # the down kernel loads the k experts' rows together: K per step divided among them keeps the GEMV tile's
+    # weights a step (on an H100, 4x or 1/2x that lost 3-14%: bench/NOTES.md)
+    k_pad = next_pow2(top_k)
+    down_k = min(max(bk // k_pad, 16), next_pow2(inter))
     _one_down_kernel[(triton.cdiv(hidden, bn),)](
         h, experts_down, ids, weights, out, hidden, inter, experts_down.stride(0), experts_down.stride(1),
-        TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, next_pow2(inter)), num_warps=warps, **pdl)
+        TOP_K=top_k, K_PAD=k_pad, BLOCK_N=bn, BLOCK_K=down_k, num_warps=warps, **pdl)
     return out
 
 

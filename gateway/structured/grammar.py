@@ -30,6 +30,15 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 PARSER_LIMITS = dict(step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=250_000,
                      max_grammar_size=500_000)
 
+# llguidance's slicer: token sets whose regex a lexer state accepts whole are added to the mask without walking
+# their tries. Its default (`general_slices`: string content of 1-10, 1-30 or any length) walks nearly the whole
+# vocabulary near the end of a bounded string (`maxLength`: 10 characters or fewer left); finer bounds let it
+# skip the tokens that still fit. Measured with bench/mask_cost.py (bench/RESULTS.md).
+_STRING_CHARS = r'[^"\\\x00-\x1F\x7F]'  # a JSON string's plain characters (llguidance's own slices use it)
+MASK_SLICES = [r"[\x20\x0A\x0D\x09]+",
+               *(f"{_STRING_CHARS}{{1,{n}}}" for n in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 30, 40, 60, 100)),
+               f"{_STRING_CHARS}+"]
+
 
 _compile_pool: ThreadPoolExecutor | None = None
 
@@ -116,7 +125,7 @@ class Grammars:
         with self._build_lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.LLTokenizer(self._hf_tokenizer.to_str(), n_vocab=self.vocab_size,
-                                                            eos_token=list(self.eos_ids))
+                                                            eos_token=list(self.eos_ids), slices=MASK_SLICES)
             return self._ll_tokenizer
 
     async def compile(self, constraint: Constraint) -> Compiled:

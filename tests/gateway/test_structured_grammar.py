@@ -96,6 +96,34 @@ def test_a_wider_ring_mask_pads_with_banned_tokens(byte_tokenizer, eos_id):
     assert len(words) == 64 and not words[mask_words(byte_tokenizer.get_vocab_size()):].any()
 
 
+def test_the_slicer_settings_never_change_a_mask(grammars, byte_tokenizer, eos_id):
+    """MASK_SLICES only skips trie walks: along random walks through bounded strings (every remaining length) and
+    free text, each mask is the one llguidance computes with no slicer at all."""
+    import llguidance
+    assert grammars.ll_tokenizer is not None and G.MASK_SLICES[-1] == llguidance.LLTokenizer.general_slices()[-1]
+    plain = Grammars(byte_tokenizer, byte_tokenizer.get_vocab_size(), [eos_id])
+    plain._ll_tokenizer = llguidance.LLTokenizer(byte_tokenizer.to_str(), n_vocab=byte_tokenizer.get_vocab_size(),
+                                                 eos_token=[eos_id], slices=[])
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 7},
+                                               "b": {"type": "string", "minLength": 2, "maxLength": 33},
+                                               "c": {"type": "array", "items": {"type": "string", "maxLength": 3}},
+                                               "d": {"type": "string"}}, "required": ["a", "b", "c", "d"]}
+    sampler, vocab = RandomSampler(byte_tokenizer, eos_id, seed=5), byte_tokenizer.get_vocab_size()
+    checked = 0
+    for walk in range(6):
+        ours = grammars.compile_sync(Constraint.json_schema(schema, "s")).new_matcher()
+        theirs = plain.compile_sync(Constraint.json_schema(schema, "s")).new_matcher()
+        for step in range(200):
+            words = grammars.mask_of(ours)
+            assert np.array_equal(words, plain.mask_of(theirs)), (walk, step)
+            checked += 1
+            if ours.is_stopped():
+                break
+            token = sampler.sample(words, step)
+            assert ours.consume_token(token) and theirs.consume_token(token)
+    assert checked > 60
+
+
 @pytest.mark.parametrize("constraint, says", [
     (Constraint.json_schema({"type": "bogus"}, "response_format.json_schema.schema"), "does not compile"),
     (Constraint.json_schema({"type": "object", "properties": {"a": {"type": 5}}}, "guided_json"), "does not compile"),
