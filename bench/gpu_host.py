@@ -267,7 +267,10 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
     """`batch_size` streams through the GPU-resident loop; times `decode_steps_wanted` all-decode steps
     (`window(True)` / `window(False)`, when given, is called as that window opens and closes)."""
     new_tokens = persistent_new_tokens(runner, batch_size, prompt_len, decode_steps_wanted)
-    ring = create_ring(f"blink-bench-pers-{os.getpid()}", RingGeometry(max(batch_size, 16), 4096, 4096), "bench")
+    masked = changes.get("token_mask") is not None  # constrained streams: this thread writes each next mask
+    geometry = RingGeometry(max(batch_size, 16), 4096, 4096,
+                            mask_words=len(changes["token_mask"]) // 4 if masked else 0)
+    ring = create_ring(f"blink-bench-pers-{os.getpid()}", geometry, "bench")
     engine = None
     try:
         prod = ShmProducer(attach_ring(ring.name))
@@ -277,12 +280,23 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
         engine.start()
         ctl = engine.ctl
         deadline, started = time.monotonic() + 300, set()
+        read = dict.fromkeys(slots, 0)  # tokens read per slot (masked: mask `read` is the one written last)
+
+        def read_all() -> set[int]:
+            """Poll every stream; a masked one gets its next mask (all tokens allowed) as its token is read, as
+            the gateway's mask loop would with a free grammar."""
+            fresh = set()
+            for s in slots:
+                got = len(prod.poll(s).tokens)
+                if got:
+                    fresh.add(s)
+                    read[s] += got
+                    if masked:
+                        prod.put_mask(s, read[s], changes["token_mask"])
+            return fresh
         while len(started) < batch_size:  # every stream has its first token: all of them decode from here
             assert time.monotonic() < deadline, "the loop made no progress"
-            started |= {s for s in slots if prod.poll(s).tokens}
-            if changes.get("num_logprobs") is not None:  # such streams run at most logprob_window ahead of reads
-                for s in slots:
-                    prod.poll(s)
+            started |= read_all()
             time.sleep(0.001)
         s0 = {k: getattr(ctl, k) for k in ("steps", "tokens", "busy_ns", "busy_steps", "sched_ns", "commit_ns",
                                            "schedule_ns", "fill_ns", "spec_hits", "spec_misses", "spec_ns", "gap_ns", "gap_steps")}
@@ -291,12 +305,11 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
         if window is not None:
             window(True)
         while ctl.steps < s0["steps"] + decode_steps_wanted:
-            if changes.get("num_logprobs") is None:
+            if changes.get("num_logprobs") is None and not masked:
                 time.sleep(0.25)  # the backend's own watcher wakes this often
                 continue
-            for s in slots:  # the reads that let logprob streams go on (busy time counts back-to-back steps only)
-                prod.poll(s)
-            time.sleep(0.0005)
+            read_all()  # logprob streams go on as they are read; masked ones wait for their masks
+            time.sleep(0.0002 if masked else 0.0005)  # (busy time counts back-to-back steps only)
         s1 = {k: getattr(ctl, k) for k in s0}
         c1, w1 = time.process_time(), time.perf_counter()
         t1 = thread_run_ns(os.getpid())
