@@ -52,7 +52,8 @@ _EXT = (
     Field("lp_ids", "const int32_t*", writer="host", doc="[2, S, lp_k] its best lp_k alternatives, descending"),
     Field("lp_vals", "const float*", writer="host", doc="[2, S, lp_k]"),
     Field("post_graphs", "void* const*", writer="host",
-          doc="host memory: [4 * num_buckets] cudaGraph_t, the plain branches' order"),
+          doc="host memory: [8 * num_buckets] cudaGraph_t, twice the plain branches' order: "
+              "the POST graphs with the logprobs, then without"),
     Field("flags", "uint32_t*", writer="host", doc="[N] per slot, at admission: BLINK_EXT_* bits"),
     Field("num_logprobs", "int32_t*", writer="host", doc="[N]"),
     Field("prompt_len", "int32_t*", writer="host", doc="[N]"),
@@ -70,7 +71,7 @@ _EXT = (
     *(Field(n, "uint32_t", writer="host") for n in ("vocab", "max_rows", "lp_k", "max_bias", "window",
                                                      "max_logprobs", "num_buckets", "context_len")),
     Field("num_rows", "uint32_t", 2, writer="loop", doc="sampled rows of the step in buffer b"),
-    Field("extended", "uint32_t", 2, writer="loop", doc="1: that step runs its extended branch"),
+    Field("extended", "uint32_t", 2, writer="loop", doc="that step runs its extended branch: 1 with the logprobs, 2 without (0: its plain one)"),
     Field("pub_buf", "uint32_t", writer="loop", doc="the buffer of the step whose tokens the next publish writes"),
     Field("mask_state", "int32_t*", writer="host",
           doc="[2, S] per sampled row of a masked slot: 0, TOKEN_WAIT or TOKEN_MASK_EMPTY (blink_ext_adjust)"),

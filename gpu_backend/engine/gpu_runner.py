@@ -35,12 +35,13 @@ them and the step time. With `use_graphs=False` the LOGITS step runs eagerly lik
 for the eager part (the engines then refuse such requests).
 
 For the persistent loop (`keep_graphs`) the extensions run inside the loop's graph, with no host work: each
-step buffer gets its LOGITS graphs and two more variants per bucket, `POST` and `POST_GREEDY`: the plain
-path's sampler (or argmax) over the adjusted logits, then each row's logprobs (log-softmax and the best
-LOOP_LOGPROBS alternatives) into that buffer's `loop_logprobs`. The loop runs LOGITS -> its own adjust
-kernel (kernels/csrc/include/blink_loop_ext.cuh, which reads `ext_scratch`) -> POST. That costs more capture
-(five graphs per bucket and buffer instead of two; the POST ones are small), `ext_scratch` (another max_num_seqs x V x 4 bytes) and
-the POST step's temporaries, measured at start-up like the eager part's.
+step buffer gets its LOGITS graphs and four more variants per bucket (POST_VARIANTS), `POST` and `POST_GREEDY`:
+the plain path's sampler (or argmax) over the adjusted logits, then each row's logprobs (log-softmax and the best
+LOOP_LOGPROBS alternatives) into that buffer's `loop_logprobs`; and the same two without the logprobs, for steps
+where no row asked for them (token masks, penalties, a logit bias alone). The loop runs LOGITS -> its own adjust
+kernel (kernels/csrc/include/blink_loop_ext.cuh, which reads `ext_scratch`) -> a POST. That costs more capture
+(seven graphs per bucket and buffer instead of two; the POST ones are small), `ext_scratch` (another
+max_num_seqs x V x 4 bytes) and the POST step's temporaries, measured at start-up like the eager part's.
 """
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ log = logging.getLogger("blink.gpu_runner")
 
 _GiB = 1 << 30
 LOGITS, POST, POST_GREEDY = GraphVariant.LOGITS, GraphVariant.POST, GraphVariant.POST_GREEDY
+# the persistent loop's POST graphs: with the logprobs, then the sampling alone (steps where no row asked for them)
+POST_VARIANTS = tuple(GraphVariant.post(greedy, logprobs) for logprobs in (True, False) for greedy in (False, True))
 LOOP_LOGPROBS = 20  # alternatives per row that POST computes (OpenAI's top_logprobs limit)
 
 
@@ -239,8 +242,9 @@ class GpuRunner:
 
     def _step_kernels(self, num_tokens: int, variant: GraphVariant) -> None:
         s = self.config.seqs_in(num_tokens)
-        if variant in (POST, POST_GREEDY):
-            self._post(s, variant is POST_GREEDY)
+        if variant.is_post:
+            greedy = variant in (POST_GREEDY, GraphVariant.POST_GREEDY_NO_LOGPROBS)
+            self._post(s, greedy, logprobs=variant in (POST, POST_GREEDY))
             return
         if self.tp is not None:
             self._tp_start(num_tokens)
@@ -279,12 +283,15 @@ class GpuRunner:
             self._k["sample"](logits, d["temperature"][:s], d["top_k"][:s], d["top_p"][:s], d["min_p"][:s],
                               d["seeds"][:s], d["sample_pos"][:s], out=self.tokens_dev[:s])
 
-    def _post(self, s: int, greedy: bool) -> None:
+    def _post(self, s: int, greedy: bool, logprobs: bool = True) -> None:
         """The persistent loop's POST: sampling over the adjusted logits_dev[:s] as `_step_extended` does,
-        then every row's logprobs as `token_logprobs` computes them, into loop_logprobs[this step buffer]
-        (the loop publishes the rows that asked)."""
+        then (`logprobs`) every row's logprobs as `token_logprobs` computes them, into loop_logprobs[this step
+        buffer] (the loop publishes the rows that asked). Without them a step's POST is the sampler alone: the
+        log-softmax and top-20 over [s, V] cost 0.12-0.28 ms a step on an H100 (bench/RESULTS.md)."""
         logits, temperature = self.logits_dev[:s], self.bufs.d["temperature"][:s]
         self._sample(logits, greedy)
+        if not logprobs:
+            return
         temps = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
         lps = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)          # [s, V]
         out = {name: t[self._set] for name, t in self.loop_logprobs.items()}
@@ -329,14 +336,14 @@ class GpuRunner:
     @torch.inference_mode()
     def _capture(self, progress: bool) -> float:
         """Capture (bucket, SAMPLE/GREEDY) graphs over each step buffer, and with the extensions (bucket, LOGITS)
-        ones (and for the persistent loop (bucket, POST/POST_GREEDY) ones), largest first, sharing one memory
+        ones (and for the persistent loop (bucket, POST_VARIANTS) ones), largest first, sharing one memory
         pool."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
         pool = self._graph_pool = torch.cuda.graph_pool_handle()
         variants = (GraphVariant.SAMPLE,) if self.follower else (GraphVariant.SAMPLE, GraphVariant.GREEDY) \
-            + ((LOGITS,) if self.sampling_extensions else ()) + ((POST, POST_GREEDY) if self.loop_logprobs is not None else ())
+            + ((LOGITS,) if self.sampling_extensions else ()) + (POST_VARIANTS if self.loop_logprobs is not None else ())
         keys = [(i, b, g) for i in range(len(self.buffer_sets)) for b in reversed(self.buckets) for g in variants]
         stream = torch.cuda.Stream(self.device)
         for index, bucket, variant in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, unit="graph"):

@@ -16,7 +16,8 @@ failed, and if the loop died, so is every slot it had not finished.
 
 Penalties, logit bias and logprobs (`runner.sampling_extensions`): the loop keeps per-slot tables (copied
 from the request at admission) and runs a step where some sampled row uses one through an extended branch
-(the runner's LOGITS graph, the loop's adjust kernel, the runner's POST graph); it publishes the logprobs
+(the runner's LOGITS graph, the loop's adjust kernel, the runner's POST graph: with the logprobs only when a
+row of the step asked for them); it publishes the logprobs
 into the ring itself (kernels/csrc/include/blink_loop_ext.cuh). A runner built without them gives a loop
 that refuses such requests with INVALID_PARAMS (the gateway refuses them first: Describe says so).
 Token masks (constrained requests, ring version 3) take the same extended branch: the adjust kernel reads a
@@ -114,8 +115,9 @@ class PersistentEngine:
     def _ext_args(self) -> int:
         """blink_loop_ext in device memory (kept in self._ext); returns its address."""
         g, runner, t = self.geometry, self.runner, self._ext
-        posts = [runner.set_graphs[b][(bucket, GraphVariant.post(greedy))].raw_cuda_graph()
-                 for b in range(2) for bucket in runner.buckets for greedy in (False, True)]
+        # the extended branches' POST graphs, in their order: with the logprobs, then without (blink_loop_ext.cuh)
+        posts = [runner.set_graphs[b][(bucket, GraphVariant.post(greedy, logprobs))].raw_cuda_graph()
+                 for logprobs in (True, False) for b in range(2) for bucket in runner.buckets for greedy in (False, True)]
         self._post_array = (ctypes.c_void_p * len(posts))(*posts)  # read by blink_loop_create, on the host
         lp, offs = runner.loop_logprobs, runner.buffer_sets[0].offsets
         ext = native.LoopExt(
@@ -179,10 +181,10 @@ class PersistentEngine:
             **{name: t.data_ptr() for name, t in sc.items()})
         children = [graphs[(bucket, GraphVariant.sampling(greedy))].raw_cuda_graph()  # branch 2 * (buffer * buckets + i) + greedy
                     for graphs in runner.set_graphs for bucket in runner.buckets for greedy in (False, True)]
-        if self._ext is not None:  # then the extended branches, 4 * buckets + a plain one's: LOGITS graph first
-            args.ext = self._ext_args()
-            children += [graphs[(bucket, GraphVariant.LOGITS)].raw_cuda_graph() for graphs in runner.set_graphs
-                         for bucket in runner.buckets for _ in (False, True)]
+        if self._ext is not None:  # then the extended branches, 4 * buckets + a plain one's: LOGITS graph first;
+            args.ext = self._ext_args()  # twice: their POST with the logprobs, then without (8 * buckets + ...)
+            children += [graphs[(bucket, GraphVariant.LOGITS)].raw_cuda_graph() for _ in (True, False)
+                         for graphs in runner.set_graphs for bucket in runner.buckets for _ in (False, True)]
         child_array = (ctypes.c_void_p * len(children))(*children)
         samplers = runner.sampler_graphs()  # same order: where each graph's logits are done
         sampler_array = (ctypes.c_void_p * len(samplers))(*[g.raw_cuda_graph() for g in samplers])

@@ -140,7 +140,7 @@ def test_a_finished_slot_leaves_nothing_behind(served, runner_cfg):
     want = _run(runner, cfg, [plain], RingGeometry(1, 256, 256)).tokens[0]
     s = served(runner, cfg, RingGeometry(1, 256, 256))
     s.engine.start()
-    assert s.engine.take_linked == 8 * len(runner.buckets)  # plain and extended branches: take after the logits
+    assert s.engine.take_linked == 12 * len(runner.buckets)  # plain and both extended sets: take after the logits
     first, = s.submit([RequestSpec(0, [11, 12, 13, 14, 15], 16, temperature=0.0, repetition_penalty=1.5,
                                    frequency_penalty=1.0, logit_bias=((3, 5.0),), num_logprobs=3, ignore_eos=True)])
     s.wait(lambda: first in s.finishes)

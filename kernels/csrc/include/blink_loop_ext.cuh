@@ -9,8 +9,8 @@
 // whether it is constrained (FLAG_CONSTRAINED: its token masks are read from the ring's mask area per step).
 // Per step buffer, written by the fill: the sampled row -> slot map of the rows that use an extension, the
 // slot -> row map for the publish, and whether the step needs the extended graph. A step where some sampled
-// row uses an extension runs branch 4 * num_buckets + p instead of its plain branch p = 2 * (b * num_buckets
-// + i) + greedy:
+// row uses an extension runs branch 4 * num_buckets + p (8 * num_buckets + p when no row asked for logprobs)
+// instead of its plain branch p = 2 * (b * num_buckets + i) + greedy:
 //   the bucket's LOGITS graph (float32 logits [S, V] into gpu_runner.logits_dev)
 //   -> blink_ext_adjust: per extended row, bias, then repetition, then frequency/presence, then the token
 //      mask of a constrained row (its mask from the ring, checked by mask_seq), in place
@@ -36,6 +36,8 @@
 #define BLINK_EXT_OUTPUT 4u      // any penalty: the output's counts
 #define BLINK_EXT_LOGPROBS 8u
 #define BLINK_EXT_MASK 16u       // a constrained request: every token sampled under its token mask (ring version 3)
+#define BLINK_EXT_BRANCH_LOGPROBS 1u  // blink_loop_ext.extended[b]: the extended branch whose POST has the logprobs
+#define BLINK_EXT_BRANCH_SAMPLE 2u    // ... whose POST is the sampler alone
 #define BLINK_EXT_MASK_CHUNK 2048u  // mask words staged in shared memory at a time (65,536 tokens)
 #define BLINK_EXT_SEEN 0x80000000u  // scratch: the token occurs in the prompt (repetition penalty)
 
@@ -89,7 +91,7 @@ __device__ void ext_fill(blink_loop_args* a, const blink_sched* s, const uint8_t
   const int32_t n = s->h->num_sampled;
   const int64_t* rows = (const int64_t*)(buf + e->off_sample_rows);
   const int32_t* seq_ids = (const int32_t*)(buf + e->off_seq_ids);
-  int any = 0, masked = 0;
+  int any = 0, masked = 0, logprobs = 0;
   for (int32_t k = threadIdx.x; k < n; k += blockDim.x) {
     const int32_t slot = s->entry_slot[seq_ids[rows[k]]];
     const int on = e->flags[slot] != 0u;
@@ -97,20 +99,25 @@ __device__ void ext_fill(blink_loop_args* a, const blink_sched* s, const uint8_t
     e->slot_row[(uint64_t)b * a->num_slots + slot] = k;
     any |= on;
     masked |= (e->flags[slot] & BLINK_EXT_MASK) != 0u;
+    logprobs |= (e->flags[slot] & BLINK_EXT_LOGPROBS) != 0u;
   }
   any = __syncthreads_or(any);
   masked = __syncthreads_or(masked);
+  logprobs = __syncthreads_or(logprobs);
   if (threadIdx.x == 0) {
     e->num_rows[b] = (uint32_t)n;
-    e->extended[b] = (uint32_t)any;
+    e->extended[b] = any ? (logprobs ? BLINK_EXT_BRANCH_LOGPROBS : BLINK_EXT_BRANCH_SAMPLE) : 0u;
     e->masked[b] = (uint32_t)masked;
   }
 }
 
-// Thread 0: the branch (bucket graph) of the step in buffer `b` whose plain branch is `plain` (branch_of).
+// Thread 0: the branch (bucket graph) of the step in buffer `b` whose plain branch is `plain` (branch_of): an
+// extended step's POST computes the logprobs only when a row asked for them (4 * num_buckets + plain), else it
+// is the sampler alone (8 * num_buckets + plain): the log-softmax and top-20 over every row cost 0.12-0.28 ms.
 __device__ __forceinline__ uint32_t ext_branch(const blink_loop_args* a, uint32_t plain, uint32_t b) {
   const blink_loop_ext* e = a->ext;
-  return e && e->extended[b] ? 4u * e->num_buckets + plain : plain;
+  if (!e || !e->extended[b]) return plain;
+  return (e->extended[b] == BLINK_EXT_BRANCH_LOGPROBS ? 4u : 8u) * e->num_buckets + plain;
 }
 
 // Thread 0, when the step in buffer a->buf is committed: the publish that follows writes its logprobs.
@@ -260,9 +267,10 @@ __global__ void blink_ext_mask_fix(blink_loop_args* a, uint32_t b) {
 }
 
 // ---- host: the loop graph's extended branches ---------------------------------------------------------------
-// Branches 4 * num_buckets + p (p: a plain branch) exist when a->ext is set.
+// Branches 4 * num_buckets + p and 8 * num_buckets + p (p: a plain branch; their POST with and without the
+// logprobs) exist when a->ext is set.
 static uint32_t ext_num_branches(const blink_loop_ext* host_ext, uint32_t num_buckets) {
-  return host_ext ? 8u * num_buckets : 4u * num_buckets;
+  return host_ext ? 12u * num_buckets : 4u * num_buckets;
 }
 
 // The host's copy of the extension block (0 when there is none): host_ext receives it.
@@ -272,12 +280,13 @@ static int ext_read(const blink_loop_args* args, blink_loop_ext* host_ext) {
 }
 
 // Branch `branch` (>= 4 * num_buckets) already holds its LOGITS graph as node `logits_node`: after it, the
-// adjust kernel (one block per row of the bucket's graph), then the POST graph (*post_out).
+// adjust kernel (one block per row of the bucket's graph), then the POST graph (*post_out): post_graphs[j],
+// j = branch - 4 * num_buckets (the first 4 * num_buckets with the logprobs, the next without).
 static cudaError_t ext_finish_branch(const blink_loop_ext* host_ext, blink_loop_args* dev_args, cudaGraph_t body,
                                      cudaGraphNode_t logits_node, uint32_t branch, const blink_sched_config* cfg,
                                      cudaGraphNode_t* post_out) {
-  const uint32_t j = branch - 4u * host_ext->num_buckets, b = j / (2u * host_ext->num_buckets);
-  const uint32_t bucket = (uint32_t)cfg->buckets[(j / 2u) % host_ext->num_buckets];
+  const uint32_t nb = host_ext->num_buckets, j = branch - 4u * nb, p = j % (4u * nb), b = p / (2u * nb);
+  const uint32_t bucket = (uint32_t)cfg->buckets[(p / 2u) % nb];
   const uint32_t rows = bucket < host_ext->max_rows ? bucket : host_ext->max_rows;
   void* params[] = {&dev_args, (void*)&b};
   cudaKernelNodeParams k = {};

@@ -127,7 +127,7 @@ typedef struct blink_loop_ext {
   const float* lp_chosen;  /* [2, S] per step buffer: the logprob of each row's token [host] */
   const int32_t* lp_ids;  /* [2, S, lp_k] its best lp_k alternatives, descending [host] */
   const float* lp_vals;  /* [2, S, lp_k] [host] */
-  void* const* post_graphs;  /* host memory: [4 * num_buckets] cudaGraph_t, the plain branches' order [host] */
+  void* const* post_graphs;  /* host memory: [8 * num_buckets] cudaGraph_t, twice the plain branches' order: the POST graphs with the logprobs, then without [host] */
   uint32_t* flags;  /* [N] per slot, at admission: BLINK_EXT_* bits [host] */
   int32_t* num_logprobs;  /* [N] [host] */
   int32_t* prompt_len;  /* [N] [host] */
@@ -156,7 +156,7 @@ typedef struct blink_loop_ext {
   uint32_t num_buckets;  /* [host] */
   uint32_t context_len;  /* [host] */
   uint32_t num_rows[2];  /* sampled rows of the step in buffer b [loop] */
-  uint32_t extended[2];  /* 1: that step runs its extended branch [loop] */
+  uint32_t extended[2];  /* that step runs its extended branch: 1 with the logprobs, 2 without (0: its plain one) [loop] */
   uint32_t pub_buf;  /* the buffer of the step whose tokens the next publish writes [loop] */
   uint8_t _pad0[4];
   int32_t* mask_state;  /* [2, S] per sampled row of a masked slot: 0, TOKEN_WAIT or TOKEN_MASK_EMPTY (blink_ext_adjust) [host] */
