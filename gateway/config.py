@@ -66,6 +66,10 @@ class GatewayConfig:
     # a full collection once the process has grown by gc_full_growth_blocks small-object blocks.
     # gc_freeze_s 0: Python's own collector (young threshold 20,000).
     gc_freeze_s: float = 0.1
+    # Threads per worker computing structured outputs' token masks (gateway/structured/mask_loop.py). 0: the
+    # cores this process may run on shared among the workers, 2 to 8 (more threads than cores cost every mask:
+    # bench/RESULTS.md). At least 2: one grammar slow on a step must not hold up the others' masks.
+    grammar_threads: int = 0
     gc_full_growth_blocks: int = 1_000_000
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
     stall_timeout_s: float = 60.0  # heartbeat unchanged this long with requests in flight: fail them
@@ -150,6 +154,9 @@ class GatewayConfig:
         if self.gc_freeze_s < 0 or self.gc_full_growth_blocks < 1:
             raise ValueError(f"gc_freeze_s must not be negative and gc_full_growth_blocks must be >= 1, got "
                              f"{self.gc_freeze_s:g} and {self.gc_full_growth_blocks}")
+        if self.grammar_threads != 0 and not 2 <= self.grammar_threads <= 64:
+            raise ValueError(f"grammar_threads must be 0 (one per core the workers share, 2 to 8) or 2..64, got "
+                             f"{self.grammar_threads}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         self._check_prefix_cache()

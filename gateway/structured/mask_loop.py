@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import sys
 import threading
 import time
@@ -38,10 +39,11 @@ from .grammar import Compiled, Grammars
 
 # Threads computing masks: llguidance's mask takes tens to hundreds of microseconds of a core per token, and
 # releases the GIL meanwhile. Two pools, so that slow grammars wait for each other and never for the rest: a
-# request's steps run on the main pool (MASK_THREADS, started as needed) until one takes over SLOW_STEP_S,
-# then on the slow lane (SLOW_MASK_THREADS). The main pool is then blocked only by MASK_THREADS grammars
-# turning slow at once, each for one step (bench/mask_latency.py, tests/gateway/test_structured_gateway.py).
-MASK_THREADS = 8
+# request's steps run on the main pool (`mask_threads` of them, 2 at least, started as needed) until one takes
+# over SLOW_STEP_S, then on the slow lane (SLOW_MASK_THREADS). The main pool is then blocked only by as many
+# grammars turning slow at once as it has threads, each for one step (bench/mask_latency.py,
+# tests/gateway/test_structured_gateway.py).
+MASK_THREADS = 8  # the most a worker starts by itself (`mask_threads`)
 SLOW_MASK_THREADS = 2
 SLOW_STEP_S = 0.02
 # A step under INLINE_STEP_S is fast; after INLINE_AFTER_STEPS fast pool steps in a row the watcher may run the
@@ -53,6 +55,7 @@ INLINE_AFTER_STEPS = 2
 # leaving its row waiting (the poller checks every heartbeat_check_s; llguidance's fuel limits make it rare).
 MASK_STEP_LIMIT_S = 5.0
 _pools: dict[bool, ThreadPoolExecutor] = {}
+_threads_setting = (0, 1)  # (GatewayConfig.grammar_threads, workers): `configure`
 
 PutMask = Callable[[int, np.ndarray], None]  # (token index, [mask_words] uint32)
 OnError = Callable[[str], None]  # the request must end with this message
@@ -69,13 +72,37 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+def configure(grammar_threads: int, workers: int) -> None:
+    """The gateway's setting (GatewayConfig.grammar_threads, 0: automatic) and its number of workers, read when
+    the main pool starts (at the first constrained request: after any pinning of the process to its cores)."""
+    global _threads_setting
+    _threads_setting = (grammar_threads, workers)
+
+
+def mask_threads(grammar_threads: int, workers: int, cores: int) -> int:
+    """The main pool's threads: the setting, or the `cores` this process may use shared among the `workers`,
+    between 2 and MASK_THREADS. More threads than cores cost every mask: with 2 workers on 2 cores, 8 threads
+    each took 25-40% more gateway CPU a token than 2 each and skipped 4x the engine steps (bench/RESULTS.md)."""
+    if grammar_threads:
+        return grammar_threads
+    return min(MASK_THREADS, max(2, cores // max(workers, 1)))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def mask_pool(slow: bool = False) -> ThreadPoolExecutor:
     """The main pool, or the slow lane's."""
     pool = _pools.get(slow)
     if pool is None:
         name = "grammar-slow" if slow else "grammar-mask"
-        pool = _pools[slow] = ThreadPoolExecutor(max_workers=SLOW_MASK_THREADS if slow else MASK_THREADS,
-                                                 thread_name_prefix=name, initializer=name_os_thread, initargs=(name,))
+        threads = SLOW_MASK_THREADS if slow else mask_threads(*_threads_setting, _cores())
+        pool = _pools[slow] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name,
+                                                 initializer=name_os_thread, initargs=(name,))
     return pool
 
 
