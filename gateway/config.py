@@ -66,9 +66,9 @@ class GatewayConfig:
     # a full collection once the process has grown by gc_full_growth_blocks small-object blocks.
     # gc_freeze_s 0: Python's own collector (young threshold 20,000).
     gc_freeze_s: float = 0.1
-    # Threads per worker computing structured outputs' token masks (gateway/structured/mask_loop.py). 0: the
-    # cores this process may run on shared among the workers, 2 to 8 (more threads than cores cost every mask:
-    # bench/RESULTS.md). At least 2: one grammar slow on a step must not hold up the others' masks.
+    # Structured outputs' token masks a worker computes at once (gateway/structured/mask_loop.py: its pool has 8
+    # threads, so grammars slow on a step hold up no one; this many compute at a time). 0: the cores this process
+    # may run on shared among the workers, 2 to 8 (more than the cores cost every mask: bench/RESULTS.md).
     grammar_threads: int = 0
     gc_full_growth_blocks: int = 1_000_000
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
@@ -154,9 +154,9 @@ class GatewayConfig:
         if self.gc_freeze_s < 0 or self.gc_full_growth_blocks < 1:
             raise ValueError(f"gc_freeze_s must not be negative and gc_full_growth_blocks must be >= 1, got "
                              f"{self.gc_freeze_s:g} and {self.gc_full_growth_blocks}")
-        if self.grammar_threads != 0 and not 2 <= self.grammar_threads <= 64:
-            raise ValueError(f"grammar_threads must be 0 (one per core the workers share, 2 to 8) or 2..64, got "
-                             f"{self.grammar_threads}")
+        if not 0 <= self.grammar_threads <= 64:
+            raise ValueError(f"grammar_threads must be 0 (automatic: the cores shared among the workers, 2 to 8) "
+                             f"or 1..64, got {self.grammar_threads}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         self._check_prefix_cache()

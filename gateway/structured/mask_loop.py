@@ -39,11 +39,12 @@ from .grammar import Compiled, Grammars
 
 # Threads computing masks: llguidance's mask takes tens to hundreds of microseconds of a core per token, and
 # releases the GIL meanwhile. Two pools, so that slow grammars wait for each other and never for the rest: a
-# request's steps run on the main pool (`mask_threads` of them, 2 at least, started as needed) until one takes
-# over SLOW_STEP_S, then on the slow lane (SLOW_MASK_THREADS). The main pool is then blocked only by as many
-# grammars turning slow at once as it has threads, each for one step (bench/mask_latency.py,
-# tests/gateway/test_structured_gateway.py).
-MASK_THREADS = 8  # the most a worker starts by itself (`mask_threads`)
+# request's steps run on the main pool (MASK_THREADS, started as needed) until one takes over SLOW_STEP_S, then
+# on the slow lane (SLOW_MASK_THREADS). The main pool is then blocked only by MASK_THREADS grammars turning slow
+# at once, each for one step (bench/mask_latency.py, tests/gateway/test_structured_gateway.py). Of its threads,
+# at most `mask_threads` compute at once (about the worker's cores: more cost every mask); a step that waits
+# SLOW_STEP_S for a turn goes on without one (the turns are then held by steps turning slow).
+MASK_THREADS = 8
 SLOW_MASK_THREADS = 2
 SLOW_STEP_S = 0.02
 # A step under INLINE_STEP_S is fast; after INLINE_AFTER_STEPS fast pool steps in a row the watcher may run the
@@ -56,6 +57,7 @@ INLINE_AFTER_STEPS = 2
 MASK_STEP_LIMIT_S = 5.0
 _pools: dict[bool, ThreadPoolExecutor] = {}
 _threads_setting = (0, 1)  # (GatewayConfig.grammar_threads, workers): `configure`
+_turns: threading.BoundedSemaphore | None = None  # the main pool's steps computing at once (`compute_turns`)
 
 PutMask = Callable[[int, np.ndarray], None]  # (token index, [mask_words] uint32)
 OnError = Callable[[str], None]  # the request must end with this message
@@ -73,19 +75,26 @@ def name_os_thread(name: str) -> None:
 
 
 def configure(grammar_threads: int, workers: int) -> None:
-    """The gateway's setting (GatewayConfig.grammar_threads, 0: automatic) and its number of workers, read when
-    the main pool starts (at the first constrained request: after any pinning of the process to its cores)."""
+    """The gateway's setting (GatewayConfig.grammar_threads, 0: automatic) and its number of workers, read at
+    the first constrained request's first step (after any pinning of the process to its cores)."""
     global _threads_setting
     _threads_setting = (grammar_threads, workers)
 
 
 def mask_threads(grammar_threads: int, workers: int, cores: int) -> int:
-    """The main pool's threads: the setting, or the `cores` this process may use shared among the `workers`,
-    between 2 and MASK_THREADS. More threads than cores cost every mask: with 2 workers on 2 cores, 8 threads
-    each took 25-40% more gateway CPU a token than 2 each and skipped 4x the engine steps (bench/RESULTS.md)."""
+    """How many main-pool steps compute at once: the setting, or the `cores` this process may use shared among
+    the `workers`, between 2 and MASK_THREADS. More than the cores cost every mask: with 2 workers on 2 cores,
+    8 at once each took 20-25% more gateway CPU a token than 2 and skipped more engine steps (bench/RESULTS.md)."""
     if grammar_threads:
         return grammar_threads
     return min(MASK_THREADS, max(2, cores // max(workers, 1)))
+
+
+def compute_turns() -> threading.BoundedSemaphore:
+    global _turns
+    if _turns is None:
+        _turns = threading.BoundedSemaphore(mask_threads(*_threads_setting, _cores()))
+    return _turns
 
 
 def _cores() -> int:
@@ -100,9 +109,8 @@ def mask_pool(slow: bool = False) -> ThreadPoolExecutor:
     pool = _pools.get(slow)
     if pool is None:
         name = "grammar-slow" if slow else "grammar-mask"
-        threads = SLOW_MASK_THREADS if slow else mask_threads(*_threads_setting, _cores())
-        pool = _pools[slow] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name,
-                                                 initializer=name_os_thread, initargs=(name,))
+        pool = _pools[slow] = ThreadPoolExecutor(max_workers=SLOW_MASK_THREADS if slow else MASK_THREADS,
+                                                 thread_name_prefix=name, initializer=name_os_thread, initargs=(name,))
     return pool
 
 
@@ -190,7 +198,17 @@ class MaskLoop:
     def _start(self) -> None:
         tokens, self._pending, self._running = self._pending, [], True
         self._step_started_s = time.monotonic()
-        mask_pool(self.slow).submit(self.step, tokens)
+        mask_pool(self.slow).submit(self.step if self.slow else self._step_in_turn, tokens)
+
+    def _step_in_turn(self, token_ids: list[int]) -> None:
+        """A main-pool step, within `compute_turns` (or without a turn after waiting SLOW_STEP_S for one)."""
+        turns = compute_turns()
+        turn = turns.acquire(timeout=SLOW_STEP_S)
+        try:
+            self.step(token_ids)
+        finally:
+            if turn:
+                turns.release()
 
     def step(self, token_ids: list[int]) -> None:
         """In a pool thread (or the watcher's, `take_inline`): consume the tokens, compute the next mask, put it

@@ -47,7 +47,7 @@ def test_grammar_threads_come_from_the_config_file(tmp_path):
 
 @pytest.mark.parametrize("bad", [{"port": 70000}, {"backend_addrs": ()}, {"max_body_bytes": 10},
                                  {"default_max_tokens": 0}, {"slot_wait_s": 0}, {"grpc_port": -1},
-                                 {"log_format": "xml"}, {"grammar_threads": 1}, {"grammar_threads": -1}])
+                                 {"log_format": "xml"}, {"grammar_threads": 65}, {"grammar_threads": -1}])
 def test_invalid_config_is_refused(bad):
     with pytest.raises(ValueError):
         GatewayConfig(**bad)

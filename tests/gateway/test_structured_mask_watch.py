@@ -98,9 +98,9 @@ def test_masks_follow_the_tokens_while_the_event_loop_is_blocked(grammars, byte_
     asyncio.run(run())
 
 
-def test_the_mask_pool_has_about_one_thread_per_core_of_its_worker():
-    """Threads beyond the cores cost every mask (bench/RESULTS.md): the cores shared among the workers, 2 to 8,
-    unless GatewayConfig.grammar_threads says."""
+def test_about_one_mask_computes_at_once_per_core_of_its_worker():
+    """Masks computing at once beyond the cores cost every mask (bench/RESULTS.md): the cores shared among the
+    workers, 2 to 8, unless GatewayConfig.grammar_threads says."""
     assert ML.mask_threads(0, 4, 4) == 2 and ML.mask_threads(0, 2, 2) == 2  # the H100 benchmark, the VM
     assert ML.mask_threads(0, 4, 16) == 4 and ML.mask_threads(0, 1, 16) == 8 and ML.mask_threads(0, 1, 6) == 6
     assert ML.mask_threads(3, 4, 4) == 3
@@ -116,9 +116,70 @@ class SlowLoop(MaskLoop):
         return super().consume_and_mask(token_ids)
 
 
+class CountingLoop(MaskLoop):
+    """A mask loop whose steps take 10 ms more and count how many of them compute at once."""
+
+    __slots__ = ()
+    now = most = 0
+    lock = threading.Lock()
+
+    def consume_and_mask(self, token_ids):
+        cls = type(self)
+        with cls.lock:
+            cls.now += 1
+            cls.most = max(cls.most, cls.now)
+        time.sleep(0.01)
+        with cls.lock:
+            cls.now -= 1
+        return super().consume_and_mask(token_ids)
+
+
+def test_main_pool_steps_compute_within_their_turns(grammars, byte_tokenizer, monkeypatch):
+    """Six requests' steps at once on the main pool (8 threads): 2 turns let 2 compute at a time."""
+    monkeypatch.setattr(ML, "_turns", threading.BoundedSemaphore(2))
+    monkeypatch.setattr(ML, "SLOW_STEP_S", 1.0)  # a turn is never given up for waiting here
+    compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
+    ids = byte_tokenizer.encode("hello world").ids
+
+    async def run():
+        put, errors = [], []
+        loops = [CountingLoop(grammars, compiled, lambda i, w: put.append(i), errors.append, put_from_pool=True)
+                 for _ in range(6)]
+        for loop in loops:
+            loop.advance(ids[:1], 0)
+        assert until(lambda: len(put) == 6) and not errors
+        for loop in loops:
+            loop.close()
+    asyncio.run(run())
+    assert CountingLoop.most == 2
+
+
+def test_steps_go_on_without_a_turn_when_slow_steps_hold_them(grammars, byte_tokenizer, monkeypatch):
+    """Both turns held by grammars slow on a step: another request's step waits SLOW_STEP_S, then computes."""
+    monkeypatch.setattr(ML, "_turns", threading.BoundedSemaphore(2))
+    compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
+    ids = byte_tokenizer.encode("hello world").ids
+
+    async def run():
+        slow_put, fast_put, errors = [], [], []
+        slows = [SlowLoop(grammars, compiled, lambda i, w: slow_put.append(i), errors.append, put_from_pool=True)
+                 for _ in range(2)]
+        for slow in slows:
+            slow.delay_s = 1.0
+            slow.advance(ids[:1], 0)
+        assert until(lambda: all(s._running for s in slows))
+        time.sleep(0.05)  # both in their step, holding the turns
+        fast = MaskLoop(grammars, compiled, lambda i, w: fast_put.append(i), errors.append, put_from_pool=True)
+        t0 = time.monotonic()
+        fast.advance(ids[:1], 0)
+        assert until(lambda: fast_put == [1], 0.5) and time.monotonic() - t0 < 0.5 and not slow_put
+        for loop in (*slows, fast):
+            loop.close()
+    asyncio.run(run())
+
+
 def test_a_slow_grammar_leaves_the_other_requests_masks_on_time(grammars, byte_tokenizer):
-    assert min(ML.mask_threads(0, workers, cores) for workers in (1, 2, 4, 16) for cores in (1, 2, 4, 64)) >= 2, \
-        "one slow grammar would hold up every other request's masks"
+    assert ML.MASK_THREADS >= 2, "one slow grammar would hold up every other request's masks"
     compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
     ids = byte_tokenizer.encode("hello world").ids
     watch, slow_tokens, fast_tokens = MaskWatch(period_s=0.0002), [], []
