@@ -30,7 +30,7 @@ from .request.tokenize import TokenizerService
 from .state import GatewayState
 from .streaming.pacing import SetupPacer
 from .streaming.poller import poll_checkpoint
-from .structured.mask_loop import configure as configure_mask_threads
+from .structured.mask_loop import configure as configure_masks_at_once
 from .tls import TlsFiles, tls_files
 
 log = logging.getLogger("blink.gateway")
@@ -187,7 +187,7 @@ class GatewayServer:
 async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | None = None) -> GatewayServer:
     """Connect to the backends (unless given), then listen. Logs 'gateway listening on URL' when ready."""
     tls = tls_files(config)  # first: a bad certificate fails at once, not after the backends' start-up
-    configure_mask_threads(config.grammar_threads, config.workers)
+    configure_masks_at_once(config.grammar_concurrency, config.workers)
     router = Router((), make_policy(config))
     tokenizers: dict[str, TokenizerService] = {}
     executor = ThreadPoolExecutor(max_workers=config.tokenizer_threads, thread_name_prefix="tokenize")

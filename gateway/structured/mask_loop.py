@@ -42,7 +42,7 @@ from .grammar import Compiled, Grammars
 # request's steps run on the main pool (MASK_THREADS, started as needed) until one takes over SLOW_STEP_S, then
 # on the slow lane (SLOW_MASK_THREADS). The main pool is then blocked only by MASK_THREADS grammars turning slow
 # at once, each for one step (bench/mask_latency.py, tests/gateway/test_structured_gateway.py). Of its threads,
-# at most `mask_threads` compute at once (about the worker's cores: more cost every mask); a step that waits
+# at most `masks_at_once` compute at once (about the worker's cores: more cost every mask); a step that waits
 # SLOW_STEP_S for a turn goes on without one (the turns are then held by steps turning slow).
 MASK_THREADS = 8
 SLOW_MASK_THREADS = 2
@@ -56,7 +56,7 @@ INLINE_AFTER_STEPS = 2
 # leaving its row waiting (the poller checks every heartbeat_check_s; llguidance's fuel limits make it rare).
 MASK_STEP_LIMIT_S = 5.0
 _pools: dict[bool, ThreadPoolExecutor] = {}
-_threads_setting = (0, 1)  # (GatewayConfig.grammar_threads, workers): `configure`
+_at_once_setting = (0, 1)  # (GatewayConfig.grammar_concurrency, workers): `configure`
 _turns: threading.BoundedSemaphore | None = None  # the main pool's steps computing at once (`compute_turns`)
 
 PutMask = Callable[[int, np.ndarray], None]  # (token index, [mask_words] uint32)
@@ -74,26 +74,26 @@ def name_os_thread(name: str) -> None:
         pass
 
 
-def configure(grammar_threads: int, workers: int) -> None:
-    """The gateway's setting (GatewayConfig.grammar_threads, 0: automatic) and its number of workers, read at
+def configure(grammar_concurrency: int, workers: int) -> None:
+    """The gateway's setting (GatewayConfig.grammar_concurrency, 0: automatic) and its number of workers, read at
     the first constrained request's first step (after any pinning of the process to its cores)."""
-    global _threads_setting
-    _threads_setting = (grammar_threads, workers)
+    global _at_once_setting
+    _at_once_setting = (grammar_concurrency, workers)
 
 
-def mask_threads(grammar_threads: int, workers: int, cores: int) -> int:
+def masks_at_once(grammar_concurrency: int, workers: int, cores: int) -> int:
     """How many main-pool steps compute at once: the setting, or the `cores` this process may use shared among
     the `workers`, between 2 and MASK_THREADS. More than the cores cost every mask: with 2 workers on 2 cores,
     8 at once each took 20-25% more gateway CPU a token than 2 and skipped more engine steps (bench/RESULTS.md)."""
-    if grammar_threads:
-        return grammar_threads
+    if grammar_concurrency:
+        return grammar_concurrency
     return min(MASK_THREADS, max(2, cores // max(workers, 1)))
 
 
 def compute_turns() -> threading.BoundedSemaphore:
     global _turns
     if _turns is None:
-        _turns = threading.BoundedSemaphore(mask_threads(*_threads_setting, _cores()))
+        _turns = threading.BoundedSemaphore(masks_at_once(*_at_once_setting, _cores()))
     return _turns
 
 

@@ -38,16 +38,16 @@ def test_native_stream_is_on_unless_turned_off(tmp_path):
     assert not config_from_args(parse_args(["--config", str(path)]), {}).native_stream
 
 
-def test_grammar_threads_come_from_the_config_file(tmp_path):
-    assert config_from_args(parse_args([]), {}).grammar_threads == 0  # automatic
+def test_grammar_concurrency_comes_from_the_config_file(tmp_path):
+    assert config_from_args(parse_args([]), {}).grammar_concurrency == 0  # automatic
     path = tmp_path / "gateway.yaml"
-    path.write_text("backends: [127.0.0.1:1]\ngrammar_threads: 3\n")
-    assert config_from_args(parse_args(["--config", str(path)]), {}).grammar_threads == 3
+    path.write_text("backends: [127.0.0.1:1]\ngrammar_concurrency: 3\n")
+    assert config_from_args(parse_args(["--config", str(path)]), {}).grammar_concurrency == 3
 
 
 @pytest.mark.parametrize("bad", [{"port": 70000}, {"backend_addrs": ()}, {"max_body_bytes": 10},
                                  {"default_max_tokens": 0}, {"slot_wait_s": 0}, {"grpc_port": -1},
-                                 {"log_format": "xml"}, {"grammar_threads": 65}, {"grammar_threads": -1}])
+                                 {"log_format": "xml"}, {"grammar_concurrency": 65}, {"grammar_concurrency": -1}])
 def test_invalid_config_is_refused(bad):
     with pytest.raises(ValueError):
         GatewayConfig(**bad)
