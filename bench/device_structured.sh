@@ -8,8 +8,9 @@
 #    JSON schemas, regexes, choices: bench/structured_check.py --corpus), each ended answer valid under its own;
 # 2. for each concurrency in C: N requests (default 4 x C, at least 8; ShareGPT-shaped prompts cut to PROMPT_LEN
 #    words, answers capped at OUT_LEN tokens) plain, with ignore_eos, then every request under a small object
-#    schema with one free-text field (a random model never closes it: the answers run to OUT_LEN like the plain
-#    ones, and the mask is on every token);
+#    schema with one free-text field of at least NOTES_MIN_LENGTH characters (default 16 x OUT_LEN: no answer can
+#    close it, so every answer runs to its length cap like the plain ones, the same batch churn, and the mask is on
+#    every token; NOTES_MIN_LENGTH=0 lets answers close it and end early, as 19% did before);
 # 3. bench/structured_compare.py's table: TPOT mean/P50/P99, output tok/s, the gateway's and the backend's CPU
 #    per token, constrained over plain.
 # A random model's default tokenizer (WordLevel `w<id>` words) cannot spell JSON: it gets bench/structured_vocab.py's
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}; MODE=${MODE:-persistent}; MODEL=${MODEL:-random:llama-3-8b}; PY=${PYTHON:-python3}
 PORT=${PORT:-8000}; C=${C:-1,16,64}; N=${N:-}; PROMPT_LEN=${PROMPT_LEN:-128}; OUT_LEN=${OUT_LEN:-128}
 CHECK_N=${CHECK_N:-16}; CHECK_LEN=${CHECK_LEN:-1024}; COMPILE_REPEATS=${COMPILE_REPEATS:-5}; CORPUS=${CORPUS:-1}
-CHECK_SCHEMA=${CHECK_SCHEMA:-$OUT/structured-check-schema.json}
+CHECK_SCHEMA=${CHECK_SCHEMA:-$OUT/structured-check-schema.json}; NOTES_MIN_LENGTH=${NOTES_MIN_LENGTH:-$((16 * OUT_LEN))}
 GATEWAY_CORES=${GATEWAY_CORES-auto}; STRUCT_CACHE=${STRUCT_CACHE:-/tmp/blink-structured-cache}
 # no prefix caching: the constrained run resends the plain run's prompts, and hits would shorten its prefills
 read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 2048 --num-slots 256 --max-output-len 1024 --no-prefix-caching}"
@@ -42,6 +43,10 @@ EOF
 # the same with the free text bounded: noise under it ends, so the check sees whole answers
 sed 's/"notes": {"type": "string"}/"notes": {"type": "string", "maxLength": 80}/' "$OUT/structured-schema.json" \
     > "$OUT/structured-check-schema.json"
+if [ "$NOTES_MIN_LENGTH" != 0 ]; then  # the timed runs' schema: the free text longer than any answer
+    sed -i "s/\"notes\": {\"type\": \"string\"}/\"notes\": {\"type\": \"string\", \"minLength\": $NOTES_MIN_LENGTH}/" \
+        "$OUT/structured-schema.json"
+fi
 
 if [ "$GATEWAY_CORES" = auto ]; then
     cores=$(nproc); GATEWAY_CORES=""; [ "$cores" -ge 8 ] && GATEWAY_CORES="$((cores - 4))-$((cores - 1))"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import threading
 import time
 
@@ -47,6 +48,41 @@ from protocols.shm import ShmRing
 from protocols.shm_consumer import RingConsumer
 
 log = logging.getLogger("blink.persistent")
+
+
+class LoopStatsLog:
+    """BLINK_LOOP_STATS_S=N (a diagnostic, off by default): every N seconds the watcher logs what the loop's
+    counters (mirrored to host memory every iteration; read here, off the loop's path) moved by: steps, tokens,
+    the mean commit-to-commit time of back-to-back steps, the loop kernel's share, speculations taken and
+    dropped. A serving benchmark reads the GPU's own step time from it (bench/device_structured.sh)."""
+
+    def __init__(self, ctl: native.LoopCtl, period_s: float):
+        self.ctl, self.period_s = ctl, period_s
+        self.last, self.last_at = native.ctl_values(ctl), time.monotonic()
+
+    @classmethod
+    def from_env(cls, ctl: native.LoopCtl | None) -> LoopStatsLog | None:
+        raw = os.environ.get("BLINK_LOOP_STATS_S", "")
+        try:
+            period = float(raw) if raw else 0.0
+        except ValueError:
+            log.warning("BLINK_LOOP_STATS_S=%r is not a number of seconds: no loop statistics", raw)
+            return None
+        return cls(ctl, period) if period > 0 and ctl is not None else None
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self.last_at < self.period_s:
+            return
+        cur = native.ctl_values(self.ctl)
+        d = {k: cur[k] - self.last[k] for k in cur}
+        self.last, self.last_at = cur, now
+        if d["steps"] == 0:
+            return
+        busy = d["busy_steps"] or 1
+        log.info("loop stats: %d steps, %d tokens, back-to-back step %.1f us (%d steps), loop kernel %.1f us a step, "
+                 "speculation taken %d dropped %d", d["steps"], d["tokens"], d["busy_ns"] / busy / 1e3,
+                 d["busy_steps"], d["sched_ns"] / d["steps"] / 1e3, d["spec_hits"], d["spec_misses"])
 
 
 class PersistentEngine:
@@ -221,7 +257,10 @@ class PersistentEngine:
 
     def _watch(self) -> None:
         beat, beat_at, stale_logged = self.ring.heartbeat, time.monotonic(), False
+        stats = LoopStatsLog.from_env(self.ctl)
         while not self.stop_event.wait(self.watch_interval_s):
+            if stats is not None:
+                stats.maybe_log()
             status = self.lib.blink_loop_poll(self._loop)
             if status != 1:
                 self.failed = (f"the GPU loop ended on its own ({native.fault_message(self.ctl.error)})" if status == 0
