@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ._common import check, next_pow2, pdl_launch, pdl_on
-from .gemv import DEFAULT_CONFIG, gemv_config
+from .gemv import DEFAULT_CONFIG, gemv_config, norm_chunk, norm_rstd
 from .pdl import pdl_enter, pdl_release, pdl_wait
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -251,19 +251,34 @@ def _combine_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def _one_router_kernel(x_ptr, router_ptr, logits_ptr, weights_ptr, ids_ptr, done_ptr, num_experts, hidden,
-                       router_stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _one_router_kernel(x_ptr, router_ptr, logits_ptr, weights_ptr, ids_ptr, done_ptr, res_ptr, nw_ptr, normed_ptr,
+                       res_out_ptr, num_experts, hidden, router_stride, eps, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                       RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                       ROW_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One token: program e computes router logit e (a GEMV row, rounded to the activation dtype as F.linear
-    would); the last program to finish (a counter it resets) routes all of them (`_route_rows`)."""
-    pdl_wait(PDL)  # kernels/pdl.py
+    would); the last program to finish (a counter it resets) routes all of them (`_route_rows`). With NORM 1 / 2
+    the input is RMSNorm(x) / RMSNorm(x + residual) (kernels/gemv.py's `norm_rstd`, `norm_chunk`): every program
+    normalises, program 0 also writes the normalised row (the experts' input) and the sum."""
     expert = tl.program_id(0)
-    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    row = router_ptr + expert.to(tl.int64) * router_stride
+    k = tl.arange(0, BLOCK_K)
+    ok = k < hidden
+    w = tl.load(row + k, mask=ok, other=0.0)  # weights first: they do not depend on the previous kernel
+    pdl_wait(PDL)  # kernels/pdl.py
+    rstd = 1.0
+    if NORM != 0:
+        rstd = norm_rstd(x_ptr, res_ptr, res_out_ptr, hidden, eps, expert == 0, NORM, ROW_BLOCK)
+    xk = norm_chunk(x_ptr, res_ptr, nw_ptr, k, ok, rstd, NORM)
+    if NORM != 0:
+        tl.store(normed_ptr + k, xk.to(normed_ptr.dtype.element_ty), mask=ok & (expert == 0))
+    acc = w.to(tl.float32) * xk
+    for k0 in range(BLOCK_K, hidden, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         ok = k < hidden
-        w = tl.load(router_ptr + expert.to(tl.int64) * router_stride + k, mask=ok, other=0.0)
-        acc += w.to(tl.float32) * tl.load(x_ptr + k, mask=ok, other=0.0).to(tl.float32)
+        xk = norm_chunk(x_ptr, res_ptr, nw_ptr, k, ok, rstd, NORM)
+        if NORM != 0:
+            tl.store(normed_ptr + k, xk.to(normed_ptr.dtype.element_ty), mask=ok & (expert == 0))
+        acc += tl.load(row + k, mask=ok, other=0.0).to(tl.float32) * xk
     pdl_release(PDL)
     tl.store(logits_ptr + expert, tl.sum(acc, axis=0).to(logits_ptr.dtype.element_ty))
     # acq_rel: the stores above are seen by whichever program comes last, and it sees all of them
@@ -543,7 +558,9 @@ _done_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor,
-                  experts_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+                  experts_down: torch.Tensor, top_k: int, renormalize: bool,
+                  norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+                  residual_out: torch.Tensor | None = None) -> torch.Tensor:
     """A one-token step's whole mixture of experts, the router GEMV included, in three launches instead of
     five (router GEMV, routing, gate_up, down, combine): (1) one program per expert computes its router logit
     and the last to finish routes them (softmax, top_k, renormalised: `_route_rows`); (2) gate_up + SwiGLU of
@@ -551,6 +568,8 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     and summed in float32, rounded once. At one token there is nothing to sort: each choice is
     one row. The roundings are `fused_moe`'s (the sums' order within a row differs: GEMV, not tl.dot).
     x [1, hidden]; router [E, hidden]; the experts as `moe_experts` takes them. -> [1, hidden].
+    `norm` = (residual or None, norm weight [hidden], eps): the experts' input is RMSNorm(x + residual) * weight
+    (as kernels/gemv.py's `norm`), computed in the router's launch; x + residual goes to `residual_out`.
     Graph-capturable, no host sync; launch it once on a device before capturing it there (the first launch
     makes the device's completion counter)."""
     check("x", x, dtype=_DTYPES, shape=(1, None))
@@ -569,6 +588,17 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("moe_one_token: launch it once on this device before capturing it in a CUDA graph")
         done = _done_counters[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    res, norm_w, eps = norm if norm is not None else (None, None, 0.0)
+    if norm is not None:
+        check("norm weight", norm_w, dtype=x.dtype, shape=(hidden,), device=x.device)
+        if res is not None:
+            check("residual", res, dtype=x.dtype, shape=(1, hidden), device=x.device)
+            if residual_out is None:
+                raise ValueError("moe_one_token with a residual needs residual_out (x + residual is written there)")
+            check("residual_out", residual_out, dtype=x.dtype, shape=(1, hidden), device=x.device)
+            if not res.is_contiguous() or residual_out.data_ptr() in (x.data_ptr(), res.data_ptr()):
+                raise ValueError("residual must be contiguous and residual_out a tensor of its own")
+    expert_in = torch.empty_like(x) if norm is not None else x  # the normalised row, written by the router's launch
     logits = torch.empty(num_experts, dtype=x.dtype, device=x.device)
     weights = torch.empty(top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(top_k, dtype=torch.int32, device=x.device)
@@ -576,12 +606,16 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     out = torch.empty_like(x)
     pdl = dict(PDL=pdl_on(), **pdl_launch())
     _, router_k, router_warps = gemv_config(num_experts, hidden)  # one row a program: kernels/gemv.py's narrow tile
-    _one_router_kernel[(num_experts,)](x, router, logits, weights, ids, done, num_experts, hidden, router.stride(0),
-                                       TOP_K=top_k, K_PAD=next_pow2(top_k), RENORMALIZE=bool(renormalize),
-                                       BLOCK_E=next_pow2(num_experts), BLOCK_K=router_k, num_warps=router_warps, **pdl)
+    _one_router_kernel[(num_experts,)](x, router, logits, weights, ids, done, res if res is not None else x,
+                                       norm_w if norm_w is not None else x, expert_in,
+                                       residual_out if residual_out is not None else x, num_experts, hidden,
+                                       router.stride(0), float(eps), TOP_K=top_k, K_PAD=next_pow2(top_k),
+                                       RENORMALIZE=bool(renormalize), BLOCK_E=next_pow2(num_experts), BLOCK_K=router_k,
+                                       NORM=0 if norm is None else (2 if res is not None else 1),
+                                       ROW_BLOCK=next_pow2(hidden), num_warps=router_warps, **pdl)
     bn, bk, warps = DEFAULT_CONFIG  # the experts' GEMVs: kernels/gemv.py's tile
     _one_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
-        x, experts_gate_up, ids, h, hidden, inter, experts_gate_up.stride(0), experts_gate_up.stride(1),
+        expert_in, experts_gate_up, ids, h, hidden, inter, experts_gate_up.stride(0), experts_gate_up.stride(1),
         BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl)
     # the down kernel loads the k experts' rows together: K per step divided among them keeps the GEMV tile's
     # weights a step (on an H100, 4x or 1/2x that lost 3-14%: bench/NOTES.md)

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from gpu_backend.models.fp8 import Fp8Weight, fp8_linear
+from gpu_backend.models.llama_forward import NormFused
 
 
-class TritonOps:
+class TritonOps(NormFused):
     def __init__(self, kernels: dict, step: dict[str, torch.Tensor], num_tokens: int, num_seqs: int,
                  rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, attn_out: torch.Tensor,
                  scale: float, gemv: dict[str, tuple[int, int, int]], tp=None):
@@ -35,6 +36,35 @@ class TritonOps:
         if one_token:
             return self.k["gemv"](x, weight, bias, config=self.gemv.get(name))
         return F.linear(x, weight, bias)
+
+    def norm_linear(self, name: str, x: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, weight, bias: torch.Tensor | None = None,
+                    swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        # one token: the norm (and the SwiGLU) inside the GEMV, kernels/gemv.py: two launches fewer a layer
+        src = residual if x is None else x
+        if residual.shape[0] != 1 or not (src.is_contiguous() and residual.is_contiguous()):
+            return super().norm_linear(name, x, residual, norm_weight, eps, weight, bias, swiglu)
+        res_out = None if x is None else torch.empty_like(residual)
+        norm = (None if x is None else residual, norm_weight, eps)
+        if isinstance(weight, Fp8Weight):
+            n, k, warps = self.gemv.get(name) or self.k["gemv_config"](*weight.q.shape)
+            y = self.k["gemv"](src, weight.q, bias, config=(n, 2 * k, warps), scale=weight.scale, norm=norm,
+                               residual_out=res_out, swiglu=swiglu)
+        else:
+            y = self.k["gemv"](src, weight, bias, config=self.gemv.get(name), norm=norm, residual_out=res_out,
+                               swiglu=swiglu)
+        return y, (residual if x is None else res_out)
+
+    def norm_moe(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 router: torch.Tensor, experts_gate_up: torch.Tensor, experts_down: torch.Tensor, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.shape[0] != 1:
+            return super().norm_moe(x, residual, norm_weight, eps, router, experts_gate_up, experts_down, top_k,
+                                    renormalize)
+        res_out = torch.empty_like(residual)  # the norm in the router's launch (kernels/moe.py, moe_one_token)
+        y = self.k["moe_one_token"](x, router, experts_gate_up, experts_down, top_k, renormalize,
+                                    norm=(residual, norm_weight, eps), residual_out=res_out)
+        return y, res_out
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.k["rmsnorm"](x, weight, eps)

@@ -3,10 +3,12 @@
 The layer sequence lives here; the kernels are pluggable (`DecoderOps`): torch reference ops on the CPU
 (`models/torch_ops.py`, the `cpu` engine and `LlamaModel.forward`), Triton kernels over the step buffer on
 the GPU (`engine/gpu_ops.py`, run eagerly or captured into bucketed CUDA graphs by `engine/gpu_runner.py`).
-Per layer: (residual add +) RMSNorm -> qkv GEMM -> [per-head q/k norm, in the same op as] RoPE fused with
-the KV-cache write -> paged attention -> o GEMM [-> all-reduce] -> add + RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM (or, in a mixture-of-experts layer, the
-`moe` op: router, top-k, each token through its experts' SwiGLU MLPs, weighted sum) [-> all-reduce]; the
-last layer's residual add is fused into the final norm of the head. With tensor parallelism
+Per layer: [(residual add +) RMSNorm -> qkv GEMM] -> [per-head q/k norm, in the same op as] RoPE fused with
+the KV-cache write -> paged attention -> o GEMM [-> all-reduce] -> [add + RMSNorm -> gate_up GEMM -> SwiGLU] ->
+down GEMM (or, in a mixture-of-experts layer, [add + RMSNorm -> the `moe` op: router, top-k, each token through
+its experts' SwiGLU MLPs, weighted sum]) [-> all-reduce]; the last layer's residual add is fused into the final
+norm of the head. Each [...] is one op (`norm_linear`, `norm_moe`): a one-token GPU step runs the norm inside the
+GEMV or the router that reads it (kernels/gemv.py), no launch of its own. With tensor parallelism
 (gpu_backend/parallel/) each rank holds its share of the heads and MLP columns (`cfg` is the rank's shape) and
 `all_reduce` sums the row-parallel projections' partial outputs; on one device it is the identity.
 
@@ -100,47 +102,75 @@ class DecoderOps(Protocol):
         """The sum of x over the tensor-parallel ranks (each holds a partial sum after a row-parallel
         projection); x itself on one device."""
 
+    def norm_linear(self, name: str, x: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, weight, bias: torch.Tensor | None = None,
+                    swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(name, RMSNorm(residual + x)), residual + x); x None: RMSNorm(residual), residual unchanged.
+        `swiglu`: the linear's output goes through `swiglu`. `NormFused` composes it; the GPU fuses it at one
+        token (the norm inside the GEMV: no launch of its own)."""
+
+    def norm_moe(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 router: torch.Tensor, experts_gate_up: torch.Tensor, experts_down: torch.Tensor, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(moe(RMSNorm(residual + x), ...), residual + x), as `norm_linear`."""
+
+
+class NormFused:
+    """`norm_linear` and `norm_moe` as their parts (add + RMSNorm, then the linear or the MoE): what ops without a
+    fused kernel for them run, and what the GPU's fused kernels are checked against."""
+
+    def norm_linear(self, name, x, residual, norm_weight, eps, weight, bias=None, swiglu=False):
+        if x is None:
+            normed = self.rmsnorm(residual, norm_weight, eps)
+        else:
+            normed, residual = self.add_rmsnorm(x, residual, norm_weight, eps)
+        y = self.linear(name, normed, weight, bias)
+        return (self.swiglu(y) if swiglu else y), residual
+
+    def norm_moe(self, x, residual, norm_weight, eps, router, experts_gate_up, experts_down, top_k, renormalize):
+        normed, residual = self.add_rmsnorm(x, residual, norm_weight, eps)
+        return self.moe(normed, router, experts_gate_up, experts_down, top_k, renormalize), residual
+
 
 def decoder_layers(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig,
                    input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every decoder layer over the step's tokens. Returns (last MLP output, residual), [T, hidden] each:
-    their sum is the hidden state (the head fuses the add into its norm)."""
-    eps = cfg.rms_norm_eps
-    h = F.embedding(input_ids, w.embed)                                       # [T, hidden]
-    residual, x = h, None
+    their sum is the hidden state (the head fuses the add into its norm). Each block starts with its norm
+    (`norm_linear`, `norm_moe`: the residual add and RMSNorm go with the projection that reads them)."""
+    residual, x = F.embedding(input_ids, w.embed), None                      # [T, hidden]
     for i, layer in enumerate(w.layers):
-        if x is None:
-            x = ops.rmsnorm(h, layer.in_norm, eps)
-        else:
-            x, residual = ops.add_rmsnorm(x, residual, layer.in_norm, eps)
-        x = _attention_block(ops, layer, cfg, x, i)
-        x, residual = ops.add_rmsnorm(x, residual, layer.post_norm, eps)
-        x = _mlp_block(ops, layer, cfg, x)
+        x, residual = _attention_block(ops, layer, cfg, x, residual, i)
+        x, residual = _mlp_block(ops, layer, cfg, x, residual)
     return x, residual
 
 
-def _mlp_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+def _mlp_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: torch.Tensor,
+               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    eps = cfg.rms_norm_eps
     if layer.router is not None:
-        return ops.all_reduce(ops.moe(x, layer.router, layer.experts_gate_up, layer.experts_down,
-                                      cfg.num_experts_per_tok, cfg.norm_topk_prob))
-    return ops.all_reduce(ops.linear("down", ops.swiglu(ops.linear("gate_up", x, layer.gate_up)), layer.down))
+        y, residual = ops.norm_moe(x, residual, layer.post_norm, eps, layer.router, layer.experts_gate_up,
+                                   layer.experts_down, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return ops.all_reduce(y), residual
+    h, residual = ops.norm_linear("gate_up", x, residual, layer.post_norm, eps, layer.gate_up, swiglu=True)
+    return ops.all_reduce(ops.linear("down", h, layer.down)), residual
 
 
-def _attention_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: torch.Tensor, i: int) -> torch.Tensor:
+def _attention_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: torch.Tensor | None,
+                     residual: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    qkv = ops.linear("qkv", x, layer.qkv, layer.qkv_bias)                    # [T, q + 2 kv]
+    qkv, residual = ops.norm_linear("qkv", x, residual, layer.in_norm, cfg.rms_norm_eps, layer.qkv,
+                                    layer.qkv_bias)                           # [T, q + 2 kv]
     q = qkv[:, :q_size].unflatten(1, (cfg.num_heads, cfg.head_dim))
     k = qkv[:, q_size:q_size + kv_size].unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
     v = qkv[:, q_size + kv_size:].unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
     q = ops.rope_kv(q, k, v, i, q_norm=layer.q_norm, k_norm=layer.k_norm, eps=cfg.rms_norm_eps)  # norms: Qwen3
-    return ops.all_reduce(ops.linear("o", ops.attention(q, i).flatten(1), layer.o))
+    return ops.all_reduce(ops.linear("o", ops.attention(q, i).flatten(1), layer.o)), residual
 
 
 def lm_head_logits(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig, x: torch.Tensor,
                    residual: torch.Tensor) -> torch.Tensor:
     """Final add + norm and the LM head over some rows of (x, residual): [n, hidden] -> [n, V] float32."""
-    normed, _ = ops.add_rmsnorm(x, residual, w.final_norm, cfg.rms_norm_eps)
-    return ops.linear("lm_head", normed, w.lm_head).float()
+    return ops.norm_linear("lm_head", x, residual, w.final_norm, cfg.rms_norm_eps, w.lm_head)[0].float()
 
 
 @torch.no_grad()

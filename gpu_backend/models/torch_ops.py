@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from .attention import AttnBatch, AttnPlan, attend, write_kv
 from .fp8 import Fp8Weight, fp8_linear
+from .llama_forward import NormFused
 from .moe import moe_reference
 from .rope import RotaryEmbedding, apply_rope
 
@@ -23,7 +24,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-class TorchOps:
+class TorchOps(NormFused):
     def __init__(self, batch: AttnBatch, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
                  scale: float, dtype: torch.dtype):
         # kv_cache: [L, 2, NB, BS, KVH, D]; positions: [T] int64

@@ -67,10 +67,34 @@ def _moe(x, logits, gate_up, down, top_k, renormalize):
     return torch.stack(rows)
 
 
-KERNELS = dict(moe=_moe, moe_one_token=lambda x, router, *rest: _moe(x, F.linear(x, router), *rest),
+def _swiglu(gate_up):
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+def _normed(x, norm, residual_out):  # kernels/gemv.py's `norm` argument: the GEMV's input, x + residual written
+    if norm is None:
+        return x
+    res, w, eps = norm
+    if res is None:
+        return rms_norm(x, w, eps)
+    residual_out.copy_(res + x)
+    return rms_norm(residual_out, w, eps)
+
+
+def _gemv(x, w, b, config, norm=None, residual_out=None, swiglu=False):
+    y = F.linear(_normed(x, norm, residual_out), w, b)
+    return _swiglu(y) if swiglu else y
+
+
+def _moe_one_token(x, router, gate_up, down, top_k, renormalize, norm=None, residual_out=None):
+    x = _normed(x, norm, residual_out)
+    return _moe(x, F.linear(x, router), gate_up, down, top_k, renormalize)
+
+
+KERNELS = dict(moe=_moe, moe_one_token=_moe_one_token,
                rmsnorm=rms_norm, add_rmsnorm=lambda x, r, w, eps: (rms_norm(r + x, w, eps), r + x),
-               rope_kv=_rope_kv, attn=_attn, swiglu=lambda gu: F.silu(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1],
-               gemv=lambda x, w, b, config: F.linear(x, w, b))
+               rope_kv=_rope_kv, attn=_attn, swiglu=_swiglu, gemv=_gemv)
 
 
 class TwinRunner(CpuRunner):

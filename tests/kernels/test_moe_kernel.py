@@ -251,6 +251,34 @@ def test_one_token_path_matches_the_batched_kernels(device, renormalize):
     assert checked >= 2
 
 
+def test_one_token_path_with_the_norm_fused_matches_norm_then_moe(device):
+    """norm=(residual, weight, eps): the router's launch normalises x + residual (every program) and writes the
+    sum to residual_out; the result is moe_one_token of the add + RMSNorm kernel's output, bit for bit where the
+    two norms agree (the same row reduction) and within bf16 rounding anyway."""
+    from kernels.rmsnorm import add_rmsnorm, rmsnorm
+
+    gen = torch.Generator().manual_seed(12)
+    num_experts, top_k, hidden, inter = (16, 4, 64, 48) if device == "cpu" else (128, 8, 2048, 768)
+    gate_up, down = _experts(num_experts, hidden, inter, device, gen)
+    router = torch.randn(num_experts, hidden, generator=gen).mul(hidden ** -0.5).to(device, torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, torch.bfloat16)
+    checked = 0
+    for i in range(6):
+        x = torch.randn(1, hidden, generator=gen).to(device, torch.bfloat16)
+        res = torch.randn(1, hidden, generator=gen).to(device, torch.bfloat16) if i % 2 else None
+        normed, summed = add_rmsnorm(x, res, nw, 1e-6) if res is not None else (rmsnorm(x, nw, 1e-6), None)
+        if not _clear_rows(normed, router, top_k)[0]:
+            continue
+        checked += 1
+        res_out = torch.full_like(x, float("nan")) if res is not None else None
+        got = moe_one_token(x, router, gate_up, down, top_k, True, norm=(res, nw, 1e-6), residual_out=res_out)
+        want = moe_one_token(normed, router, gate_up, down, top_k, True)
+        if res is not None:
+            assert torch.equal(res_out, summed)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert checked >= 2
+
+
 def test_one_token_path_rejects_bad_arguments(device):
     x = torch.zeros(1, 32, dtype=torch.bfloat16, device=device)
     router = torch.zeros(4, 32, dtype=torch.bfloat16, device=device)
