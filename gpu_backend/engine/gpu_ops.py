@@ -14,6 +14,14 @@ from gpu_backend.models.llama_forward import NormFused
 
 
 class TritonOps(NormFused):
+    # One-token steps (kernels/gemv.py, measured on an H100: bench/NOTES.md): the norm runs inside the MoE router
+    # (128 programs: -0.12 ms a Qwen3-30B-A3B step with the next two) and inside GEMVs over rows of at most
+    # `fuse_norm_max_k` (every program normalises the row: over Llama-3-8B's 4,096 that cost more than the launch
+    # it saves, +41 us a step); the SwiGLU inside the gate_up GEMV lost 90 us on Llama-3-8B: off.
+    fuse_norm = True
+    fuse_norm_max_k = 2048
+    fuse_swiglu = False
+
     def __init__(self, kernels: dict, step: dict[str, torch.Tensor], num_tokens: int, num_seqs: int,
                  rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, attn_out: torch.Tensor,
                  scale: float, gemv: dict[str, tuple[int, int, int]], tp=None):
@@ -42,8 +50,12 @@ class TritonOps(NormFused):
                     swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         # one token: the norm (and the SwiGLU) inside the GEMV, kernels/gemv.py: two launches fewer a layer
         src = residual if x is None else x
-        if residual.shape[0] != 1 or not (src.is_contiguous() and residual.is_contiguous()):
+        if (not self.fuse_norm or residual.shape[0] != 1 or residual.shape[1] > self.fuse_norm_max_k
+                or not (src.is_contiguous() and residual.is_contiguous())):
             return super().norm_linear(name, x, residual, norm_weight, eps, weight, bias, swiglu)
+        if swiglu and not self.fuse_swiglu:
+            y, residual = self.norm_linear(name, x, residual, norm_weight, eps, weight, bias)
+            return self.swiglu(y), residual
         res_out = None if x is None else torch.empty_like(residual)
         norm = (None if x is None else residual, norm_weight, eps)
         if isinstance(weight, Fp8Weight):
@@ -58,7 +70,7 @@ class TritonOps(NormFused):
     def norm_moe(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                  router: torch.Tensor, experts_gate_up: torch.Tensor, experts_down: torch.Tensor, top_k: int,
                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.shape[0] != 1:
+        if not self.fuse_norm or x.shape[0] != 1:
             return super().norm_moe(x, residual, norm_weight, eps, router, experts_gate_up, experts_down, top_k,
                                     renormalize)
         res_out = torch.empty_like(residual)  # the norm in the router's launch (kernels/moe.py, moe_one_token)
