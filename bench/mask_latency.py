@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/mask_latency.py [--streams 16] [--workers 1] [--step-ms 7] [--duration-s 20]
                                            [--preset llama-3-8b] [--schema bench/data/device_schema.json]
+                                           [--grammar-concurrency 0 1 2]
                                            [--out bench/results]
 
 The fake engine (`bench/traffic_engine.py`, constrained mode) steps every `--step-ms` like a GPU's decode
@@ -76,18 +77,20 @@ async def clients(url: str, streams: int, duration_s: float, schema: dict) -> di
 
 
 def run(streams: int, workers: int, step_ms: float, duration_s: float, poll_spin_s: float | None = None,
-        preset: str = MASK_PRESET, schema: dict | None = None) -> dict:
+        preset: str = MASK_PRESET, schema: dict | None = None, grammar_concurrency: int = 0) -> dict:
     schema = SCHEMA if schema is None else schema
     stats_path = Path(tempfile.mkdtemp(prefix="blink-masklat-")) / "engine.json"
     with mask_traffic_engine(step_ms / 1e3, str(stats_path), preset) as (_, control, _pid):
-        with gateway_in_front(control, workers=workers, poll_spin_s=poll_spin_s) as (url, pids):
+        settings = {"grammar_concurrency": grammar_concurrency} if grammar_concurrency else None
+        with gateway_in_front(control, workers=workers, poll_spin_s=poll_spin_s, settings=settings) as (url, pids):
             asyncio.run(clients(url, min(streams, 2), 2.0, schema))  # warm: the tokenizer, the grammar's compile
             t0, cpu0 = time.monotonic(), cpu_s(pids)
             counts = asyncio.run(clients(url, streams, duration_s, schema))
             wall_s, gateway_cpu_s = time.monotonic() - t0, cpu_s(pids) - cpu0
     engine = json.loads(stats_path.read_text())
     # the engine's counts include the warm-up's few tokens
-    return {"streams": streams, "workers": workers, "poll_spin_s": poll_spin_s, "preset": preset, "wall_s": wall_s,
+    return {"streams": streams, "workers": workers, "poll_spin_s": poll_spin_s, "preset": preset,
+            "grammar_concurrency": grammar_concurrency, "wall_s": wall_s,
             "gateway_cpu_s": gateway_cpu_s, "gateway_cpu_us_per_token": 1e6 * gateway_cpu_s / max(counts["chunks"], 1),
             **counts, **engine}
 
@@ -97,6 +100,7 @@ def summary(r: dict) -> str:
         return "-" if r[key] is None else f"{r[key]:.0f}"
     skipped = "-" if r["skipped_fraction"] is None else f"{100 * r['skipped_fraction']:.2f}%"
     spin = "" if r["poll_spin_s"] is None else f" spin {r['poll_spin_s']:g}"
+    spin += f" at once {r['grammar_concurrency']}" if r.get("grammar_concurrency") else ""
     return (f"streams {r['streams']:3d} workers {r['workers']}{spin}: {r['masks']} masks, latency "
             f"P50 {us('mask_latency_us_p50')} us P99 {us('mask_latency_us_p99')} us max {us('mask_latency_us_max')} us; over one step "
             f"({r['step_ms']:g} ms) {r['mask_over_one_step']}; skipped steps {r['skipped_steps']}/{r['row_steps']} "
@@ -122,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default=MASK_PRESET,
                    help="the vocabulary's model preset (size, BOS, EOS); llama-3-8b: 128,256 tokens")
     p.add_argument("--schema", default=None, help="a JSON schema file for every request (default: a small one)")
+    p.add_argument("--grammar-concurrency", type=int, nargs="+", default=[0],
+                   help="the gateway's grammar_concurrency, each a run (0: automatic, the cores shared among the "
+                        "workers, 2 to 8)")
     p.add_argument("--label", default="", help="a name for this set of runs (before/after)")
     p.add_argument("--out", default=None, help="a folder: the results as JSON there")
     args = p.parse_args(argv)
@@ -129,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for workers in args.workers:
         for streams in args.streams:
-            r = run(streams, workers, args.step_ms, args.duration_s, args.poll_spin_s, args.preset, schema)
-            print(summary(r), flush=True)
-            results.append(r)
+            for at_once in args.grammar_concurrency:
+                r = run(streams, workers, args.step_ms, args.duration_s, args.poll_spin_s, args.preset, schema,
+                        at_once)
+                print(summary(r), flush=True)
+                results.append(r)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         name = Path(args.out) / f"mask_latency{'_' + args.label if args.label else ''}_{os.getpid()}.json"

@@ -140,20 +140,25 @@ def _wait_https(url: str, proc: subprocess.Popen, context: ssl.SSLContext, timeo
 @contextlib.contextmanager
 def gateway_in_front(control: str, cores: set[int] | None = None, probe: str | None = None,
                      profile: str | None = None, poll_spin_s: float | None = None, extra: Sequence[str] = (),
-                     nice: int = 0, workers: int = 1, tls: tuple[str, str] | None = None):
+                     nice: int = 0, workers: int = 1, tls: tuple[str, str] | None = None,
+                     settings: dict | None = None):
     """`blink gateway` on that backend (gRPC off, key traffic-key); yields its /v1 URL and its pids. With
     `probe`, the gateway runs under `bench/gateway_probe.py` and writes its emit times and token ids there;
     with `profile`, a cProfile dump. With `workers` N > 1, the N worker processes of `--workers N` on one port,
     started here as its supervisor would (one usage table), worker i pinned to the i-th of `cores` (modulo)
-    and writing `probe`.i (and BLINK_ROUNDS.i). `tls`: (certificate, key): HTTPS."""
+    and writing `probe`.i (and BLINK_ROUNDS.i). `tls`: (certificate, key): HTTPS. `settings`: more of the
+    gateway's config-file fields (GatewayConfig), e.g. {"grammar_concurrency": 1}."""
     port = free_port()
     env = {**os.environ, "BLINK_API_KEY": "traffic-key", "BLINK_LOG_LEVEL": "WARNING"}
     args = ["--port", str(port), "--grpc-port", "0", "--backend", control, "--log-level", "WARNING", *extra]
     if tls:
         args += ["--ssl-certfile", tls[0], "--ssl-keyfile", tls[1]]
+    fields = dict(settings or {})
     if poll_spin_s is not None:  # 0: no back-to-back polls, so its CPU time is its work, not its spinning
+        fields["poll_spin_s"] = poll_spin_s
+    if fields:
         config = Path(f"/tmp/blink-traffic-gateway-{os.getpid()}.yaml")
-        config.write_text(f"poll_spin_s: {poll_spin_s}\n")
+        config.write_text("".join(f"{k}: {v}\n" for k, v in fields.items()))
         args += ["--config", str(config)]
     table = f"/dev/shm/blink-traffic-limits-{os.getpid()}" if workers > 1 else None
     if table:

@@ -29,13 +29,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import os
 import threading
 import time
 
 import numpy as np
 import torch
 
+from gpu_backend import env
 from gpu_backend.engine.gpu_runner import LOOP_LOGPROBS, GpuRunner
 from gpu_backend.engine.graph_variant import GraphVariant
 from gpu_backend.engine.loop import EngineConfig, prefix_caching_on
@@ -62,7 +62,7 @@ class LoopStatsLog:
 
     @classmethod
     def from_env(cls, ctl: native.LoopCtl | None) -> LoopStatsLog | None:
-        raw = os.environ.get("BLINK_LOOP_STATS_S", "")
+        raw = env.get("LOOP_STATS_S") or ""
         try:
             period = float(raw) if raw else 0.0
         except ValueError:
