@@ -108,6 +108,26 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_p
     tl.store(out_ptr + rows, y.to(act), mask=row_ok)
 
 
+def check_norm(who: str, x: torch.Tensor, norm: tuple[torch.Tensor | None, torch.Tensor, float] | None,
+               residual_out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None, float, int]:
+    """A one-row kernel's `norm` argument (residual or None, norm weight, eps) checked against x [1, K]:
+    (residual, weight, eps, the kernels' NORM: 0 none, 1 RMSNorm(x), 2 RMSNorm(x + residual))."""
+    if norm is None:
+        return None, None, 0.0, 0
+    res, norm_w, eps = norm
+    k = x.shape[1]
+    check("norm weight", norm_w, dtype=x.dtype, shape=(k,), device=x.device)
+    if res is None:
+        return None, norm_w, eps, 1
+    check("residual", res, dtype=x.dtype, shape=(1, k), device=x.device)
+    if residual_out is None:
+        raise ValueError(f"{who} with a residual needs residual_out (the sum x + residual is written there)")
+    check("residual_out", residual_out, dtype=x.dtype, shape=(1, k), device=x.device)
+    if not res.is_contiguous() or residual_out.data_ptr() in (x.data_ptr(), res.data_ptr()):
+        raise ValueError("residual must be contiguous and residual_out a tensor of its own")
+    return res, norm_w, eps, 2
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
          scale: torch.Tensor | None = None, norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
@@ -137,16 +157,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             raise ValueError(f"swiglu takes gate and up rows without a bias, got {n} rows"
                              f"{' and a bias' if bias is not None else ''}")
         n //= 2
-    res, norm_w, eps = norm if norm is not None else (None, None, 0.0)
-    if norm is not None:
-        check("norm weight", norm_w, dtype=x.dtype, shape=(k,), device=x.device)
-        if res is not None:
-            check("residual", res, dtype=x.dtype, shape=(1, k), device=x.device)
-            if residual_out is None:
-                raise ValueError("gemv with a residual needs residual_out (the sum x + residual is written there)")
-            check("residual_out", residual_out, dtype=x.dtype, shape=(1, k), device=x.device)
-            if not res.is_contiguous() or residual_out.data_ptr() in (x.data_ptr(), res.data_ptr()):
-                raise ValueError("residual must be contiguous and residual_out a tensor of its own")
+    res, norm_w, eps, norm_code = check_norm("gemv", x, norm, residual_out)
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     check("out", out, dtype=x.dtype, shape=(1, n), device=x.device)
@@ -156,6 +167,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         res if res is not None else x, norm_w if norm_w is not None else x,
         residual_out if residual_out is not None else x, n, k, weight.stride(0), n * weight.stride(0), float(eps),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        NORM=0 if norm is None else (2 if res is not None else 1), SWIGLU=swiglu, ROW_BLOCK=next_pow2(k),
+        NORM=norm_code, SWIGLU=swiglu, ROW_BLOCK=next_pow2(k),
         BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_on(), num_warps=warps, **pdl_launch())
     return out

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ._common import check, next_pow2, pdl_launch, pdl_on
-from .gemv import DEFAULT_CONFIG, gemv_config, norm_chunk, norm_rstd
+from .gemv import DEFAULT_CONFIG, check_norm, gemv_config, norm_chunk, norm_rstd
 from .pdl import pdl_enter, pdl_release, pdl_wait
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -588,16 +588,7 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("moe_one_token: launch it once on this device before capturing it in a CUDA graph")
         done = _done_counters[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
-    res, norm_w, eps = norm if norm is not None else (None, None, 0.0)
-    if norm is not None:
-        check("norm weight", norm_w, dtype=x.dtype, shape=(hidden,), device=x.device)
-        if res is not None:
-            check("residual", res, dtype=x.dtype, shape=(1, hidden), device=x.device)
-            if residual_out is None:
-                raise ValueError("moe_one_token with a residual needs residual_out (x + residual is written there)")
-            check("residual_out", residual_out, dtype=x.dtype, shape=(1, hidden), device=x.device)
-            if not res.is_contiguous() or residual_out.data_ptr() in (x.data_ptr(), res.data_ptr()):
-                raise ValueError("residual must be contiguous and residual_out a tensor of its own")
+    res, norm_w, eps, norm_code = check_norm("moe_one_token", x, norm, residual_out)
     expert_in = torch.empty_like(x) if norm is not None else x  # the normalised row, written by the router's launch
     logits = torch.empty(num_experts, dtype=x.dtype, device=x.device)
     weights = torch.empty(top_k, dtype=torch.float32, device=x.device)
@@ -611,7 +602,7 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
                                        residual_out if residual_out is not None else x, num_experts, hidden,
                                        router.stride(0), float(eps), TOP_K=top_k, K_PAD=next_pow2(top_k),
                                        RENORMALIZE=bool(renormalize), BLOCK_E=next_pow2(num_experts), BLOCK_K=router_k,
-                                       NORM=0 if norm is None else (2 if res is not None else 1),
+                                       NORM=norm_code,
                                        ROW_BLOCK=next_pow2(hidden), num_warps=router_warps, **pdl)
     bn, bk, warps = DEFAULT_CONFIG  # the experts' GEMVs: kernels/gemv.py's tile
     _one_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
