@@ -12,7 +12,8 @@
 #    close it, so every answer runs to its length cap like the plain ones, the same batch churn, and the mask is on
 #    every token; NOTES_MIN_LENGTH=0 lets answers close it and end early, as 19% did before);
 # 3. bench/structured_compare.py's table: TPOT mean/P50/P99, output tok/s, the gateway's and the backend's CPU
-#    per token, constrained over plain.
+#    per token, constrained over plain; in persistent mode also the GPU loop's own step time, tokens per step and
+#    speculation per run (BLINK_LOOP_STATS_S=1: the backend logs the loop's counters every second).
 # A random model's default tokenizer (WordLevel `w<id>` words) cannot spell JSON: it gets bench/structured_vocab.py's
 # byte-level one, under its own BLINK_CACHE (STRUCT_CACHE; compiled kernels shared with the default cache).
 # GATEWAY_CORES (default auto: the last 4 cores where there are 8 or more) pins the gateway, standing in for the
@@ -27,7 +28,9 @@ CHECK_SCHEMA=${CHECK_SCHEMA:-$OUT/structured-check-schema.json}; NOTES_MIN_LENGT
 GATEWAY_CORES=${GATEWAY_CORES-auto}; STRUCT_CACHE=${STRUCT_CACHE:-/tmp/blink-structured-cache}
 # no prefix caching: the constrained run resends the plain run's prompts, and hits would shorten its prefills
 read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 2048 --num-slots 256 --max-output-len 1024 --no-prefix-caching}"
-export BLINK_API_KEY=${BLINK_API_KEY:-bench-key} BLINK_LOG_LEVEL=${BLINK_LOG_LEVEL:-WARNING}
+# the persistent loop's counters every second in the serve log (INFO): the GPU's step time per run
+export BLINK_API_KEY=${BLINK_API_KEY:-bench-key} BLINK_LOG_LEVEL=${BLINK_LOG_LEVEL:-INFO}
+export BLINK_LOOP_STATS_S=${BLINK_LOOP_STATS_S:-1}
 mkdir -p "$OUT"
 source bench/lib.sh
 use_carried_wheels
@@ -59,7 +62,9 @@ if [[ "$MODEL" == random:* ]]; then
 fi
 
 one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concurrency; the comparison
-    local mode=$1 url=http://127.0.0.1:$PORT/v1 conc num plain constrained pairs=()
+    local mode=$1 url=http://127.0.0.1:$PORT/v1 conc num plain constrained pairs=() start middle
+    local windows=$OUT/structured-windows-$mode.tsv
+    : > "$windows"  # each run's start and end, for the loop's counters in the serve log (structured_compare.py)
     echo "[${SECONDS}s] $mode: starting blink serve ($MODEL)"
     start_serve "$PORT" "$OUT/structured-serve-$mode.log" --mode "$mode" --model "$MODEL" --grpc-port 0 \
         "${SERVE_FLAGS[@]}"
@@ -83,14 +88,19 @@ one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concu
         num=${N:-$((conc * 4 > 8 ? conc * 4 : 8))}
         common=(--endpoint chat --workload sharegpt --num-requests "$num" --max-input "$PROMPT_LEN"
                 --max-output "$OUT_LEN" --rates inf --max-concurrency "$conc" --serve-pid $serve)
+        start=$(date +%s.%N)
         plain=$(bench "$OUT/structured-$mode-c$conc-plain" $url "blink-$mode-plain" "${common[@]}")
+        middle=$(date +%s.%N)
         constrained=$(bench "$OUT/structured-$mode-c$conc-json" $url "blink-$mode-json" "${common[@]}" \
             --response-format "$OUT/structured-schema.json")
+        printf '%s\t%s\t%s\n%s\t%s\t%s\n' "$plain" "$start" "$middle" "$constrained" "$middle" "$(date +%s.%N)" \
+            >> "$windows"
         [ -n "$plain" ] && [ -n "$constrained" ] && pairs+=(--pair "$plain" "$constrained")
     done
     stop_serve $serve
     echo "[${SECONDS}s] == $mode: constrained (json_schema on every request) vs plain; $MODEL, answers <= $OUT_LEN tokens"
-    $PY bench/structured_compare.py "${pairs[@]}" --out "$OUT/structured-$mode.json" || failed=1
+    $PY bench/structured_compare.py "${pairs[@]}" --out "$OUT/structured-$mode.json" \
+        --serve-log "$OUT/structured-serve-$mode.log" --windows "$windows" || failed=1
 }
 
 failed=0

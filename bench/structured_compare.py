@@ -2,6 +2,7 @@
 bench/device_structured.sh).
 
     python bench/structured_compare.py --pair PLAIN.json CONSTRAINED.json [--pair ...] [--out summary.json]
+                                       [--serve-log SERVE.log --windows WINDOWS.tsv]
 
 Each pair is one workload and concurrency run twice: plain, then with every request under a `response_format`.
 For each run: TPOT mean/P50/P99, output tok/s, tokens per request, how requests ended (a constrained one ends
@@ -12,12 +13,20 @@ the gateway tree's CPU by thread; older files without it: constrained minus plai
 poller's spinning for plain streams alone can drive below zero), and how many constrained streams one gateway
 core sustains at the measured TPOT, with all their gateway work (which includes its idle polling, so it
 understates at low token rates) and with their mask work alone.
+
+With `--serve-log` (a persistent backend run with BLINK_LOOP_STATS_S, whose log has the GPU loop's counters every
+few seconds) and `--windows` (lines `RESULT_FILE<TAB>start<TAB>end`, epoch seconds, written by
+device_structured.sh around each run), each run also gets the GPU's own figures over its window: the mean time of
+back-to-back steps, tokens per step, the loop kernel's time a step, speculations taken and dropped; the pair gets
+constrained over plain for the step.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -77,6 +86,49 @@ def figures(path: Path) -> dict:
             "gpus": doc.get("environment", {}).get("gpus"), "commit": doc.get("environment", {}).get("commit")}
 
 
+# gpu_backend/engine/persistent.py, LoopStatsLog: the line each period, after the log's "%(asctime)s" (local time)
+LOOP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*loop stats: (\d+) steps, (\d+) tokens, "
+                       r"back-to-back step ([\d.]+) us \((\d+) steps\), loop kernel ([\d.]+) us a step, "
+                       r"speculation taken (\d+) dropped (\d+)")
+
+
+def loop_lines(log_text: str) -> list[dict]:
+    """The loop-statistics lines of a serve log: the time each was logged (epoch seconds, read as local time like
+    the log's) and its figures."""
+    lines = []
+    for line in log_text.splitlines():
+        m = LOOP_LINE.match(line)
+        if m:
+            at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").timestamp() + int(m[2]) / 1e3
+            lines.append({"at": at, "steps": int(m[3]), "tokens": int(m[4]), "step_us": float(m[5]),
+                          "busy_steps": int(m[6]), "loop_kernel_us": float(m[7]), "spec_taken": int(m[8]),
+                          "spec_dropped": int(m[9])})
+    return lines
+
+
+def loop_over(lines: list[dict], start_s: float, end_s: float) -> dict | None:
+    """The loop's figures over a run: lines logged after its first second (each covers the period before it) up to
+    its end, weighted by their steps; None without any."""
+    inside = [x for x in lines if start_s + 1.0 < x["at"] <= end_s and x["steps"]]
+    steps, busy = sum(x["steps"] for x in inside), sum(x["busy_steps"] for x in inside)
+    if not steps or not busy:
+        return None
+    return {"periods": len(inside), "steps": steps, "tokens_per_step": sum(x["tokens"] for x in inside) / steps,
+            "step_ms": sum(x["step_us"] * x["busy_steps"] for x in inside) / busy / 1e3,
+            "loop_kernel_us": sum(x["loop_kernel_us"] * x["steps"] for x in inside) / steps,
+            "spec_taken": sum(x["spec_taken"] for x in inside), "spec_dropped": sum(x["spec_dropped"] for x in inside)}
+
+
+def read_windows(path: Path) -> dict[str, tuple[float, float]]:
+    """RESULT_FILE<TAB>start<TAB>end lines -> {result file name: (start, end)}."""
+    windows = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            name, start, end = line.split("\t")
+            windows[Path(name).name] = (float(start), float(end))
+    return windows
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -97,6 +149,8 @@ def compare(plain: dict, constrained: dict) -> dict:
     mask_streams = tpot_s / mask_s if mask_s and mask_s > 0 and tpot_s else None
     keys = ("tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "output_tok_s")
     ratios = {k: _ratio(constrained[k], plain[k]) for k in keys}
+    loops = plain.get("loop"), constrained.get("loop")
+    ratios["loop_step_ms"] = _ratio(loops[1]["step_ms"], loops[0]["step_ms"]) if all(loops) else None
     return {"concurrency": plain["concurrency"], "plain": plain, "constrained": constrained,
             "constrained_over_plain": ratios, "tpot_mean_within_target": ratios["tpot_mean_ms"] is not None
             and ratios["tpot_mean_ms"] <= TPOT_TARGET_X, "mask_gateway_cpu_us_per_token": mask_cpu_us,
@@ -135,6 +189,20 @@ def ratio_line(pair: dict) -> str:
             f"TPOT with all their gateway work, {_fmt(pair['mask_work_streams_per_core'], 0)} with their mask work")
 
 
+def loop_line(pair: dict) -> str | None:
+    """The GPU loop's own figures of both runs, where the serve log had them."""
+    plain, con = pair["plain"].get("loop"), pair["constrained"].get("loop")
+    if not plain or not con:
+        return None
+
+    def one(x: dict) -> str:
+        spec = x["spec_taken"] + x["spec_dropped"]
+        return (f"{x['step_ms']:.3f} ms at {x['tokens_per_step']:.1f} tokens, loop kernel {x['loop_kernel_us']:.1f} us, "
+                f"speculation taken {x['spec_taken']}/{spec}")
+    return (f"  GPU loop a step (BLINK_LOOP_STATS_S): plain {one(plain)}; constrained {one(con)}; constrained/plain "
+            f"{_fmt(pair['constrained_over_plain']['loop_step_ms'], 3)}x")
+
+
 def _mask_source(pair: dict) -> str:
     by_name = pair["constrained"].get("mask_threads_by_name_s_per_token")
     if not pair["mask_from_threads"] or by_name is None:
@@ -148,6 +216,8 @@ def table(pairs: list[dict]) -> str:
         for f in (pair["plain"], pair["constrained"]):
             lines.append("  ".join(v.rjust(width) for v, (_, width) in zip(row(f), COLUMNS)))
         lines.append(ratio_line(pair))
+        if (loop := loop_line(pair)) is not None:
+            lines.append(loop)
     return "\n".join(lines)
 
 
@@ -156,8 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pair", nargs=2, action="append", required=True, metavar=("PLAIN", "CONSTRAINED"),
                    help="result files of one workload, plain and constrained")
     p.add_argument("--out", default=None, help="write the comparison as JSON here")
+    p.add_argument("--serve-log", default=None, help="the backend's log with BLINK_LOOP_STATS_S lines")
+    p.add_argument("--windows", default=None, help="RESULT_FILE<TAB>start<TAB>end lines (epoch seconds)")
     args = p.parse_args(argv)
-    pairs = [compare(figures(Path(a)), figures(Path(b))) for a, b in args.pair]
+    lines = loop_lines(Path(args.serve_log).read_text()) if args.serve_log and Path(args.serve_log).exists() else []
+    windows = read_windows(Path(args.windows)) if args.windows and Path(args.windows).exists() else {}
+
+    def run(path: str) -> dict:
+        f = figures(Path(path))
+        window = windows.get(Path(path).name)
+        f["loop"] = loop_over(lines, *window) if window and lines else None
+        return f
+    pairs = [compare(run(a), run(b)) for a, b in args.pair]
     print(table(pairs), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"pairs": pairs, "tpot_target_x": TPOT_TARGET_X}, indent=1))

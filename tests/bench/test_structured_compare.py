@@ -70,3 +70,50 @@ def test_the_mask_work_is_the_grammar_threads_cpu_where_the_run_recorded_threads
     assert pair["constrained_streams_per_gateway_core"] == pytest.approx(10.4e-3 / 70e-6)
     assert "50.0 us/token (its grammar threads: grammar-mask_0 25.0, grammar-mask_1 12.5, grammar-watch 12.5)" \
         in capsys.readouterr().out
+
+
+def test_the_gpu_loops_step_per_run_from_the_serve_log(tmp_path, capsys):
+    """--serve-log/--windows: each run gets the loop-statistics lines logged inside its window (after its first
+    second), weighted by their steps; the pair gets constrained over plain for the step."""
+    import time
+
+    plain = _run(tmp_path, "plain", 7.8, 8000.0, 20e-6, ["length"] * 4)
+    con = _run(tmp_path, "json", 8.2, 7600.0, 70e-6, ["length"] * 4)
+    t0 = 1_800_000_000.0
+
+    def line(at, steps, tokens, step_us, kernel_us, taken, dropped):
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) + f",{int(at * 1000) % 1000:03d}"
+        return (f"{stamp} blink.persistent INFO loop stats: {steps} steps, {tokens} tokens, back-to-back step "
+                f"{step_us} us ({steps} steps), loop kernel {kernel_us} us a step, speculation taken {taken} dropped "
+                f"{dropped}")
+    log = tmp_path / "serve.log"
+    log.write_text("\n".join([
+        line(t0 + 0.5, 10, 300, 9000.0, 5000.0, 0, 0),          # the plain run's first second: left out
+        line(t0 + 2.0, 100, 6400, 7000.0, 20.0, 90, 10),
+        line(t0 + 3.0, 300, 19200, 8000.0, 20.0, 280, 20),      # weighted: (100 x 7 + 300 x 8) / 400 = 7.75 ms
+        "2026-01-01 00:00:00,000 blink.gateway INFO something else",
+        line(t0 + 5.5, 200, 12400, 8525.0, 62.0, 0, 0),         # the constrained run
+    ]) + "\n")
+    windows = tmp_path / "windows.tsv"
+    windows.write_text(f"{plain}\t{t0}\t{t0 + 4.0}\n{con}\t{t0 + 4.0}\t{t0 + 6.0}\n")
+    out = tmp_path / "cmp.json"
+    assert structured_compare.main(["--pair", str(plain), str(con), "--out", str(out), "--serve-log", str(log),
+                                    "--windows", str(windows)]) == 0
+    [pair] = json.loads(out.read_text())["pairs"]
+    p, c = pair["plain"]["loop"], pair["constrained"]["loop"]
+    assert p["periods"] == 2 and p["steps"] == 400 and p["step_ms"] == pytest.approx(7.75)
+    assert p["tokens_per_step"] == pytest.approx(64.0) and (p["spec_taken"], p["spec_dropped"]) == (370, 30)
+    assert c["step_ms"] == pytest.approx(8.525) and c["tokens_per_step"] == pytest.approx(62.0)
+    assert pair["constrained_over_plain"]["loop_step_ms"] == pytest.approx(8.525 / 7.75)
+    assert "GPU loop a step" in capsys.readouterr().out
+
+
+def test_no_serve_log_leaves_the_loop_figures_out(tmp_path, capsys):
+    plain = _run(tmp_path, "plain", 7.8, 8000.0, 20e-6, ["length"] * 2)
+    con = _run(tmp_path, "json", 8.2, 7600.0, 70e-6, ["length"] * 2)
+    out = tmp_path / "cmp.json"
+    assert structured_compare.main(["--pair", str(plain), str(con), "--out", str(out),
+                                    "--serve-log", str(tmp_path / "missing.log")]) == 0
+    [pair] = json.loads(out.read_text())["pairs"]
+    assert pair["plain"]["loop"] is None and pair["constrained_over_plain"]["loop_step_ms"] is None
+    assert "GPU loop" not in capsys.readouterr().out
