@@ -125,15 +125,31 @@ def _moe_calls():
     # the one-launch routing at its widest (16 x 8 pairs; fused_moe stops using it at 32): registers, spills
     logits = torch.zeros(16, experts, **bf)
     yield "MoE routing T=16", lambda: moe_route_decode(logits, 8, True, 16, max_row_blocks(16, 8, experts, 16))
-    # one token: router + routing, gate_up, down in three launches
+    # one token: router + routing, gate_up, down in three launches; then with the add + RMSNorm in the router's
     x, router = torch.zeros(1, hidden, **bf), torch.zeros(experts, hidden, **bf)
     yield "MoE one token", lambda: moe_one_token(x, router, gate_up, down, 8, True)
+    nw, res_out = torch.zeros(hidden, **bf), torch.zeros(1, hidden, **bf)
+    yield "MoE one token, norm", lambda: moe_one_token(x, router, gate_up, down, 8, True, norm=(x.clone(), nw, 1e-6),
+                                                       residual_out=res_out)
+
+
+def _gemv_calls():
+    """The batch-1 GEMV as the one-token step runs it: plain (Llama-3-8B's qkv), with the add + RMSNorm fused over
+    2,048 columns (Qwen3-30B-A3B's qkv), the SwiGLU variant (off by default, kept compiling)."""
+    from kernels.gemv import gemv
+    bf = dict(dtype=torch.bfloat16)
+    x, w = torch.zeros(1, 4096, **bf), torch.zeros(6144, 4096, **bf)
+    yield "GEMV qkv", lambda: gemv(x, w)
+    x2, nw, res_out = torch.zeros(1, 2048, **bf), torch.zeros(2048, **bf), torch.zeros(1, 2048, **bf)
+    w2 = torch.zeros(5120, 2048, **bf)
+    yield "GEMV qkv, norm", lambda: gemv(x2, w2, norm=(x2.clone(), nw, 1e-6), residual_out=res_out)
+    yield "GEMV gate_up, SwiGLU", lambda: gemv(x, torch.zeros(2 * 14336, 4096, **bf), swiglu=True)
 
 
 def main() -> int:
     driver.set_active(_Sm90Driver())
     JITFunction._do_compile = _compile_only
-    for label, call in (*_llama_calls(), *_qwen3_calls(), *_moe_calls()):
+    for label, call in (*_llama_calls(), *_qwen3_calls(), *_moe_calls(), *_gemv_calls()):
         LABEL[0] = label
         call()
     print(f"{'kernel [shape]':<44} {'regs':>5} {'spill B':>8}  launch")

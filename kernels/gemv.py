@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ._common import check, next_pow2, pdl_launch, pdl_on
 from .pdl import pdl_release, pdl_wait
+from .rmsnorm import rms_rstd, rms_scale
 
 # (BLOCK_N, BLOCK_K, num_warps). On an H100 (bench/gemv_probe.py --sweep over the batch-1 projections of
 # Llama-3-8B, Qwen3-30B-A3B, Qwen3-32B and Phi-4: bench/results/gemv_probe-27ce01b-h100.json) this tile is within
@@ -40,8 +41,7 @@ def norm_chunk(x_ptr, res_ptr, nw_ptr, cols, ok, rstd, NORM: tl.constexpr):
     h = x.to(tl.float32)
     if NORM == 2:
         h = (h + tl.load(res_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(act).to(tl.float32)
-    w = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    return ((h * rstd).to(act).to(tl.float32) * w).to(act).to(tl.float32)
+    return rms_scale(h, rstd, tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32), act)
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def norm_rstd(x_ptr, res_ptr, res_out_ptr, k, eps, write, NORM: tl.constexpr, BL
         h_act = (h + tl.load(res_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(res_out_ptr + cols, h_act, mask=ok & write)
         h = h_act.to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / k + eps)
+    return rms_rstd(h, k, eps)
 
 
 @triton.jit
@@ -167,6 +167,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         res if res is not None else x, norm_w if norm_w is not None else x,
         residual_out if residual_out is not None else x, n, k, weight.stride(0), n * weight.stride(0), float(eps),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        NORM=norm_code, SWIGLU=swiglu, ROW_BLOCK=next_pow2(k),
+        NORM=norm_code, SWIGLU=swiglu, ROW_BLOCK=next_pow2(k) if norm_code else 1,  # no norm: one compile for any K
         BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_on(), num_warps=warps, **pdl_launch())
     return out

@@ -20,6 +20,20 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def rms_rstd(h, n, eps):
+    """1 / RMS of the float32 row `h` (its `n` real columns, the padding zeros): the formula of every norm here and
+    of the norms fused into other kernels (kernels/gemv.py, kernels/rope_kv.py, kernels/moe.py)."""
+    return 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
+
+
+@triton.jit
+def rms_scale(h, rstd, w, act: tl.constexpr):
+    """Hugging Face Llama's roundings of a normalised row: h * rstd rounded to the activation dtype `act`, times the
+    weight (float32), rounded again; float32 out."""
+    return ((h * rstd).to(act).to(tl.float32) * w).to(act).to(tl.float32)
+
+
+@triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                     x_stride, res_stride, out_stride, res_out_stride, hidden, eps,
                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -33,11 +47,11 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
         h_act = (h + r).to(res_out_ptr.dtype.element_ty)   # rounded like a torch add in bf16
         tl.store(res_out_ptr + row * res_out_stride + cols, h_act, mask=mask)
         h = h_act.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    normed = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    rstd = rms_rstd(h, hidden, eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_release(PDL)
-    tl.store(out_ptr + row * out_stride + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    act = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * out_stride + cols, rms_scale(h, rstd, w, act).to(act), mask=mask)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ._common import check, next_pow2, pdl_launch, pdl_on
 from .pdl import pdl_enter
-from .rmsnorm import row_warps
+from .rmsnorm import rms_rstd, rms_scale, row_warps
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -79,7 +79,7 @@ def _norm_rotate(x_ptr, w_ptr, cos, sin, head_dim, eps, HALF: tl.constexpr, HALF
     cols = tl.arange(0, DIM_P)
     # the whole row, reduced exactly as _rmsnorm_kernel reduces a row of `head_dim` (same order, same rounding)
     h = tl.load(x_ptr + cols, mask=cols < head_dim, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / head_dim + eps)
+    rstd = rms_rstd(h, head_dim, eps)
     act = x_ptr.dtype.element_ty
     j = tl.arange(0, HALF_P)
     ok = j < HALF
@@ -87,8 +87,8 @@ def _norm_rotate(x_ptr, w_ptr, cos, sin, head_dim, eps, HALF: tl.constexpr, HALF
     x2 = tl.load(x_ptr + HALF + j, mask=ok, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + j, mask=ok, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + HALF + j, mask=ok, other=0.0).to(tl.float32)
-    x1 = ((x1 * rstd).to(act).to(tl.float32) * w1).to(act).to(tl.float32)
-    x2 = ((x2 * rstd).to(act).to(tl.float32) * w2).to(act).to(tl.float32)
+    x1 = rms_scale(x1, rstd, w1, act)
+    x2 = rms_scale(x2, rstd, w2, act)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 

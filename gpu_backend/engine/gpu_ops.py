@@ -35,15 +35,20 @@ class TritonOps(NormFused):
         self.tp = tp  # kernels/tp_comm.RankComm under tensor parallelism, else None
 
     def linear(self, name: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        one_token = x.shape[0] == 1  # a read of the weights: kernels/gemv.py, the tile by shape or overridden
+        if x.shape[0] == 1:
+            return self._gemv(name, x, weight, bias)
         if isinstance(weight, Fp8Weight):
-            if one_token:  # weight-only: the step is a read of the FP8 rows
-                n, k, warps = self.gemv.get(name) or self.k["gemv_config"](*weight.q.shape)
-                return self.k["gemv"](x, weight.q, bias, config=(n, 2 * k, warps), scale=weight.scale)  # same bytes
             return fp8_linear(x, weight, bias, quantize=self.k["fp8_quant"], weight_only_mm=self.k["fp8_w8a16"])
-        if one_token:
-            return self.k["gemv"](x, weight, bias, config=self.gemv.get(name))
         return F.linear(x, weight, bias)
+
+    def _gemv(self, name: str, x: torch.Tensor, weight, bias: torch.Tensor | None, **fused) -> torch.Tensor:
+        """A one-token projection: a read of the weights (kernels/gemv.py), the tile by shape or overridden; an
+        FP8 weight weight-only, its tile twice as wide in K (the same bytes a program). `fused`: gemv's norm,
+        residual_out and swiglu."""
+        if isinstance(weight, Fp8Weight):
+            n, k, warps = self.gemv.get(name) or self.k["gemv_config"](*weight.q.shape)
+            return self.k["gemv"](x, weight.q, bias, config=(n, 2 * k, warps), scale=weight.scale, **fused)
+        return self.k["gemv"](x, weight, bias, config=self.gemv.get(name), **fused)
 
     def norm_linear(self, name: str, x: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
                     eps: float, weight, bias: torch.Tensor | None = None,
@@ -57,14 +62,8 @@ class TritonOps(NormFused):
             y, residual = self.norm_linear(name, x, residual, norm_weight, eps, weight, bias)
             return self.swiglu(y), residual
         res_out = None if x is None else torch.empty_like(residual)
-        norm = (None if x is None else residual, norm_weight, eps)
-        if isinstance(weight, Fp8Weight):
-            n, k, warps = self.gemv.get(name) or self.k["gemv_config"](*weight.q.shape)
-            y = self.k["gemv"](src, weight.q, bias, config=(n, 2 * k, warps), scale=weight.scale, norm=norm,
-                               residual_out=res_out, swiglu=swiglu)
-        else:
-            y = self.k["gemv"](src, weight, bias, config=self.gemv.get(name), norm=norm, residual_out=res_out,
-                               swiglu=swiglu)
+        y = self._gemv(name, src, weight, bias, norm=(None if x is None else residual, norm_weight, eps),
+                       residual_out=res_out, swiglu=swiglu)
         return y, (residual if x is None else res_out)
 
     def norm_moe(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
