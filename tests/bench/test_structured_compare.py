@@ -117,3 +117,24 @@ def test_no_serve_log_leaves_the_loop_figures_out(tmp_path, capsys):
     [pair] = json.loads(out.read_text())["pairs"]
     assert pair["plain"]["loop"] is None and pair["constrained_over_plain"]["loop_step_ms"] is None
     assert "GPU loop" not in capsys.readouterr().out
+
+
+def test_the_parser_reads_what_the_backend_logs(caplog):
+    """The loop-statistics line as gpu_backend/engine/persistent.py's LoopStatsLog writes it (counters in a host
+    LoopCtl, no GPU) is the line structured_compare.py parses: the producer and the parser cannot drift apart."""
+    import logging
+
+    from gpu_backend.engine.persistent import LoopStatsLog
+    from kernels.persistent_loop import LoopCtl
+
+    ctl = LoopCtl()
+    stats = LoopStatsLog(ctl, 1e-9)
+    ctl.steps, ctl.tokens, ctl.busy_ns, ctl.busy_steps = 140, 8960, 140 * 7_500_000, 140
+    ctl.sched_ns, ctl.spec_hits, ctl.spec_misses = 140 * 20_000, 110, 30
+    with caplog.at_level(logging.INFO, logger="blink.persistent"):
+        stats.maybe_log()
+    formatter = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s")
+    [line] = structured_compare.loop_lines("\n".join(formatter.format(r) for r in caplog.records))
+    assert (line["steps"], line["tokens"], line["busy_steps"]) == (140, 8960, 140)
+    assert line["step_us"] == pytest.approx(7500.0) and line["loop_kernel_us"] == pytest.approx(20.0)
+    assert (line["spec_taken"], line["spec_dropped"]) == (110, 30)
