@@ -2,6 +2,7 @@
 and the expert GEMMs at other tile shapes.
 
     python bench/moe_probe.py [--model qwen3-30b-a3b] [--tokens 1,8,64] [--out bench/results/moe_probe.json]
+    python bench/moe_probe.py --one-token [--out ...]   # moe_one_token (batch 1) at other gate_up GEMV tiles
 
 One layer's experts at the preset's shapes, random bf16 weights, in 4 copies taken in rotation so the L2 holds
 none of them; random routing (each token's top-k of a random softmax). Every figure is a CUDA graph of back-to-back
@@ -85,15 +86,66 @@ def probe(cfg, num_tokens: int, gate_up, down) -> dict:
             "default_tiles": vars(M.expert_tiles(bm)), "parts_us": parts, "tiles": tiles}
 
 
+# (gate_up tile, down tile) of moe_one_token; None = its default. gate_up: (BLOCK_N, BLOCK_K, warps); down:
+# (BLOCK_N, BLOCK_K of each expert, warps)
+ONE_TOKEN_TILES = [((2, 1024, 4), None)] + [(g, None) for g in (
+    (1, 512, 4), (1, 512, 2), (1, 1024, 2), (1, 1024, 8), (1, 2048, 8), (1, 256, 2), (2, 512, 4))] + [
+    (None, d) for d in ((1, 128, 4), (1, 128, 2), (2, 128, 8), (1, 256, 4), (2, 64, 4), (4, 128, 8), (1, 64, 2))]
+
+
+def probe_one_token(cfg, gate_up, down) -> dict:
+    """moe_one_token (router with its fused norm, gate_up, down) at other gate_up and down tiles; all its
+    launches timed together, as the step runs them: the difference between rows is the changed kernel's."""
+    hidden, experts, top_k = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    res = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    norm_w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
+    routers = [torch.randn(experts, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) * hidden ** -0.5
+               for _ in gate_up]
+    res_out = torch.empty_like(x)
+    inter = gate_up[0].shape[1] // 2
+    gate_up_bytes = top_k * 2 * inter * hidden * 2
+    rot = itertools.count()
+
+    def call(tiles, i=None):
+        i = next(rot) % len(gate_up) if i is None else i
+        return M.moe_one_token(x, routers[i], gate_up[i], down[i], top_k, True, norm=(res, norm_w, 1e-6),
+                               residual_out=res_out, gate_up_tile=tiles[0], down_tile=tiles[1])
+
+    want = call((None, None), 0).float()
+    rows = {}
+    for tile in [(None, None)] + ONE_TOKEN_TILES:
+        name = " ".join(f"{part} " + ("default" if t is None else "bn={} bk={} warps={}".format(*t))
+                        for part, t in zip(("gate_up", "down"), tile))
+        try:
+            diff = (call(tile, 0).float() - want).abs().max().item()  # sums in another order: close, not equal
+            rows[name] = {"us": time_us(lambda tile=tile: call(tile)), "max_abs_diff_vs_default": diff}
+        except Exception as exc:
+            rows[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        r = rows[name]
+        print(f"one token, {name:60s} " + (f"{r['us']:7.2f} us (diff {r['max_abs_diff_vs_default']:.1e})"
+                                                   if "us" in r else r["error"]), flush=True)
+    return {"gate_up_bytes": gate_up_bytes, "whole_moe_us": rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen3-30b-a3b", help="a preset with experts")
     p.add_argument("--tokens", default="1,8,64")
+    p.add_argument("--one-token", action="store_true", help="moe_one_token's gate_up tiles instead")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     cfg = preset_config(args.model)
     gate_up, down = layer(cfg)
     gbps = copy_gbps()
+    if args.one_token:
+        doc = {"commit": commit(), "gpu": torch.cuda.get_device_name(), "model": args.model, "copy_gbps": gbps,
+               **probe_one_token(cfg, gate_up, down)}
+        print(f"gate_up bytes at {gbps:.0f} GB/s: {doc['gate_up_bytes'] / gbps / 1e3:.1f} us", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(doc, indent=1))
+        return
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
         row = probe(cfg, t, gate_up, down)

@@ -58,6 +58,10 @@ _COMBINE_BLOCK = 1024
 _DECODE_PAIRS = 128      # route_in_one_launch's bounds
 _DECODE_PAYS_PAIRS = 32  # route_decode_pays: where one program stops beating three launches (H100, measured)
 _DECODE_LOGITS = 4096
+# the one-token gate_up GEMVs (BLOCK_N, BLOCK_K, num_warps): one gate and one up row a program. On an H100 at
+# Qwen3-30B-A3B's shapes (bench/moe_probe.py --one-token) the whole one-token MoE took 37.3 us a layer with it
+# against 40.1 with kernels/gemv.py's tile (two rows of each)
+ONE_TOKEN_GATE_UP = (1, 1024, 4)
 _DECODE_SORT_TILE = 2048  # [experts, pairs] flags per step of the sort: 128 registers at 16 x 8 (4,096: 255)
 
 
@@ -560,7 +564,8 @@ _done_counters: dict[torch.device, torch.Tensor] = {}
 def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor,
                   experts_down: torch.Tensor, top_k: int, renormalize: bool,
                   norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
-                  residual_out: torch.Tensor | None = None) -> torch.Tensor:
+                  residual_out: torch.Tensor | None = None, gate_up_tile: tuple[int, int, int] | None = None,
+                  down_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """A one-token step's whole mixture of experts, the router GEMV included, in three launches instead of
     five (router GEMV, routing, gate_up, down, combine): (1) one program per expert computes its router logit
     and the last to finish routes them (softmax, top_k, renormalised: `_route_rows`); (2) gate_up + SwiGLU of
@@ -570,6 +575,8 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     x [1, hidden]; router [E, hidden]; the experts as `moe_experts` takes them. -> [1, hidden].
     `norm` = (residual or None, norm weight [hidden], eps): the experts' input is RMSNorm(x + residual) * weight
     (as kernels/gemv.py's `norm`), computed in the router's launch; x + residual goes to `residual_out`.
+    `gate_up_tile` (BLOCK_N, BLOCK_K, num_warps) and `down_tile` (BLOCK_N, BLOCK_K of each expert, num_warps)
+    override the tiles (bench/moe_probe.py --one-token).
     Graph-capturable, no host sync; launch it once on a device before capturing it there (the first launch
     makes the device's completion counter)."""
     check("x", x, dtype=_DTYPES, shape=(1, None))
@@ -604,17 +611,18 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
                                        RENORMALIZE=bool(renormalize), BLOCK_E=next_pow2(num_experts), BLOCK_K=router_k,
                                        NORM=norm_code,
                                        ROW_BLOCK=next_pow2(hidden), num_warps=router_warps, **pdl)
-    bn, bk, warps = DEFAULT_CONFIG  # the experts' GEMVs: kernels/gemv.py's tile
-    _one_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
+    gu_n, gu_k, gu_warps = gate_up_tile or ONE_TOKEN_GATE_UP
+    _one_gate_up_kernel[(top_k, triton.cdiv(inter, gu_n))](
         expert_in, experts_gate_up, ids, h, hidden, inter, experts_gate_up.stride(0), experts_gate_up.stride(1),
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl)
+        BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, **pdl)
     # the down kernel loads the k experts' rows together: K per step divided among them keeps the GEMV tile's
     # weights a step (on an H100, 4x or 1/2x that lost 3-14%: bench/NOTES.md)
     k_pad = next_pow2(top_k)
-    down_k = min(max(bk // k_pad, 16), next_pow2(inter))
-    _one_down_kernel[(triton.cdiv(hidden, bn),)](
+    bn, bk, warps = DEFAULT_CONFIG
+    dn_n, dn_k, dn_warps = down_tile or (bn, min(max(bk // k_pad, 16), next_pow2(inter)), warps)
+    _one_down_kernel[(triton.cdiv(hidden, dn_n),)](
         h, experts_down, ids, weights, out, hidden, inter, experts_down.stride(0), experts_down.stride(1),
-        TOP_K=top_k, K_PAD=k_pad, BLOCK_N=bn, BLOCK_K=down_k, num_warps=warps, **pdl)
+        TOP_K=top_k, K_PAD=k_pad, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps, **pdl)
     return out
 
 
