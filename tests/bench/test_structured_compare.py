@@ -138,3 +138,17 @@ def test_the_parser_reads_what_the_backend_logs(caplog):
     assert (line["steps"], line["tokens"], line["busy_steps"]) == (140, 8960, 140)
     assert line["step_us"] == pytest.approx(7500.0) and line["loop_kernel_us"] == pytest.approx(20.0)
     assert (line["spec_taken"], line["spec_dropped"]) == (110, 30)
+
+
+def test_the_loop_kernel_counts_only_back_to_back_periods():
+    """A period with idle time in it (the loop kernel polling an empty ring) would add its polling to the kernel's
+    time a step: such periods (under 90% busy steps) are left out of the loop kernel's figure, not of the rest, and
+    the figure is the median of the others (one busy period with waiting in it does not move it)."""
+    def period(at, steps, busy, kernel_us):
+        return {"at": at, "steps": steps, "tokens": 60 * steps, "step_us": 8000.0, "busy_steps": busy,
+                "loop_kernel_us": kernel_us, "spec_taken": 0, "spec_dropped": 0}
+    lines = [period(2.0, 24, 19, 157320.1), period(3.0, 93, 92, 2982.0), period(4.0, 125, 125, 60.0),
+             period(5.0, 121, 120, 64.0)]
+    loop = structured_compare.loop_over(lines, 0.0, 6.0)
+    assert loop["steps"] == 363 and loop["periods"] == 4
+    assert loop["loop_kernel_us"] == pytest.approx(64.0)
