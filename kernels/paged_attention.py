@@ -15,6 +15,11 @@ Work decomposition (FlashAttention-style, online softmax over key tiles of BLOCK
   long uses up to NUM_SPLITS of them, at least SPLIT_KEYS keys each (decided on device from the
   lengths): each split writes a float32 partial output and log-sum-exp and `_attn_reduce_kernel`
   merges them. A tile that uses one split writes `out` directly, so short contexts cost no partials.
+  The reduce needs no metadata: every (token, head) of a tile has a log-sum-exp in each of its
+  NUM_SPLITS slots after the tile kernel (-inf where a split had no keys: weight 0), or +inf in
+  slot 0 where there is nothing to merge (the tile wrote `out` directly, or the token is padding).
+  Its chain of dependent loads is then the partials alone (at batch 1 it read the token's sequence,
+  its lengths and its split count first: ~1 us a layer).
 - Padding tokens (seq_ids_of_token < 0 or >= num_seqs) get zeros: program (i, kv_head, 0) zeroes
   those among tokens [i * BLOCK_Q, (i + 1) * BLOCK_Q) (T // BLOCK_Q + S >= ceil(T / BLOCK_Q)).
 Loads are masked to the sequence's key range and the block table's width, so padding, a context of 1
@@ -80,6 +85,8 @@ def _attn_tile_kernel(
     pad = in_range & ((pad_seq < 0) | (pad_seq >= num_seqs))
     tl.store(out_ptr + pad_tok.to(tl.int64)[:, None] * o_stride_t + row_head[:, None] * o_stride_h + d[None, :],
              tl.zeros([BLOCK_M, BLOCK_D], out_ptr.dtype.element_ty), mask=pad[:, None] & d_ok[None, :])
+    if NUM_SPLITS > 1:  # nothing to merge for padding (see the module doc)
+        tl.store(part_lse_ptr + (pad_tok.to(tl.int64) * NUM_HEADS + row_head) * NUM_SPLITS, float("inf"), mask=pad)
 
     # which sequence owns this tile id: the last one whose first tile id is <= tile
     s_idx = tl.arange(0, MAX_SEQS_P)
@@ -135,40 +142,36 @@ def _attn_tile_kernel(
     tl.store(out_ptr + tok[:, None] * o_stride_t + row_head[:, None] * o_stride_h + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=o_mask & direct)
     if NUM_SPLITS > 1:
+        # every slot of a live row gets a log-sum-exp: the split's (-inf past `used`: weight 0), or +inf in slot 0
+        # when the tile wrote `out` directly (the reduce then leaves the row alone)
         part = (tok * NUM_HEADS + row_head) * NUM_SPLITS + split              # [BLOCK_M]
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask & ~direct)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=row_ok & ~direct)
+        lse = tl.where(direct, float("inf"), lse)
+        live_row = row_real & (q_local < q_len)
+        tl.store(part_lse_ptr + part, lse, mask=live_row & (~direct | (split == 0)))
 
 
 @triton.jit
-def _attn_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, seq_ids_ptr, q_start_ptr, ctx_lens_ptr,
-                        num_seqs_ptr, max_blocks, o_stride_t, o_stride_h,
-                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                        SPLITS_P: tl.constexpr, SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr):
-    """Merge the partials of tokens whose tile used several splits; others were written directly."""
+def _attn_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, o_stride_t, o_stride_h,
+                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr):
+    """Merge the partials of (token, head) whose tile used several splits; +inf in slot 0 means none (written
+    directly, or padding: the module doc)."""
     pdl_enter(PDL)  # kernels/pdl.py
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    seq = tl.load(seq_ids_ptr + tok)
-    live = (seq >= 0) & (seq < tl.load(num_seqs_ptr))
-    seq = tl.where(live, seq, 0)
-    q_lo = tl.load(q_start_ptr + seq)
-    q_len = tl.load(q_start_ptr + seq + 1) - q_lo
-    tile_q0 = (tok.to(tl.int32) - q_lo) // BLOCK_Q * BLOCK_Q
-    kv_end, used, per_split = _tile_keys(tl.load(ctx_lens_ptr + seq), q_len, tile_q0, max_blocks * PAGE,
-                                         BLOCK_Q, BLOCK_N, NUM_SPLITS, SPLIT_KEYS)
-    merge = live & (used > 1)
     sp = tl.arange(0, SPLITS_P)
-    sp_ok = (sp < used) & merge
+    part = (tok * NUM_HEADS + head) * NUM_SPLITS + sp
+    lse = tl.load(part_lse_ptr + part, mask=sp < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    merge = top != float("inf")
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    part = (tok * NUM_HEADS + head) * NUM_SPLITS + sp
-    lse = tl.load(part_lse_ptr + part, mask=sp_ok, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))            # 0 for unused splits
-    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    has = (lse != float("-inf")) & merge                                    # splits with keys
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))            # 0 for splits without keys
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=has[:, None] & d_ok[None, :], other=0.0)
+    w = tl.where(has, w, 0.0)
     res = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
     tl.store(out_ptr + tok * o_stride_t + head * o_stride_h + d, res.to(out_ptr.dtype.element_ty),
              mask=d_ok & merge)
@@ -245,8 +248,9 @@ def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, 
         num_warps=4, **common)
     if splits > 1:
         _attn_reduce_kernel[(num_tokens, num_heads)](
-            part_o, part_lse, out, seq_ids, q_start, ctx_lens, num_seqs, block_tables.shape[1],
-            out.stride(0), out.stride(1), SPLITS_P=next_pow2(splits), num_warps=4, **common)
+            part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            BLOCK_D=cfg["block_d"], NUM_SPLITS=splits, SPLITS_P=next_pow2(splits), PDL=pdl_on(), num_warps=4,
+            **pdl_launch())
 
 
 def _check_args(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs) -> None:

@@ -94,3 +94,17 @@ def test_rejects_bad_metadata(device):
         paged_attention(q, cache, i32(4).long(), i32(3), i32(2), i32(2, 2), i32(1), 0.1)
     with pytest.raises(ValueError, match="KV heads"):
         paged_attention(q[:, :3], cache, i32(4), i32(3), i32(2), i32(2, 2), i32(1), 0.1)
+
+
+@pytest.mark.parametrize("case", ["mixed", "decode"])
+def test_the_reduce_reads_only_what_this_launch_wrote(device, case, monkeypatch):
+    """The reduce merges by the log-sum-exp slots alone (+inf: nothing to merge, -inf: a split without keys), so
+    every slot it reads must be this launch's: partial buffers that start as NaN (stale memory at its worst) change
+    nothing, with tiles of one split, of several, and padding side by side."""
+    empty = torch.empty
+
+    def nan_partials(*shape, dtype=None, **kw):
+        t = empty(*shape, dtype=dtype, **kw)
+        return t.fill_(float("nan")) if dtype == torch.float32 else t
+    monkeypatch.setattr(torch, "empty", nan_partials)
+    _check(*_run(device, *SMALL[case], num_splits=4, block_n=16, block_m=16, split_keys=16))
