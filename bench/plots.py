@@ -11,6 +11,13 @@ level and rate, the last one by file name (they carry a UTC timestamp) wins.
 
 --bars: the all-at-once runs instead (issue 5's comparison): per metric, one group of bars per system,
 one bar per interference level, plus a panel of interfered / isolated ratios (output tok/s, P99 TPOT).
+
+    python bench/plots.py GPU_HOST_FILES --steps [--anchors bench/data/issue22_anchors.json] --out FILE.png
+
+--steps: `bench/gpu_host.py` results (issue 22's sweeps, e.g. bf16 beside FP8): per file, decode tokens a second
+at each batch (batch / step) for the bare graph replay, host mode and persistent mode, and the step over its
+floor; the anchors (served saturation figures of peers and goals) as horizontal lines on the tokens panel. A
+bare step's tokens a second is an upper bound of what serving at that batch gives (no prefill, no scheduling).
 """
 from __future__ import annotations
 
@@ -155,14 +162,75 @@ def plot_bars(runs: dict[tuple[str, int], dict], out: str | Path) -> Path:
     return _save(fig, out)
 
 
+def load_steps(paths: list[str]) -> dict[str, list[dict]]:
+    """`gpu_host.py` result files -> {label: rows}, the label naming the file's GPU, weights and KV cache."""
+    steps = {}
+    for f in result_files(paths):
+        doc = json.loads(f.read_text())
+        if doc.get("bench") != "gpu_host" or not doc.get("rows"):
+            continue
+        weights = doc.get("quantization") or "bf16"
+        kv = doc.get("kv_cache_dtype") or "auto"
+        label = f"{weights} weights" + (f", {kv} KV" if kv != "auto" else "") + f" ({doc.get('gpu', '?')}, {doc.get('commit', '?')})"
+        steps[label] = sorted(doc["rows"], key=lambda r: r["batch"])
+    return steps
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+def plot_steps(steps: dict[str, list[dict]], anchors: list[dict], out: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not steps:
+        raise ValueError("no bench/gpu_host.py result to plot")
+    fig, (tok_ax, over_ax) = plt.subplots(1, 2, figsize=(13, 5))
+    modes = [("bare", lambda r: r["bare_step_ms"], "-"), ("host", lambda r: (r.get("host") or {}).get("step_ms_median"), "--"),
+             ("persistent", lambda r: (r.get("persistent") or {}).get("step_ms_mean"), ":")]
+    for i, (label, rows) in enumerate(steps.items()):
+        for mode, get, style in modes:
+            pts = [(r["batch"], r["batch"] / get(r) * 1e3) for r in rows if _finite(get(r))]
+            if pts:
+                tok_ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{label}: {mode}")
+        over = [(r["batch"], r["bare_step_ms"] / r["floor_ms"]) for r in rows if _finite(r.get("floor_ms"))]
+        if over:
+            over_ax.plot(*zip(*over), marker="o", color=f"C{i}", label=label)
+    styles = ["-", "--", ":", "-."]
+    for j, a in enumerate(anchors):  # in the legend: close values would overlap as labels on the lines
+        tok_ax.axhline(a["tok_s"], color=f"{0.15 + 0.1 * (j % 6):.2f}", lw=0.9, ls=styles[j % len(styles)],
+                       label=f"{a['label']}: {a['tok_s']:,}")
+    for ax in (tok_ax, over_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (sequences decoding, one token each)")
+        ax.grid(True, alpha=0.3)
+    tok_ax.set_yscale("log")
+    tok_ax.set_ylabel("decode tokens / s (batch / step)")
+    tok_ax.set_title("step throughput; lines: served saturation anchors", fontsize="small")
+    tok_ax.legend(fontsize=6)
+    over_ax.axhline(1.0, color="k", lw=0.8)
+    over_ax.set_ylabel("bare step / floor (bytes at copy bandwidth)")
+    over_ax.set_title("bare step over its floor", fontsize="small")
+    over_ax.legend(fontsize=6)
+    return _save(fig, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("paths", nargs="+", help="result JSON files or folders holding them")
     p.add_argument("--out", default="bench/results/sweep.png")
     p.add_argument("--bars", action="store_true", help="all-at-once runs as bars per system and interference level")
     p.add_argument("--requests", type=int, default=None, help="--bars: keep runs of exactly this many requests")
+    p.add_argument("--steps", action="store_true", help="bench/gpu_host.py sweeps: tokens a second by batch, by mode")
+    p.add_argument("--anchors", default=None, help="--steps: a JSON file of {anchors: [{label, tok_s}]} lines")
     args = p.parse_args(argv)
-    if args.bars:
+    if args.steps:
+        anchors = json.loads(Path(args.anchors).read_text())["anchors"] if args.anchors else []
+        print(plot_steps(load_steps(args.paths), anchors, args.out))
+    elif args.bars:
         print(plot_bars(load_saturation(args.paths, args.requests), args.out))
     else:
         print(plot(load_runs(args.paths), args.out))

@@ -58,7 +58,7 @@ _COMBINE_BLOCK = 1024
 _DECODE_PAIRS = 128      # route_in_one_launch's bounds
 _DECODE_PAYS_PAIRS = 32  # route_decode_pays: where one program stops beating three launches (H100, measured)
 _DECODE_LOGITS = 4096
-_RANK_MAX_EXPERTS = 256  # the one-token router's top_k by rank up to this many experts ([E, E] flags)
+_RANK_MAX_EXPERTS = 128  # the one-token router's top_k by rank up to this many experts ([E, E] flags: 64 a thread)
 # the one-token gate_up GEMVs (BLOCK_N, BLOCK_K, num_warps): one gate and one up row a program. On an H100 at
 # Qwen3-30B-A3B's shapes (bench/moe_probe.py --one-token) the whole one-token MoE took 37.3 us a layer with it
 # against 40.1 with kernels/gemv.py's tile (two rows of each)

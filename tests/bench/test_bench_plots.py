@@ -37,3 +37,29 @@ def test_plots_write_a_png(tmp_path):
     out = plots.main([str(tmp_path), "--out", str(tmp_path / "sweep.png")])
     png = (tmp_path / "sweep.png").read_bytes()
     assert out == 0 and png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_steps_plots_gpu_host_sweeps_beside_anchors(tmp_path):
+    """--steps: each bench/gpu_host.py file a line per mode (tokens a second = batch / step), labelled by its weights
+    and KV dtype; non-finite modes (persistent not run: NaN) left out; anchors as lines; other files ignored."""
+    plots = load_plots()
+    rows = lambda scale: [{"batch": b, "bare_step_ms": (4 + b / 32) * scale, "floor_ms": 3.8 + b / 64,  # noqa: E731
+                           "host": {"step_ms_median": (4.1 + b / 30) * scale},
+                           "persistent": {"step_ms_mean": float("nan") if b == 256 else (4 + b / 31) * scale}}
+                          for b in (1, 64, 256)]
+    (tmp_path / "a.json").write_text(json.dumps({"bench": "gpu_host", "gpu": "G", "commit": "c1", "quantization": None,
+                                                 "kv_cache_dtype": "auto", "rows": rows(1.0)}))
+    (tmp_path / "b.json").write_text(json.dumps({"bench": "gpu_host", "gpu": "G", "commit": "c1", "quantization": "fp8",
+                                                 "kv_cache_dtype": "fp8", "rows": rows(0.7)}))
+    (tmp_path / "c.json").write_text(json.dumps(fake_run("blink", 1, 0, 1)))
+    steps = plots.load_steps([str(tmp_path)])
+    assert set(steps) == {"bf16 weights (G, c1)", "fp8 weights, fp8 KV (G, c1)"}
+    anchors = tmp_path / "anchors.json"
+    anchors.write_text(json.dumps({"anchors": [{"label": "peer", "tok_s": 10000}]}))
+    out = tmp_path / "steps.png"
+    assert plots.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--steps", "--anchors", str(anchors),
+                       "--out", str(out)]) == 0
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    with pytest.raises(ValueError, match="gpu_host"):
+        plots.plot_steps({}, [], tmp_path / "none.png")
