@@ -58,7 +58,6 @@ _COMBINE_BLOCK = 1024
 _DECODE_PAIRS = 128      # route_in_one_launch's bounds
 _DECODE_PAYS_PAIRS = 32  # route_decode_pays: where one program stops beating three launches (H100, measured)
 _DECODE_LOGITS = 4096
-_RANK_MAX_EXPERTS = 128  # the one-token router's top_k by rank up to this many experts ([E, E] flags: 64 a thread)
 # the one-token gate_up GEMVs (BLOCK_N, BLOCK_K, num_warps): one gate and one up row a program. On an H100 at
 # Qwen3-30B-A3B's shapes (bench/moe_probe.py --one-token) the whole one-token MoE took 37.3 us a layer with it
 # against 40.1 with kernels/gemv.py's tile (two rows of each)
@@ -74,28 +73,9 @@ def _exact_sum(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _top_k_by_rank(probs, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One row's top_k as `_route_rows`'s loop picks them (best first, ties to the lower id), from each expert's
-    rank (how many experts come before it) in one [E, E] comparison and one reduction, where the loop takes two
-    block-wide reductions per choice (16 in a row at k = 8: the one-token router's serial tail). Exact: the
-    weights are the probabilities themselves. probs [1, BLOCK_E] -> (weights, ids) [1, K_PAD], zeros past top_k."""
-    ids = tl.arange(0, BLOCK_E)
-    mine = tl.reshape(probs, (BLOCK_E, 1))                           # expert e down the rows
-    before = (probs > mine) | ((probs == mine) & (ids[None, :] < ids[:, None]))
-    rank = tl.reshape(tl.sum(before.to(tl.int32), axis=1), (1, BLOCK_E))
-    slot = tl.arange(0, K_PAD)[:, None]
-    chosen = (rank == slot) & (slot < TOP_K)                         # [K_PAD, BLOCK_E]: expert of rank j in row j
-    top_w = tl.sum(tl.where(chosen, probs, 0.0), axis=1)
-    top_id = tl.sum(tl.where(chosen, ids[None, :], 0), axis=1)
-    return tl.reshape(top_w, (1, K_PAD)), tl.reshape(top_id, (1, K_PAD))
-
-
-@triton.jit
 def _route_rows(logits_ptr, logits_stride, rows, row_ok, num_experts, ROWS: tl.constexpr, TOP_K: tl.constexpr,
-                K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BY_RANK: tl.constexpr = False):
-    """Softmax, top_k (ties to the lower id), renormalised: logits rows [ROWS] -> (weights, ids) [ROWS, K_PAD].
-    BY_RANK (one row): the top_k from ranks (`_top_k_by_rank`), the same bits in fewer block-wide reductions; for a
-    program of many warps (in one warp a reduction is shuffles, and [E, E] flags would not fit its registers)."""
+                K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Softmax, top_k (ties to the lower id), renormalised: logits rows [ROWS] -> (weights, ids) [ROWS, K_PAD]."""
     cols = tl.arange(0, BLOCK_E)[None, :]
     col_ok = cols < num_experts
     logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * logits_stride + cols, mask=row_ok[:, None] & col_ok,
@@ -104,18 +84,14 @@ def _route_rows(logits_ptr, logits_stride, rows, row_ok, num_experts, ROWS: tl.c
     probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = probs / _exact_sum(probs, 1)[:, None]         # padding columns: exactly 0
     slots = tl.arange(0, K_PAD)[None, :]
-    if BY_RANK:
-        tl.static_assert(ROWS == 1, "top_k by rank takes one row")
-        top_w, top_id = _top_k_by_rank(probs, TOP_K, K_PAD, BLOCK_E)
-    else:
-        top_w = tl.zeros((ROWS, K_PAD), dtype=tl.float32)
-        top_id = tl.zeros((ROWS, K_PAD), dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(probs, axis=1)[:, None]
-            pick = tl.min(tl.where(probs == best, cols, BLOCK_E), axis=1)[:, None]
-            top_w = tl.where(slots == j, best, top_w)
-            top_id = tl.where(slots == j, pick, top_id)
-            probs = tl.where(cols == pick, -1.0, probs)       # taken; every probability is >= 0
+    top_w = tl.zeros((ROWS, K_PAD), dtype=tl.float32)
+    top_id = tl.zeros((ROWS, K_PAD), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)[:, None]
+        pick = tl.min(tl.where(probs == best, cols, BLOCK_E), axis=1)[:, None]
+        top_w = tl.where(slots == j, best, top_w)
+        top_id = tl.where(slots == j, pick, top_id)
+        probs = tl.where(cols == pick, -1.0, probs)       # taken; every probability is >= 0
     if RENORMALIZE:
         top_w = top_w / _exact_sum(top_w, 1)[:, None]
     return top_w, top_id
@@ -282,7 +258,7 @@ def _combine_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.const
 def _one_router_kernel(x_ptr, router_ptr, logits_ptr, weights_ptr, ids_ptr, done_ptr, res_ptr, nw_ptr, normed_ptr,
                        res_out_ptr, num_experts, hidden, router_stride, eps, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                        RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                       ROW_BLOCK: tl.constexpr, BY_RANK: tl.constexpr, PDL: tl.constexpr):
+                       ROW_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One token: program e computes router logit e (a GEMV row, rounded to the activation dtype as F.linear
     would); the last program to finish (a counter it resets) routes all of them (`_route_rows`). With NORM 1 / 2
     the input is RMSNorm(x) / RMSNorm(x + residual) (kernels/gemv.py's `norm_rstd`, `norm_chunk`): every program
@@ -313,7 +289,7 @@ def _one_router_kernel(x_ptr, router_ptr, logits_ptr, weights_ptr, ids_ptr, done
     if tl.atomic_add(done_ptr, 1, sem="acq_rel") == num_experts - 1:
         rows = tl.arange(0, 1)
         top_w, top_id = _route_rows(logits_ptr, 0, rows, rows < 1, num_experts, 1, TOP_K, K_PAD, RENORMALIZE,
-                                    BLOCK_E, BY_RANK)
+                                    BLOCK_E)
         slots = tl.arange(0, K_PAD)[None, :]
         tl.store(weights_ptr + slots, top_w, mask=slots < TOP_K)
         tl.store(ids_ptr + slots, top_id, mask=slots < TOP_K)
@@ -634,8 +610,7 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
                                        router.stride(0), float(eps), TOP_K=top_k, K_PAD=next_pow2(top_k),
                                        RENORMALIZE=bool(renormalize), BLOCK_E=next_pow2(num_experts), BLOCK_K=router_k,
                                        NORM=norm_code,
-                                       ROW_BLOCK=next_pow2(hidden), BY_RANK=next_pow2(num_experts) <= _RANK_MAX_EXPERTS,
-                                       num_warps=router_warps, **pdl)
+                                       ROW_BLOCK=next_pow2(hidden), num_warps=router_warps, **pdl)
     gu_n, gu_k, gu_warps = gate_up_tile or ONE_TOKEN_GATE_UP
     _one_gate_up_kernel[(top_k, triton.cdiv(inter, gu_n))](
         expert_in, experts_gate_up, ids, h, hidden, inter, experts_gate_up.stride(0), experts_gate_up.stride(1),

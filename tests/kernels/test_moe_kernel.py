@@ -6,11 +6,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (CI may not install it)")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 from gpu_backend.models.moe import expert_mlp, moe_reference, route  # noqa: E402
-from kernels.moe import _route_rows  # noqa: E402
 from kernels.moe import (ExpertTiles, block_m, expert_tiles, fused_moe, max_row_blocks, moe_align, moe_block_table,  # noqa: E402
                          moe_experts, moe_one_token, moe_route, moe_route_decode, route_decode_pays,
                          route_in_one_launch)
@@ -294,37 +290,3 @@ def test_one_token_path_rejects_bad_arguments(device):
         moe_one_token(x, router, gate_up, down, 5, True)
     with pytest.raises(ValueError, match="experts_down"):
         moe_one_token(x, router, gate_up, down[:, :16], 2, True)
-
-
-@triton.jit
-def _route_one_row(logits_ptr, weights_ptr, ids_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BY_RANK: tl.constexpr):
-    row = tl.program_id(0)
-    rows = row + tl.arange(0, 1)
-    top_w, top_id = _route_rows(logits_ptr, num_experts, rows, rows >= 0, num_experts, 1, TOP_K, K_PAD,
-                                RENORMALIZE, BLOCK_E, BY_RANK)
-    slots = row * TOP_K + tl.arange(0, K_PAD)[None, :]
-    ok = tl.arange(0, K_PAD)[None, :] < TOP_K
-    tl.store(weights_ptr + slots, top_w, mask=ok)
-    tl.store(ids_ptr + slots, top_id, mask=ok)
-
-
-@pytest.mark.parametrize("num_experts,top_k", [(128, 8), (8, 2), (60, 4), (256, 8)])
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_top_k_by_rank_equals_the_loop_bit_for_bit(device, num_experts, top_k, renormalize):
-    """The one-token router's top_k by rank (`_top_k_by_rank`) against `_route_rows`'s choice loop: the same ids in
-    the same order and the same weight bits, with many exact ties, rows all equal, experts past a power of two."""
-    gen = torch.Generator().manual_seed(num_experts + top_k)
-    logits = torch.cat([_logits_with_ties(12, num_experts, gen),
-                        torch.randn(4, num_experts, generator=gen)]).to(device, torch.bfloat16)
-    got = {}
-    for by_rank in (False, True):
-        weights = torch.full((logits.shape[0], top_k), float("nan"), device=device)
-        ids = torch.full((logits.shape[0], top_k), -1, dtype=torch.int32, device=device)
-        _route_one_row[(logits.shape[0],)](logits, weights, ids, num_experts, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-                                           RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                                           BY_RANK=by_rank, num_warps=8)
-        got[by_rank] = weights, ids
-    assert torch.equal(got[True][1], got[False][1])
-    assert torch.equal(got[True][0].view(torch.int32), got[False][0].view(torch.int32))
-    assert (got[True][1] >= 0).all() and (got[True][1] < num_experts).all()
