@@ -90,6 +90,11 @@ def _llama_calls():
         q = torch.zeros(tokens, heads, dim, **bf)
         yield f"T={tokens} S={seqs}", lambda q=q, s=seqs: paged_attention(
             q, cache, i32(q.shape[0]), i32(s + 1), i32(s), i32(s, 256), i32(1), dim ** -0.5)
+    one = qkv[:1]
+    rope = dict(k=one[:, heads:40], v=one[:, 40:], positions=i32(1), cos=torch.zeros(8192, dim // 2),
+                sin=torch.zeros(8192, dim // 2), slot_mapping=torch.zeros(1, dtype=torch.int64))
+    yield "T=1 rope", lambda: paged_attention(one[:, :heads], cache, i32(1), i32(2), i32(1), i32(1, 256), i32(1),
+                                              dim ** -0.5, split_keys=64, rope=rope)
     rows = 4
     params = dict(temperature=torch.ones(rows), top_k=i32(rows), top_p=torch.ones(rows), min_p=torch.zeros(rows),
                   seeds=torch.zeros(rows, dtype=torch.int64), positions=torch.zeros(rows, dtype=torch.int64))
@@ -111,6 +116,15 @@ def _qwen3_calls():
             qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], torch.zeros(t, dtype=torch.int32),
             torch.zeros(8192, dim // 2), torch.zeros(8192, dim // 2), torch.zeros(t, dtype=torch.int64), cache,
             q_norm=norm, k_norm=norm, eps=1e-6)
+    from kernels.paged_attention import paged_attention
+    one = torch.zeros(1, heads + 2 * kv_heads, dim, **bf)
+    i32 = lambda *s: torch.zeros(s, dtype=torch.int32)
+    rope = dict(k=one[:, heads:heads + kv_heads], v=one[:, heads + kv_heads:], positions=i32(1),
+                cos=torch.zeros(8192, dim // 2), sin=torch.zeros(8192, dim // 2),
+                slot_mapping=torch.zeros(1, dtype=torch.int64), q_norm=norm, k_norm=norm, eps=1e-6)
+    yield "qk-norm in attention T=1", lambda: paged_attention(one[:, :heads], cache, i32(1), i32(2), i32(1),
+                                                              i32(1, 256), i32(1), dim ** -0.5, split_keys=64,
+                                                              rope=rope)
 
 
 def _moe_calls():

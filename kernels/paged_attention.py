@@ -22,6 +22,12 @@ Work decomposition (FlashAttention-style, online softmax over key tiles of BLOCK
   its lengths and its split count first: ~1 us a layer).
 - Padding tokens (seq_ids_of_token < 0 or >= num_seqs) get zeros: program (i, kv_head, 0) zeroes
   those among tokens [i * BLOCK_Q, (i + 1) * BLOCK_Q) (T // BLOCK_Q + S >= ceil(T / BLOCK_Q)).
+- One token (a batch-1 step, `rope` given): the tile kernel also does what kernels/rope_kv.py's launch would
+  do before it: each program rotates (and, for Qwen3, RMS-normalises) its query rows as it loads them, and the
+  program of the last split, the one whose keys end at the new token, writes the token's rotated K and its V into
+  the cache, then a block barrier lets its own loop read them; no other program reads that key. One launch a
+  layer less on the step's critical path. At more tokens a sequence's new keys are read by other programs (other
+  tiles, other splits), so `rope_and_cache_kv` runs first.
 Loads are masked to the sequence's key range and the block table's width, so padding, a context of 1
 and ragged tails never read out of bounds.
 """
@@ -36,6 +42,7 @@ import triton.language as tl
 
 from ._common import check, next_pow2, num_sms, pdl_launch, pdl_on
 from .pdl import pdl_enter
+from .rope_kv import check_rope_args, rope_and_cache_kv, rope_rows
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
@@ -62,10 +69,12 @@ def _attn_tile_kernel(
         seq_ids_ptr, q_start_ptr, ctx_lens_ptr, block_tables_ptr, num_seqs_ptr,
         scale_log2, num_tokens, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
         cache_kv_stride, bt_stride, max_blocks,
+        k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_norm_ptr, k_norm_ptr,
+        k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_stride, sin_stride, max_pos, eps,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
         MAX_SEQS_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)  # kernels/pdl.py
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -110,8 +119,26 @@ def _attn_tile_kernel(
     kv_hi = tl.minimum(kv_end, kv_lo + per_split)
     kv_hi = tl.where(split < used, kv_hi, 0)
 
-    q = tl.load(q_ptr + tok[:, None] * q_stride_t + row_head[:, None] * q_stride_h + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROPE:  # one token (module doc): its q rows and its K/V row rotated (and normed: ROPE 2) here
+        HALF: tl.constexpr = HEAD_DIM // 2
+        pos = tl.minimum(tl.maximum(tl.load(pos_ptr).to(tl.int64), 0), max_pos - 1)  # padding rows: any value
+        cos_row, sin_row = cos_ptr + pos * cos_stride, sin_ptr + pos * sin_stride
+        q = rope_rows(q_ptr + tok * q_stride_t + row_head * q_stride_h, row_ok, pos, cos_row, sin_row, q_norm_ptr,
+                      HEAD_DIM, eps, ROPE == 2, HALF, BLOCK_D).to(q_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr).to(tl.int64)
+        if (tile == 0) & (split == used - 1) & (slot >= 0):   # the split whose keys end at the new one writes it
+            first = rows < 1
+            k_row = rope_rows(k_ptr + kvh * k_stride_h + rows * 0, first, pos, cos_row, sin_row, k_norm_ptr,
+                              HEAD_DIM, eps, ROPE == 2, HALF, BLOCK_D)
+            dst = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d
+            tl.store(dst[None, :] + rows[:, None] * 0, k_row.to(cache_ptr.dtype.element_ty),
+                     mask=first[:, None] & d_ok[None, :])
+            v_row = tl.load(v_ptr + kvh * v_stride_h + d, mask=d_ok, other=0.0)
+            tl.store(dst + cache_kv_stride, v_row.to(cache_ptr.dtype.element_ty), mask=d_ok)
+        tl.debug_barrier()  # the block's stores above are seen by its loads below
+    else:
+        q = tl.load(q_ptr + tok[:, None] * q_stride_t + row_head[:, None] * q_stride_h + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -164,8 +191,9 @@ def _attn_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, o_stride_t, o_stride_
     sp = tl.arange(0, SPLITS_P)
     part = (tok * NUM_HEADS + head) * NUM_SPLITS + sp
     lse = tl.load(part_lse_ptr + part, mask=sp < NUM_SPLITS, other=float("-inf"))
+    # slot 0 decides: a padding row's other slots are stale (anything, NaN included); a merged row's are all written
+    merge = tl.load(part_lse_ptr + (tok * NUM_HEADS + head) * NUM_SPLITS) != float("inf")
     top = tl.max(lse, axis=0)
-    merge = top != float("inf")
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     has = (lse != float("-inf")) & merge                                    # splits with keys
@@ -181,7 +209,7 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, seq_ids_of_token
                     q_start: torch.Tensor, ctx_lens: torch.Tensor, block_tables: torch.Tensor,
                     num_seqs: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                     num_splits: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                    split_keys: int = _SPLIT_KEYS) -> torch.Tensor:
+                    split_keys: int = _SPLIT_KEYS, rope: dict | None = None) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context. Returns out.
 
     q: [T, H, D] bf16/fp16 (rows/heads may be strided, last dim contiguous), already rotated;
@@ -192,11 +220,21 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, seq_ids_of_token
     sequence s sits at position ctx_lens[s] - q_len_s + i and sees keys 0 .. that position.
     out: [T, H, D] of q's dtype; rows of padding tokens are written with zeros.
     num_splits, block_m, block_n, split_keys override the static choices (tests, tuning).
+    rope: kernels/rope_kv.py's `rope_and_cache_kv` arguments after q and layer_cache (k, v, positions, cos, sin,
+    slot_mapping; q_norm, k_norm, eps for Qwen3): q is then not yet rotated and this step's K/V not yet written.
+    At one token the tile kernel does both itself (one launch a layer less); otherwise `rope_and_cache_kv` runs
+    first.
     Graph-capturable: grid and launch parameters come from shapes only; no host sync, no .item().
     Launch once per bucket shape before capture (the first launch compiles).
     """
     _check_args(q, layer_cache, seq_ids_of_token, q_start, ctx_lens, block_tables, num_seqs)
     num_tokens, num_heads, head_dim = q.shape
+    if rope is not None:
+        check_rope_args(q, rope["k"], rope["v"], rope["positions"], rope["cos"], rope["sin"], rope["slot_mapping"],
+                        layer_cache, rope.get("q_norm"), rope.get("k_norm"))
+        if num_tokens != 1:
+            rope_and_cache_kv(q, layer_cache=layer_cache, **rope)
+            rope = None
     if out is None:
         out = torch.empty_like(q)
     check("out", out, dtype=q.dtype, shape=tuple(q.shape), device=q.device)
@@ -205,7 +243,7 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, seq_ids_of_token
     cfg = _config(num_tokens, q_start.shape[0] - 1, num_heads, layer_cache.shape[3], head_dim,
                   block_tables.shape[1] * layer_cache.shape[2], num_sms(q.device), num_splits, block_m, block_n)
     _launch(q, layer_cache, seq_ids_of_token, q_start, ctx_lens, block_tables, num_seqs, scale, out,
-            dict(cfg, split_keys=split_keys))
+            dict(cfg, split_keys=split_keys), rope)
     return out
 
 
@@ -230,9 +268,22 @@ def _config(num_tokens: int, max_seqs: int, num_heads: int, num_kv_heads: int, h
                 block_d=max(16, next_pow2(head_dim)))
 
 
-def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, scale, out, cfg) -> None:
+def _rope_args(q: torch.Tensor, rope: dict | None) -> tuple[list, int]:
+    """The tile kernel's RoPE arguments (placeholders without `rope`) and its ROPE constexpr: 0, 1, 2 = normed."""
+    if rope is None:
+        return [q] * 8 + [0] * 7 + [0.0], 0
+    k, v, cos, sin = rope["k"], rope["v"], rope["cos"], rope["sin"]
+    q_norm, k_norm = rope.get("q_norm"), rope.get("k_norm")
+    ptrs = [k, v, rope["positions"], cos, sin, rope["slot_mapping"], q if q_norm is None else q_norm,
+            q if k_norm is None else k_norm]
+    return (ptrs + [k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), cos.shape[0],
+                    float(rope.get("eps", 1e-6))], 1 if q_norm is None else 2)
+
+
+def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, scale, out, cfg, rope=None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page, splits = layer_cache.shape[3], layer_cache.shape[2], cfg["num_splits"]
+    rope_args, rope_code = _rope_args(q, rope)
     part_o = part_lse = out                       # unused placeholders when not splitting
     if splits > 1:
         part_o = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -243,8 +294,8 @@ def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, 
     _attn_tile_kernel[(cfg["num_tiles"], num_kv_heads, splits)](
         q, layer_cache, out, part_o, part_lse, seq_ids, q_start, ctx_lens, block_tables, num_seqs,
         float(scale) * _LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        layer_cache.stride(0), block_tables.stride(0), block_tables.shape[1],
-        NUM_KV_HEADS=num_kv_heads, GROUP=cfg["group"], MAX_SEQS_P=cfg["max_seqs_p"], BLOCK_M=cfg["block_m"],
+        layer_cache.stride(0), block_tables.stride(0), block_tables.shape[1], *rope_args,
+        NUM_KV_HEADS=num_kv_heads, ROPE=rope_code, GROUP=cfg["group"], MAX_SEQS_P=cfg["max_seqs_p"], BLOCK_M=cfg["block_m"],
         num_warps=4, **common)
     if splits > 1:
         _attn_reduce_kernel[(num_tokens, num_heads)](

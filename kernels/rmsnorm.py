@@ -20,10 +20,11 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def rms_rstd(h, n, eps):
-    """1 / RMS of the float32 row `h` (its `n` real columns, the padding zeros): the formula of every norm here and
-    of the norms fused into other kernels (kernels/gemv.py, kernels/rope_kv.py, kernels/moe.py)."""
-    return 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
+def rms_rstd(h, n, eps, AXIS: tl.constexpr = 0):
+    """1 / RMS of the float32 row `h` (its `n` real columns, the padding zeros; rows along AXIS 1 of a tile): the
+    formula of every norm here and of the norms fused into other kernels (kernels/gemv.py, kernels/rope_kv.py,
+    kernels/moe.py, kernels/paged_attention.py)."""
+    return 1.0 / tl.sqrt(tl.sum(h * h, axis=AXIS) / n + eps)
 
 
 @triton.jit

@@ -93,6 +93,34 @@ def _norm_rotate(x_ptr, w_ptr, cos, sin, head_dim, eps, HALF: tl.constexpr, HALF
 
 
 @triton.jit
+def rope_rows(row_ptrs, row_ok, pos, cos_ptr, sin_ptr, w_ptr, head_dim, eps, NORM: tl.constexpr,
+              HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Head rows at `row_ptrs` [R] (RMSNorm with weight `w_ptr` when NORM, Qwen3's q/k norm) rotated for position
+    `pos` (cos/sin rows already offset to it): -> [R, BLOCK_D] float32 in the head's own column order, the numerics
+    of `_norm_rotate` and `_rope_kv_kernel` (each column with its rotation partner, d +- HALF, loaded beside it). For
+    a kernel that rotates the rows it reads instead of reading them rotated (kernels/paged_attention.py at one
+    token)."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    low = d < HALF
+    partner = tl.where(low, d + HALF, d - HALF)
+    j = tl.where(low, d, d - HALF)
+    m = row_ok[:, None] & d_ok[None, :]
+    x = tl.load(row_ptrs[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        act = row_ptrs.dtype.element_ty
+        rstd = rms_rstd(x, head_dim, eps, 1)[:, None]
+        w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        x = rms_scale(x, rstd, w, act)
+        xp = rms_scale(xp, rstd, wp, act)
+    cos = tl.load(cos_ptr + j, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + j, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    return tl.where(low[None, :], x * cos - xp * sin, x * cos + xp * sin)
+
+
+@triton.jit
 def _qk_norm_rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, q_norm_ptr,
                             k_norm_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                             cos_stride, sin_stride, cache_kv_stride, max_pos, head_dim, eps,
@@ -145,10 +173,9 @@ def rope_and_cache_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     and times its weight, rounded to q's dtype as `kernels.rmsnorm.rmsnorm` rounds, before it is rotated;
     q is then normalised and rotated in place. Graph-capturable; no host sync.
     """
-    num_tokens, num_heads, head_dim = _check_args(q, k, v, positions, cos, sin, slot_mapping, layer_cache)
+    num_tokens, num_heads, head_dim = check_rope_args(q, k, v, positions, cos, sin, slot_mapping, layer_cache,
+                                                      q_norm, k_norm)
     num_kv_heads = k.shape[1]
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm go together: pass both (Qwen3's per-head norms) or neither")
     if num_tokens == 0:
         return q
     if q_norm is not None:
@@ -166,8 +193,6 @@ def rope_and_cache_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
 def _launch_qk_norm(q, k, v, positions, cos, sin, slot_mapping, layer_cache, q_norm, k_norm, eps: float) -> None:
     num_tokens, num_heads, head_dim = q.shape
-    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
-        check(name, weight, dtype=_DTYPES, shape=(head_dim,), device=q.device)
     num_kv_heads = k.shape[1]
     # the block and warps kernels/rmsnorm.py gives a row of head_dim: the row's reduction order is then its own
     _qk_norm_rope_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
@@ -179,7 +204,9 @@ def _launch_qk_norm(q, k, v, positions, cos, sin, slot_mapping, layer_cache, q_n
         **pdl_launch())
 
 
-def _check_args(q, k, v, positions, cos, sin, slot_mapping, layer_cache) -> tuple[int, int, int]:
+def check_rope_args(q, k, v, positions, cos, sin, slot_mapping, layer_cache, q_norm=None,
+                    k_norm=None) -> tuple[int, int, int]:
+    """`rope_and_cache_kv`'s arguments (also kernels/paged_attention.py's `rope`): -> (T, H, D)."""
     check("q", q, dtype=_DTYPES, ndim=3)
     num_tokens, num_heads, head_dim = q.shape
     if head_dim % 2:
@@ -196,4 +223,9 @@ def _check_args(q, k, v, positions, cos, sin, slot_mapping, layer_cache) -> tupl
     check("layer_cache", layer_cache, dtype=_DTYPES + (torch.float8_e4m3fn,), shape=(2, None, None, k.shape[1], head_dim), device=q.device)
     if not layer_cache.is_contiguous():
         raise ValueError("layer_cache must be contiguous ([2, num_blocks, block_size, KVH, D], e.g. kv_cache[layer])")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm go together: pass both (Qwen3's per-head norms) or neither")
+    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if weight is not None:
+            check(name, weight, dtype=_DTYPES, shape=(head_dim,), device=q.device)
     return num_tokens, num_heads, head_dim

@@ -33,6 +33,7 @@ class TritonOps(NormFused):
         # has one tile per KV head); many tiles fill the GPU on their own
         self.split_keys = 64 if num_tokens <= 32 else 256
         self.tp = tp  # kernels/tp_comm.RankComm under tensor parallelism, else None
+        self._rope = None  # rope_kv's arguments, for the attention launch that follows it
 
     def linear(self, name: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] == 1:
@@ -87,17 +88,22 @@ class TritonOps(NormFused):
     def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                 eps: float = 1e-6) -> torch.Tensor:
+        # handed to the attention's launch (kernels/paged_attention.py, `rope`): at one token its tile kernel
+        # rotates q and writes K/V itself (one launch a layer less); otherwise kernels/rope_kv.py runs first, with
+        # Qwen3's q/k norms inside it (one launch instead of three)
         d, t = self.d, self.t
-        # Qwen3's q/k norms run inside the same kernel (kernels/rope_kv.py): one launch instead of three
-        norms = {} if q_norm is None else dict(q_norm=q_norm, k_norm=k_norm, eps=eps)
-        self.k["rope_kv"](q, k, v, d["positions"][:t], self.cos, self.sin, d["slot_mapping"][:t],
-                          self.kv_cache[layer], **norms)
-        return q  # normalised and rotated in place; the rotated k lives in the cache only
+        self._rope = dict(k=k, v=v, positions=d["positions"][:t], cos=self.cos, sin=self.sin,
+                          slot_mapping=d["slot_mapping"][:t])
+        if q_norm is not None:
+            self._rope.update(q_norm=q_norm, k_norm=k_norm, eps=eps)
+        return q  # rotated by the attention's launch; the rotated k lives in the cache only
 
     def attention(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         d, t, s = self.d, self.t, self.s
+        rope, self._rope = self._rope, None
         self.k["attn"](q, self.kv_cache[layer], d["seq_ids"][:t], d["q_start"][:s + 1], d["ctx_lens"][:s],
-                       d["block_tables"][:s], d["num_seqs"], self.scale, out=self.attn_out, split_keys=self.split_keys)
+                       d["block_tables"][:s], d["num_seqs"], self.scale, out=self.attn_out, split_keys=self.split_keys,
+                       rope=rope)
         return self.attn_out
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:

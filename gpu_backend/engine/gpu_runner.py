@@ -117,14 +117,14 @@ class GpuRunner:
         `cfg` the rank's shape. The leader (rank 0) runs the whole step and announces each step's buffer to
         the followers; a follower's graphs wait for it and run the decoder layers only (no head, no sampling,
         one graph per bucket and step buffer)."""
-        from kernels import paged_attention, rmsnorm, rope_kv, sampling, swiglu  # triton: GPU hosts only
+        from kernels import paged_attention, rmsnorm, sampling, swiglu  # triton: GPU hosts only
 
         from kernels import fp8_gemm, fp8_quant, gemv, moe
 
         self._k = dict(attn=paged_attention.paged_attention, rmsnorm=rmsnorm.rmsnorm, gemv=gemv.gemv,
                        gemv_config=gemv.gemv_config, fp8_quant=fp8_quant.quantize_tokens,
                        fp8_w8a16=fp8_gemm.fp8_weight_only_mm,
-                       add_rmsnorm=rmsnorm.add_rmsnorm, rope_kv=rope_kv.rope_and_cache_kv,
+                       add_rmsnorm=rmsnorm.add_rmsnorm,
                        swiglu=swiglu.swiglu, sample=sampling.sample, moe=moe.fused_moe,
                        moe_one_token=moe.moe_one_token)
         self.tp, self.follower = tp, tp is not None and not tp.is_leader

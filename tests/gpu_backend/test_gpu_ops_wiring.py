@@ -1,7 +1,8 @@
 """The GPU runner's ops (engine/gpu_ops.TritonOps) wired to the step buffer, checked without a GPU: the Triton
-kernels are swapped for float32 torch stand-ins with the same signatures and contracts (rope_kv rotates q in
-place and writes the rotated k only to the cache; attention reads the cache through the step buffer's
-seq ids, query offsets, context lengths and block tables; padding rows have KV slot -1 and seq id -1).
+kernels are swapped for float32 torch stand-ins with the same signatures and contracts (attention is handed
+rope_kv's arguments: it rotates q and writes the rotated k only to the cache, then reads the cache through the
+step buffer's seq ids, query offsets, context lengths and block tables; padding rows have KV slot -1 and seq id
+-1).
 
 Each step of a real engine run (native scheduler, C fill) goes through the one forward twice: with the torch
 ops (what the cpu engine runs) and with TritonOps over the same step buffer and a copy of the KV cache; the
@@ -43,7 +44,8 @@ def _rope_kv(q, k, v, positions, cos, sin, slot_mapping, layer_cache, q_norm=Non
     return q
 
 
-def _attn(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, scale, out, split_keys):
+def _attn(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, scale, out, split_keys, rope):
+    _rope_kv(q, layer_cache=layer_cache, **rope)  # the kernel's contract: rotate q, write K/V, then attend
     out.zero_()
     bs = layer_cache.shape[2]
     for i in range(int(num_seqs[0])):
@@ -94,7 +96,7 @@ def _moe_one_token(x, router, gate_up, down, top_k, renormalize, norm=None, resi
 
 KERNELS = dict(moe=_moe, moe_one_token=_moe_one_token,
                rmsnorm=rms_norm, add_rmsnorm=lambda x, r, w, eps: (rms_norm(r + x, w, eps), r + x),
-               rope_kv=_rope_kv, attn=_attn, swiglu=_swiglu, gemv=_gemv)
+               attn=_attn, swiglu=_swiglu, gemv=_gemv)
 
 
 class TwinRunner(CpuRunner):

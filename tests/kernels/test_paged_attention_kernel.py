@@ -107,4 +107,72 @@ def test_the_reduce_reads_only_what_this_launch_wrote(device, case, monkeypatch)
         t = empty(*shape, dtype=dtype, **kw)
         return t.fill_(float("nan")) if dtype == torch.float32 else t
     monkeypatch.setattr(torch, "empty", nan_partials)
-    _check(*_run(device, *SMALL[case], num_splits=4, block_n=16, block_m=16, split_keys=16))
+    out, ref, batch = _run(device, *SMALL[case], num_splits=4, block_n=16, block_m=16, split_keys=16)
+    _check(out, ref, batch)
+    batch.num_seqs.zero_()                                  # every row padding: slot 0 alone says "nothing to merge"
+    q = torch.randn(out.shape, device=device).to(torch.bfloat16)
+    cache = torch.zeros(2, 16, 16, SMALL[case][1], SMALL[case][2], dtype=torch.bfloat16, device=device)
+    paged_attention(q, cache, batch.seq_ids_of_token, batch.q_start, batch.ctx_lens_t, batch.block_tables,
+                    batch.num_seqs, 0.1, out=out, num_splits=4, block_n=16, block_m=16, split_keys=16)
+    assert (out == 0).all()
+
+
+def _rope_tables(max_pos: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return freqs.cos().to(device), freqs.sin().to(device)          # [max_pos, D/2]
+
+
+# (heads, kv_heads, head_dim, ctx_len, max_seqs, qwen3 norms, split_keys): one token, as a batch-1 step has it
+ONE_TOKEN = {
+    "cpu": [(4, 2, 32, 1, 1, False, 16), (4, 2, 32, 45, 1, True, 16), (6, 2, 64, 33, 2, True, 256),
+            (4, 2, 32, 40, 1, False, 256)],
+    "cuda": [(32, 8, 128, 1, 1, False, 64), (32, 8, 128, 4000, 1, False, 64), (32, 4, 128, 700, 1, True, 64),
+             (32, 4, 128, 17, 2, True, 256), (40, 8, 128, 3000, 1, False, 256)],
+}
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_one_token_rotates_and_writes_its_kv_in_the_tile_kernel(device, cache_dtype):
+    """At one token `rope` moves kernels/rope_kv.py's work into the tile kernel (rotation, Qwen3's q/k norms, the
+    K/V write by the last split's program): the output and the cache match rope_and_cache_kv then paged_attention
+    (up to the norm's reduction order: one bf16 rounding), nothing else in the cache is written, q is not modified,
+    and a padding token (slot -1, no live sequence) writes zeros and no cache slot."""
+    from kernels.rope_kv import rope_and_cache_kv
+    gen = torch.Generator().manual_seed(5)
+    for heads, kv_heads, head_dim, ctx, max_seqs, norms, split_keys in ONE_TOKEN[device]:
+        max_blocks = -(-ctx // 16) + 1
+        num_blocks = max_blocks + 5
+        batch = make_batch([1], [ctx], 1, max_seqs, max_blocks, num_blocks, device, gen)
+        cache = torch.randn(2, num_blocks, 16, kv_heads, head_dim, generator=gen).to(device, cache_dtype)
+        qkv = (torch.randn(1, heads + 2 * kv_heads, head_dim, generator=gen) * 3).to(device, torch.bfloat16)
+        q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+        cos, sin = _rope_tables(ctx + 5, head_dim, device)
+        rope = dict(k=k, v=v, positions=batch.positions, cos=cos, sin=sin, slot_mapping=batch.slot_mapping)
+        if norms:
+            rope.update(q_norm=torch.rand(head_dim, generator=gen).add(0.5).to(device, torch.bfloat16),
+                        k_norm=torch.rand(head_dim, generator=gen).add(0.5).to(device, torch.bfloat16), eps=1e-6)
+        meta = (batch.seq_ids_of_token, batch.q_start, batch.ctx_lens_t, batch.block_tables, batch.num_seqs)
+        want_cache, q_before = cache.clone(), q.clone()
+        q_rot = rope_and_cache_kv(q.clone(), layer_cache=want_cache, **rope)
+        want = paged_attention(q_rot, want_cache, *meta, head_dim ** -0.5, split_keys=split_keys)
+
+        got = paged_attention(q, cache, *meta, head_dim ** -0.5, split_keys=split_keys, rope=rope)
+
+        assert torch.equal(q, q_before), "q itself is rotated in registers, not in place"
+        slot = int(batch.slot_mapping[0])
+        flat_got, flat_want = (c.view(2, -1, kv_heads, head_dim) for c in (cache, want_cache))
+        others = torch.ones(flat_got.shape[1], dtype=torch.bool)
+        others[slot] = False
+        assert torch.equal(flat_got[:, others].float(), flat_want[:, others].float()), "another slot was written"
+        assert torch.equal(flat_got[1, slot].float(), flat_want[1, slot].float()), "V differs"
+        torch.testing.assert_close(flat_got[0, slot].float(), flat_want[0, slot].float(), atol=0,
+                                   rtol=2 ** -7 if cache_dtype == torch.bfloat16 else 2 ** -3)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+        batch.num_seqs.zero_()
+        batch.seq_ids_of_token.fill_(-1)
+        batch.slot_mapping.fill_(-1)
+        before = cache.clone()
+        out = paged_attention(q, cache, *meta, head_dim ** -0.5, split_keys=split_keys, rope=rope)
+        assert (out == 0).all() and torch.equal(cache.float(), before.float()), "padding wrote a slot or output"
