@@ -4,7 +4,8 @@ shapes and dtypes on the host and launches with a grid fixed by the shapes (grap
 - `rmsnorm`: `rmsnorm`, `add_rmsnorm` (fused residual add)
 - `rope_kv`: `rope_and_cache_kv` (RoPE on q and k, k/v written into the paged cache; with `q_norm`/`k_norm`,
   Qwen3's per-head RMSNorm in the same launch)
-- `paged_attention`: `paged_attention` (mixed prefill/decode batch, GQA, split-K, one launch + reduce)
+- `paged_attention`: `paged_attention` (mixed prefill/decode batch, GQA, split-K, one launch + reduce; given
+  `rope_and_cache_kv`'s arguments it runs that first, or at one token does its work inside the tile kernel)
 - `swiglu`: `swiglu`
 - `sampling`: `sample`, `uniforms` (the CPU engine's counter-based RNG, bit for bit)
 - `moe`: `fused_moe` (= `moe_route` + `moe_experts`: top-k routing, a counting sort of the token-expert
