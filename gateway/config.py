@@ -68,7 +68,8 @@ class GatewayConfig:
     gc_freeze_s: float = 0.1
     # Structured outputs' token masks a worker computes at once (gateway/structured/mask_loop.py: its pool has 8
     # threads, so grammars slow on a step hold up no one; this many compute at a time). 0: the cores this process
-    # may run on shared among the workers, 2 to 8 (more than the cores cost every mask: bench/RESULTS.md).
+    # may run on shared among the workers, less one for the worker's event loop, 1 to 8 (more cost every mask:
+    # bench/RESULTS.md).
     grammar_concurrency: int = 0
     gc_full_growth_blocks: int = 1_000_000
     heartbeat_check_s: float = 1.0  # how often the poller looks at the engine heartbeat
@@ -155,8 +156,8 @@ class GatewayConfig:
             raise ValueError(f"gc_freeze_s must not be negative and gc_full_growth_blocks must be >= 1, got "
                              f"{self.gc_freeze_s:g} and {self.gc_full_growth_blocks}")
         if not 0 <= self.grammar_concurrency <= 64:
-            raise ValueError(f"grammar_concurrency must be 0 (automatic: the cores shared among the workers, 2 to 8) "
-                             f"or 1..64, got {self.grammar_concurrency}")
+            raise ValueError(f"grammar_concurrency must be 0 (automatic: the worker's share of the cores less one, "
+                             f"1 to 8) or 1..64, got {self.grammar_concurrency}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         self._check_prefix_cache()

@@ -42,7 +42,7 @@ from .grammar import Compiled, Grammars
 # request's steps run on the main pool (MASK_THREADS, started as needed) until one takes over SLOW_STEP_S, then
 # on the slow lane (SLOW_MASK_THREADS). The main pool is then blocked only by MASK_THREADS grammars turning slow
 # at once, each for one step (bench/mask_latency.py, tests/gateway/test_structured_gateway.py). Of its threads,
-# at most `masks_at_once` compute at once (about the worker's cores: more cost every mask); a step that waits
+# at most `masks_at_once` compute at once (the worker's cores less one: more cost every mask); a step that waits
 # SLOW_STEP_S for a turn goes on without one (the turns are then held by steps turning slow).
 MASK_THREADS = 8
 SLOW_MASK_THREADS = 2
@@ -82,12 +82,13 @@ def configure(grammar_concurrency: int, workers: int) -> None:
 
 
 def masks_at_once(grammar_concurrency: int, workers: int, cores: int) -> int:
-    """How many main-pool steps compute at once: the setting, or the `cores` this process may use shared among
-    the `workers`, between 2 and MASK_THREADS. More than the cores cost every mask: with 2 workers on 2 cores,
-    8 at once each took 20-25% more gateway CPU a token than 2 and skipped more engine steps (bench/RESULTS.md)."""
+    """How many main-pool steps compute at once: the setting, or the worker's share of the `cores` this process
+    may use less one (its event loop's), between 1 and MASK_THREADS. More than that cost every mask: with 2
+    workers on 2 cores, 8 at once each took 20-25% more gateway CPU a token than 2, and 2 took 9-12% more than 1
+    and skipped twice the engine steps; one worker on 2 cores, 2 at once against 1 likewise (bench/RESULTS.md)."""
     if grammar_concurrency:
         return grammar_concurrency
-    return min(MASK_THREADS, max(2, cores // max(workers, 1)))
+    return min(MASK_THREADS, max(1, cores // max(workers, 1) - 1))
 
 
 def compute_turns() -> threading.BoundedSemaphore:
