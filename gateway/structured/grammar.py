@@ -169,13 +169,16 @@ class Grammars:
         return Compiled(matcher, first)
 
     def mask_of(self, matcher: llguidance.LLMatcher) -> np.ndarray:
-        """The matcher's mask for the next token: [num_words] uint32. A stopped grammar's allows EOS only."""
+        """The matcher's mask for the next token: [num_words] uint32, read-only. A stopped grammar's allows EOS
+        only."""
         if matcher.is_stopped() and not matcher.is_error():
             return self.eos_mask()
         words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)  # llguidance's layout is ours
         if len(words) < self.num_words:  # a ring sized for more tokens than the model has: those stay banned
             return np.concatenate([words, np.zeros(self.num_words - len(words), dtype=np.uint32)])
-        return words[:self.num_words].copy()
+        # a read-only view of the library's fresh bytes, no copy: numpy lets go of the GIL to copy 16 KB, and a
+        # mask thread then waits for it again behind the event loop (bench/NOTES.md, structured outputs)
+        return words[:self.num_words]
 
     def eos_mask(self) -> np.ndarray:
         words = np.zeros(self.num_words, dtype=np.uint32)
