@@ -137,7 +137,7 @@ class CountingLoop(MaskLoop):
 
 def test_main_pool_steps_compute_within_their_turns(grammars, byte_tokenizer, monkeypatch):
     """Six requests' steps at once on the main pool (8 threads): 2 turns let 2 compute at a time."""
-    monkeypatch.setattr(ML, "_turns", threading.BoundedSemaphore(2))
+    monkeypatch.setattr(ML, "_turns", ML.Turns(2))
     monkeypatch.setattr(ML, "SLOW_STEP_S", 1.0)  # a turn is never given up for waiting here
     compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
     ids = byte_tokenizer.encode("hello world").ids
@@ -157,7 +157,7 @@ def test_main_pool_steps_compute_within_their_turns(grammars, byte_tokenizer, mo
 
 def test_steps_go_on_without_a_turn_when_slow_steps_hold_them(grammars, byte_tokenizer, monkeypatch):
     """Both turns held by grammars slow on a step: another request's step waits SLOW_STEP_S, then computes."""
-    monkeypatch.setattr(ML, "_turns", threading.BoundedSemaphore(2))
+    monkeypatch.setattr(ML, "_turns", ML.Turns(2))
     compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
     ids = byte_tokenizer.encode("hello world").ids
 
