@@ -25,22 +25,24 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import os
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 import numpy as np
 
 from .grammar import Compiled, Grammars
 
+log = logging.getLogger("blink.gateway.structured")
+
 # Threads computing masks: llguidance's mask takes tens to hundreds of microseconds of a core per token, and
 # releases the GIL meanwhile. Two pools, so that slow grammars wait for each other and never for the rest: a
-# request's steps run on the main pool (MASK_THREADS, started as needed) until one takes over SLOW_STEP_S, then
+# request's steps run on the main pool (MASK_THREADS, started at first use) until one takes over SLOW_STEP_S, then
 # on the slow lane (SLOW_MASK_THREADS). The main pool is then blocked only by MASK_THREADS grammars turning slow
 # at once, each for one step (bench/mask_latency.py, tests/gateway/test_structured_gateway.py). Of its threads,
 # at most `masks_at_once` compute at once (the worker's cores less one: more cost every mask); a step that waits
@@ -56,7 +58,7 @@ INLINE_AFTER_STEPS = 2
 # One token's mask step may take this long; a request whose step takes longer ends with an error instead of
 # leaving its row waiting (the poller checks every heartbeat_check_s; llguidance's fuel limits make it rare).
 MASK_STEP_LIMIT_S = 5.0
-_pools: dict[bool, ThreadPoolExecutor] = {}
+_pools: dict[bool, "MaskPool"] = {}
 _at_once_setting = (0, 1)  # (GatewayConfig.grammar_concurrency, workers): `configure`
 _turns: "Turns | None" = None  # the main pool's steps computing at once (`compute_turns`)
 
@@ -130,13 +132,43 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def mask_pool(slow: bool = False) -> ThreadPoolExecutor:
-    """The main pool, or the slow lane's."""
+class MaskPool:
+    """`threads` threads running calls from a C-level queue, named `name` to the OS too (`blink bench` counts their
+    CPU by it). concurrent.futures' pool makes a Future and takes its idle semaphore, Python-level Conditions, for
+    every call: a mask step needs neither, and the turns measured what such hand-offs cost (`Turns`)."""
+
+    __slots__ = ("_calls",)
+
+    def __init__(self, threads: int, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(threads):
+            threading.Thread(target=self._run, args=(name,), name=f"{name}_{i}", daemon=True).start()
+
+    def submit(self, fn: Callable, *args) -> None:
+        self._calls.put((fn, args))
+
+    def _run(self, name: str) -> None:
+        name_os_thread(name)
+        while True:
+            fn, args = self._calls.get()
+            try:
+                fn(*args)
+            except Exception:  # a step ends its request on its own failures; nothing may end a pool thread
+                log.exception("a grammar pool call failed")
+
+
+_pools_lock = threading.Lock()
+
+
+def mask_pool(slow: bool = False) -> MaskPool:
+    """The main pool, or the slow lane's (started at first use)."""
     pool = _pools.get(slow)
     if pool is None:
-        name = "grammar-slow" if slow else "grammar-mask"
-        pool = _pools[slow] = ThreadPoolExecutor(max_workers=SLOW_MASK_THREADS if slow else MASK_THREADS,
-                                                 thread_name_prefix=name, initializer=name_os_thread, initargs=(name,))
+        with _pools_lock:
+            pool = _pools.get(slow)
+            if pool is None:
+                name = "grammar-slow" if slow else "grammar-mask"
+                pool = _pools[slow] = MaskPool(SLOW_MASK_THREADS if slow else MASK_THREADS, name)
     return pool
 
 

@@ -239,6 +239,7 @@ def test_a_constrained_stream_never_goes_to_the_native_round():
 
 def test_the_grammar_threads_carry_their_names_to_the_os():
     """`blink bench` counts a gateway's CPU by OS thread name (/proc's comm): the mask pools' threads are named."""
+    import queue
     import sys
     from pathlib import Path
 
@@ -247,5 +248,6 @@ def test_the_grammar_threads_carry_their_names_to_the_os():
     if not sys.platform.startswith("linux"):
         pytest.skip("thread names through /proc are Linux's")
     for slow, name in ((False, "grammar-mask"), (True, "grammar-slow")):
-        comm = mask_pool(slow).submit(lambda: Path("/proc/thread-self/comm").read_text().strip()).result(timeout=5)
-        assert comm == name
+        out = queue.SimpleQueue()
+        mask_pool(slow).submit(lambda: out.put(Path("/proc/thread-self/comm").read_text().strip()))
+        assert out.get(timeout=5) == name
