@@ -100,9 +100,10 @@ class Turns:
     contended turn): with one turn on the VM it cost 10-25 us of gateway CPU a constrained token and twice the
     engine steps skipped for a late mask (bench/NOTES.md)."""
 
-    __slots__ = ("_tokens",)
+    __slots__ = ("_tokens", "n")
 
     def __init__(self, n: int):
+        self.n = n
         self._tokens = queue.SimpleQueue()
         for _ in range(n):
             self._tokens.put(None)

@@ -304,12 +304,14 @@ def test_the_step_clock_naps_finely_only_where_tokens_are_due():
     assert far[0] == far[2] and clock.period_ns is None
 
 
-def test_the_watcher_steps_a_lone_proved_request_itself_and_leaves_several_to_the_pool(grammars, byte_tokenizer):
-    """Scans by hand (the watcher's thread sleeps): a request runs its first INLINE_AFTER_STEPS steps on the pool;
-    after that, while it is the only one watched, its news is stepped on the scanning thread. Once another is
-    watched, its news goes to the pool's threads, alone too (a step there may take milliseconds, and the other
-    request's tokens would wait for the watcher meanwhile), and so does news for both at once (one thread would
-    serialize their masks)."""
+def test_the_watcher_steps_a_lone_proved_request_itself_and_leaves_several_to_the_pool(grammars, byte_tokenizer,
+                                                                                      monkeypatch):
+    """Scans by hand (the watcher's thread sleeps), a pool of two turns: a request runs its first
+    INLINE_AFTER_STEPS steps on the pool; after that, while it is the only one watched, its news is stepped on the
+    scanning thread. Once another is watched, its news goes to the pool's threads, alone too (a step there may take
+    milliseconds, and the other request's tokens would wait for the watcher meanwhile), and so does news for both at
+    once (one thread would serialize their masks)."""
+    monkeypatch.setattr(ML, "_turns", ML.Turns(2))
     compiled = grammars.compile_sync(Constraint("regex", "[a-z ]+", "r"))
     ids = byte_tokenizer.encode("hello world and again and again").ids
     assert len(ids) >= 2 * ML.INLINE_AFTER_STEPS + 3
@@ -335,6 +337,33 @@ def test_the_watcher_steps_a_lone_proved_request_itself_and_leaves_several_to_th
             tokens[1].append(ids[n])
             assert watch.scan() == 2 and until(lambda: len(puts[0]) == first + n + 1 and len(puts[1]) == n + 1)
         assert all(name.startswith("grammar-mask") for name in puts[0][first - 1:] + puts[1]), puts
+        for loop in loops:
+            loop.close()
+    asyncio.run(run())
+
+
+def test_with_one_turn_the_watcher_steps_every_proved_request_itself(grammars, byte_tokenizer, monkeypatch):
+    """A pool of one turn serializes the masks anyway: the watcher steps every request whose steps proved fast,
+    several at once and several watched, and leaves a new request's first steps to the pool."""
+    monkeypatch.setattr(ML, "_turns", ML.Turns(1))
+    compiled = grammars.compile_sync(Constraint("regex", "[a-z ]+", "r"))
+    ids = byte_tokenizer.encode("hello world and again and again").ids
+    watch = MaskWatch(period_s=60.0, native=False)
+
+    async def run():
+        tokens, puts = ([], []), ([], [])
+        loops = [MaskLoop(grammars, compiled, lambda i, w, k=k: puts[k].append(threading.current_thread().name),
+                          pytest.fail, put_from_pool=True) for k in (0, 1)]
+        for k in (0, 1):
+            watch.watch(loops[k], lambda start, k=k: tokens[k][start:])
+        for n in range(ML.INLINE_AFTER_STEPS + 3):  # both requests' news in each scan
+            for k in (0, 1):
+                tokens[k].append(ids[n])
+            assert watch.scan() == 2 and until(lambda: len(puts[0]) == len(puts[1]) == n + 1)
+        here = threading.current_thread().name
+        for k in (0, 1):
+            assert all(name.startswith("grammar-mask") for name in puts[k][:ML.INLINE_AFTER_STEPS]), puts
+            assert puts[k][ML.INLINE_AFTER_STEPS:] == [here] * 3, puts  # proved fast: stepped by the scan itself
         for loop in loops:
             loop.close()
     asyncio.run(run())
