@@ -14,8 +14,9 @@ event loop's) the poller feeds the matcher and the mask is written back on the e
 One request's steps run one at a time, in order (its matcher is not shared); requests run side by side on the
 pool's threads, and a request whose grammar masks slowly moves to a slow lane of its own (SLOW_MASK_THREADS below),
 so one slow grammar holds up only its own request's masks. When the watcher finds few requests with news
-(a lone stream, a quiet moment), it runs the step of one whose steps have proved fast on the pool
-(INLINE_AFTER_STEPS in a row under INLINE_STEP_S) itself (`take_inline`, then `step`): no hop to a pool thread
+(a lone stream, a quiet moment), or always where the pool has one turn (`Turns`: a worker with two cores or
+fewer, where the turn serializes the masks anyway), it runs the steps of those whose steps have proved fast on the
+pool (INLINE_AFTER_STEPS in a row under INLINE_STEP_S) itself (`take_inline`, then `step`): no hop to a pool thread
 and its GIL wait. Measured (bench/mask_latency.py): batching a whole step's masks on the watcher (llguidance's
 parallel fill) was 2x slower at 16 and 64 streams than the pool: one thread serializes them, and the library's
 worker threads spin on shared cores.
