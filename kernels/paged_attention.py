@@ -123,12 +123,12 @@ def _attn_tile_kernel(
         HALF: tl.constexpr = HEAD_DIM // 2
         pos = tl.minimum(tl.maximum(tl.load(pos_ptr).to(tl.int64), 0), max_pos - 1)  # padding rows: any value
         cos_row, sin_row = cos_ptr + pos * cos_stride, sin_ptr + pos * sin_stride
-        q = rope_rows(q_ptr + tok * q_stride_t + row_head * q_stride_h, row_ok, pos, cos_row, sin_row, q_norm_ptr,
+        q = rope_rows(q_ptr + tok * q_stride_t + row_head * q_stride_h, row_ok, cos_row, sin_row, q_norm_ptr,
                       HEAD_DIM, eps, ROPE == 2, HALF, BLOCK_D).to(q_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr).to(tl.int64)
         if (tile == 0) & (split == used - 1) & (slot >= 0):   # the split whose keys end at the new one writes it
             first = rows < 1
-            k_row = rope_rows(k_ptr + kvh * k_stride_h + rows * 0, first, pos, cos_row, sin_row, k_norm_ptr,
+            k_row = rope_rows(k_ptr + kvh * k_stride_h + rows * 0, first, cos_row, sin_row, k_norm_ptr,
                               HEAD_DIM, eps, ROPE == 2, HALF, BLOCK_D)
             dst = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d
             tl.store(dst[None, :] + rows[:, None] * 0, k_row.to(cache_ptr.dtype.element_ty),
@@ -295,8 +295,8 @@ def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, 
         q, layer_cache, out, part_o, part_lse, seq_ids, q_start, ctx_lens, block_tables, num_seqs,
         float(scale) * _LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         layer_cache.stride(0), block_tables.stride(0), block_tables.shape[1], *rope_args,
-        NUM_KV_HEADS=num_kv_heads, ROPE=rope_code, GROUP=cfg["group"], MAX_SEQS_P=cfg["max_seqs_p"], BLOCK_M=cfg["block_m"],
-        num_warps=4, **common)
+        NUM_KV_HEADS=num_kv_heads, ROPE=rope_code, GROUP=cfg["group"], MAX_SEQS_P=cfg["max_seqs_p"],
+        BLOCK_M=cfg["block_m"], num_warps=4, **common)
     if splits > 1:
         _attn_reduce_kernel[(num_tokens, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,

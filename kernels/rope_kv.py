@@ -93,10 +93,10 @@ def _norm_rotate(x_ptr, w_ptr, cos, sin, head_dim, eps, HALF: tl.constexpr, HALF
 
 
 @triton.jit
-def rope_rows(row_ptrs, row_ok, pos, cos_ptr, sin_ptr, w_ptr, head_dim, eps, NORM: tl.constexpr,
+def rope_rows(row_ptrs, row_ok, cos_ptr, sin_ptr, w_ptr, head_dim, eps, NORM: tl.constexpr,
               HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Head rows at `row_ptrs` [R] (RMSNorm with weight `w_ptr` when NORM, Qwen3's q/k norm) rotated for position
-    `pos` (cos/sin rows already offset to it): -> [R, BLOCK_D] float32 in the head's own column order, the numerics
+    """Head rows at `row_ptrs` [R] (RMSNorm with weight `w_ptr` when NORM, Qwen3's q/k norm) rotated by the cos/sin
+    rows at `cos_ptr`, `sin_ptr` (the position's): -> [R, BLOCK_D] float32 in the head's own column order, the numerics
     of `_norm_rotate` and `_rope_kv_kernel` (each column with its rotation partner, d +- HALF, loaded beside it). For
     a kernel that rotates the rows it reads instead of reading them rotated (kernels/paged_attention.py at one
     token)."""

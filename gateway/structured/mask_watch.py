@@ -234,8 +234,7 @@ class MaskWatch:
         """The new tokens of the `watched` requests (all of them by default) to their mask loops, queued on the
         pool, or, for at most INLINE_MAX_READY of them whose steps proved fast while no more than
         INLINE_MAX_WATCHED are watched (every one of them where the pool has one turn), stepped here (no pool hop);
-        closed ones dropped. Returns how many loops
-        got tokens."""
+        closed ones dropped. Returns how many loops got tokens."""
         news = []
         for loop, source in list(self._loops.values()) if watched is None else watched:
             if loop.closed:
