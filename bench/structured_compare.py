@@ -90,7 +90,7 @@ def figures(path: Path) -> dict:
 # gpu_backend/engine/persistent.py, LoopStatsLog: the line each period, after the log's "%(asctime)s" (local time)
 LOOP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*loop stats: (\d+) steps, (\d+) tokens, "
                        r"back-to-back step ([\d.]+) us \((\d+) steps\), loop kernel ([\d.]+) us a step, "
-                       r"speculation taken (\d+) dropped (\d+)")
+                       r"speculation taken (\d+) dropped (\d+)(?:, mask waits (\d+))?")
 
 
 def loop_lines(log_text: str) -> list[dict]:
@@ -103,7 +103,7 @@ def loop_lines(log_text: str) -> list[dict]:
             at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").timestamp() + int(m[2]) / 1e3
             lines.append({"at": at, "steps": int(m[3]), "tokens": int(m[4]), "step_us": float(m[5]),
                           "busy_steps": int(m[6]), "loop_kernel_us": float(m[7]), "spec_taken": int(m[8]),
-                          "spec_dropped": int(m[9])})
+                          "spec_dropped": int(m[9]), "mask_waits": int(m[10]) if m[10] else None})
     return lines
 
 
@@ -121,7 +121,10 @@ def loop_over(lines: list[dict], start_s: float, end_s: float) -> dict | None:
     return {"periods": len(inside), "steps": steps, "tokens_per_step": sum(x["tokens"] for x in inside) / steps,
             "step_ms": sum(x["step_us"] * x["busy_steps"] for x in inside) / busy / 1e3,
             "loop_kernel_us": statistics.median(x["loop_kernel_us"] for x in full),
-            "spec_taken": sum(x["spec_taken"] for x in inside), "spec_dropped": sum(x["spec_dropped"] for x in inside)}
+            "spec_taken": sum(x["spec_taken"] for x in inside), "spec_dropped": sum(x["spec_dropped"] for x in inside),
+            # rows that sampled nothing for a late mask, a share of the rows the steps computed (older logs: None)
+            "mask_waits": None if any(x.get("mask_waits") is None for x in inside)
+            else sum(x["mask_waits"] for x in inside)}
 
 
 def read_windows(path: Path) -> dict[str, tuple[float, float]]:
@@ -202,8 +205,10 @@ def loop_line(pair: dict) -> str | None:
 
     def one(x: dict) -> str:
         spec = x["spec_taken"] + x["spec_dropped"]
+        waits = "" if x.get("mask_waits") is None else (
+            f", rows waiting for a mask {x['mask_waits']} ({100 * x['mask_waits'] / max(x['steps'] * x['tokens_per_step'] + x['mask_waits'], 1):.2f}% of the rows)")
         return (f"{x['step_ms']:.3f} ms at {x['tokens_per_step']:.1f} tokens, loop kernel {x['loop_kernel_us']:.1f} us, "
-                f"speculation taken {x['spec_taken']}/{spec}")
+                f"speculation taken {x['spec_taken']}/{spec}{waits}")
     return (f"  GPU loop a step (BLINK_LOOP_STATS_S): plain {one(plain)}; constrained {one(con)}; constrained/plain "
             f"{_fmt(pair['constrained_over_plain']['loop_step_ms'], 3)}x")
 

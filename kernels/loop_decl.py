@@ -24,6 +24,7 @@ _COUNTERS = tuple(Field(name, "uint64_t", writer="loop", doc=doc) for name, doc 
     ("spec_ns", "the spec kernel's time (beside the bucket graph)"),
     ("gap_ns", "sum over taken speculations: the graph's tokens seen -> the next step's kernels start"),
     ("gap_steps", ""),
+    ("mask_waits", "constrained rows that sampled nothing because their token mask had not come (TOKEN_WAIT)"),
 ))
 
 _CTL = (

@@ -102,10 +102,11 @@ class LoopCounters(ctypes.Structure):
         ("spec_ns", ctypes.c_uint64),
         ("gap_ns", ctypes.c_uint64),
         ("gap_steps", ctypes.c_uint64),
+        ("mask_waits", ctypes.c_uint64),
     ]
 
 
-assert ctypes.sizeof(LoopCounters) == 120
+assert ctypes.sizeof(LoopCounters) == 128
 
 
 # ---- blink_loop_ctl: pinned, mapped: the host writes stop only, the loop stores the rest (a read of host
@@ -126,7 +127,7 @@ class LoopCtl(ctypes.Structure):
     ]
 
 
-assert ctypes.sizeof(LoopCtl) == 136
+assert ctypes.sizeof(LoopCtl) == 144
 
 
 # ---- blink_loop_options: how blink_loop_create builds the loop (host memory, read once)
@@ -290,4 +291,4 @@ class LoopArgs(ctypes.Structure):
     ]
 
 
-assert ctypes.sizeof(LoopArgs) == 592
+assert ctypes.sizeof(LoopArgs) == 600

@@ -81,8 +81,8 @@ class LoopStatsLog:
             return
         busy = d["busy_steps"] or 1
         log.info("loop stats: %d steps, %d tokens, back-to-back step %.1f us (%d steps), loop kernel %.1f us a step, "
-                 "speculation taken %d dropped %d", d["steps"], d["tokens"], d["busy_ns"] / busy / 1e3,
-                 d["busy_steps"], d["sched_ns"] / d["steps"] / 1e3, d["spec_hits"], d["spec_misses"])
+                 "speculation taken %d dropped %d, mask waits %d", d["steps"], d["tokens"], d["busy_ns"] / busy / 1e3,
+                 d["busy_steps"], d["sched_ns"] / d["steps"] / 1e3, d["spec_hits"], d["spec_misses"], d["mask_waits"])
 
 
 class PersistentEngine:

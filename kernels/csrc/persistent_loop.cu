@@ -65,9 +65,21 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_step(blink_loop
   open_state(a, &s, &x, smem, hot, hot);
   blink_sched_header* h = s.h;
   if (h->num_entries > 0) {  // the step that just ran: its tokens into the scheduler (published below)
-    for (int32_t i = threadIdx.x; i < h->num_sampled; i += blockDim.x) a->sampled32[i] = (int32_t)a->sampled[i];
+    int waits = 0;  // constrained rows whose mask had not come (only a step with masked rows has them)
+    for (int32_t i = threadIdx.x; i < h->num_sampled; i += blockDim.x) {
+      a->sampled32[i] = (int32_t)a->sampled[i];
+      waits += a->sampled32[i] == BLINK_TOKEN_WAIT;
+    }
     const int32_t rows = (int32_t)graph_rows(h);  // read: back to -1 for blink_loop_take (same thread, same row)
     for (int32_t i = threadIdx.x; i < rows; i += blockDim.x) a->sampled[i] = -1;
+    if (a->ext && a->ext->masked[a->buf]) {  // the same for every thread
+      __shared__ int sh_waits;
+      if (threadIdx.x == 0) sh_waits = 0;
+      __syncthreads();
+      if (waits) atomicAdd(&sh_waits, waits);
+      __syncthreads();
+      if (threadIdx.x == 0) a->c.mask_waits += (uint64_t)sh_waits;
+    }
     __syncthreads();
     const int32_t dropped = blink_sched_update_par(&s, a->sampled32, x.par);
     if (threadIdx.x == 0) {

@@ -130,14 +130,18 @@ def test_the_parser_reads_what_the_backend_logs(caplog):
     ctl = LoopCtl()
     stats = LoopStatsLog(ctl, 1e-9)
     ctl.steps, ctl.tokens, ctl.busy_ns, ctl.busy_steps = 140, 8960, 140 * 7_500_000, 140
-    ctl.sched_ns, ctl.spec_hits, ctl.spec_misses = 140 * 20_000, 110, 30
+    ctl.sched_ns, ctl.spec_hits, ctl.spec_misses, ctl.mask_waits = 140 * 20_000, 110, 30, 7
     with caplog.at_level(logging.INFO, logger="blink.persistent"):
         stats.maybe_log()
     formatter = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s")
     [line] = structured_compare.loop_lines("\n".join(formatter.format(r) for r in caplog.records))
     assert (line["steps"], line["tokens"], line["busy_steps"]) == (140, 8960, 140)
     assert line["step_us"] == pytest.approx(7500.0) and line["loop_kernel_us"] == pytest.approx(20.0)
-    assert (line["spec_taken"], line["spec_dropped"]) == (110, 30)
+    assert (line["spec_taken"], line["spec_dropped"], line["mask_waits"]) == (110, 30, 7)
+    # a log from before the counter: the line still parses, with no figure for it
+    older = formatter.format(caplog.records[0]).replace(", mask waits 7", "")
+    [line] = structured_compare.loop_lines(older)
+    assert line["mask_waits"] is None and line["spec_dropped"] == 30
 
 
 def test_the_loop_kernel_counts_only_back_to_back_periods():

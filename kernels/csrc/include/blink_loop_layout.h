@@ -64,6 +64,7 @@ typedef struct blink_loop_counters {
   uint64_t spec_ns;  /* the spec kernel's time (beside the bucket graph) [loop] */
   uint64_t gap_ns;  /* sum over taken speculations: the graph's tokens seen -> the next step's kernels start [loop] */
   uint64_t gap_steps;  /* [loop] */
+  uint64_t mask_waits;  /* constrained rows that sampled nothing because their token mask had not come (TOKEN_WAIT) [loop] */
 } blink_loop_counters;
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_counters, iterations) == 0, "blink_loop_counters.iterations");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_counters, steps) == 8, "blink_loop_counters.steps");
@@ -80,7 +81,8 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_loop_counters, spec_misses) == 88, "blink_loo
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_counters, spec_ns) == 96, "blink_loop_counters.spec_ns");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_counters, gap_ns) == 104, "blink_loop_counters.gap_ns");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_counters, gap_steps) == 112, "blink_loop_counters.gap_steps");
-BLINK_LAYOUT_ASSERT(sizeof(blink_loop_counters) == 120, "sizeof(blink_loop_counters)");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_counters, mask_waits) == 120, "blink_loop_counters.mask_waits");
+BLINK_LAYOUT_ASSERT(sizeof(blink_loop_counters) == 128, "sizeof(blink_loop_counters)");
 
 /* pinned, mapped: the host writes stop only, the loop stores the rest (a read of host memory is a PCIe round trip, so the loop keeps its counters in device memory and mirrors them) */
 typedef struct blink_loop_ctl {
@@ -93,8 +95,8 @@ typedef struct blink_loop_ctl {
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ctl, stop) == 0, "blink_loop_ctl.stop");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ctl, exited) == 4, "blink_loop_ctl.exited");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ctl, c) == 8, "blink_loop_ctl.c");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ctl, error) == 128, "blink_loop_ctl.error");
-BLINK_LAYOUT_ASSERT(sizeof(blink_loop_ctl) == 136, "sizeof(blink_loop_ctl)");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_ctl, error) == 136, "blink_loop_ctl.error");
+BLINK_LAYOUT_ASSERT(sizeof(blink_loop_ctl) == 144, "sizeof(blink_loop_ctl)");
 
 /* how blink_loop_create builds the loop (host memory, read once) */
 typedef struct blink_loop_options {
@@ -324,32 +326,32 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, last_commit_ns) == 264, "blink_loo
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ready_ns) == 272, "blink_loop_args.ready_ns");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, take_wait_ns) == 280, "blink_loop_args.take_wait_ns");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, c) == 288, "blink_loop_args.c");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, step_buf_alt) == 408, "blink_loop_args.step_buf_alt");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hot_alt) == 416, "blink_loop_args.hot_alt");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, tokens) == 424, "blink_loop_args.tokens");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, stop_ids) == 432, "blink_loop_args.stop_ids");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, rows) == 440, "blink_loop_args.rows");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, err_slot) == 448, "blink_loop_args.err_slot");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, err_code) == 456, "blink_loop_args.err_code");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, new_token_offset) == 464, "blink_loop_args.new_token_offset");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sq_head_alt) == 472, "blink_loop_args.sq_head_alt");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_tail) == 480, "blink_loop_args.spec_tail");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, cur) == 488, "blink_loop_args.cur");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, buf) == 492, "blink_loop_args.buf");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_ok) == 496, "blink_loop_args.spec_ok");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_branch) == 500, "blink_loop_args.spec_branch");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_rows) == 504, "blink_loop_args.spec_rows");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, num_err) == 508, "blink_loop_args.num_err");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, exiting) == 512, "blink_loop_args.exiting");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, num_eos) == 516, "blink_loop_args.num_eos");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_done) == 520, "blink_loop_args.spec_done");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, async_take) == 524, "blink_loop_args.async_take");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, eos_ids) == 528, "blink_loop_args.eos_ids");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ext) == 560, "blink_loop_args.ext");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hash_offset) == 568, "blink_loop_args.hash_offset");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hash_bytes) == 576, "blink_loop_args.hash_bytes");
-BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, max_block_hashes) == 584, "blink_loop_args.max_block_hashes");
-BLINK_LAYOUT_ASSERT(sizeof(blink_loop_args) == 592, "sizeof(blink_loop_args)");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, step_buf_alt) == 416, "blink_loop_args.step_buf_alt");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hot_alt) == 424, "blink_loop_args.hot_alt");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, tokens) == 432, "blink_loop_args.tokens");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, stop_ids) == 440, "blink_loop_args.stop_ids");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, rows) == 448, "blink_loop_args.rows");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, err_slot) == 456, "blink_loop_args.err_slot");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, err_code) == 464, "blink_loop_args.err_code");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, new_token_offset) == 472, "blink_loop_args.new_token_offset");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sq_head_alt) == 480, "blink_loop_args.sq_head_alt");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_tail) == 488, "blink_loop_args.spec_tail");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, cur) == 496, "blink_loop_args.cur");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, buf) == 500, "blink_loop_args.buf");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_ok) == 504, "blink_loop_args.spec_ok");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_branch) == 508, "blink_loop_args.spec_branch");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_rows) == 512, "blink_loop_args.spec_rows");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, num_err) == 516, "blink_loop_args.num_err");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, exiting) == 520, "blink_loop_args.exiting");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, num_eos) == 524, "blink_loop_args.num_eos");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_done) == 528, "blink_loop_args.spec_done");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, async_take) == 532, "blink_loop_args.async_take");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, eos_ids) == 536, "blink_loop_args.eos_ids");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ext) == 568, "blink_loop_args.ext");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hash_offset) == 576, "blink_loop_args.hash_offset");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hash_bytes) == 584, "blink_loop_args.hash_bytes");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, max_block_hashes) == 592, "blink_loop_args.max_block_hashes");
+BLINK_LAYOUT_ASSERT(sizeof(blink_loop_args) == 600, "sizeof(blink_loop_args)");
 
 
 #endif /* BLINK_LOOP_LAYOUT_H */
