@@ -251,11 +251,10 @@ class GpuRunner:
             if self.follower:  # the decoder layers only: the leader has the head
                 decoder_layers(self._ops(num_tokens), self.weights, self.cfg, self.bufs.d["input_ids"][:num_tokens])
                 return
-        logits = self._sampled_logits(num_tokens)                             # [s, V] float32
-        if variant is LOGITS:
-            self.logits_dev[:s].copy_(logits)
+        if variant is LOGITS:  # straight into logits_dev: a float32 copy of [s, V] less (~20 us at s = 64, H100)
+            self._sampled_logits(num_tokens, out=self.logits_dev[:s])
         else:
-            self._sample(logits, variant is GraphVariant.GREEDY)
+            self._sample(self._sampled_logits(num_tokens), variant is GraphVariant.GREEDY)
 
     def _tp_start(self, num_tokens: int) -> None:
         """A tensor-parallel step's first kernel: the leader pushes the step buffer to the followers and
@@ -266,13 +265,14 @@ class GpuRunner:
         else:
             self.tp.announce(self._set, self.buckets.index(num_tokens), stream)
 
-    def _sampled_logits(self, num_tokens: int) -> torch.Tensor:
-        """Every layer, then the head over the sampled rows: [seqs_in(num_tokens), V] float32."""
+    def _sampled_logits(self, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every layer, then the head over the sampled rows: [seqs_in(num_tokens), V] float32 (into `out`)."""
         d, s = self.bufs.d, self.config.seqs_in(num_tokens)
         ops = self._ops(num_tokens)
         x, residual = decoder_layers(ops, self.weights, self.cfg, d["input_ids"][:num_tokens])
         rows = torch.index_select(x, 0, d["sample_rows"][:s])                 # [s, hidden], before the last add
-        return lm_head_logits(ops, self.weights, self.cfg, rows, torch.index_select(residual, 0, d["sample_rows"][:s]))
+        return lm_head_logits(ops, self.weights, self.cfg, rows, torch.index_select(residual, 0, d["sample_rows"][:s]),
+                              out)
 
     def _sample(self, logits: torch.Tensor, greedy: bool) -> None:
         """[s, V] float32 -> tokens_dev[:s]: argmax when every row is greedy, else the full sampler."""

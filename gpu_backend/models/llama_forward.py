@@ -168,9 +168,11 @@ def _attention_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: 
 
 
 def lm_head_logits(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig, x: torch.Tensor,
-                   residual: torch.Tensor) -> torch.Tensor:
-    """Final add + norm and the LM head over some rows of (x, residual): [n, hidden] -> [n, V] float32."""
-    return ops.norm_linear("lm_head", x, residual, w.final_norm, cfg.rms_norm_eps, w.lm_head)[0].float()
+                   residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Final add + norm and the LM head over some rows of (x, residual): [n, hidden] -> [n, V] float32, into
+    `out` when given (the head's output converted straight into it: no float32 copy in between)."""
+    logits = ops.norm_linear("lm_head", x, residual, w.final_norm, cfg.rms_norm_eps, w.lm_head)[0]
+    return logits.float() if out is None else out.copy_(logits)
 
 
 @torch.no_grad()

@@ -198,10 +198,10 @@ __device__ void ext_adjust_row(blink_loop_args* a, const blink_loop_ext* e, uint
 
 // The row's token mask (sampler.apply_masks), after the bias and penalties: generated token i = len - prompt_len
 // is sampled under mask i, valid when the slot's mask_seq (the gateway's word, stored last) is i + 1. Disallowed
-// tokens, and any past the mask's words, go to -inf. A mask not there yet (the row waits) or one that allows
-// nothing leaves the logits as they are and marks the row: blink_ext_mask_fix replaces what is drawn for it.
-// The words are read from the ring (mapped host memory) a chunk at a time into shared memory: one PCIe read
-// per word and pass, not per token.
+// tokens, and any past the mask's words, go to -inf. A mask not there yet (the row waits: its logits as they
+// are) or one that allows nothing (every logit -inf) marks the row: blink_ext_mask_fix replaces what is drawn
+// for it. The words are read from the ring (mapped host memory) a chunk at a time into shared memory: one PCIe
+// read per word, not per token (an earlier version read them twice, a pass to find an allowed token first).
 __device__ void ext_mask_row(blink_loop_args* a, const blink_loop_ext* e, uint32_t b, uint32_t row, int32_t slot) {
   __shared__ uint32_t sh_words[BLINK_EXT_MASK_CHUNK];
   __shared__ int32_t sh_state;
@@ -214,28 +214,28 @@ __device__ void ext_mask_row(blink_loop_args* a, const blink_loop_ext* e, uint32
     __threadfence_system();  // the words below are read after the word that validates them
   }
   __syncthreads();
-  const uint32_t vocab = e->vocab, vocab_words = (vocab + 31u) / 32u;
-  const uint32_t words = e->mask_words < vocab_words ? e->mask_words : vocab_words;
-  int any = 0;
-  for (uint32_t w = threadIdx.x; sh_state == 0 && w < words; w += blockDim.x) {  // pass 1: any token allowed?
-    const uint32_t inside = vocab - 32u * w;  // tokens of word w inside the vocabulary
-    any |= (ld_v(ring_words + w) & (inside >= 32u ? 0xFFFFFFFFu : (1u << inside) - 1u)) != 0u;
-  }
-  any = __syncthreads_or(any);
-  if (sh_state != 0 || !any) {
-    if (threadIdx.x == 0) e->mask_state[b * e->max_rows + row] = sh_state != 0 ? sh_state : BLINK_TOKEN_MASK_EMPTY;
+  if (sh_state != 0) {
+    if (threadIdx.x == 0) e->mask_state[b * e->max_rows + row] = sh_state;
     return;
   }
+  const uint32_t vocab = e->vocab, vocab_words = (vocab + 31u) / 32u;
+  const uint32_t words = e->mask_words < vocab_words ? e->mask_words : vocab_words;
   float* logits = e->logits + (uint64_t)row * vocab;
-  for (uint32_t w0 = 0; w0 < vocab_words; w0 += BLINK_EXT_MASK_CHUNK) {  // pass 2: the logits
-    for (uint32_t w = w0 + threadIdx.x; w < w0 + BLINK_EXT_MASK_CHUNK; w += blockDim.x)
-      sh_words[w - w0] = w < words ? ld_v(ring_words + w) : 0u;
+  int any = 0;  // some token allowed (the words past the vocabulary's last token do not count)
+  for (uint32_t w0 = 0; w0 < vocab_words; w0 += BLINK_EXT_MASK_CHUNK) {  // each word read once over PCIe
+    for (uint32_t w = w0 + threadIdx.x; w < w0 + BLINK_EXT_MASK_CHUNK; w += blockDim.x) {
+      const uint32_t word = w < words ? ld_v(ring_words + w) : 0u, inside = vocab - 32u * w;
+      if (w < vocab_words) any |= (word & (inside >= 32u ? 0xFFFFFFFFu : (1u << inside) - 1u)) != 0u;
+      sh_words[w - w0] = word;
+    }
     __syncthreads();
     for (uint32_t t = 32u * w0 + threadIdx.x; t < vocab && t < 32u * (w0 + BLINK_EXT_MASK_CHUNK); t += blockDim.x)
       if (!(sh_words[t / 32u - w0] >> (t % 32u) & 1u)) logits[t] = -INFINITY;
     __syncthreads();
   }
-  if (threadIdx.x == 0) e->mask_state[b * e->max_rows + row] = 0;
+  // a mask that allows nothing left every logit at -inf: blink_ext_mask_fix replaces what the sampler drew
+  any = __syncthreads_or(any);
+  if (threadIdx.x == 0) e->mask_state[b * e->max_rows + row] = any ? 0 : BLINK_TOKEN_MASK_EMPTY;
 }
 
 // One block per sampled row of the step in buffer `b` (grid: the bucket's rows): the bias and penalties of the
