@@ -104,7 +104,8 @@ def summary(r: dict) -> str:
     return (f"streams {r['streams']:3d} workers {r['workers']}{spin}: {r['masks']} masks, latency "
             f"P50 {us('mask_latency_us_p50')} us P99 {us('mask_latency_us_p99')} us max {us('mask_latency_us_max')} us; over one step "
             f"({r['step_ms']:g} ms) {r['mask_over_one_step']}; skipped steps {r['skipped_steps']}/{r['row_steps']} "
-            f"({skipped}); tokens by steps waited {steps_waited(r['tokens_by_steps_waited'])}; "
+            f"({skipped}); tokens by steps waited {steps_waited(r['tokens_by_steps_waited'])}; skipped steps by the "
+            f"token's index {' '.join(f'{k}:{n}' for k, n in (r.get('skipped_by_token_index') or {}).items())}; "
             f"requests {r['requests']} errors {r['errors']}; gateway CPU "
             f"{r['gateway_cpu_us_per_token']:.0f} us/token")
 

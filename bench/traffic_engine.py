@@ -9,6 +9,7 @@ Each token id encodes its publish time (`token_for`), so a reader can tell each 
 from __future__ import annotations
 
 import array
+import bisect
 import contextlib
 import gc
 import json
@@ -195,6 +196,7 @@ def traffic_engine(tok_s: float, idle_s: float = 0.0, cores: set[int] | None = N
 MASK_TOKENIZER_SEED = 0
 MASK_PRESET = "smollm2-135m"  # the constrained mode's default vocabulary (size, BOS, EOS); llama-3-8b: 128,256
 MAX_STEPS_LATE = 8  # the per-token histogram of steps waited for a mask: 0 .. MAX_STEPS_LATE (the last: or more)
+SKIP_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64, 128)  # skipped steps by the waiting token's index: [0, 1), [1, 2) ... [128, inf)
 
 
 def mask_tokenizer_dir(cache_dir: Path, preset: str = MASK_PRESET) -> Path:
@@ -241,6 +243,8 @@ class MaskTrafficEngine:
         self.mask_latency_us = array.array("d")
         self.num_sampled = self.num_skipped = 0
         self.steps_late = np.zeros(MAX_STEPS_LATE + 1, np.int64)  # constrained tokens by the steps they waited
+        # the steps skipped by the index of the token that waited, in SKIP_BUCKETS (is it a request's first tokens?)
+        self.skipped_by_index = np.zeros(len(SKIP_BUCKETS), np.int64)
 
     def run(self, stop: mp.Event, stats_path: str | None = None) -> None:
         serve(self, stop, stats_path)
@@ -254,7 +258,9 @@ class MaskTrafficEngine:
                 "mask_over_one_step": int(np.sum(lat > self.step_s * 1e6)) if lat is not None else 0,
                 "row_steps": rows, "skipped_steps": self.num_skipped,
                 "skipped_fraction": self.num_skipped / rows if rows else None,
-                "tokens_by_steps_waited": self.steps_late.tolist()}
+                "tokens_by_steps_waited": self.steps_late.tolist(),
+                "skipped_by_token_index": {f"<{b}" if i < len(SKIP_BUCKETS) - 1 else f">={SKIP_BUCKETS[-2]}": int(n)
+                                           for i, (b, n) in enumerate(zip(SKIP_BUCKETS, self.skipped_by_index))}}
 
     def step(self, now: float) -> None:
         self.consumer.beat()
@@ -293,6 +299,7 @@ class MaskTrafficEngine:
         if constrained and words is None:
             self.num_skipped += 1
             self.rows[slot][5] += 1
+            self.skipped_by_index[min(bisect.bisect_right(SKIP_BUCKETS, produced), len(SKIP_BUCKETS) - 1)] += 1
             return None  # this row waits for its mask; the others go on
         self.num_sampled += 1
         if constrained:

@@ -45,6 +45,8 @@ def test_a_row_waits_for_each_mask_and_samples_under_it(tmp_path, monkeypatch):
         assert stats["masks"] == 2 and stats["skipped_steps"] == 1 and stats["row_steps"] == 4
         # token 1 waited one step for its mask; tokens 0 and 2 (EOS) none
         assert stats["tokens_by_steps_waited"][:3] == [2, 1, 0] and sum(stats["tokens_by_steps_waited"]) == 3
+        # the skipped step was token 1's (the request's second token)
+        assert stats["skipped_by_token_index"]["<2"] == 1 and sum(stats["skipped_by_token_index"].values()) == 1
         assert 0 < stats["mask_latency_us_p50"] <= stats["mask_latency_us_max"] < 5e6
     finally:
         producer.close()
