@@ -6,9 +6,10 @@ is written to the cache for them. `k` itself is left unrotated: attention reads 
 
 With `q_norm` and `k_norm` (Qwen3's per-head RMSNorm) a second kernel, `_qk_norm_rope_kv_kernel`, runs one
 program per (token, head) row: it normalises the row as kernels/rmsnorm.py does (float32 sum of squares over
-head_dim, the same one-dimensional reduction, rounded to the activation dtype, times the weight, rounded
-again), then rotates those rounded values, so q and the cache hold bit for bit what the separate
-`rmsnorm(q)`, `rmsnorm(k)`, `rope_and_cache_kv` launches gave. It saves those two RMSNorm launches (and, at
+head_dim, rounded to the activation dtype, times the weight, rounded again), then rotates those rounded values,
+so q and the cache hold bit for bit what the separate `rmsnorm(q)`, `rmsnorm(k)`, `rope_and_cache_kv` launches
+gave (tested on an H100). Every kernel here, and the one-token attention, rotates with one function,
+`rope_rows`. It saves those two RMSNorm launches (and, at
 T > 1, the copies that flattened the strided q and k views) per layer: 96 launches a step for a 48-layer
 Qwen3. Its GPU timing is not measured yet.
 
@@ -34,72 +35,41 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, ca
                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                     cos_stride, sin_stride, cache_kv_stride, max_pos,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr, HALF_P: tl.constexpr, DIM_P: tl.constexpr,
-                    PDL: tl.constexpr):
+                    HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr, DIM_P: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)  # kernels/pdl.py
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_pos - 1)  # padding rows: any value
-    j = tl.arange(0, HALF_P)
-    j_ok = j < HALF
-    cos = tl.load(cos_ptr + pos * cos_stride + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + pos * sin_stride + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+    cos_row, sin_row = cos_ptr + pos * cos_stride, sin_ptr + pos * sin_stride
+    d = tl.arange(0, DIM_P)
+    d_ok = d < HEAD_DIM
 
     h = tl.arange(0, HEADS_P)
-    qm = (h < NUM_HEADS)[:, None] & j_ok[None, :]
-    q1_ptr = q_ptr + t * q_stride_t + h[:, None] * q_stride_h + j[None, :]
-    q1 = tl.load(q1_ptr, mask=qm, other=0.0).to(tl.float32)
-    q2 = tl.load(q1_ptr + HALF, mask=qm, other=0.0).to(tl.float32)
-    tl.store(q1_ptr, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=qm)
-    tl.store(q1_ptr + HALF, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=qm)
+    q_rows = q_ptr + t * q_stride_t + h * q_stride_h
+    q = rope_rows(q_rows, h < NUM_HEADS, cos_row, sin_row, q_ptr, HEAD_DIM, 0.0, 0, HALF, DIM_P)
+    tl.store(q_rows[:, None] + d[None, :], q.to(q_ptr.dtype.element_ty), mask=(h < NUM_HEADS)[:, None] & d_ok[None, :])
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     kh = tl.arange(0, KV_HEADS_P)
     kv_ok = (kh < NUM_KV_HEADS) & (slot >= 0)
-    km = kv_ok[:, None] & j_ok[None, :]
-    k1_ptr = k_ptr + t * k_stride_t + kh[:, None] * k_stride_h + j[None, :]
-    k1 = tl.load(k1_ptr, mask=km, other=0.0).to(tl.float32)
-    k2 = tl.load(k1_ptr + HALF, mask=km, other=0.0).to(tl.float32)
+    k = rope_rows(k_ptr + t * k_stride_t + kh * k_stride_h, kv_ok, cos_row, sin_row, k_ptr, HEAD_DIM, 0.0, 0, HALF,
+                  DIM_P)
     # cache row of this slot: [NUM_KV_HEADS, HEAD_DIM] contiguous
-    ck_ptr = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kh[:, None] * HEAD_DIM + j[None, :]
-    tl.store(ck_ptr, (k1 * cos - k2 * sin).to(cache_ptr.dtype.element_ty), mask=km)
-    tl.store(ck_ptr + HALF, (k2 * cos + k1 * sin).to(cache_ptr.dtype.element_ty), mask=km)
-
-    d = tl.arange(0, DIM_P)
-    vm = kv_ok[:, None] & (d < HEAD_DIM)[None, :]
+    ck_ptr = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kh[:, None] * HEAD_DIM + d[None, :]
+    vm = kv_ok[:, None] & d_ok[None, :]
+    tl.store(ck_ptr, k.to(cache_ptr.dtype.element_ty), mask=vm)
     v = tl.load(v_ptr + t * v_stride_t + kh[:, None] * v_stride_h + d[None, :], mask=vm, other=0.0)
-    cv_ptr = cache_ptr + cache_kv_stride + slot * (NUM_KV_HEADS * HEAD_DIM) + kh[:, None] * HEAD_DIM + d[None, :]
-    tl.store(cv_ptr, v.to(cache_ptr.dtype.element_ty), mask=vm)
-
-
-@triton.jit
-def _norm_rotate(x_ptr, w_ptr, cos, sin, head_dim, eps, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                 DIM_P: tl.constexpr):
-    """One head row at x_ptr: RMSNorm (kernels/rmsnorm.py's numerics) then RoPE; -> the two rotated halves, f32."""
-    cols = tl.arange(0, DIM_P)
-    # the whole row, reduced exactly as _rmsnorm_kernel reduces a row of `head_dim` (same order, same rounding)
-    h = tl.load(x_ptr + cols, mask=cols < head_dim, other=0.0).to(tl.float32)
-    rstd = rms_rstd(h, head_dim, eps)
-    act = x_ptr.dtype.element_ty
-    j = tl.arange(0, HALF_P)
-    ok = j < HALF
-    x1 = tl.load(x_ptr + j, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + HALF + j, mask=ok, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + j, mask=ok, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + j, mask=ok, other=0.0).to(tl.float32)
-    x1 = rms_scale(x1, rstd, w1, act)
-    x2 = rms_scale(x2, rstd, w2, act)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    tl.store(ck_ptr + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=vm)
 
 
 @triton.jit
 def rope_rows(row_ptrs, row_ok, cos_ptr, sin_ptr, w_ptr, head_dim, eps, NORM: tl.constexpr,
               HALF: tl.constexpr, BLOCK_D: tl.constexpr):
     """Head rows at `row_ptrs` [R] (RMSNorm with weight `w_ptr` when NORM, Qwen3's q/k norm) rotated by the cos/sin
-    rows at `cos_ptr`, `sin_ptr` (the position's): -> [R, BLOCK_D] float32 in the head's own column order, the numerics
-    of `_norm_rotate` and `_rope_kv_kernel` (each column with its rotation partner, d +- HALF, loaded beside it). For
-    a kernel that rotates the rows it reads instead of reading them rotated (kernels/paged_attention.py at one
-    token)."""
+    rows at `cos_ptr`, `sin_ptr` (the position's): -> [R, BLOCK_D] float32 in the head's own column order (each
+    column with its rotation partner, d +- HALF, loaded beside it). The one rotation every kernel here runs: the
+    RoPE + KV write (`_rope_kv_kernel`, `_qk_norm_rope_kv_kernel`) and the one-token attention, which rotates the
+    rows it reads (kernels/paged_attention.py)."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     low = d < HALF
@@ -125,7 +95,7 @@ def _qk_norm_rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot
                             k_norm_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                             cos_stride, sin_stride, cache_kv_stride, max_pos, head_dim, eps,
                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            HALF_P: tl.constexpr, DIM_P: tl.constexpr, PDL: tl.constexpr):
+                            DIM_P: tl.constexpr, PDL: tl.constexpr):
     """Qwen3's q/k RMSNorm + RoPE + KV write in one launch: saves the two RMSNorm launches a layer (96 a
     48-layer step); on an H100 2.2 us against 5.2 for the three launches at one token."""
     pdl_enter(PDL)  # kernels/pdl.py
@@ -134,28 +104,25 @@ def _qk_norm_rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_pos - 1)  # padding rows: any value
-    j = tl.arange(0, HALF_P)
-    j_ok = j < HALF
-    cos = tl.load(cos_ptr + pos * cos_stride + j, mask=j_ok, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * sin_stride + j, mask=j_ok, other=0.0).to(tl.float32)
+    cos_row, sin_row = cos_ptr + pos * cos_stride, sin_ptr + pos * sin_stride
+    one = tl.arange(0, 1)
+    d = tl.arange(0, DIM_P)[None, :]
+    d_ok = d < HEAD_DIM
     if head < NUM_HEADS:
         row_ptr = q_ptr + t * q_stride_t + head * q_stride_h
-        r1, r2 = _norm_rotate(row_ptr, q_norm_ptr, cos, sin, head_dim, eps, HALF, HALF_P, DIM_P)
-        tl.store(row_ptr + j, r1.to(q_ptr.dtype.element_ty), mask=j_ok)
-        tl.store(row_ptr + HALF + j, r2.to(q_ptr.dtype.element_ty), mask=j_ok)
+        r = rope_rows(row_ptr + one, one < 1, cos_row, sin_row, q_norm_ptr, head_dim, eps, 1, HALF, DIM_P)
+        tl.store(row_ptr + d, r.to(q_ptr.dtype.element_ty), mask=d_ok)
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:                                     # padding rows write nothing
             kh = head - NUM_HEADS
-            r1, r2 = _norm_rotate(k_ptr + t * k_stride_t + kh * k_stride_h, k_norm_ptr, cos, sin, head_dim, eps,
-                                  HALF, HALF_P, DIM_P)
+            r = rope_rows(k_ptr + t * k_stride_t + kh * k_stride_h + one, one < 1, cos_row, sin_row, k_norm_ptr,
+                          head_dim, eps, 1, HALF, DIM_P)
             # cache row of this slot: [NUM_KV_HEADS, HEAD_DIM] contiguous
             ck_ptr = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kh * HEAD_DIM
-            tl.store(ck_ptr + j, r1.to(cache_ptr.dtype.element_ty), mask=j_ok)
-            tl.store(ck_ptr + HALF + j, r2.to(cache_ptr.dtype.element_ty), mask=j_ok)
-            d = tl.arange(0, DIM_P)
-            v = tl.load(v_ptr + t * v_stride_t + kh * v_stride_h + d, mask=d < HEAD_DIM, other=0.0)
-            tl.store(ck_ptr + cache_kv_stride + d, v.to(cache_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+            tl.store(ck_ptr + d, r.to(cache_ptr.dtype.element_ty), mask=d_ok)
+            v = tl.load(v_ptr + t * v_stride_t + kh * v_stride_h + d, mask=d_ok, other=0.0)
+            tl.store(ck_ptr + cache_kv_stride + d, v.to(cache_ptr.dtype.element_ty), mask=d_ok)
 
 
 def rope_and_cache_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -186,8 +153,8 @@ def rope_and_cache_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), layer_cache.stride(0), cos.shape[0],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_P=next_pow2(num_heads), KV_HEADS_P=next_pow2(num_kv_heads),
-        HALF_P=next_pow2(head_dim // 2), DIM_P=next_pow2(head_dim), PDL=pdl_on(), num_warps=4, **pdl_launch())
+        HEADS_P=next_pow2(num_heads), KV_HEADS_P=next_pow2(num_kv_heads), DIM_P=next_pow2(head_dim),
+        PDL=pdl_on(), num_warps=4, **pdl_launch())
     return q
 
 
@@ -199,8 +166,8 @@ def _launch_qk_norm(q, k, v, positions, cos, sin, slot_mapping, layer_cache, q_n
         q, k, v, positions, cos, sin, slot_mapping, layer_cache, q_norm, k_norm,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), layer_cache.stride(0), cos.shape[0], head_dim, float(eps),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF_P=next_pow2(head_dim // 2), DIM_P=next_pow2(head_dim), PDL=pdl_on(), num_warps=row_warps(head_dim),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, DIM_P=next_pow2(head_dim),
+        PDL=pdl_on(), num_warps=row_warps(head_dim),
         **pdl_launch())
 
 
