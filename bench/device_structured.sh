@@ -31,6 +31,8 @@ read -ra SERVE_FLAGS <<< "${SERVE_FLAGS:---context-len 2048 --num-slots 256 --ma
 # the persistent loop's counters every second in the serve log (INFO): the GPU's step time per run
 export BLINK_API_KEY=${BLINK_API_KEY:-bench-key} BLINK_LOG_LEVEL=${BLINK_LOG_LEVEL:-INFO}
 export BLINK_LOOP_STATS_S=${BLINK_LOOP_STATS_S:-1}
+# and each gateway worker's mask steps every second (queued, computed, over 2 / 5 ms): where a late mask waited
+export BLINK_MASK_STATS_S=${BLINK_MASK_STATS_S:-1}
 mkdir -p "$OUT"
 source bench/lib.sh
 use_carried_wheels

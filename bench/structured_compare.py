@@ -107,6 +107,41 @@ def loop_lines(log_text: str) -> list[dict]:
     return lines
 
 
+# gateway/structured/mask_loop.py, MaskStats.maybe_log: each gateway worker's line (BLINK_MASK_STATS_S)
+MASK_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*mask stats \(pid (\d+)\): (\d+) steps, queued "
+                       r"mean ([\d.]+) max ([\d.]+) ms, computed mean ([\d.]+) max ([\d.]+) ms, put mean ([\d.]+) ms, "
+                       r"longest ([\d.]+) ms, over 2 ms (\d+), over 5 ms (\d+)")
+
+
+def mask_lines(log_text: str) -> list[dict]:
+    """The gateway workers' mask-statistics lines of a serve log (time as `loop_lines` reads it)."""
+    lines = []
+    for line in log_text.splitlines():
+        m = MASK_LINE.match(line)
+        if m:
+            at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").timestamp() + int(m[2]) / 1e3
+            lines.append({"at": at, "pid": int(m[3]), "steps": int(m[4]), "queued_ms_mean": float(m[5]),
+                          "queued_ms_max": float(m[6]), "computed_ms_mean": float(m[7]),
+                          "computed_ms_max": float(m[8]), "put_ms_mean": float(m[9]), "total_ms_max": float(m[10]),
+                          "over_2ms": int(m[11]), "over_5ms": int(m[12])})
+    return lines
+
+
+def masks_over(lines: list[dict], start_s: float, end_s: float) -> dict | None:
+    """The workers' mask steps over a run (lines logged after its first second up to its end): steps, means
+    weighted by steps, the largest maxima, the counts over 2 and 5 ms, and the most over 5 ms in one worker's
+    line (a stall in one worker, or spread over all?). None without any line."""
+    inside = [x for x in lines if start_s + 1.0 < x["at"] <= end_s and x["steps"]]
+    steps = sum(x["steps"] for x in inside)
+    if not steps:
+        return None
+    return {"lines": len(inside), "workers": len({x["pid"] for x in inside}), "steps": steps,
+            **{k: sum(x[k] * x["steps"] for x in inside) / steps for k in ("queued_ms_mean", "computed_ms_mean")},
+            **{k: max(x[k] for x in inside) for k in ("queued_ms_max", "computed_ms_max", "total_ms_max")},
+            "over_2ms": sum(x["over_2ms"] for x in inside), "over_5ms": sum(x["over_5ms"] for x in inside),
+            "over_5ms_most_in_a_line": max(x["over_5ms"] for x in inside)}
+
+
 def loop_over(lines: list[dict], start_s: float, end_s: float) -> dict | None:
     """The loop's figures over a run: lines logged after its first second (each covers the period before it) up to
     its end, weighted by their steps; None without any. The loop kernel's time is the median over the periods whose
@@ -228,6 +263,12 @@ def table(pairs: list[dict]) -> str:
         lines.append(ratio_line(pair))
         if (loop := loop_line(pair)) is not None:
             lines.append(loop)
+        if (m := pair["constrained"].get("mask_steps")) is not None:
+            lines.append(f"  gateway mask steps (BLINK_MASK_STATS_S, {m['workers']} workers): {m['steps']}, queued mean "
+                         f"{m['queued_ms_mean']:.2f} max {m['queued_ms_max']:.2f} ms, computed mean "
+                         f"{m['computed_ms_mean']:.2f} max {m['computed_ms_max']:.2f} ms, longest "
+                         f"{m['total_ms_max']:.2f} ms; over 2 ms {m['over_2ms']}, over 5 ms {m['over_5ms']} (most in "
+                         f"one worker's second: {m['over_5ms_most_in_a_line']})")
     return "\n".join(lines)
 
 
@@ -239,13 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-log", default=None, help="the backend's log with BLINK_LOOP_STATS_S lines")
     p.add_argument("--windows", default=None, help="RESULT_FILE<TAB>start<TAB>end lines (epoch seconds)")
     args = p.parse_args(argv)
-    lines = loop_lines(Path(args.serve_log).read_text()) if args.serve_log and Path(args.serve_log).exists() else []
+    log_text = Path(args.serve_log).read_text() if args.serve_log and Path(args.serve_log).exists() else ""
+    lines, masks = loop_lines(log_text), mask_lines(log_text)
     windows = read_windows(Path(args.windows)) if args.windows and Path(args.windows).exists() else {}
 
     def run(path: str) -> dict:
         f = figures(Path(path))
         window = windows.get(Path(path).name)
         f["loop"] = loop_over(lines, *window) if window and lines else None
+        f["mask_steps"] = masks_over(masks, *window) if window and masks else None
         return f
     pairs = [compare(run(a), run(b)) for a, b in args.pair]
     print(table(pairs), flush=True)

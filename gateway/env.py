@@ -100,6 +100,12 @@ BACKEND_SSL_CA_CERTS = EnvVar(f"{PREFIX}BACKEND_SSL_CA_CERTS", "CA that signs th
                               "set: backends are dialled over TLS (--backend-ssl-ca-certs)", field="backend_ssl_ca_certs")
 VARIABLES += (BACKEND_SSL_CERTFILE, BACKEND_SSL_KEYFILE, BACKEND_SSL_CA_CERTS)
 
+# Diagnostics (docs/operations.md "Logs"): off unless set.
+MASK_STATS_S = EnvVar(f"{PREFIX}MASK_STATS_S", "seconds between each gateway worker's log line of its token-mask "
+                      "steps (queued, computed, late-risk counts; gateway/structured/mask_loop.py MaskStats)",
+                      parse=float)
+VARIABLES += (MASK_STATS_S,)
+
 
 def config_overrides(environ: Mapping[str, str] | None = None) -> dict:
     """The `GatewayConfig` fields the set variables give (unset ones give nothing)."""

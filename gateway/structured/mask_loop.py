@@ -37,6 +37,7 @@ from collections.abc import Callable
 import llguidance
 import numpy as np
 
+from ..env import MASK_STATS_S
 from .grammar import Compiled, Grammars
 
 log = logging.getLogger("blink.gateway.structured")
@@ -60,6 +61,9 @@ INLINE_AFTER_STEPS = 2
 # leaving its row waiting (the poller checks every heartbeat_check_s; llguidance's fuel limits make it rare).
 MASK_STEP_LIMIT_S = 5.0
 _pools: dict[bool, "MaskPool"] = {}
+# MaskStats' thresholds: a step (queued -> mask put) over these may miss the engine's next step (a decode step is
+# 5-10 ms on a GPU host), so they are counted apart
+STATS_OVER_S = (0.002, 0.005)
 _at_once_setting = (0, 1)  # (GatewayConfig.grammar_concurrency, workers): `configure`
 _turns: "Turns | None" = None  # the main pool's steps computing at once (`compute_turns`)
 
@@ -283,6 +287,8 @@ class MaskLoop:
         self.fast_steps = self.fast_steps + 1 if took_s < INLINE_STEP_S else 0
         if self.put_from_pool:
             self._end_step(result)
+            if STATS.on:
+                STATS.record(started_s - self._step_started_s, took_s, time.monotonic() - started_s - took_s)
             return
         try:
             self._loop.call_soon_threadsafe(self._deliver, result)
@@ -346,3 +352,72 @@ class MaskLoop:
                     self._start()
                 return
         self.on_error(result)
+
+
+class MaskStats:
+    """This process's mask steps, for a diagnostic log line (BLINK_MASK_STATS_S; the mask watcher calls
+    `maybe_log`): how long steps waited to start (for a pool thread and a turn), computed (llguidance) and took to
+    put (the ring write), and how many took over STATS_OVER_S in all. Off by default: recording takes a lock a
+    step. With the GPU loop's own count of rows that waited for a mask (its loop stats line), it tells a late
+    mask's cause: the queue, the grammar or the watcher (which sees the tokens before any of this)."""
+
+    def __init__(self, period_s: float = 0.0):
+        self.period_s = period_s
+        self.on = period_s > 0
+        self._lock = threading.Lock()
+        self._next_log_s = time.monotonic() + period_s
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps = 0
+        self.queued_s = self.computed_s = self.put_s = 0.0
+        self.max_queued_s = self.max_computed_s = self.max_total_s = 0.0
+        self.over = [0] * len(STATS_OVER_S)
+
+    def record(self, queued_s: float, computed_s: float, put_s: float) -> None:
+        total = queued_s + computed_s + put_s
+        with self._lock:
+            self.steps += 1
+            self.queued_s += queued_s
+            self.computed_s += computed_s
+            self.put_s += put_s
+            self.max_queued_s = max(self.max_queued_s, queued_s)
+            self.max_computed_s = max(self.max_computed_s, computed_s)
+            self.max_total_s = max(self.max_total_s, total)
+            for i, limit in enumerate(STATS_OVER_S):
+                self.over[i] += total > limit
+
+    def take(self) -> dict:
+        """The figures since the last take, and a fresh start."""
+        with self._lock:
+            n = self.steps or 1
+            out = {"steps": self.steps, "queued_ms_mean": 1e3 * self.queued_s / n,
+                   "queued_ms_max": 1e3 * self.max_queued_s, "computed_ms_mean": 1e3 * self.computed_s / n,
+                   "computed_ms_max": 1e3 * self.max_computed_s, "put_ms_mean": 1e3 * self.put_s / n,
+                   "total_ms_max": 1e3 * self.max_total_s,
+                   **{f"over_{int(limit * 1e3)}ms": count for limit, count in zip(STATS_OVER_S, self.over)}}
+            self._reset()
+        return out
+
+    def maybe_log(self, extra: str = "") -> None:
+        if not self.on or time.monotonic() < self._next_log_s:
+            return
+        self._next_log_s = time.monotonic() + self.period_s
+        x = self.take()
+        if not x["steps"]:
+            return
+        log.info("mask stats (pid %d): %d steps, queued mean %.2f max %.2f ms, computed mean %.2f max %.2f ms, put "
+                 "mean %.3f ms, longest %.2f ms, over 2 ms %d, over 5 ms %d%s", os.getpid(), x["steps"],
+                 x["queued_ms_mean"], x["queued_ms_max"], x["computed_ms_mean"], x["computed_ms_max"],
+                 x["put_ms_mean"], x["total_ms_max"], x["over_2ms"], x["over_5ms"], extra)
+
+
+def _stats_period() -> float:
+    try:
+        return MASK_STATS_S.value() or 0.0
+    except ValueError as exc:
+        log.warning("%s: no mask statistics", exc)
+        return 0.0
+
+
+STATS = MaskStats(_stats_period())

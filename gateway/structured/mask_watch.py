@@ -43,7 +43,7 @@ from protocols import ring as R
 from protocols.native_build import cached_build
 
 from ..streaming.stream_round import FLAGS, c_compiler, cache_dir
-from .mask_loop import MaskLoop, compute_turns, name_os_thread
+from .mask_loop import STATS, MaskLoop, compute_turns, name_os_thread
 
 log = logging.getLogger("blink.gateway.structured")
 
@@ -188,6 +188,10 @@ class MaskWatch:
                 self._wake.clear()
                 sys.setswitchinterval(self.switch_interval_s)
                 continue
+            if STATS.on:
+                period = self.clock.period_ns
+                STATS.maybe_log(f", watching {len(self._loops)}, the engine's step as seen here "
+                                f"{'-' if period is None else f'{period / 1e6:.2f} ms'}")
             ready = self._wait_native(wait) if wait is not None else None
             if ready is None:  # no C wait for these sources: a Python scan of all of them now and then
                 time.sleep(self.period_s)

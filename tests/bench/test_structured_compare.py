@@ -156,3 +156,31 @@ def test_the_loop_kernel_counts_only_back_to_back_periods():
     loop = structured_compare.loop_over(lines, 0.0, 6.0)
     assert loop["steps"] == 363 and loop["periods"] == 4
     assert loop["loop_kernel_us"] == pytest.approx(64.0)
+
+
+def test_the_mask_stats_lines_are_read_as_the_gateway_writes_them(caplog, monkeypatch):
+    """Each gateway worker's BLINK_MASK_STATS_S line (gateway/structured/mask_loop.py) is what structured_compare.py
+    parses; a run's lines add up across workers and the largest maxima are kept."""
+    import logging
+
+    from gateway.structured import mask_loop
+
+    clock = [50.0]
+    monkeypatch.setattr(mask_loop.time, "monotonic", lambda: clock[0])
+    stats = mask_loop.MaskStats(period_s=1.0)
+    with caplog.at_level(logging.INFO, logger="blink.gateway.structured"):
+        for steps in ((0.001, 0.0005, 0.0001), (0.0001, 0.0065, 0.0001)):
+            stats.record(*steps)
+        clock[0] = 51.5
+        stats.maybe_log(", watching 8, the engine's step as seen here 7.90 ms")
+    formatter = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s")
+    text = "\n".join(formatter.format(r) for r in caplog.records)
+    [line] = structured_compare.mask_lines(text)
+    assert line["steps"] == 2 and (line["over_2ms"], line["over_5ms"]) == (1, 1)  # 6.7 ms: over both
+    assert line["computed_ms_max"] == pytest.approx(6.5) and line["total_ms_max"] == pytest.approx(6.7, abs=0.01)
+    other = dict(line, pid=line["pid"] + 1, steps=6, over_5ms=3, queued_ms_mean=0.2, computed_ms_max=9.0)
+    summary = structured_compare.masks_over([line, other], line["at"] - 2.0, line["at"] + 1.0)
+    assert summary["workers"] == 2 and summary["steps"] == 8 and summary["over_5ms"] == 4
+    assert summary["over_5ms_most_in_a_line"] == 3 and summary["computed_ms_max"] == 9.0
+    assert summary["queued_ms_mean"] == pytest.approx((2 * line["queued_ms_mean"] + 6 * 0.2) / 8)
+    assert structured_compare.masks_over([line], line["at"] + 5, line["at"] + 9) is None  # outside the run

@@ -191,10 +191,15 @@ def test_the_mask_loop_delivers_each_next_mask_on_the_event_loop(grammars, byte_
     asyncio.run(run())
 
 
-def test_a_shm_mask_goes_into_the_ring_from_the_pool_thread_and_none_after_close(grammars, byte_tokenizer):
-    """Where the transport allows it, the mask does not wait for the event loop; a request that ended gets none."""
+def test_a_shm_mask_goes_into_the_ring_from_the_pool_thread_and_none_after_close(grammars, byte_tokenizer,
+                                                                                  monkeypatch):
+    """Where the transport allows it, the mask does not wait for the event loop; a request that ended gets none.
+    With BLINK_MASK_STATS_S each step is counted in the worker's mask statistics."""
     import threading
 
+    from gateway.structured import mask_loop as mask_loop_module
+    stats = mask_loop_module.MaskStats(period_s=60.0)
+    monkeypatch.setattr(mask_loop_module, "STATS", stats)
     compiled = grammars.compile_sync(Constraint("regex", "hello world", "r"))
     ids = byte_tokenizer.encode("hello world").ids
 
@@ -210,6 +215,8 @@ def test_a_shm_mask_goes_into_the_ring_from_the_pool_thread_and_none_after_close
                 await asyncio.sleep(0.001)
         assert [i for i, _ in delivered] == list(range(1, len(ids) + 1)) and not errors
         assert all(name.startswith("grammar-mask") for name in threads)  # never the event loop's thread
+        figures = stats.take()
+        assert figures["steps"] == len(ids) and 0 < figures["computed_ms_mean"] <= figures["total_ms_max"]
         closed = MaskLoop(grammars, compiled, put, errors.append, put_from_pool=True)
         closed.close()
         closed.advance([ids[0]])
