@@ -17,7 +17,7 @@
 # A random model's default tokenizer (WordLevel `w<id>` words) cannot spell JSON: it gets bench/structured_vocab.py's
 # byte-level one, under its own BLINK_CACHE (STRUCT_CACHE; compiled kernels shared with the default cache).
 # GATEWAY_CORES (default auto: the last 4 cores where there are 8 or more) pins the gateway, standing in for the
-# DPU's cores, and the backend to the other cores. JSON files (bench results, structured-MODE.json, the check)
+# DPU's cores, and the backend and the benchmark client (CLIENT_CORES) to the other cores. JSON files (bench results, structured-MODE.json, the check)
 # and logs under $OUT (default bench/results). Exit 1 when a check or a request failed (after every run).
 set -u
 cd "$(dirname "$0")/.."
@@ -73,7 +73,9 @@ one_mode() {  # one_mode MODE: serve, check, plain and constrained at each concu
     echo "[${SECONDS}s] $mode: serving"
     if [ -n "$GATEWAY_CORES" ]; then  # the gateway's cores its own, as a DPU's would be
         pin_gateway $serve "$GATEWAY_CORES" && pin_backend $serve "$(other_cores "$GATEWAY_CORES")" &&
-            echo "gateway pinned to cores $GATEWAY_CORES, backend to the others"
+            echo "gateway pinned to cores $GATEWAY_CORES, backend and the benchmark client to the others"
+        # the client (64 SSE streams: about a core) off the gateway's cores, where it took turns with the mask work
+        CLIENT_CORES=${CLIENT_CORES:-$(other_cores "$GATEWAY_CORES")}
     fi
     if [ "$CHECK_N" != 0 ]; then
         $PY bench/structured_check.py --url $url --schema "$CHECK_SCHEMA" \

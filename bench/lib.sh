@@ -13,9 +13,11 @@ wait_http() {  # wait_http PORT PID LOG: until /health answers; exits (with LOG'
 }
 
 bench() {  # bench DIR URL LABEL ARGS...: one `blink bench` run into a fresh DIR; its result file's path on stdout
-    local dir=$1 url=$2 label=$3; shift 3
+    # (with CLIENT_CORES set, the client runs on those cores only: never on the gateway's, which a DPU's would be)
+    local dir=$1 url=$2 label=$3 pin=(); shift 3
+    [ -n "${CLIENT_CORES:-}" ] && pin=(taskset -c "$CLIENT_CORES")
     rm -rf "$dir"; mkdir -p "$dir"
-    $PY -m blink.bench --url "$url" --label "$label" --out "$dir" --no-progress --warmup-requests 8 "$@" >&2
+    "${pin[@]}" $PY -m blink.bench --url "$url" --label "$label" --out "$dir" --no-progress --warmup-requests 8 "$@" >&2
     ls "$dir"/*.json | head -1
 }
 

@@ -64,6 +64,24 @@ def test_pinning_puts_the_gateway_and_the_backend_tree_on_their_cores():
         serve.wait(10)
 
 
+def test_the_benchmark_client_runs_on_client_cores_when_they_are_set(tmp_path):
+    """`bench` under CLIENT_CORES: the client is confined to those cores (never the gateway's); unset, it is not."""
+    core = str(sorted(os.sched_getaffinity(0))[0])
+    fake = tmp_path / "py"  # stands in for the python: records the cores it may run on, writes a result file
+    fake.write_text("#!/bin/sh\ntaskset -cp $$ >&2\nfor a; do [ \"$prev\" = --out ] && echo {} > \"$a/r.json\"; "
+                    "prev=$a; done\n")
+    fake.chmod(0o755)
+    pinned = subprocess.run(["bash", "-c", f"source bench/lib.sh; PY={fake}; bench {tmp_path}/a URL L"], cwd=ROOT,
+                            capture_output=True, text=True, check=True, env={**os.environ, "CLIENT_CORES": core})
+    assert pinned.stdout.strip().endswith("/a/r.json") and pinned.stderr.strip().endswith(f": {core}")
+    free = subprocess.run(["bash", "-c", f"source bench/lib.sh; PY={fake}; bench {tmp_path}/b URL L"], cwd=ROOT,
+                          capture_output=True, text=True, check=True,
+                          env={k: v for k, v in os.environ.items() if k != "CLIENT_CORES"})
+    assert free.stdout.strip().endswith("/b/r.json")
+    if len(os.sched_getaffinity(0)) > 1:
+        assert not free.stderr.strip().endswith(f": {core}")
+
+
 def _descendants(pid: int) -> list[int]:
     from blink.bench.collectors import process_tree
 
