@@ -93,18 +93,19 @@ LOOP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*loop stats:
                        r"speculation taken (\d+) dropped (\d+)(?:, mask waits (\d+))?")
 
 
-def loop_lines(log_text: str) -> list[dict]:
-    """The loop-statistics lines of a serve log: the time each was logged (epoch seconds, read as local time like
-    the log's) and its figures."""
-    lines = []
+def _stamped(log_text: str, pattern: re.Pattern):
+    """(time logged, match) of each line of a serve log that `pattern` matches (its groups 1 and 2: the log's
+    "%(asctime)s", read as local time like the log's, to epoch seconds)."""
     for line in log_text.splitlines():
-        m = LOOP_LINE.match(line)
-        if m:
-            at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").timestamp() + int(m[2]) / 1e3
-            lines.append({"at": at, "steps": int(m[3]), "tokens": int(m[4]), "step_us": float(m[5]),
-                          "busy_steps": int(m[6]), "loop_kernel_us": float(m[7]), "spec_taken": int(m[8]),
-                          "spec_dropped": int(m[9]), "mask_waits": int(m[10]) if m[10] else None})
-    return lines
+        if m := pattern.match(line):
+            yield datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").timestamp() + int(m[2]) / 1e3, m
+
+
+def loop_lines(log_text: str) -> list[dict]:
+    """The loop-statistics lines of a serve log: the time each was logged (epoch seconds) and its figures."""
+    return [{"at": at, "steps": int(m[3]), "tokens": int(m[4]), "step_us": float(m[5]), "busy_steps": int(m[6]),
+             "loop_kernel_us": float(m[7]), "spec_taken": int(m[8]), "spec_dropped": int(m[9]),
+             "mask_waits": int(m[10]) if m[10] else None} for at, m in _stamped(log_text, LOOP_LINE)]
 
 
 # gateway/structured/mask_loop.py, MaskStats.maybe_log: each gateway worker's line (BLINK_MASK_STATS_S)
@@ -114,17 +115,11 @@ MASK_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*mask stats 
 
 
 def mask_lines(log_text: str) -> list[dict]:
-    """The gateway workers' mask-statistics lines of a serve log (time as `loop_lines` reads it)."""
-    lines = []
-    for line in log_text.splitlines():
-        m = MASK_LINE.match(line)
-        if m:
-            at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").timestamp() + int(m[2]) / 1e3
-            lines.append({"at": at, "pid": int(m[3]), "steps": int(m[4]), "queued_ms_mean": float(m[5]),
-                          "queued_ms_max": float(m[6]), "computed_ms_mean": float(m[7]),
-                          "computed_ms_max": float(m[8]), "put_ms_mean": float(m[9]), "total_ms_max": float(m[10]),
-                          "over_2ms": int(m[11]), "over_5ms": int(m[12])})
-    return lines
+    """The gateway workers' mask-statistics lines of a serve log, timed as `loop_lines`."""
+    return [{"at": at, "pid": int(m[3]), "steps": int(m[4]), "queued_ms_mean": float(m[5]),
+             "queued_ms_max": float(m[6]), "computed_ms_mean": float(m[7]), "computed_ms_max": float(m[8]),
+             "put_ms_mean": float(m[9]), "total_ms_max": float(m[10]), "over_2ms": int(m[11]),
+             "over_5ms": int(m[12])} for at, m in _stamped(log_text, MASK_LINE)]
 
 
 def masks_over(lines: list[dict], start_s: float, end_s: float) -> dict | None:
