@@ -44,6 +44,7 @@ _OPTIONS = (  # defaults and environment variables: kernels/persistent_loop.py, 
     Field("stamps", "uint32_t", doc="stamp kernels after the model's nodes (bench build)"),
     Field("spinner_ns", "uint64_t", doc="a block holding an SM this long beside the graph, 0: none (bench build)"),
     Field("spec_at", "double", doc="publish -> spec after the node at this fraction of the model graph; <0: its first"),
+    Field("spec_masked", "uint32_t", doc="a step with token-masked rows is speculated past too (taken when none waits)"),
 )
 
 _EXT = (
@@ -138,6 +139,7 @@ _ARGS = (
     Field("hash_offset", "uint64_t", writer="host", doc="ring version 3: the block-hash areas"),
     Field("hash_bytes", "uint64_t", writer="host"),
     Field("max_block_hashes", "uint32_t", writer="host", doc="per slot"),
+    Field("spec_masked", "uint32_t", writer="create", doc="1: steps with token-masked rows are speculated past too"),
 )
 
 LOOP_ERRORS = (  # (NAME, message): what blink_loop_* returns as code * 1000 + cudaError_t

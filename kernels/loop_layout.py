@@ -147,10 +147,12 @@ class LoopOptionsStruct(ctypes.Structure):
         ("_pad0", ctypes.c_uint8 * 4),
         ("spinner_ns", ctypes.c_uint64),
         ("spec_at", ctypes.c_double),
+        ("spec_masked", ctypes.c_uint32),
+        ("_pad1", ctypes.c_uint8 * 4),
     ]
 
 
-assert ctypes.sizeof(LoopOptionsStruct) == 48
+assert ctypes.sizeof(LoopOptionsStruct) == 56
 
 
 # ---- blink_loop_ext: the sampling extensions (blink_loop_ext.cuh): device memory, set by the engine
@@ -287,7 +289,7 @@ class LoopArgs(ctypes.Structure):
         ("hash_offset", ctypes.c_uint64),
         ("hash_bytes", ctypes.c_uint64),
         ("max_block_hashes", ctypes.c_uint32),
-        ("_pad2", ctypes.c_uint8 * 4),
+        ("spec_masked", ctypes.c_uint32),
     ]
 
 

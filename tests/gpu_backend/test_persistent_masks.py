@@ -6,6 +6,7 @@ gateway's part is played here (mask i + 1 written after token i was read).
   runner's host step never run while it serves;
 - a late mask makes its row wait in the loop (nothing published past it) while a plain row goes on;
 - an empty mask ends the request with INVALID_PARAMS.
+Each persistent test runs with masked steps speculated past (LoopOptions.spec_masked) and without.
 """
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ from protocols.shm_producer import ShmProducer  # noqa: E402
 
 VOCAB = 512
 GEOMETRY = RingGeometry(16, 256, 256, mask_words=VOCAB // 32)
+
+
+@pytest.fixture(params=[False, True], ids=["no-spec-masked", "spec-masked"])
+def loop_kw(request) -> dict:
+    """The persistent engine's loop options: masked steps speculated past (spec_masked) or not."""
+    from kernels.persistent_loop import LoopOptions
+
+    return {"loop_options": LoopOptions(spec_masked=request.param)}
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +101,12 @@ def run_host(runner, cfg) -> list[list[int]]:
         ring.close()
 
 
-def run_persistent(runner, cfg, monkeypatch) -> tuple[list[list[int]], dict]:
+def run_persistent(runner, cfg, monkeypatch, **loop_kw) -> tuple[list[list[int]], dict]:
     import gpu_backend.engine.gpu_runner as gpu_runner
 
     def no_host(*args, **kw):
         raise AssertionError("the persistent loop's masks must not go through the host")
-    s = Served(runner, cfg, GEOMETRY)
+    s = Served(runner, cfg, GEOMETRY, **loop_kw)
     try:
         monkeypatch.setattr(gpu_runner, "apply_masks", no_host)  # the host engine's mask path
         monkeypatch.setattr(type(runner), "run", no_host)  # and its step
@@ -116,10 +125,10 @@ def run_persistent(runner, cfg, monkeypatch) -> tuple[list[list[int]], dict]:
         s.close()
 
 
-def test_host_and_persistent_keep_every_token_in_its_mask_and_agree_on_greedy_rows(runner_cfg, monkeypatch):
+def test_host_and_persistent_keep_every_token_in_its_mask_and_agree_on_greedy_rows(runner_cfg, monkeypatch, loop_kw):
     runner, cfg = runner_cfg
     host = run_host(runner, cfg)
-    loop, ctl = run_persistent(runner, cfg, monkeypatch)
+    loop, ctl = run_persistent(runner, cfg, monkeypatch, **loop_kw)
     for r in range(4):
         for got in (host[r], loop[r]):
             assert len(got) == 20 and all(t in allowed(mask_for(r, i)) for i, t in enumerate(got)), (r, got)
@@ -128,9 +137,9 @@ def test_host_and_persistent_keep_every_token_in_its_mask_and_agree_on_greedy_ro
     assert ctl["steps"] >= 20
 
 
-def test_a_late_mask_makes_the_loop_row_wait_while_a_plain_row_goes_on(runner_cfg):
+def test_a_late_mask_makes_the_loop_row_wait_while_a_plain_row_goes_on(runner_cfg, loop_kw):
     runner, cfg = runner_cfg
-    s = Served(runner, cfg, GEOMETRY)
+    s = Served(runner, cfg, GEOMETRY, **loop_kw)
     try:
         held, free = s.submit([RequestSpec(0, [5, 6, 7], 4, temperature=0.0, ignore_eos=True,
                                            token_mask=mask_for(0, 0)),
@@ -142,6 +151,8 @@ def test_a_late_mask_makes_the_loop_row_wait_while_a_plain_row_goes_on(runner_cf
         s.poll()
         assert len(s.tokens[held]) == 1 and held not in s.finishes
         assert len(s.tokens[free]) > before + 5
+        from kernels.persistent_loop import ctl_values
+        assert ctl_values(s.engine.ctl)["mask_waits"] >= 5  # the held row, counted each step it sampled nothing
         for i in range(1, 4):
             s.prod.put_mask(held, i, mask_for(0, i))
             s.wait(lambda: len(s.tokens[held]) == i + 1 or held in s.finishes)
@@ -153,9 +164,9 @@ def test_a_late_mask_makes_the_loop_row_wait_while_a_plain_row_goes_on(runner_cf
         s.close()
 
 
-def test_an_empty_mask_ends_the_loop_request_with_invalid_params(runner_cfg):
+def test_an_empty_mask_ends_the_loop_request_with_invalid_params(runner_cfg, loop_kw):
     runner, cfg = runner_cfg
-    s = Served(runner, cfg, GEOMETRY)
+    s = Served(runner, cfg, GEOMETRY, **loop_kw)
     try:
         slot, = s.submit([RequestSpec(0, [5, 6, 7], 4, temperature=0.0, ignore_eos=True,
                                       token_mask=np.zeros(VOCAB // 32, dtype=np.uint32))])

@@ -110,6 +110,8 @@ typedef struct blink_loop_options {
   uint8_t _pad0[4];
   uint64_t spinner_ns;  /* a block holding an SM this long beside the graph, 0: none (bench build) */
   double spec_at;  /* publish -> spec after the node at this fraction of the model graph; <0: its first */
+  uint32_t spec_masked;  /* a step with token-masked rows is speculated past too (taken when none waits) */
+  uint8_t _pad1[4];
 } blink_loop_options;
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_options, smem) == 0, "blink_loop_options.smem");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_options, spec_tail_check) == 4, "blink_loop_options.spec_tail_check");
@@ -120,7 +122,8 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_loop_options, plain_edges) == 20, "blink_loop
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_options, stamps) == 24, "blink_loop_options.stamps");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_options, spinner_ns) == 32, "blink_loop_options.spinner_ns");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_options, spec_at) == 40, "blink_loop_options.spec_at");
-BLINK_LAYOUT_ASSERT(sizeof(blink_loop_options) == 48, "sizeof(blink_loop_options)");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_options, spec_masked) == 48, "blink_loop_options.spec_masked");
+BLINK_LAYOUT_ASSERT(sizeof(blink_loop_options) == 56, "sizeof(blink_loop_options)");
 
 /* the sampling extensions (blink_loop_ext.cuh): device memory, set by the engine */
 typedef struct blink_loop_ext {
@@ -283,7 +286,7 @@ typedef struct blink_loop_args {
   uint64_t hash_offset;  /* ring version 3: the block-hash areas [host] */
   uint64_t hash_bytes;  /* [host] */
   uint32_t max_block_hashes;  /* per slot [host] */
-  uint8_t _pad2[4];
+  uint32_t spec_masked;  /* 1: steps with token-masked rows are speculated past too [create] */
 } blink_loop_args;
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ring) == 0, "blink_loop_args.ring");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, sq_offset) == 8, "blink_loop_args.sq_offset");
@@ -351,6 +354,7 @@ BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, ext) == 568, "blink_loop_args.ext"
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hash_offset) == 576, "blink_loop_args.hash_offset");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, hash_bytes) == 584, "blink_loop_args.hash_bytes");
 BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, max_block_hashes) == 592, "blink_loop_args.max_block_hashes");
+BLINK_LAYOUT_ASSERT(offsetof(blink_loop_args, spec_masked) == 596, "blink_loop_args.spec_masked");
 BLINK_LAYOUT_ASSERT(sizeof(blink_loop_args) == 600, "sizeof(blink_loop_args)");
 
 

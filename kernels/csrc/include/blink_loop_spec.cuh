@@ -95,7 +95,11 @@ __device__ void stop_async(blink_loop_args* a, uint32_t j, const spec_row& r, ui
 __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink_loop_args* a) {
   __shared__ uint64_t sh_tail;
   __shared__ uint32_t sh_ready;
-  const uint32_t async = a->async_take;
+  // a step with token-masked rows (speculated only with spec_masked): this kernel starts after the masks' fix-up
+  // (blink_ext_mask_fix: add_take), so the tokens are final, and a row that sampled nothing (TOKEN_WAIT, or
+  // TOKEN_MASK_EMPTY, both negative) drops the speculation. Never asynchronous: there is nothing to wait for.
+  const uint32_t masked = a->ext && a->ext->masked[a->buf];
+  const uint32_t async = a->async_take && !masked;
   const uint64_t tail_now = async && threadIdx.x == 0 && a->check_tail ? ld_v(&ring_header(a)->sq_tail) : 0;
   if (threadIdx.x == 0) {
     while (!ld_v(&a->spec_done)) __nanosleep(100);
@@ -174,9 +178,9 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
     for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k)
       if (lane + 32 * k < rows) {
         token[k] = sampled[lane + 32 * k];
-        in &= token[k] >= 0;
+        in &= masked ? token[k] != -1 : token[k] >= 0;  // masked: final already (a negative one: no token)
       }
-    for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < rows; j += 32) in &= sampled[j] >= 0;
+    for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < rows; j += 32) in &= masked ? sampled[j] != -1 : sampled[j] >= 0;
     if (__all_sync(0xffffffffu, in)) break;
   }
   const uint64_t t0 = now_ns();
@@ -197,11 +201,15 @@ __global__ void __launch_bounds__(BLINK_LOOP_TAKE_THREADS) blink_loop_take(blink
   int far_stop = 0;  // rows past the registers' (graphs of more than 256 rows; the asynchronous commit checks them)
   for (uint32_t j = lane + 32 * BLINK_LOOP_TAKE_ROWS; j < n && !async; j += 32) {
     const spec_row q = a->rows[j];
-    far_stop |= q.hist >= 0 && blink_is_stop_token(a->eos_ids, (int32_t)num_eos, stop_ids + q.slot * max_stop,
-                                                   q.num_stop, q.ignore_eos, (int32_t)sampled[j]);
+    far_stop |= q.hist >= 0 && (sampled[j] < 0 ||  // (masked) no token
+                                blink_is_stop_token(a->eos_ids, (int32_t)num_eos, stop_ids + q.slot * max_stop,
+                                                    q.num_stop, q.ignore_eos, (int32_t)sampled[j]));
   }
+  int no_token = 0;  // (masked) a row that sampled nothing: the full step runs its position again
+#pragma unroll
+  for (int k = 0; k < BLINK_LOOP_TAKE_ROWS; ++k) no_token |= lane + 32 * k < n && r[k].hist >= 0 && token[k] < 0;
   if (!async) {
-    const int bad = (lane == 0 && ld_v(&sh_tail) != spec_tail) || stop || far_stop;
+    const int bad = (lane == 0 && ld_v(&sh_tail) != spec_tail) || stop || far_stop || no_token;
     if (__any_sync(0xffffffffu, bad)) {  // the full step commits these tokens (and sets them back to -1)
       if (lane == 0) {
         a->spec_ok = 0;
@@ -275,9 +283,10 @@ __global__ void __launch_bounds__(BLINK_LOOP_THREADS) blink_loop_spec(blink_loop
   __shared__ blink_sched s;
   const uint64_t t0 = now_ns();
   const uint32_t cur = a->cur, next_buf = 1u - a->buf;
-  // no step runs, or one with a token mask whose rows may sample nothing (only the full step's update knows)
+  // no step runs, or (unless spec_masked) one with a token mask whose rows may sample nothing: with spec_masked the
+  // take kernel drops the speculation when one of them did (a WAIT row does not advance; the full step knows)
   if (a->exiting || ((const blink_sched_header*)hot_of(a, cur))->num_entries == 0 ||
-      (a->ext && a->ext->masked[a->buf])) {
+      (a->ext && a->ext->masked[a->buf] && !a->spec_masked)) {
     if (threadIdx.x == 0) st_v(&a->spec_done, 1u);  // it wrote nothing
     return;
   }
