@@ -107,7 +107,8 @@ def summary(r: dict) -> str:
             f"({skipped}); tokens by steps waited {steps_waited(r['tokens_by_steps_waited'])}; skipped steps by the "
             f"token's index {' '.join(f'{k}:{n}' for k, n in (r.get('skipped_by_token_index') or {}).items())}; "
             f"requests {r['requests']} errors {r['errors']}; gateway CPU "
-            f"{r['gateway_cpu_us_per_token']:.0f} us/token")
+            f"{r['gateway_cpu_us_per_token']:.0f} us/token"
+            f"\n  skipped steps by second of the run: {' '.join(map(str, r.get('skipped_by_second') or []))}")
 
 
 def steps_waited(counts: list[int]) -> str:

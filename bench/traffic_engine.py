@@ -245,6 +245,8 @@ class MaskTrafficEngine:
         self.steps_late = np.zeros(MAX_STEPS_LATE + 1, np.int64)  # constrained tokens by the steps they waited
         # the steps skipped by the index of the token that waited, in SKIP_BUCKETS (is it a request's first tokens?)
         self.skipped_by_index = np.zeros(len(SKIP_BUCKETS), np.int64)
+        self.skipped_by_second: dict[int, int] = {}  # whole seconds since the first step -> steps skipped then
+        self.first_step_s = self.now_s = None
 
     def run(self, stop: mp.Event, stats_path: str | None = None) -> None:
         serve(self, stop, stats_path)
@@ -259,10 +261,14 @@ class MaskTrafficEngine:
                 "row_steps": rows, "skipped_steps": self.num_skipped,
                 "skipped_fraction": self.num_skipped / rows if rows else None,
                 "tokens_by_steps_waited": self.steps_late.tolist(),
+                "skipped_by_second": [self.skipped_by_second.get(i, 0)
+                                      for i in range(max(self.skipped_by_second, default=-1) + 1)],
                 "skipped_by_token_index": {f"<{b}" if i < len(SKIP_BUCKETS) - 1 else f">={SKIP_BUCKETS[-2]}": int(n)
                                            for i, (b, n) in enumerate(zip(SKIP_BUCKETS, self.skipped_by_index))}}
 
     def step(self, now: float) -> None:
+        self.now_s = now
+        self.first_step_s = now if self.first_step_s is None else self.first_step_s
         self.consumer.beat()
         for t in self.consumer.take_new():
             mask0 = np.frombuffer(t.spec.token_mask, np.uint32) if t.spec.token_mask is not None else None
@@ -300,6 +306,8 @@ class MaskTrafficEngine:
             self.num_skipped += 1
             self.rows[slot][5] += 1
             self.skipped_by_index[min(bisect.bisect_right(SKIP_BUCKETS, produced), len(SKIP_BUCKETS) - 1)] += 1
+            second = int(self.now_s - self.first_step_s)  # when in the run: bursts seconds apart, or spread?
+            self.skipped_by_second[second] = self.skipped_by_second.get(second, 0) + 1
             return None  # this row waits for its mask; the others go on
         self.num_sampled += 1
         if constrained:

@@ -47,6 +47,7 @@ def test_a_row_waits_for_each_mask_and_samples_under_it(tmp_path, monkeypatch):
         assert stats["tokens_by_steps_waited"][:3] == [2, 1, 0] and sum(stats["tokens_by_steps_waited"]) == 3
         # the skipped step was token 1's (the request's second token)
         assert stats["skipped_by_token_index"]["<2"] == 1 and sum(stats["skipped_by_token_index"].values()) == 1
+        assert stats["skipped_by_second"] == [1]  # in the run's first second
         assert 0 < stats["mask_latency_us_p50"] <= stats["mask_latency_us_max"] < 5e6
     finally:
         producer.close()
