@@ -48,6 +48,10 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
 _SPLIT_KEYS = 256                 # fewest keys worth a split of their own
 _PARTIAL_BYTES = 64 << 20         # cap on the float32 partials of one call
+# One token: the tile kernel reads the step's metadata (sequence, lengths, the first key block's table entries)
+# before it waits for the qkv GEMV, whose output is all it needs from it (the step buffer is written before the
+# graph runs). Off until measured on a GPU (bench/NOTES.md, MoE: the tile kernel's chain of dependent loads).
+EARLY_META = False
 
 
 @triton.jit
@@ -74,8 +78,12 @@ def _attn_tile_kernel(
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
         MAX_SEQS_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)  # kernels/pdl.py
+        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
+        EARLY: tl.constexpr = False):
+    # EARLY (one token, EARLY_META): the step's metadata and the first key block's table entries load before the
+    # wait for the previous kernel (the qkv GEMV), which writes only q, k and v; else the wait comes first
+    if not EARLY:
+        pdl_enter(PDL)  # kernels/pdl.py
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -119,6 +127,10 @@ def _attn_tile_kernel(
     kv_hi = tl.minimum(kv_end, kv_lo + per_split)
     kv_hi = tl.where(split < used, kv_hi, 0)
 
+    if EARLY:
+        k_pos0 = kv_lo + tl.arange(0, BLOCK_N)
+        block0 = tl.load(block_tables_ptr + seq * bt_stride + k_pos0 // PAGE, mask=k_pos0 < kv_hi, other=0)
+        pdl_enter(PDL)
     if ROPE:  # one token (module doc): its q rows and its K/V row rotated (and normed: ROPE 2) here
         HALF: tl.constexpr = HEAD_DIM // 2
         pos = tl.minimum(tl.maximum(tl.load(pos_ptr).to(tl.int64), 0), max_pos - 1)  # padding rows: any value
@@ -146,7 +158,12 @@ def _attn_tile_kernel(
     for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_hi
-        block = tl.load(block_tables_ptr + seq * bt_stride + k_pos // PAGE, mask=k_ok, other=0)
+        if EARLY:  # the first block's entries came before the wait
+            first_block = start == kv_lo
+            block = tl.load(block_tables_ptr + seq * bt_stride + k_pos // PAGE, mask=k_ok & ~first_block, other=0)
+            block = tl.where(first_block, block0, block)
+        else:
+            block = tl.load(block_tables_ptr + seq * bt_stride + k_pos // PAGE, mask=k_ok, other=0)
         slot_off = (block.to(tl.int64) * PAGE + k_pos % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
         k_t = tl.load(kv_head_ptr + slot_off[None, :] + d[:, None],
                       mask=k_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
@@ -296,7 +313,7 @@ def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, 
         float(scale) * _LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         layer_cache.stride(0), block_tables.stride(0), block_tables.shape[1], *rope_args,
         NUM_KV_HEADS=num_kv_heads, ROPE=rope_code, GROUP=cfg["group"], MAX_SEQS_P=cfg["max_seqs_p"],
-        BLOCK_M=cfg["block_m"], num_warps=4, **common)
+        BLOCK_M=cfg["block_m"], EARLY=bool(EARLY_META and rope_code), num_warps=4, **common)
     if splits > 1:
         _attn_reduce_kernel[(num_tokens, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
