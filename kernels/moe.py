@@ -62,6 +62,9 @@ _DECODE_LOGITS = 4096
 # Qwen3-30B-A3B's shapes (bench/moe_probe.py --one-token) the whole one-token MoE took 37.3 us a layer with it
 # against 40.1 with kernels/gemv.py's tile (two rows of each)
 ONE_TOKEN_GATE_UP = (1, 1024, 4)
+# The one-token down kernel loads the expert ids and its first weight step before it waits for gate_up (as the
+# GEMVs load their first weight tile): off until measured on a GPU (bench/NOTES.md, MoE).
+EARLY_DOWN = False
 _DECODE_SORT_TILE = 2048  # [experts, pairs] flags per step of the sort: 128 registers at 16 x 8 (4,096: 255)
 
 
@@ -327,12 +330,15 @@ def _one_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, hidden, inter, w_stride_e,
 @triton.jit
 def _one_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, w_stride_e, w_stride_n,
                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, EARLY: tl.constexpr = False):
     """One token, program n: out[n-block] = sum over j of weights[j] * (down_e h[j]), e = ids[j]: each expert's
     rows rounded to the activation dtype, weighted and summed in float32, rounded once (what the down GEMM and
     `_combine_kernel` do, in one launch). The k experts' rows load together, [K_PAD, BLOCK_N, BLOCK_K] a step,
-    so each step has k times the loads in flight of one expert's GEMV."""
-    pdl_wait(PDL)  # kernels/pdl.py
+    so each step has k times the loads in flight of one expert's GEMV. EARLY (EARLY_DOWN): the expert ids and the
+    first step's weights load before the wait for the gate_up kernel, whose h is all this one needs from it (the
+    ids come from the router's launch, which ended before gate_up's wait returned)."""
+    if not EARLY:
+        pdl_wait(PDL)  # kernels/pdl.py
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     choice = tl.arange(0, K_PAD)
@@ -341,7 +347,14 @@ def _one_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter,
     rows = w_ptr + experts[:, None, None] * w_stride_e + cols.to(tl.int64)[None, :, None] * w_stride_n
     row_ok = choice_ok[:, None, None] & col_ok[None, :, None]
     acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    if EARLY:
+        k = tl.arange(0, BLOCK_K)
+        w0 = tl.load(rows + k[None, None, :], mask=row_ok & (k < inter)[None, None, :], other=0.0)
+        pdl_wait(PDL)
+        h = tl.load(h_ptr + choice[:, None] * inter + k[None, :], mask=choice_ok[:, None] & (k < inter)[None, :],
+                    other=0.0).to(tl.float32)
+        acc += w0.to(tl.float32) * h[:, None, :]
+    for k0 in range(BLOCK_K if EARLY else 0, inter, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < inter
         h = tl.load(h_ptr + choice[:, None] * inter + k[None, :], mask=choice_ok[:, None] & k_ok[None, :],
@@ -622,7 +635,7 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     dn_n, dn_k, dn_warps = down_tile or (bn, min(max(bk // k_pad, 16), next_pow2(inter)), warps)
     _one_down_kernel[(triton.cdiv(hidden, dn_n),)](
         h, experts_down, ids, weights, out, hidden, inter, experts_down.stride(0), experts_down.stride(1),
-        TOP_K=top_k, K_PAD=k_pad, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps, **pdl)
+        TOP_K=top_k, K_PAD=k_pad, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps, EARLY=EARLY_DOWN, **pdl)
     return out
 
 
