@@ -86,11 +86,13 @@ def probe(cfg, num_tokens: int, gate_up, down) -> dict:
             "default_tiles": vars(M.expert_tiles(bm)), "parts_us": parts, "tiles": tiles}
 
 
-# (gate_up tile, down tile) of moe_one_token; None = its default. gate_up: (BLOCK_N, BLOCK_K, warps); down:
-# (BLOCK_N, BLOCK_K of each expert, warps)
-ONE_TOKEN_TILES = [((2, 1024, 4), None)] + [(g, None) for g in (
+# (gate_up tile, down tile, router tile) of moe_one_token; None = its default. gate_up: (BLOCK_N, BLOCK_K, warps);
+# down: (BLOCK_N, BLOCK_K of each expert, warps); router: (BLOCK_K, warps), whose warps also run the routing
+ONE_TOKEN_TILES = [((2, 1024, 4), None, None)] + [(g, None, None) for g in (
     (1, 512, 4), (1, 512, 2), (1, 1024, 2), (1, 1024, 8), (1, 2048, 8), (1, 256, 2), (2, 512, 4))] + [
-    (None, d) for d in ((1, 128, 4), (1, 128, 2), (2, 128, 8), (1, 256, 4), (2, 64, 4), (4, 128, 8), (1, 64, 2))]
+    (None, d, None) for d in ((1, 128, 4), (1, 128, 2), (2, 128, 8), (1, 256, 4), (2, 64, 4), (4, 128, 8),
+                              (1, 64, 2))] + [
+    (None, None, r) for r in ((1024, 4), (1024, 2), (2048, 4), (2048, 2), (2048, 1), (512, 4))]
 
 
 def probe_one_token(cfg, gate_up, down) -> dict:
@@ -111,13 +113,16 @@ def probe_one_token(cfg, gate_up, down) -> dict:
     def call(tiles, i=None):
         i = next(rot) % len(gate_up) if i is None else i
         return M.moe_one_token(x, routers[i], gate_up[i], down[i], top_k, True, norm=(res, norm_w, 1e-6),
-                               residual_out=res_out, gate_up_tile=tiles[0], down_tile=tiles[1])
+                               residual_out=res_out, gate_up_tile=tiles[0], down_tile=tiles[1], router_tile=tiles[2])
 
-    want = call((None, None), 0).float()
+    def shown(t) -> str:
+        return "default" if t is None else " ".join(f"{k}={v}" for k, v in zip(
+            ("bn", "bk", "warps") if len(t) == 3 else ("bk", "warps"), t))
+
+    want = call((None, None, None), 0).float()
     rows = {}
-    for tile in [(None, None)] + ONE_TOKEN_TILES:
-        name = " ".join(f"{part} " + ("default" if t is None else "bn={} bk={} warps={}".format(*t))
-                        for part, t in zip(("gate_up", "down"), tile))
+    for tile in [(None, None, None)] + ONE_TOKEN_TILES:
+        name = " ".join(f"{part} {shown(t)}" for part, t in zip(("gate_up", "down", "router"), tile))
         try:
             diff = (call(tile, 0).float() - want).abs().max().item()  # sums in another order: close, not equal
             rows[name] = {"us": time_us(lambda tile=tile: call(tile)), "max_abs_diff_vs_default": diff}

@@ -578,7 +578,8 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
                   experts_down: torch.Tensor, top_k: int, renormalize: bool,
                   norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
                   residual_out: torch.Tensor | None = None, gate_up_tile: tuple[int, int, int] | None = None,
-                  down_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                  down_tile: tuple[int, int, int] | None = None,
+                  router_tile: tuple[int, int] | None = None) -> torch.Tensor:
     """A one-token step's whole mixture of experts, the router GEMV included, in three launches instead of
     five (router GEMV, routing, gate_up, down, combine): (1) one program per expert computes its router logit
     and the last to finish routes them (softmax, top_k, renormalised: `_route_rows`); (2) gate_up + SwiGLU of
@@ -588,8 +589,9 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     x [1, hidden]; router [E, hidden]; the experts as `moe_experts` takes them. -> [1, hidden].
     `norm` = (residual or None, norm weight [hidden], eps): the experts' input is RMSNorm(x + residual) * weight
     (as kernels/gemv.py's `norm`), computed in the router's launch; x + residual goes to `residual_out`.
-    `gate_up_tile` (BLOCK_N, BLOCK_K, num_warps) and `down_tile` (BLOCK_N, BLOCK_K of each expert, num_warps)
-    override the tiles (bench/moe_probe.py --one-token).
+    `gate_up_tile` (BLOCK_N, BLOCK_K, num_warps), `down_tile` (BLOCK_N, BLOCK_K of each expert, num_warps) and
+    `router_tile` (BLOCK_K, num_warps: the router's warps also run its last program's routing, a chain of 2 x top_k
+    reductions over the experts) override the tiles (bench/moe_probe.py --one-token).
     Graph-capturable, no host sync; launch it once on a device before capturing it there (the first launch
     makes the device's completion counter)."""
     check("x", x, dtype=_DTYPES, shape=(1, None))
@@ -617,6 +619,7 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     out = torch.empty_like(x)
     pdl = dict(PDL=pdl_on(), **pdl_launch())
     _, router_k, router_warps = gemv_config(num_experts, hidden)  # one row a program: kernels/gemv.py's narrow tile
+    router_k, router_warps = router_tile or (router_k, router_warps)
     _one_router_kernel[(num_experts,)](x, router, logits, weights, ids, done, res if res is not None else x,
                                        norm_w if norm_w is not None else x, expert_in,
                                        residual_out if residual_out is not None else x, num_experts, hidden,
