@@ -14,7 +14,8 @@ import torch
 from conftest_models import tiny_cfg
 from gpu_backend.engine.cpu_runner import CpuRunner
 from gpu_backend.engine.loop import EngineConfig, EngineLoop
-from gpu_backend.engine.sampler import SamplingRow, apply_masks, mask_bits, sample_step
+from gpu_backend.engine.sampler import (SamplingRow, apply_masks, mask_allows_some, mask_bits, sample_step,
+                                        unpack_mask_words)
 from gpu_backend.models import LlamaModel
 from kernels import sched_host
 from kernels.sched_layout import TOKEN_MASK_EMPTY, TOKEN_WAIT
@@ -165,4 +166,16 @@ def test_the_mask_applies_after_the_bias_and_before_the_draw():
 
 def test_mask_bits_read_bit_t_mod_32_of_word_t_div_32_and_nothing_past_the_words():
     bits = mask_bits(np.stack([mask_of(0, 31, 32, 96), mask_of()]), 100)
-    assert bits.shape == (2, 100) and np.flatnonzero(bits[0]).tolist() == [0, 31, 32, 96] and not bits[1].any()
+    assert bits.shape == (2, 100) and np.flatnonzero(bits[0].numpy()).tolist() == [0, 31, 32, 96] and not bits[1].any()
+    assert mask_allows_some(np.stack([mask_of(0, 31, 32, 96), mask_of(), mask_of(127)]), 100).tolist() == \
+        [True, False, False]  # 127 is past a 100-token vocabulary
+    assert not mask_bits(np.stack([mask_of(127)]), 100).any()
+    # against numpy's own unpacking, every bit of random words (bit 31 of a word is an int32's sign)
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2 ** 32, size=(5, 8), dtype=np.uint64).astype(np.uint32)
+    want = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :250].astype(bool)
+    assert np.array_equal(mask_bits(words, 250).numpy(), want)
+    # the unpacking a GPU runs (shifts of int32 words), here on the CPU; past the words: nothing allowed
+    assert np.array_equal(unpack_mask_words(torch.from_numpy(words.view(np.int32)), 250).numpy(), want)
+    assert not unpack_mask_words(torch.from_numpy(words.view(np.int32)), 300)[:, 256:].any()
+    assert np.array_equal(mask_allows_some(words, 250), want.any(axis=1))
