@@ -35,7 +35,7 @@ case "${1:-}" in
             PYTHONPATH=/tmp/site:$new_tree:$new_tree/tests/gpu_backend python3 -m pytest -q -p no:warnings $TESTS 2>&1 | tail -3
         fi
         one() {  # one TREE REV MODEL ROUND: a bare-step run into /tmp/ab_runs/REV-ROUND
-            (cd "$1" && BLINK_COMMIT=$2 PYTHONPATH=/tmp/site:$1 python3 bench/gpu_host.py --model "$3" \
+            (cd "$1" && OUT= BLINK_COMMIT=$2 PYTHONPATH=/tmp/site:$1 python3 bench/gpu_host.py --model "$3" \
                 --batches "$BATCHES" --no-persistent --out "/tmp/ab_runs/$2-$4" 2>&1 | grep -E "^B=" | cut -c1-100 \
                 | sed "s|^|$2 $3 round $4: |")
         }

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ._common import check, next_pow2, pdl_launch, pdl_on
-from .gemv import DEFAULT_CONFIG, check_norm, gemv_config, norm_chunk, norm_rstd
+from .gemv import DEFAULT_CONFIG, check_norm, norm_chunk, norm_rstd
 from .pdl import pdl_enter, pdl_release, pdl_wait
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -62,9 +62,6 @@ _DECODE_LOGITS = 4096
 # Qwen3-30B-A3B's shapes (bench/moe_probe.py --one-token) the whole one-token MoE took 37.3 us a layer with it
 # against 40.1 with kernels/gemv.py's tile (two rows of each)
 ONE_TOKEN_GATE_UP = (1, 1024, 4)
-# The one-token down kernel loads the expert ids and its first weight step before it waits for gate_up (as the
-# GEMVs load their first weight tile): off until measured on a GPU (bench/NOTES.md, MoE).
-EARLY_DOWN = False
 _DECODE_SORT_TILE = 2048  # [experts, pairs] flags per step of the sort: 128 registers at 16 x 8 (4,096: 255)
 
 
@@ -330,15 +327,14 @@ def _one_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, hidden, inter, w_stride_e,
 @triton.jit
 def _one_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, w_stride_e, w_stride_n,
                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, EARLY: tl.constexpr = False):
+                     PDL: tl.constexpr):
     """One token, program n: out[n-block] = sum over j of weights[j] * (down_e h[j]), e = ids[j]: each expert's
     rows rounded to the activation dtype, weighted and summed in float32, rounded once (what the down GEMM and
     `_combine_kernel` do, in one launch). The k experts' rows load together, [K_PAD, BLOCK_N, BLOCK_K] a step,
-    so each step has k times the loads in flight of one expert's GEMV. EARLY (EARLY_DOWN): the expert ids and the
-    first step's weights load before the wait for the gate_up kernel, whose h is all this one needs from it (the
-    ids come from the router's launch, which ended before gate_up's wait returned)."""
-    if not EARLY:
-        pdl_wait(PDL)  # kernels/pdl.py
+    so each step has k times the loads in flight of one expert's GEMV. The expert ids and the first step's weights
+    load before the wait for the gate_up kernel, whose h is all this one needs from it (the ids come from the
+    router's launch, which ended before gate_up's wait returned), as the GEMVs load their first weight tile: on an
+    H200 at Qwen3-30B-A3B's shapes 12 us less a batch-1 step than waiting first (bench/NOTES.md, MoE)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     choice = tl.arange(0, K_PAD)
@@ -347,14 +343,13 @@ def _one_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter,
     rows = w_ptr + experts[:, None, None] * w_stride_e + cols.to(tl.int64)[None, :, None] * w_stride_n
     row_ok = choice_ok[:, None, None] & col_ok[None, :, None]
     acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if EARLY:
-        k = tl.arange(0, BLOCK_K)
-        w0 = tl.load(rows + k[None, None, :], mask=row_ok & (k < inter)[None, None, :], other=0.0)
-        pdl_wait(PDL)
-        h = tl.load(h_ptr + choice[:, None] * inter + k[None, :], mask=choice_ok[:, None] & (k < inter)[None, :],
-                    other=0.0).to(tl.float32)
-        acc += w0.to(tl.float32) * h[:, None, :]
-    for k0 in range(BLOCK_K if EARLY else 0, inter, BLOCK_K):
+    k = tl.arange(0, BLOCK_K)
+    w0 = tl.load(rows + k[None, None, :], mask=row_ok & (k < inter)[None, None, :], other=0.0)
+    pdl_wait(PDL)  # kernels/pdl.py
+    h = tl.load(h_ptr + choice[:, None] * inter + k[None, :], mask=choice_ok[:, None] & (k < inter)[None, :],
+                other=0.0).to(tl.float32)
+    acc += w0.to(tl.float32) * h[:, None, :]
+    for k0 in range(BLOCK_K, inter, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < inter
         h = tl.load(h_ptr + choice[:, None] * inter + k[None, :], mask=choice_ok[:, None] & k_ok[None, :],
@@ -618,8 +613,11 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     h = torch.empty((top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     pdl = dict(PDL=pdl_on(), **pdl_launch())
-    _, router_k, router_warps = gemv_config(num_experts, hidden)  # one row a program: kernels/gemv.py's narrow tile
-    router_k, router_warps = router_tile or (router_k, router_warps)
+    # one row a program, K in steps of up to 2,048 and one warp a 2,048 of the row (the fused norm holds the whole
+    # row): the routing tail's 2 x top_k reductions stay inside a warp at Qwen3-MoE's hidden 2,048 (H200,
+    # bench/moe_probe.py --one-token: 28.2 us for the three launches against 30.6 at kernels/gemv.py's tile; the
+    # batch-1 step 107 us less, bench/NOTES.md)
+    router_k, router_warps = router_tile or (min(next_pow2(hidden), 2048), max(1, next_pow2(hidden) // 2048))
     _one_router_kernel[(num_experts,)](x, router, logits, weights, ids, done, res if res is not None else x,
                                        norm_w if norm_w is not None else x, expert_in,
                                        residual_out if residual_out is not None else x, num_experts, hidden,
@@ -638,7 +636,7 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     dn_n, dn_k, dn_warps = down_tile or (bn, min(max(bk // k_pad, 16), next_pow2(inter)), warps)
     _one_down_kernel[(triton.cdiv(hidden, dn_n),)](
         h, experts_down, ids, weights, out, hidden, inter, experts_down.stride(0), experts_down.stride(1),
-        TOP_K=top_k, K_PAD=k_pad, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps, EARLY=EARLY_DOWN, **pdl)
+        TOP_K=top_k, K_PAD=k_pad, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps, **pdl)
     return out
 
 

@@ -48,12 +48,6 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
 _SPLIT_KEYS = 256                 # fewest keys worth a split of their own
 _PARTIAL_BYTES = 64 << 20         # cap on the float32 partials of one call
-# One token: the tile kernel reads the step's metadata (sequence, lengths) and its first key block (the table
-# entries, the keys and values of earlier steps) before it waits for the qkv GEMV, whose output is all it needs
-# from it (the step buffer is written before the graph runs); the new key, which the last split writes itself,
-# joins that block from its registers, rounded as the cache holds it. Off until measured on a GPU (bench/NOTES.md,
-# MoE: the tile kernel's chain of dependent loads).
-EARLY_META = False
 
 
 @triton.jit
@@ -80,12 +74,8 @@ def _attn_tile_kernel(
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
         MAX_SEQS_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
-        EARLY: tl.constexpr = False):
-    # EARLY (one token, EARLY_META): the step's metadata and the first key block's table entries load before the
-    # wait for the previous kernel (the qkv GEMV), which writes only q, k and v; else the wait comes first
-    if not EARLY:
-        pdl_enter(PDL)  # kernels/pdl.py
+        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)  # kernels/pdl.py
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -130,19 +120,6 @@ def _attn_tile_kernel(
     kv_hi = tl.where(split < used, kv_hi, 0)
 
     kv_head_ptr = cache_ptr + kvh * HEAD_DIM
-    if EARLY:  # the first key block, all but the new key (this program may write that one below)
-        k_pos0 = kv_lo + tl.arange(0, BLOCK_N)
-        block0 = tl.load(block_tables_ptr + seq * bt_stride + k_pos0 // PAGE, mask=k_pos0 < kv_hi, other=0)
-        slot_off0 = (block0.to(tl.int64) * PAGE + k_pos0 % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
-        new_pos = ctx_len - 1                                  # one token: its own position
-        old0 = (k_pos0 < kv_hi) & (k_pos0 != new_pos)
-        k_t0 = tl.load(kv_head_ptr + slot_off0[None, :] + d[:, None], mask=old0[None, :] & d_ok[:, None], other=0.0)
-        v0 = tl.load(kv_head_ptr + cache_kv_stride + slot_off0[:, None] + d[None, :],
-                     mask=old0[:, None] & d_ok[None, :], other=0.0)
-        pdl_enter(PDL)
-        k_new = tl.zeros([BLOCK_D], tl.float32)   # the new key and value as the cache holds them (the writer's)
-        v_new = tl.zeros([BLOCK_D], tl.float32)
-        writer = False
     if ROPE:  # one token (module doc): its q rows and its K/V row rotated (and normed: ROPE 2) here
         HALF: tl.constexpr = HEAD_DIM // 2
         pos = tl.minimum(tl.maximum(tl.load(pos_ptr).to(tl.int64), 0), max_pos - 1)  # padding rows: any value
@@ -159,11 +136,6 @@ def _attn_tile_kernel(
                      mask=first[:, None] & d_ok[None, :])
             v_row = tl.load(v_ptr + kvh * v_stride_h + d, mask=d_ok, other=0.0)
             tl.store(dst + cache_kv_stride, v_row.to(cache_ptr.dtype.element_ty), mask=d_ok)
-            if EARLY:
-                k_new = tl.sum(tl.where(first[:, None], k_row, 0.0), axis=0).to(cache_ptr.dtype.element_ty).to(
-                    tl.float32)
-                v_new = v_row.to(cache_ptr.dtype.element_ty).to(tl.float32)
-                writer = True
         tl.debug_barrier()  # the block's stores above are seen by its loads below
     else:
         q = tl.load(q_ptr + tok[:, None] * q_stride_t + row_head[:, None] * q_stride_h + d[None, :],
@@ -174,21 +146,10 @@ def _attn_tile_kernel(
     for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_hi
-        if EARLY:  # the first block's entries came before the wait
-            first_block = start == kv_lo
-            block = tl.load(block_tables_ptr + seq * bt_stride + k_pos // PAGE, mask=k_ok & ~first_block, other=0)
-            block = tl.where(first_block, block0, block)
-        else:
-            block = tl.load(block_tables_ptr + seq * bt_stride + k_pos // PAGE, mask=k_ok, other=0)
+        block = tl.load(block_tables_ptr + seq * bt_stride + k_pos // PAGE, mask=k_ok, other=0)
         slot_off = (block.to(tl.int64) * PAGE + k_pos % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
-        if EARLY:  # the first block from before the wait, its new key (if it holds it) from the registers
-            k_t = tl.load(kv_head_ptr + slot_off[None, :] + d[:, None],
-                          mask=k_ok[None, :] & d_ok[:, None] & ~first_block, other=0.0).to(q.dtype)
-            is_new = first_block & writer & (k_pos == new_pos)
-            k_t = tl.where(first_block, tl.where(is_new[None, :], k_new[:, None].to(q.dtype), k_t0.to(q.dtype)), k_t)
-        else:
-            k_t = tl.load(kv_head_ptr + slot_off[None, :] + d[:, None],
-                          mask=k_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
+        k_t = tl.load(kv_head_ptr + slot_off[None, :] + d[:, None],
+                      mask=k_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
         s = tl.dot(q, k_t) * scale_log2
         s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -196,13 +157,8 @@ def _attn_tile_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if EARLY:
-            v = tl.load(kv_head_ptr + cache_kv_stride + slot_off[:, None] + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :] & ~first_block, other=0.0).to(q.dtype)
-            v = tl.where(first_block, tl.where(is_new[:, None], v_new[None, :].to(q.dtype), v0.to(q.dtype)), v)
-        else:
-            v = tl.load(kv_head_ptr + cache_kv_stride + slot_off[:, None] + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; an FP8
+        v = tl.load(kv_head_ptr + cache_kv_stride + slot_off[:, None] + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; an FP8
         # cache (--kv-cache-dtype fp8, unscaled as vLLM's default) widens here, so the dots run in q's type
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -335,13 +291,12 @@ def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, 
     common = dict(PAGE=page, BLOCK_Q=cfg["block_q"], BLOCK_N=cfg["block_n"], NUM_SPLITS=splits,
                   SPLIT_KEYS=cfg["split_keys"], NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg["block_d"],
                   PDL=pdl_on(), **pdl_launch())
-    early = bool(EARLY_META and rope_code)  # its first key block held in registers across the prologue: 8 warps
     _attn_tile_kernel[(cfg["num_tiles"], num_kv_heads, splits)](
         q, layer_cache, out, part_o, part_lse, seq_ids, q_start, ctx_lens, block_tables, num_seqs,
         float(scale) * _LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         layer_cache.stride(0), block_tables.stride(0), block_tables.shape[1], *rope_args,
         NUM_KV_HEADS=num_kv_heads, ROPE=rope_code, GROUP=cfg["group"], MAX_SEQS_P=cfg["max_seqs_p"],
-        BLOCK_M=cfg["block_m"], EARLY=early, num_warps=8 if early else 4, **common)
+        BLOCK_M=cfg["block_m"], num_warps=4, **common)
     if splits > 1:
         _attn_reduce_kernel[(num_tokens, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,

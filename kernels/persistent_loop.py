@@ -52,8 +52,8 @@ class LoopOptions:
     plain_edges: bool = False  # the model graph's programmatic edges made plain (BLINK_LOOP_PLAIN_EDGES=1; bench build)
     stamps: bool = False  # stamp kernels after the model's nodes (BLINK_LOOP_STAMPS=1; bench build)
     spinner_ns: int = 0  # a block holding an SM this long beside each graph (BLINK_LOOP_SPINNER_NS; bench build)
-    spec_masked: bool = False  # speculate past steps with token-masked rows too (BLINK_LOOP_SPEC_MASKED=1; opt-in
-    #                            until measured on a GPU: the full step costs a masked step ~30 us more than a taken one)
+    spec_masked: bool = True  # speculate past steps with token-masked rows too (BLINK_LOOP_SPEC_MASKED=0: not; H200,
+    #                           64 constrained streams: TPOT 1.028x -> 1.011x plain, bench/RESULTS.md)
 
     def __post_init__(self) -> None:
         if self.spec_at is not None and not 0.0 <= self.spec_at <= 1.0:
@@ -77,7 +77,7 @@ class LoopOptions:
                        plain_edges=env.get("BLINK_LOOP_PLAIN_EDGES") == "1",
                        stamps=env.get("BLINK_LOOP_STAMPS") == "1",
                        spinner_ns=int(spinner) if spinner else 0,
-                       spec_masked=env.get("BLINK_LOOP_SPEC_MASKED") == "1")
+                       spec_masked=env.get("BLINK_LOOP_SPEC_MASKED") != "0")
         except ValueError as exc:
             raise ValueError(f"a BLINK_LOOP_* environment variable: {exc}") from None
 

@@ -227,14 +227,11 @@ def test_one_launch_routing_bounds():
         moe_route_decode(torch.zeros(32, 128), 8, True, 16, 64)
 
 
-@pytest.mark.parametrize("early_down", [False, True], ids=["wait-first", "early-down"])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_one_token_path_matches_the_batched_kernels(device, renormalize, early_down, monkeypatch):
+def test_one_token_path_matches_the_batched_kernels(device, renormalize):
     """moe_one_token (router, routing, experts in three launches, GEMVs) against fused_moe after the router's
     F.linear: the same experts chosen with the same weights, outputs within bf16 rounding; called again on new
-    inputs (the completion counter resets itself), with experts that get no token. EARLY_DOWN (the down kernel's
-    first weights before its wait) gives the same output bit for bit."""
-    import kernels.moe as moe_module
+    inputs (the completion counter resets itself), with experts that get no token."""
     gen = torch.Generator().manual_seed(11)
     num_experts, top_k, hidden, inter = (16, 4, 64, 48) if device == "cpu" else (128, 8, 2048, 768)
     gate_up, down = _experts(num_experts, hidden, inter, device, gen)
@@ -245,12 +242,10 @@ def test_one_token_path_matches_the_batched_kernels(device, renormalize, early_d
         if not _clear_rows(x, router, top_k)[0]:
             continue                                      # a near-tie may route either way: not comparable
         checked += 1
-        monkeypatch.setattr(moe_module, "EARLY_DOWN", early_down)
         got = moe_one_token(x, router, gate_up, down, top_k, renormalize)
-        monkeypatch.setattr(moe_module, "EARLY_DOWN", not early_down)
-        assert torch.equal(moe_one_token(x, router, gate_up, down, top_k, renormalize), got)
+        assert torch.equal(moe_one_token(x, router, gate_up, down, top_k, renormalize), got)  # deterministic
         # the router's tile (bench/moe_probe.py sweeps it): the same experts, its logits summed in another order
-        other = moe_one_token(x, router, gate_up, down, top_k, renormalize, router_tile=(min(hidden, 512), 2))
+        other = moe_one_token(x, router, gate_up, down, top_k, renormalize, router_tile=(min(hidden, 512), 4))
         torch.testing.assert_close(other.float(), got.float(), atol=2e-2, rtol=2e-2)
         want = fused_moe(x, torch.nn.functional.linear(x, router), gate_up, down, top_k, renormalize)
         ref = moe_reference(x, router, gate_up, down, top_k, renormalize)

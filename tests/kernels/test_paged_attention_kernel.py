@@ -132,17 +132,13 @@ ONE_TOKEN = {
 }
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["wait-first", "early-meta"])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_one_token_rotates_and_writes_its_kv_in_the_tile_kernel(device, cache_dtype, early, monkeypatch):
+def test_one_token_rotates_and_writes_its_kv_in_the_tile_kernel(device, cache_dtype):
     """At one token `rope` moves kernels/rope_kv.py's work into the tile kernel (rotation, Qwen3's q/k norms, the
     K/V write by the last split's program): the output and the cache match rope_and_cache_kv then paged_attention
     (up to the norm's reduction order: one bf16 rounding), nothing else in the cache is written, q is not modified,
-    and a padding token (slot -1, no live sequence) writes zeros and no cache slot. The same with the metadata read
-    before the wait for the previous kernel (EARLY_META)."""
-    import kernels.paged_attention as pa
+    and a padding token (slot -1, no live sequence) writes zeros and no cache slot."""
     from kernels.rope_kv import rope_and_cache_kv
-    monkeypatch.setattr(pa, "EARLY_META", early)
     gen = torch.Generator().manual_seed(5)
     for heads, kv_heads, head_dim, ctx, max_seqs, norms, split_keys in ONE_TOKEN[device]:
         max_blocks = -(-ctx // 16) + 1

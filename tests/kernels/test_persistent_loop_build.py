@@ -79,10 +79,11 @@ def test_options_come_from_the_environment_in_one_place():
     assert persistent_loop.LoopOptions.from_env({}) == persistent_loop.LoopOptions()
     got = persistent_loop.LoopOptions.from_env({"BLINK_LOOP_ASYNC": "0", "BLINK_LOOP_SMEM": "0",
                                                 "BLINK_LOOP_SPEC_AT": "0.25", "BLINK_LOOP_SPINNER_NS": "500",
-                                                "BLINK_LOOP_SPEC_MASKED": "1"})
+                                                "BLINK_LOOP_SPEC_MASKED": "0"})
     assert (got.async_take, got.smem, got.spec_at, got.spinner_ns) == (False, False, 0.25, 500)
-    assert got.spec_masked and got.to_struct().spec_masked == 1 and not persistent_loop.LoopOptions().spec_masked
-    assert not persistent_loop.LoopOptions(spec_masked=True).needs_bench_build  # a product option, not a probe
+    assert not got.spec_masked and got.to_struct().spec_masked == 0 and persistent_loop.LoopOptions().spec_masked
+    assert persistent_loop.LoopOptions().to_struct().spec_masked == 1
+    assert not persistent_loop.LoopOptions(spec_masked=False).needs_bench_build  # a product option, not a probe
     assert got.needs_bench_build and not persistent_loop.LoopOptions(async_take=False).needs_bench_build
     struct = got.to_struct()
     assert (struct.async_take, struct.smem, struct.spec_tail_check, struct.spec_at) == (0, 0, 1, 0.25)

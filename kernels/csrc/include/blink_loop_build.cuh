@@ -106,7 +106,7 @@ static int prepare_speculation(blink_loop* L, blink_loop_args* args, const blink
   // the stopped sequence one dropped row in the next step; blink_loop_spec.cuh): 2.2 us less per step at
   // batch 1 (bench/loop_ab.py). async_take off (measuring) waits for the tokens first.
   args->async_take = o->async_take ? 1u : 0u;
-  // a step with token-masked rows speculated past as well (opt-in until measured): the take kernel, which in such
+  // a step with token-masked rows speculated past as well (unless measuring): the take kernel, which in such
   // a step starts after the masks' fix-up, takes it when every row sampled a token (blink_loop_spec.cuh)
   args->spec_masked = o->spec_masked ? 1u : 0u;
   args->num_eos = (uint32_t)hdr->cfg.num_eos;
