@@ -29,7 +29,11 @@ class GatewayConfig:
     admin_keys: frozenset[str] = field(default_factory=frozenset, repr=False)  # plain admin keys (--admin-key)
     keys_file: str | None = None  # hashed client/admin keys with limits (gateway/policy/keys.py)
     workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT)
+    # how --workers spread the HTTP port's connections: "connections" (the supervisor accepts and passes each to
+    # the worker with the fewest open: gateway/balance.py) or "kernel" (SO_REUSEPORT's hash)
+    worker_balance: str = "connections"
     worker_index: int = 0  # which of them this one is (it owns ring slots i, i + workers, ...)
+    accept_fd: int | None = None  # (a worker under "connections") where its connections come from: set by the supervisor
     limits_table: str | None = None  # the workers' shared per-key usage file (set by the supervisor)
     max_body_bytes: int = 4 * MiB
     # Slow clients (slowloris): a connection must deliver a whole request head within header_timeout_s
@@ -144,6 +148,8 @@ class GatewayConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if not 0 <= self.worker_index < self.workers:
             raise ValueError(f"worker_index must be in [0, workers={self.workers}), got {self.worker_index}")
+        if self.worker_balance not in ("connections", "kernel"):
+            raise ValueError(f"worker_balance must be 'connections' or 'kernel', got {self.worker_balance!r}")
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers > 1 needs a fixed port (with port 0 each worker would pick its own)")
         if self.header_timeout_s <= 0 or self.body_timeout_s <= 0:

@@ -52,6 +52,8 @@ ADMIN_KEY = EnvVar(f"{PREFIX}ADMIN_KEY", "admin API keys, comma-separated (--adm
 KEYS_FILE = EnvVar(f"{PREFIX}KEYS_FILE", "YAML file of hashed keys with per-key limits (--keys-file)",
                    field="keys_file")
 WORKERS = EnvVar(f"{PREFIX}WORKERS", "gateway processes sharing the port (--workers)", field="workers", parse=int)
+WORKER_BALANCE = EnvVar(f"{PREFIX}WORKER_BALANCE", "how the workers share the HTTP port's connections: connections "
+                        "or kernel (--worker-balance)", field="worker_balance")
 GATEWAY_HOST = EnvVar(f"{PREFIX}GATEWAY_HOST", "address the HTTP API listens on (--host)", field="host")
 GATEWAY_PORT = EnvVar(f"{PREFIX}GATEWAY_PORT", "port of the HTTP API (--port)", field="port", parse=int)
 GRPC_PORT = EnvVar(f"{PREFIX}GRPC_PORT", "port of the gRPC API, 0: off (--grpc-port)", field="grpc_port", parse=int)
@@ -72,7 +74,7 @@ CC = EnvVar("CC", "C compiler of the native stream round (default: the first of 
 SLOT_WAIT = EnvVar(f"{PREFIX}SLOT_WAIT", "seconds a request waits for a free ring slot before a 503 with "
                    "Retry-After (--slot-wait)", field="slot_wait_s", parse=float)
 
-VARIABLES: tuple[EnvVar, ...] = (API_KEY, ADMIN_KEY, KEYS_FILE, WORKERS, GATEWAY_HOST, GATEWAY_PORT, GRPC_PORT,
+VARIABLES: tuple[EnvVar, ...] = (API_KEY, ADMIN_KEY, KEYS_FILE, WORKERS, WORKER_BALANCE, GATEWAY_HOST, GATEWAY_PORT, GRPC_PORT,
                                  LOG_FORMAT, BACKENDS, CONFIG, MAX_BODY_BYTES, HEADER_TIMEOUT, BODY_TIMEOUT,
                                  LOG_LEVEL, CACHE, CC, SLOT_WAIT)
 

@@ -42,7 +42,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "`blinkctl keys add` writes it)")
     p.add_argument("--workers", type=int, help="gateway processes sharing the port (SO_REUSEPORT; default 1; "
                    "also BLINK_WORKERS); per-key limits hold across them")
+    p.add_argument("--worker-balance", choices=("connections", "kernel"),
+                   help="how the workers share the HTTP port: 'connections' (default) passes each new connection to "
+                   "the worker with the fewest open, 'kernel' leaves it to SO_REUSEPORT's hash (also "
+                   "BLINK_WORKER_BALANCE)")
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor for its workers
+    p.add_argument("--accept-fd", type=int, help=argparse.SUPPRESS)  # likewise: where its connections come from
     p.add_argument("--limits-table", help=argparse.SUPPRESS)  # likewise: the shared per-key usage file
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--no-setup-pacing", dest="setup_pacing", action="store_const", const=False,
@@ -112,6 +117,7 @@ def config_from_args(args: argparse.Namespace, environ=None) -> GatewayConfig:
              "api_keys": frozenset(args.api_keys) if args.api_keys else None,
              "admin_keys": frozenset(args.admin_keys) if args.admin_keys else None,
              "keys_file": args.keys_file, "workers": args.workers, "worker_index": args.worker_index,
+             "worker_balance": args.worker_balance, "accept_fd": args.accept_fd,
              "limits_table": args.limits_table, "setup_pacing": args.setup_pacing,
              "native_stream": args.native_stream, "ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile,
              "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs, "admin_host": args.admin_host,

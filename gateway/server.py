@@ -17,6 +17,7 @@ from .api.admin import add_admin_routes, watch_keys_file
 from .api.grpc_api import GrpcServer
 from .api.http import STATE, add_metrics_route, add_routes, health
 from .backends.backend import Backend
+from .balance import Adopter
 from .backends.pool import BackendPool
 from .backends.route import Router, make_policy
 from .config import GatewayConfig
@@ -128,6 +129,7 @@ class GatewayServer:
         self.state = state
         self.runner = runner
         self.admin_runner = admin_runner  # /metrics and /admin/* apart (None: on the public port)
+        self.adopter: Adopter | None = None  # a worker's connections from the supervisor (gateway/balance.py)
         self.pool = pool
         self.grpc_server = grpc_server
         self.tls = tls
@@ -143,7 +145,7 @@ class GatewayServer:
 
     @property
     def port(self) -> int:
-        return self.runner.addresses[0][1]
+        return self.runner.addresses[0][1] if self.runner.addresses else self.config.port  # (passed connections)
 
     @property
     def url(self) -> str:
@@ -177,6 +179,8 @@ class GatewayServer:
         if self.keys_watcher is not None:
             self.keys_watcher.cancel()
         self.pool.stop_watching()  # backends stopping beside the gateway (Ctrl-C reaches both) are no stall
+        if self.adopter is not None:
+            self.adopter.close()  # no new connections from the supervisor
         closing = [self.runner.cleanup(), *((self.admin_runner.cleanup(),) if self.admin_runner else ())]
         if self.grpc_server is not None:
             closing.append(self.grpc_server.close(self.config.shutdown_timeout_s))
@@ -215,13 +219,17 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
         await grpc_server.start(config.host, config.grpc_port, tls.grpc_credentials() if tls else None)
     ssl_context = tls.context if tls else None
     try:
+        # a worker under --worker-balance connections listens on nothing: the supervisor passes it connections
         runner = await _listen(build_app(config, state), config.host, config.port, ssl_context,
-                               "--port (or BLINK_GATEWAY_PORT)")
+                               "--port (or BLINK_GATEWAY_PORT)", listen=config.accept_fd is None)
     except OSError:
         if grpc_server is not None:
             await grpc_server.close(0)
         raise
     server = GatewayServer(config, runner, pool, grpc_server, state, tls=tls)
+    if config.accept_fd is not None:
+        server.adopter = Adopter(config.accept_fd, runner.server, lambda: len(runner.server.connections),
+                                 ssl_context)
     if config.separate_admin:
         try:
             server.admin_runner = await _listen(build_admin_app(config, state), config.admin_host or config.host,
@@ -239,8 +247,9 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
 
 
 async def _listen(app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None,
-                  flag: str) -> web.AppRunner:
-    """A started runner of `app` on host:port (TLS with `ssl_context`); OSError naming `flag` if it cannot."""
+                  flag: str, listen: bool = True) -> web.AppRunner:
+    """A started runner of `app` on host:port (TLS with `ssl_context`); OSError naming `flag` if it cannot.
+    listen=False: set up only (its connections come from gateway/balance.py's Adopter)."""
     # handler_cancellation: a client that goes away cancels its handler, which cancels its request.
     # keepalive_timeout is aiohttp's timer on a connection with no request in progress: armed when it
     # opens and when a request ends, not moved by bytes that do not complete a request head. So it
@@ -249,6 +258,8 @@ async def _listen(app: web.Application, host: str, port: int, ssl_context: ssl.S
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                            shutdown_timeout=config.shutdown_timeout_s, keepalive_timeout=config.header_timeout_s)
     await runner.setup()
+    if not listen:
+        return runner
     try:
         # reuse_port: the workers of `--workers N` share the port; the kernel spreads connections.
         await web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=config.workers > 1,

@@ -1,4 +1,8 @@
-"""`--workers N`: N gateway processes on one port (SO_REUSEPORT), each with its own event loop.
+"""`--workers N`: N gateway processes on one port, each with its own event loop.
+
+The HTTP port's connections: by default the supervisor accepts them and passes each to the worker with the
+fewest open (`--worker-balance connections`, gateway/balance.py); `--worker-balance kernel` has every worker
+listen with SO_REUSEPORT and the kernel hash connections to them. gRPC and a separate admin port: SO_REUSEPORT.
 
 The supervisor starts `python -m gateway ARGS --worker-index i` N times, stops them together and passes
 SIGHUP on to each (reload: TLS files, config file).
@@ -23,14 +27,17 @@ import sys
 import time
 
 from .api.admin import drain_file
+from .balance import Listener
 from .config import GatewayConfig
 from .policy.quotas import create_shared_table
+from .server import LISTEN_BACKLOG
 
 log = logging.getLogger("blink.gateway.workers")
 
 
-def worker_command(argv: list[str], index: int, limits_table: str) -> list[str]:
-    return [sys.executable, "-m", "gateway", *argv, "--worker-index", str(index), "--limits-table", limits_table]
+def worker_command(argv: list[str], index: int, limits_table: str, accept_fd: int | None = None) -> list[str]:
+    fd = ["--accept-fd", str(accept_fd)] if accept_fd is not None else []
+    return [sys.executable, "-m", "gateway", *argv, "--worker-index", str(index), "--limits-table", limits_table, *fd]
 
 
 def limits_table_path(config: GatewayConfig) -> str:
@@ -57,8 +64,31 @@ def _supervise(config: GatewayConfig, argv: list[str], limits_table: str) -> int
     # Ignored, SIGHUP stays ignored in the workers until their loop takes it (a reload must not kill one
     # that is still starting); here it is passed on to them from the moment they exist.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    procs = [subprocess.Popen(worker_command(argv, i, limits_table)) for i in range(num_workers)]
-    log.info("gateway supervisor: %d workers, pids %s", num_workers, " ".join(str(p.pid) for p in procs))
+    listener = None
+    if config.worker_balance == "connections":
+        try:
+            listener = Listener(config.host, config.port, LISTEN_BACKLOG, num_workers)
+        except OSError as exc:
+            log.error("gateway failed to start: cannot listen for HTTP on %s:%d: %s; choose another port with "
+                      "--port (or BLINK_GATEWAY_PORT)", config.host, config.port, exc.strerror or exc)
+            return 1
+    try:
+        return _run(argv, limits_table, num_workers, listener)
+    finally:
+        if listener is not None:
+            listener.close()
+
+
+def _run(argv: list[str], limits_table: str, num_workers: int, listener: Listener | None) -> int:
+    if listener is None:
+        procs = [subprocess.Popen(worker_command(argv, i, limits_table)) for i in range(num_workers)]
+    else:
+        procs = [subprocess.Popen(worker_command(argv, i, limits_table, listener.worker_fd(i)),
+                                  pass_fds=(listener.worker_fd(i),)) for i in range(num_workers)]
+        listener.after_start()
+    log.info("gateway supervisor: %d workers, pids %s; HTTP connections %s", num_workers,
+             " ".join(str(p.pid) for p in procs),
+             "hashed by the kernel (SO_REUSEPORT)" if listener is None else "to the worker with the fewest open")
     stopping = []
 
     def stop(signum, _frame):
@@ -76,7 +106,12 @@ def _supervise(config: GatewayConfig, argv: list[str], limits_table: str) -> int
         signal.signal(sig, stop)
     signal.signal(signal.SIGHUP, reload)
     while all(p.poll() is None for p in procs):
-        time.sleep(0.2)
+        if listener is None or stopping:
+            if listener is not None and listener.sockets:
+                listener.close()  # stopping: new connections are refused, not queued for workers that go
+            time.sleep(0.2)
+        else:
+            listener.poll(0.2)
     if not stopping:
         failed = next(p for p in procs if p.poll() is not None)
         log.error("gateway worker %d exited with %s: stopping the others", procs.index(failed), failed.returncode)

@@ -195,3 +195,66 @@ def _wait_in_flight(conn, key_name: str, count: int) -> None:
             return
         assert time.monotonic() < deadline, f"in flight for {key_name}: {seen}, expected {count}"
         time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- connections spread by load
+
+
+def _worker_of(conn, admin_key: str) -> int:
+    conn.request("GET", "/admin/status", headers={"Authorization": f"Bearer {admin_key}"})
+    resp = conn.getresponse()
+    return json.loads(resp.read())["pid"]
+
+
+def test_new_connections_go_to_the_worker_with_the_fewest_open(echo_backend, pick_free_port):
+    """--worker-balance connections (the default): the supervisor passes each new connection to the worker with
+    the fewest open. Under SO_REUSEPORT's hash (--worker-balance kernel) 8 connections split 4/4 about one time
+    in four, and 3 new ones all reach the worker whose connections closed one time in eight."""
+    import http.client
+
+    control, _, _ = echo_backend
+    port, grpc_port = pick_free_port(), pick_free_port()
+    cmd = [sys.executable, "-m", "gateway", "--backend", control, "--port", str(port), "--grpc-port", str(grpc_port),
+           "--workers", "2", "--api-key", "client-k", "--admin-key", "admin-k", "--connect-timeout", "10"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    conns: list = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # both workers up: each answers /health on connections passed to it
+            assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "the workers did not start"
+            try:
+                status, body = _call(f"http://127.0.0.1:{port}/admin/status", "admin-k")
+                if status == 200 and body["workers"] == 2 and body.get("backends"):
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.2)
+        time.sleep(0.5)  # that probe's connection closed and reported
+        by_pid: dict[int, list] = {}
+        for _ in range(8):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conns.append(conn)
+            by_pid.setdefault(_worker_of(conn, "admin-k"), []).append(conn)
+        assert sorted(len(c) for c in by_pid.values()) == [4, 4], {p: len(c) for p, c in by_pid.items()}
+        emptied, kept = list(by_pid)
+        for conn in by_pid[emptied][:3]:
+            conn.close()
+        time.sleep(0.5)  # the worker reports its open connections within balance.REPORT_S
+        new = [http.client.HTTPConnection("127.0.0.1", port, timeout=30) for _ in range(3)]
+        conns.extend(new)
+        assert [_worker_of(c, "admin-k") for c in new] == [emptied] * 3
+        # a passed connection serves requests like any other
+        status, body, _ = _post(new[0], "client-k", {"model": MODEL, "prompt": "hello world", "max_tokens": 3})
+        assert status == 200 and body["choices"][0]["text"]
+    finally:
+        for conn in conns:
+            conn.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    # a port that is taken fails the supervisor's start with the flag to change, as a single gateway does
+    with __import__("socket").create_server(("127.0.0.1", 0)) as taken:
+        busy = taken.getsockname()[1]
+        out = subprocess.run([*cmd[:5], "--port", str(busy), "--grpc-port", str(pick_free_port()), *cmd[9:]],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "cannot listen for HTTP" in out.stderr and "--port" in out.stderr, out.stderr
