@@ -1,4 +1,5 @@
-"""`--workers 2`: two gateway processes on one port (SO_REUSEPORT) share one backend's ring, slot by slot."""
+"""`--workers 2`: two gateway processes on one port share one backend's ring, slot by slot; the HTTP port's
+connections passed by the supervisor (`--worker-balance connections`) or hashed by SO_REUSEPORT (`kernel`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-echo"  # what the echo_backend fixture (conftest.py) describes
@@ -27,12 +30,14 @@ def _call(url: str, key: str, body: dict | None = None) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def test_two_workers_share_one_port(echo_backend, pick_free_port):
+@pytest.mark.parametrize("balance", ["connections", "kernel"])
+def test_two_workers_share_one_port(echo_backend, pick_free_port, balance):
     control, engine, loop = echo_backend
     port, grpc_port = pick_free_port(), pick_free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "gateway", "--backend", control, "--port", str(port), "--grpc-port", str(grpc_port),
-           "--workers", "2", "--api-key", "client-k", "--admin-key", "admin-k", "--connect-timeout", "10"]
+           "--workers", "2", "--api-key", "client-k", "--admin-key", "admin-k", "--connect-timeout", "10",
+           "--worker-balance", balance]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         pids = set()
