@@ -10,7 +10,8 @@ How: the supervisor listens; each worker holds one end of an AF_UNIX SOCK_SEQPAC
 connection travels as one message carrying its descriptor (SCM_RIGHTS); the worker adopts it into its aiohttp
 server (`loop.connect_accepted_socket`, TLS handshake there). Each worker reports (connections received, connections
 open) whenever they change, at most every REPORT_S; the supervisor's estimate of a worker is its open connections
-plus those sent since its last report. Only the HTTP port: gRPC and a separate admin port keep SO_REUSEPORT.
+plus those sent since its last report. The port is bound at once (a taken port fails the start) but listens only
+from the first worker's first report: until a worker serves, a connection is refused, as with SO_REUSEPORT. Only the HTTP port: gRPC and a separate admin port keep SO_REUSEPORT.
 The supervisor's part runs per connection, not per request or token.
 """
 
@@ -36,13 +37,16 @@ class Listener:
     """The supervisor's side: the HTTP port's sockets and one pair per worker."""
 
     def __init__(self, host: str, port: int, backlog: int, num_workers: int):
-        self.sockets = _bind(host, port, backlog)
+        self.sockets = _bind(host, port)
+        self.backlog = backlog
+        self.listening = False
         self.pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(num_workers)]
         for ours, _ in self.pairs:
             ours.setblocking(False)
         self.sent = [0] * num_workers
         self.reported = [(0, 0)] * num_workers  # (received, open) as each worker last said
         self.alive = [True] * num_workers  # False once a worker's end is closed (it exited)
+        self.ready = [False] * num_workers  # True from a worker's first report (its server is up)
         self._next = 0  # ties go round the workers
 
     def worker_fd(self, index: int) -> int:
@@ -61,7 +65,7 @@ class Listener:
     def pick(self) -> int | None:
         """The live worker with the fewest connections (estimated); ties go round. None: no worker is alive."""
         n = len(self.pairs)
-        order = [i for i in ((self._next + k) % n for k in range(n)) if self.alive[i]]
+        order = [i for i in ((self._next + k) % n for k in range(n)) if self.alive[i] and self.ready[i]]
         if not order:
             return None
         best = min(order, key=self.estimate)
@@ -71,7 +75,7 @@ class Listener:
     def poll(self, timeout_s: float) -> None:
         """Wait up to timeout_s; pass on every connection that is waiting, take every report."""
         watched = [ours for i, (ours, _) in enumerate(self.pairs) if self.alive[i]]
-        ready, _, _ = select.select([*self.sockets, *watched], [], [], timeout_s)
+        ready, _, _ = select.select([*(self.sockets if self.listening else ()), *watched], [], [], timeout_s)
         for sock in ready:
             if sock in self.sockets:
                 self._accept(sock)
@@ -95,7 +99,7 @@ class Listener:
         n = len(self.pairs)
         for k in range(n if first is not None else 0):  # a worker whose queue is full (stalled) is skipped
             index = (first + k) % n
-            if not self.alive[index]:
+            if not (self.alive[index] and self.ready[index]):
                 continue
             try:
                 socket.send_fds(self.pairs[index][0], [b"c"], [conn.fileno()])
@@ -123,6 +127,11 @@ class Listener:
                 return
             if len(data) == _REPORT.size:
                 self.reported[index] = _REPORT.unpack(data)
+                self.ready[index] = True
+                if not self.listening:
+                    for sock in self.sockets:
+                        sock.listen(self.backlog)
+                    self.listening = True
 
     def close(self) -> None:
         for sock in self.sockets:
@@ -133,8 +142,9 @@ class Listener:
             theirs.close()
 
 
-def _bind(host: str, port: int, backlog: int) -> list[socket.socket]:
-    """Listening sockets for every address of host (as asyncio's create_server binds them); OSError if any fails."""
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of host (as asyncio's create_server binds them), not yet listening;
+    OSError if any fails."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     sockets: list[socket.socket] = []
     try:
@@ -145,7 +155,6 @@ def _bind(host: str, port: int, backlog: int) -> list[socket.socket]:
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(addr)
-            sock.listen(backlog)
             sock.setblocking(False)
     except OSError:
         for sock in sockets:
@@ -169,6 +178,7 @@ class Adopter:
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
         self._loop.add_reader(self.sock, self._take)
+        self._say()  # the first report: this worker serves (the supervisor listens from the first one)
         self._reporter = self._loop.create_task(self._report_loop(), name="connection reports")
 
     def _take(self) -> None:
