@@ -227,9 +227,9 @@ async def start_gateway(config: GatewayConfig, backends: Sequence[Backend] | Non
             await grpc_server.close(0)
         raise
     server = GatewayServer(config, runner, pool, grpc_server, state, tls=tls)
+    state.open_connections = lambda: len(runner.server.connections)
     if config.accept_fd is not None:
-        server.adopter = Adopter(config.accept_fd, runner.server, lambda: len(runner.server.connections),
-                                 ssl_context)
+        server.adopter = Adopter(config.accept_fd, runner.server, state.open_connections, ssl_context)
     if config.separate_admin:
         try:
             server.admin_runner = await _listen(build_admin_app(config, state), config.admin_host or config.host,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 import time
 from dataclasses import dataclass, field
 
@@ -29,3 +30,4 @@ class GatewayState:
     quotas: Quotas = field(default_factory=Quotas)  # per-key usage (shared by the workers of `--workers N`)
     pacer: SetupPacer = field(default_factory=SetupPacer)  # request set-ups take turns with streaming
     gc: GcPolicy | None = None  # the collector's policy, once `serve_forever` started it (None: Python's own)
+    open_connections: Callable[[], int] | None = None  # this worker's open HTTP connections (start_gateway sets it)

@@ -83,6 +83,7 @@ async def status(request: web.Request) -> web.Response:
         "uptime_s": round(time.monotonic() - _STARTED_S, 1), "pid": os.getpid(),
         "worker": state.config.worker_index, "workers": state.config.workers,
         "in_flight": in_flight, "in_flight_by_key": state.quotas.in_flight(),
+        "connections": state.open_connections() if state.open_connections is not None else None,
         "backends": [backend_report(b) for b in state.router.backends],
         "gc": state.gc.report() if state.gc is not None else None})
 

@@ -242,6 +242,9 @@ def test_new_connections_go_to_the_worker_with_the_fewest_open(echo_backend, pic
             conns.append(conn)
             by_pid.setdefault(_worker_of(conn, "admin-k"), []).append(conn)
         assert sorted(len(c) for c in by_pid.values()) == [4, 4], {p: len(c) for p, c in by_pid.items()}
+        for conns_of in by_pid.values():  # each worker counts its own in /admin/status
+            conns_of[0].request("GET", "/admin/status", headers={"Authorization": "Bearer admin-k"})
+            assert json.loads(conns_of[0].getresponse().read())["connections"] == 4
         emptied, kept = list(by_pid)
         for conn in by_pid[emptied][:3]:
             conn.close()
