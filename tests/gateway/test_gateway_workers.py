@@ -235,7 +235,7 @@ def test_new_connections_go_to_the_worker_with_the_fewest_open(echo_backend, pic
             except (urllib.error.URLError, ConnectionError):
                 pass
             time.sleep(0.2)
-        time.sleep(0.5)  # that probe's connection closed and reported
+        time.sleep(1.0)  # that probe's connection closed and reported
         by_pid: dict[int, list] = {}
         for _ in range(8):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -248,7 +248,7 @@ def test_new_connections_go_to_the_worker_with_the_fewest_open(echo_backend, pic
         emptied, kept = list(by_pid)
         for conn in by_pid[emptied][:3]:
             conn.close()
-        time.sleep(0.5)  # the worker reports its open connections within balance.REPORT_S
+        time.sleep(1.0)  # the worker reports its open connections within balance.REPORT_S (0.05 s)
         new = [http.client.HTTPConnection("127.0.0.1", port, timeout=30) for _ in range(3)]
         conns.extend(new)
         assert [_worker_of(c, "admin-k") for c in new] == [emptied] * 3
