@@ -225,17 +225,21 @@ def test_new_connections_go_to_the_worker_with_the_fewest_open(echo_backend, pic
     conns: list = []
     try:
         deadline = time.monotonic() + 60
-        while True:  # both workers up: each answers /health on connections passed to it
+        while True:  # both workers up: two connections open at once reach two workers (a worker gets
+            # connections from its first report on)
             assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
             assert time.monotonic() < deadline, "the workers did not start"
+            pair = [http.client.HTTPConnection("127.0.0.1", port, timeout=30) for _ in range(2)]
             try:
-                status, body = _call(f"http://127.0.0.1:{port}/admin/status", "admin-k")
-                if status == 200 and body["workers"] == 2 and body.get("backends"):
+                if len({_worker_of(c, "admin-k") for c in pair}) == 2:
                     break
-            except (urllib.error.URLError, ConnectionError):
+            except (OSError, http.client.HTTPException):
                 pass
+            finally:
+                for c in pair:
+                    c.close()
             time.sleep(0.2)
-        time.sleep(1.0)  # that probe's connection closed and reported
+        time.sleep(1.0)  # those probes' connections closed and reported
         by_pid: dict[int, list] = {}
         for _ in range(8):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
