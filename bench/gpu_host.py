@@ -372,8 +372,9 @@ def main() -> None:
     gbps = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s", flush=True)
     t0 = time.perf_counter()
-    runner_config = GpuRunnerConfig(max_num_batched_tokens=512, max_num_seqs=256, context_len=4096,
-                                    kv_cache_dtype=args.kv_cache_dtype)
+    largest = max(map(int, args.batches.split(",")))  # past 256 rows (saturation's batches): a larger runner
+    runner_config = GpuRunnerConfig(max_num_batched_tokens=max(512, largest), max_num_seqs=max(256, largest),
+                                    context_len=4096, kv_cache_dtype=args.kv_cache_dtype)
     tp = args.tensor_parallel_size
     if tp > 1:
         from gpu_backend.parallel.runner import TpRunner
