@@ -121,8 +121,13 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         """The rest, at the end of the output: what did not parse as calls is content."""
-        if self._open is not None:  # cut short (max_tokens): its arguments as far as they got
-            rest, self._buffer = self._buffer[self._args_sent:], ""
+        if self._open is not None:  # cut short (max_tokens): its arguments as far as they got, less the `}` that
+            # closed the call's object when the cut came just before its closing tag
+            body = self._buffer.rstrip()
+            end = len(body)
+            if body.endswith("}") and not _is_json(body) and _is_json(body[:-1]):
+                end = len(body[:-1].rstrip())
+            rest, self._buffer = self._buffer[self._args_sent:max(end, self._args_sent)], ""
             return "", [CallDelta(self._open.index, arguments=rest)] if rest else []
         rest, self._buffer = self._buffer, ""
         if self.fmt == "hermes":  # a call cut short before its arguments stays text; whitespace after calls goes
@@ -218,6 +223,14 @@ def _arguments_end(body: str) -> int:
     and a last `}` that may close the call's object (held until more text shows whether it does)."""
     body = body.rstrip()
     return len(body[:-1].rstrip()) if body.endswith("}") else len(body)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -85,6 +85,15 @@ def test_a_call_cut_short_keeps_its_arguments_so_far():
         assert [(c.name, c.arguments) for c in assemble(run_raw(text, cut))] == [("get_time", '{"tz": "C')]
 
 
+def test_a_call_cut_just_before_its_closing_tag_keeps_only_its_arguments():
+    """max_tokens reached after the call object's `}`: the arguments are the object, not `{...}}`."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    for cut in (1, 3, len(text)):
+        assert [(c.name, c.arguments) for c in assemble(run_raw(text, cut))] == [("get_weather", '{"city": "Paris"}')]
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "tags": {"a": {}}}'  # still open
+    assert [c.arguments for c in assemble(run_raw(text, 4))] == ['{"city": "Paris", "tags": {"a": {}}}']
+
+
 def test_text_after_a_call_streams_as_it_completes():
     text = HERMES + "\n\n  Done."
     assert run_stream("hermes", text, 1) == run_stream("hermes", text, len(text)) == ("Let me check.\n\n\n  Done.", BOTH)
