@@ -9,8 +9,8 @@ some batch sizes would give, before a GPU is spent on it.
 
 The schedule (FCFS, as the engine's): admit waiting requests while fewer than max_num_seqs run; each step decodes
 one token of every running request whose prompt is done, and gives the rest of the max_num_batched_tokens budget
-to prompts in admission order (a prompt's last chunk samples its first token). A step's time is the bare step at (decode rows + prefill tokens x --prefill-cost)
-rows, interpolated between the measured batches, extrapolated past the largest with its last slope. Contexts are
+to prompts in admission order (a prompt's last chunk samples its first token). A step's time is the bare step at
+(decode rows + prefill tokens x --prefill-cost) rows, interpolated between the measured batches, extrapolated past the largest with its last slope. Contexts are
 not modelled (the bare steps' own contexts stand in). Checked against the served figures on one H100 (bf16,
 bc0a527's steps): 9,205 / 10,493 / 10,989 tok/s predicted for 512:256 / 1024:512 / 2048:1024 against 10,374 /
 10,849 / 10,944 served (bench/RESULTS.md).

@@ -11,8 +11,9 @@ connection travels as one message carrying its descriptor (SCM_RIGHTS); the work
 server (`loop.connect_accepted_socket`, TLS handshake there). Each worker reports (connections received, connections
 open) whenever they change, at most every REPORT_S; the supervisor's estimate of a worker is its open connections
 plus those sent since its last report. The port is bound at once (a taken port fails the start) but listens only
-from the first worker's first report: until a worker serves, a connection is refused, as with SO_REUSEPORT. Only the HTTP port: gRPC and a separate admin port keep SO_REUSEPORT.
-The supervisor's part runs per connection, not per request or token.
+from the first worker's first report: until a worker serves, a connection is refused, as with SO_REUSEPORT. Only
+the HTTP port: gRPC and a separate admin port keep SO_REUSEPORT. The supervisor's part runs per connection, not per
+request or token.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from collections.abc import Callable
 
 log = logging.getLogger("blink.gateway.balance")
 
-BALANCES = ("connections", "kernel")
 REPORT_S = 0.05  # a worker's report period while its numbers change
 _REPORT = struct.Struct("<QQ")  # (connections received, connections open), worker -> supervisor
 

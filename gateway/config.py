@@ -13,6 +13,7 @@ MiB = 1 << 20
 HEARTBEAT_TIMEOUTS_S = {**STALL_AFTER_S, "default": STALL_AFTER_OTHER_S}  # protocols/messages.py
 BACKEND_TLS_FIELDS = ("backend_ssl_certfile", "backend_ssl_keyfile", "backend_ssl_ca_certs")
 ROUTING_POLICIES = ("least_outstanding_tokens", "most_free_kv", "prefix_affinity", "prefix_cache")  # gateway/backends/route.py
+WORKER_BALANCES = ("connections", "kernel")  # --worker-balance (gateway/balance.py): the first is the default
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class GatewayConfig:
     # the worker with the fewest open: gateway/balance.py) or "kernel" (SO_REUSEPORT's hash)
     worker_balance: str = "connections"
     worker_index: int = 0  # which of them this one is (it owns ring slots i, i + workers, ...)
-    accept_fd: int | None = None  # (a worker under "connections") where its connections come from: set by the supervisor
+    accept_fd: int | None = None  # a worker under "connections": where its connections come from (the supervisor's)
     limits_table: str | None = None  # the workers' shared per-key usage file (set by the supervisor)
     max_body_bytes: int = 4 * MiB
     # Slow clients (slowloris): a connection must deliver a whole request head within header_timeout_s
@@ -148,8 +149,8 @@ class GatewayConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if not 0 <= self.worker_index < self.workers:
             raise ValueError(f"worker_index must be in [0, workers={self.workers}), got {self.worker_index}")
-        if self.worker_balance not in ("connections", "kernel"):
-            raise ValueError(f"worker_balance must be 'connections' or 'kernel', got {self.worker_balance!r}")
+        if self.worker_balance not in WORKER_BALANCES:
+            raise ValueError(f"worker_balance must be one of {', '.join(WORKER_BALANCES)}, got {self.worker_balance!r}")
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers > 1 needs a fixed port (with port 0 each worker would pick its own)")
         if self.header_timeout_s <= 0 or self.body_timeout_s <= 0:

@@ -27,7 +27,8 @@ from .config import GatewayConfig
 RELOADABLE = ("backend_addrs", "backend_tls_by_addr", "routing")
 _FIELDS = {f.name for f in dataclasses.fields(GatewayConfig)} - {"config_file", "api_keys", "admin_keys", "backend_addrs",
                                                                   "backend_tls_by_addr",
-                                                                  "worker_index", "accept_fd"}  # keys: hashed, in the keys file
+                                                                  "worker_index",
+                                                                  "accept_fd"}  # keys: hashed, in the keys file
 
 
 class ConfigFileError(ValueError):

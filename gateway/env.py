@@ -74,7 +74,8 @@ CC = EnvVar("CC", "C compiler of the native stream round (default: the first of 
 SLOT_WAIT = EnvVar(f"{PREFIX}SLOT_WAIT", "seconds a request waits for a free ring slot before a 503 with "
                    "Retry-After (--slot-wait)", field="slot_wait_s", parse=float)
 
-VARIABLES: tuple[EnvVar, ...] = (API_KEY, ADMIN_KEY, KEYS_FILE, WORKERS, WORKER_BALANCE, GATEWAY_HOST, GATEWAY_PORT, GRPC_PORT,
+VARIABLES: tuple[EnvVar, ...] = (API_KEY, ADMIN_KEY, KEYS_FILE, WORKERS, WORKER_BALANCE, GATEWAY_HOST, GATEWAY_PORT,
+                                 GRPC_PORT,
                                  LOG_FORMAT, BACKENDS, CONFIG, MAX_BODY_BYTES, HEADER_TIMEOUT, BODY_TIMEOUT,
                                  LOG_LEVEL, CACHE, CC, SLOT_WAIT)
 

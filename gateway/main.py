@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from .backends.backend import BackendConnectError
-from .config import ROUTING_POLICIES, GatewayConfig
+from .config import ROUTING_POLICIES, WORKER_BALANCES, GatewayConfig
 from .config_file import read_config_file
 from .env import config_overrides
 from .logs import LOG_FORMATS, setup_logging
@@ -42,7 +42,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "`blinkctl keys add` writes it)")
     p.add_argument("--workers", type=int, help="gateway processes sharing the port (SO_REUSEPORT; default 1; "
                    "also BLINK_WORKERS); per-key limits hold across them")
-    p.add_argument("--worker-balance", choices=("connections", "kernel"),
+    p.add_argument("--worker-balance", choices=WORKER_BALANCES,
                    help="how the workers share the HTTP port: 'connections' (default) passes each new connection to "
                    "the worker with the fewest open, 'kernel' leaves it to SO_REUSEPORT's hash (also "
                    "BLINK_WORKER_BALANCE)")

@@ -119,7 +119,6 @@ def _attn_tile_kernel(
     kv_hi = tl.minimum(kv_end, kv_lo + per_split)
     kv_hi = tl.where(split < used, kv_hi, 0)
 
-    kv_head_ptr = cache_ptr + kvh * HEAD_DIM
     if ROPE:  # one token (module doc): its q rows and its K/V row rotated (and normed: ROPE 2) here
         HALF: tl.constexpr = HEAD_DIM // 2
         pos = tl.minimum(tl.maximum(tl.load(pos_ptr).to(tl.int64), 0), max_pos - 1)  # padding rows: any value
@@ -143,6 +142,7 @@ def _attn_tile_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_head_ptr = cache_ptr + kvh * HEAD_DIM
     for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_hi
@@ -158,8 +158,8 @@ def _attn_tile_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(kv_head_ptr + cache_kv_stride + slot_off[:, None] + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; an FP8
-        # cache (--kv-cache-dtype fp8, unscaled as vLLM's default) widens here, so the dots run in q's type
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; an FP8 cache
+        # (--kv-cache-dtype fp8, unscaled as vLLM's default) widens here, so the dots run in q's type
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 

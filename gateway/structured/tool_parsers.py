@@ -125,8 +125,8 @@ class ToolCallStream:
             # closed the call's object when the cut came just before its closing tag
             body = self._buffer.rstrip()
             end = len(body)
-            if body.endswith("}") and not _is_json(body) and _is_json(body[:-1]):
-                end = len(body[:-1].rstrip())
+            if not _is_json(body) and _is_json(body[:_arguments_end(body)]):  # the held-back `}` closed the call
+                end = _arguments_end(body)
             rest, self._buffer = self._buffer[self._args_sent:max(end, self._args_sent)], ""
             return "", [CallDelta(self._open.index, arguments=rest)] if rest else []
         rest, self._buffer = self._buffer, ""
