@@ -333,8 +333,9 @@ def persistent_engine(runner: GpuRunner, cfg, batch_size: int, prompt_len: int, 
         ring.close()
 
 
-def profile(runner: GpuRunner, batch: Batch) -> None:
-    """CUDA time per kernel family over 5 eager steps (CUPTI times each kernel; launches are eager)."""
+def profile(runner: GpuRunner, batch: Batch, top: int = 24) -> dict:
+    """Kernel time of one eager step of `batch` (the bucket's ops run without its graph), by kernel name, averaged
+    over 5 steps: printed (the `top` largest) and returned for the run's JSON."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -351,9 +352,11 @@ def profile(runner: GpuRunner, batch: Batch) -> None:
     rows = sorted(((e.key, e.device_time_total / 5, e.count // 5) for e in prof.key_averages()),
                   key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
-    print(f"kernel time per eager step: {total / 1e3:.3f} ms")
-    for key, us, count in rows[:14]:
-        print(f"  {us:8.1f} us  x{count:<4d} {key[:90]}")
+    print(f"batch {len(batch.entries)}: kernel time per eager step {total / 1e3:.3f} ms")
+    for key, us, count in rows[:top]:
+        print(f"  {us:8.1f} us  x{count:<4d} {key[:100]}")
+    return {"batch": len(batch.entries), "kernel_ms": total / 1e3,
+            "kernels": [{"name": key[:160], "us": round(us, 2), "launches": count} for key, us, count in rows[:top]]}
 
 
 def main() -> None:
@@ -362,7 +365,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--prompt-len", type=int, default=384, help="prompt tokens per stream")
     ap.add_argument("--decode-steps", type=int, default=64, help="all-decode steps timed per batch size")
-    ap.add_argument("--profile", action="store_true", help="also print a per-kernel breakdown of a batch-1 step")
+    ap.add_argument("--profile", nargs="?", const="1", default="",
+                    help="also break an eager step down by kernel at these batch sizes (comma-separated; bare "
+                         "--profile: batch 1), printed and kept in the JSON")
     ap.add_argument("--quantization", choices=("fp8", "fp8-partial"), default=None, help="FP8 weights (models/fp8.py)")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over the first N GPUs")
@@ -389,8 +394,8 @@ def main() -> None:
     setup_s = time.perf_counter() - t0
     weight_bytes = runner.weights.num_bytes
     kv_token_bytes = runner.kv_block_bytes // runner.config.block_size
-    if args.profile and tp == 1:
-        profile(runner, decode_batch(runner, 1, args.prompt_len))
+    profiles = [profile(runner, decode_batch(runner, int(b), args.prompt_len))
+                for b in args.profile.split(",") if b] if tp == 1 else []
     rows = []
     for bsz in map(int, args.batches.split(",")):
         host = host_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
@@ -444,7 +449,7 @@ def main() -> None:
               "gpus": [torch.cuda.get_device_name(i) for i in range(tp)],
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "kv_blocks": runner.num_blocks, "graphs": len(runner.graphs), "capture_s": runner.capture_s,
-              "setup_s": setup_s, "copy_gbps": gbps, "pdl": pdl_mode(), "rows": rows}
+              "setup_s": setup_s, "copy_gbps": gbps, "pdl": pdl_mode(), "rows": rows, "profiles": profiles}
     # the model in the name: runs of several models in one folder (one device call) must not overwrite each other
     model = args.model.split(":")[-1].rstrip("/").split("/")[-1]
     variant = "".join(f"-{v}" for v in (model, args.quantization and "fp8w", args.kv_cache_dtype != "auto" and "fp8kv",
