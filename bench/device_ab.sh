@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A kernel change measured against the tree before it, on one GPU machine: the two trees side by side, their bare
-# steps (bench/gpu_host.py --no-persistent) alternated, one summary JSON. Two steps:
+# steps (bench/gpu_host.py --bare-only, the new tree's script timing both) alternated, one summary JSON. Two steps:
 #   bench/device_ab.sh prepare OLD_REV     # here: .ab/old.tar.gz (git archive OLD_REV), .ab/old.rev, .ab/new.rev
 #                                          # (HEAD, "+dirty" when the working tree differs from it)
 #   MODELS=random:qwen3-30b-a3b,random:llama-3-8b ROUNDS=2 BATCHES=1 bench/device_ab.sh run
@@ -30,13 +30,14 @@ case "${1:-}" in
         old_rev=$(cat .ab/old.rev); new_rev=$(cat .ab/new.rev); new_tree=$PWD; old_tree=/tmp/ab_old
         rm -rf "$old_tree" /tmp/ab_runs; mkdir -p "$old_tree" /tmp/ab_runs "$OUT"
         tar xzf .ab/old.tar.gz -C "$old_tree"
+        cp bench/gpu_host.py "$old_tree/bench/gpu_host.py"  # one instrument for both trees (the new tree's)
         nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
         if [ -n "${TESTS:-}" ]; then
             PYTHONPATH=/tmp/site:$new_tree:$new_tree/tests/gpu_backend python3 -m pytest -q -p no:warnings $TESTS 2>&1 | tail -3
         fi
         one() {  # one TREE REV MODEL ROUND: a bare-step run into /tmp/ab_runs/REV-ROUND
             (cd "$1" && OUT= BLINK_COMMIT=$2 PYTHONPATH=/tmp/site:$1 python3 bench/gpu_host.py --model "$3" \
-                --batches "$BATCHES" --no-persistent --out "/tmp/ab_runs/$2-$4" 2>&1 | grep -E "^B=" | cut -c1-100 \
+                --batches "$BATCHES" --bare-only --out "/tmp/ab_runs/$2-$4" 2>&1 | grep -E "^B=" | cut -c1-100 \
                 | sed "s|^|$2 $3 round $4: |")
         }
         for round in $(seq "$ROUNDS"); do

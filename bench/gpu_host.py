@@ -372,6 +372,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over the first N GPUs")
     ap.add_argument("--no-persistent", action="store_true", help="host engine and bare steps only")
+    ap.add_argument("--bare-only", action="store_true",
+                    help="bare steps only (no host engine, no persistent loop; context = prompt + half the decode "
+                         "steps): quick, for A/Bs of kernels at large batches")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     gbps = copy_gbps()
@@ -398,14 +401,18 @@ def main() -> None:
                 for b in args.profile.split(",") if b] if tp == 1 else []
     rows = []
     for bsz in map(int, args.batches.split(",")):
-        host = host_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
+        if args.bare_only:
+            host = {k: float("nan") for k in ("step_ms_median", "cpu_us_per_token")}
+            host["ctx_len_median"] = args.prompt_len + args.decode_steps // 2
+        else:
+            host = host_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
         ctx_len = host["ctx_len_median"]
         ms = bare_replay_ms(runner, decode_batch(runner, bsz, ctx_len))
         # MoE: only the experts a batch of bsz chooses are read (uniform-routing estimate)
         moved = (cfg.decode_weight_bytes(bsz, runner.dtype) // tp if cfg.is_moe else weight_bytes) \
             + bsz * ctx_len * kv_token_bytes
         ar_ms = 2 * cfg.num_layers * allreduce_us(runner, bsz) / 1e3 if tp > 1 else 0.0
-        if args.no_persistent:
+        if args.no_persistent or args.bare_only:
             pers = {k: float("nan") for k in ("step_ms_mean", "sched_us_per_step", "commit_us_per_step", "spec_us_per_step",
                                               "schedule_us_per_step", "fill_us_per_step", "gap_us", "cpu_us_per_token")}
             pers.update(spec_hits=0, spec_misses=0, ctx_len_mid=ctx_len)
@@ -413,7 +420,8 @@ def main() -> None:
             pers = persistent_engine(runner, cfg, bsz, args.prompt_len, args.decode_steps)
         at_mid = decode_batch(runner, bsz, pers["ctx_len_mid"])
         rounds = [(bare_replay_ms(runner, at_mid, 100),
-                   mechanism_replay_ms(runner, at_mid, 100) if tp == 1 else float("nan")) for _ in range(3)]
+                   mechanism_replay_ms(runner, at_mid, 100) if tp == 1 and not args.bare_only else float("nan"))
+                  for _ in range(3)]
         pers_bare = statistics.median(b for b, _ in rounds)  # alternated: the clocks drift by ~0.3% between runs
         pers_mech = statistics.median(m for _, m in rounds)
         rows.append({"batch": bsz, "ctx_len": ctx_len, "bare_step_ms": ms, "bare_tok_s": bsz / ms * 1e3,
@@ -437,7 +445,9 @@ def main() -> None:
               f"CPU {pers['cpu_us_per_token']:.3f} us/token; the replay relaunched from the device "
               f"alone {pers_mech:7.3f} ms (loop step +{r['persistent_over_mechanism_us']:.1f} us over it)", flush=True)
     # last: once CUPTI is on, it stays on in this process and slows device-launched graphs (seen: +200 us a step)
-    for r in rows:
+    for r in rows if args.bare_only else []:
+        r["host_replay_gap_us"] = r["gap_over_host_replay_us"] = float("nan")
+    for r in [] if args.bare_only else rows:
         # back-to-back host replays: last kernel's end -> next replay's first kernel (CUPTI's own cost included)
         r["host_replay_gap_us"] = replay_gap_us(runner, decode_batch(runner, r["batch"], r["persistent"]["ctx_len_mid"]))
         r["gap_over_host_replay_us"] = r["persistent"]["gap_us"] - r["host_replay_gap_us"]

@@ -117,6 +117,35 @@ def test_the_reduce_reads_only_what_this_launch_wrote(device, case, monkeypatch)
     assert (out == 0).all()
 
 
+@pytest.mark.parametrize("case", ["mixed", "decode"])
+@pytest.mark.parametrize("balance", [0, 1, 15])
+def test_balanced_splits(device, case, balance, monkeypatch):
+    """With `balance_programs`, a split is at least the step's keys (over tiles and KV heads) over that many
+    programs: 1 makes every tile one split (written directly: slot 0 of each live row says +inf, nothing to
+    merge), 15 splits only the longest ones (about 30 keys a split here); 0 (off) splits at split_keys alone. The
+    answer is the same."""
+    made = []
+    empty = torch.empty
+
+    def keep(*shape, dtype=None, **kw):
+        t = empty(*shape, dtype=dtype, **kw)
+        if dtype == torch.float32 and len(shape[0] if len(shape) == 1 else shape) == 3:
+            made.append(t.fill_(float("nan")))              # the log-sum-exp slots [T, H, splits]
+        return t
+    monkeypatch.setattr(torch, "empty", keep)
+    out, ref, batch = _run(device, *SMALL[case], num_splits=4, block_n=16, block_m=16, split_keys=16,
+                           balance_programs=balance)
+    _check(out, ref, batch)
+    live = made[0][:batch.num_real_tokens, :, 0]
+    direct = (live == float("inf")).float().mean().item()
+    if balance == 1:
+        assert direct == 1.0, "one program's worth of keys a split: every tile writes out directly"
+    else:
+        assert direct < 1.0, "short splits: the long tiles merge partials"
+    if balance == 15:
+        assert direct > 0.0, "the short tiles write out directly"
+
+
 def _rope_tables(max_pos: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
