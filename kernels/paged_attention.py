@@ -18,10 +18,10 @@ Work decomposition (FlashAttention-style, online softmax over key tiles of BLOCK
   The reduce needs no metadata: every (token, head) of a tile has a log-sum-exp in each of its
   NUM_SPLITS slots after the tile kernel (-inf where a split had no keys: weight 0), or +inf in
   slot 0 where there is nothing to merge (the tile wrote `out` directly, or the token is padding).
-  With many sequences (a bucket whose sequences alone give two programs an SM) a split is also at least the step's
-  keys (each tile's context, summed over tiles and KV heads) over `balance_programs` (8 an SM): a decode batch of
-  short contexts then runs one program per (sequence, KV head) and writes `out` directly (no partials to write and
-  merge), while a long context among them still splits.
+  A bucket whose sequences alone give two programs an SM takes one split (NUM_SPLITS 1: no partials, no reduce
+  launch): measured (bench/attn_probe.py, H200, 256 decodes of 416 keys) 121 us a layer against 216 with the four
+  splits a 4,096-token context asked for, and 418 against 474 with contexts spread over 64-3,000 keys; idle split
+  programs and the reduce cost more than a long context's tail.
   Its chain of dependent loads is then the partials alone (at batch 1 it read the token's sequence,
   its lengths and its split count first: ~1 us a layer).
 - Padding tokens (seq_ids_of_token < 0 or >= num_seqs) get zeros: program (i, kv_head, 0) zeroes
@@ -52,18 +52,17 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
 _SPLIT_KEYS = 256                 # fewest keys worth a split of their own
 _PARTIAL_BYTES = 64 << 20         # cap on the float32 partials of one call
-_BALANCE_WAVES = 8                # with many sequences, about this many programs an SM share the step's keys
 
 
 @triton.jit
-def _tile_keys(ctx_len, q_len, tile_q0, max_keys, split_keys, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-               NUM_SPLITS: tl.constexpr):
-    """Key range of the tile whose first query is `tile_q0` (within its sequence), and how it splits into pieces
-    of at least `split_keys`: returns (kv_end, splits used, keys per split)."""
+def _tile_keys(ctx_len, q_len, tile_q0, max_keys, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+               NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+    """Key range of the tile whose first query is `tile_q0` (within its sequence), and how it splits:
+    returns (kv_end, splits used, keys per split). Shared by both kernels so they agree."""
     tile_q_num = tl.minimum(tl.maximum(q_len - tile_q0, 0), BLOCK_Q)
     kv_end = tl.where(tile_q_num > 0, ctx_len - q_len + tile_q0 + tile_q_num, 0)
     kv_end = tl.minimum(kv_end, max_keys)
-    used = tl.minimum(tl.maximum(tl.cdiv(kv_end, split_keys), 1), NUM_SPLITS)
+    used = tl.minimum(tl.maximum(tl.cdiv(kv_end, SPLIT_KEYS), 1), NUM_SPLITS)
     per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), used) * BLOCK_N
     return kv_end, used, per_split
 
@@ -73,14 +72,13 @@ def _attn_tile_kernel(
         q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         seq_ids_ptr, q_start_ptr, ctx_lens_ptr, block_tables_ptr, num_seqs_ptr,
         scale_log2, num_tokens, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-        cache_kv_stride, bt_stride, max_blocks, balance_programs,
+        cache_kv_stride, bt_stride, max_blocks,
         k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_norm_ptr, k_norm_ptr,
         k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_stride, sin_stride, max_pos, eps,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
         MAX_SEQS_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, BALANCE: tl.constexpr, ROPE: tl.constexpr,
-        PDL: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)  # kernels/pdl.py
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -106,14 +104,7 @@ def _attn_tile_kernel(
     # which sequence owns this tile id: the last one whose first tile id is <= tile
     s_idx = tl.arange(0, MAX_SEQS_P)
     s_live = s_idx < num_seqs
-    q_firsts = tl.load(q_start_ptr + s_idx, mask=s_live, other=0)
-    first_tile = q_firsts // BLOCK_Q + s_idx
-    split_keys = SPLIT_KEYS
-    if BALANCE:  # many sequences: a split is at least the step's keys (summed over tiles and KV heads) per program
-        s_tiles = tl.cdiv(tl.load(q_start_ptr + s_idx + 1, mask=s_live, other=0) - q_firsts, BLOCK_Q)
-        s_keys = tl.load(ctx_lens_ptr + s_idx, mask=s_live, other=0).to(tl.int64) * s_tiles
-        work = tl.sum(s_keys, axis=0) * NUM_KV_HEADS
-        split_keys = tl.maximum(tl.cdiv(work, balance_programs), SPLIT_KEYS).to(tl.int32)
+    first_tile = tl.load(q_start_ptr + s_idx, mask=s_live, other=0) // BLOCK_Q + s_idx
     seq = tl.sum((s_live & (first_tile <= tile)).to(tl.int32), axis=0) - 1
     seq_ok = seq >= 0
     seq = tl.maximum(seq, 0)
@@ -125,8 +116,8 @@ def _attn_tile_kernel(
     tok = (q_lo + q_local).to(tl.int64)
     q_pos = ctx_len - q_len + q_local                          # keys at positions <= q_pos are visible
 
-    kv_end, used, per_split = _tile_keys(ctx_len, q_len, tile_q0, max_blocks * PAGE, split_keys,
-                                         BLOCK_Q, BLOCK_N, NUM_SPLITS)
+    kv_end, used, per_split = _tile_keys(ctx_len, q_len, tile_q0, max_blocks * PAGE,
+                                         BLOCK_Q, BLOCK_N, NUM_SPLITS, SPLIT_KEYS)
     row_ok = row_real & (q_local < q_len) & (split < used)
     kv_lo = split * per_split
     kv_hi = tl.minimum(kv_end, kv_lo + per_split)
@@ -222,8 +213,8 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, seq_ids_of_token
                     q_start: torch.Tensor, ctx_lens: torch.Tensor, block_tables: torch.Tensor,
                     num_seqs: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                     num_splits: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                    split_keys: int = _SPLIT_KEYS, rope: dict | None = None,
-                    balance_programs: int | None = None) -> torch.Tensor:
+                    split_keys: int = _SPLIT_KEYS, rope: dict | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context. Returns out.
 
     q: [T, H, D] bf16/fp16 (rows/heads may be strided, last dim contiguous), already rotated;
@@ -233,8 +224,8 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, seq_ids_of_token
     int32; num_seqs: [1] int32 live sequences (rows >= num_seqs are ignored). Token q_start[s] + i of
     sequence s sits at position ctx_lens[s] - q_len_s + i and sees keys 0 .. that position.
     out: [T, H, D] of q's dtype; rows of padding tokens are written with zeros.
-    num_splits, block_m, block_n, split_keys override the static choices (tests, tuning); balance_programs too
-    (None: 8 an SM when the bucket's sequences fill the GPU, else 0 = off; see the module doc).
+    num_splits, block_m, block_n, split_keys override the static choices (tests, tuning); num_warps and num_stages
+    the tile kernel's (bench/attn_probe.py).
     rope: kernels/rope_kv.py's `rope_and_cache_kv` arguments after q and layer_cache (k, v, positions, cos, sin,
     slot_mapping; q_norm, k_norm, eps for Qwen3): q is then not yet rotated and this step's K/V not yet written.
     At one token the tile kernel does both itself (one launch a layer less); otherwise `rope_and_cache_kv` runs
@@ -257,10 +248,9 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, seq_ids_of_token
         return out
     cfg = _config(num_tokens, q_start.shape[0] - 1, num_heads, layer_cache.shape[3], head_dim,
                   block_tables.shape[1] * layer_cache.shape[2], num_sms(q.device), num_splits, block_m, block_n)
-    if balance_programs is not None:
-        cfg = dict(cfg, balance_programs=balance_programs)
     _launch(q, layer_cache, seq_ids_of_token, q_start, ctx_lens, block_tables, num_seqs, scale, out,
-            dict(cfg, split_keys=split_keys), rope)
+            dict(cfg, split_keys=split_keys, num_warps=num_warps or 4,
+                 stages={} if num_stages is None else {"num_stages": num_stages}), rope)
     return out
 
 
@@ -275,14 +265,15 @@ def _config(num_tokens: int, max_seqs: int, num_heads: int, num_kv_heads: int, h
     block_q = block_m // group
     block_n = block_n or (64 if head_dim <= 128 else 32)
     num_tiles = num_tokens // block_q + max_seqs
+    if num_splits is None and max_seqs * num_kv_heads >= 2 * sms:
+        num_splits = 1                                         # the sequences fill the GPU (module doc)
     if num_splits is None:
         fill = -(-2 * sms // (num_tiles * num_kv_heads))      # enough programs for the GPU
         long_ctx = 4 if max_ctx_len >= 4096 else 1             # keep one long decode off the critical path
         cap = max(1, _PARTIAL_BYTES // (num_tokens * num_heads * head_dim * 4))
         num_splits = min(_MAX_SPLITS, max(fill, long_ctx), cap, max(1, -(-max_ctx_len // _SPLIT_KEYS)))
-    balance = _BALANCE_WAVES * sms if max_seqs * num_kv_heads >= 2 * sms else 0
     return dict(group=group, block_m=block_m, block_q=block_q, block_n=block_n, num_tiles=num_tiles,
-                num_splits=max(1, num_splits), balance_programs=balance, max_seqs_p=next_pow2(max(max_seqs, 1)),
+                num_splits=max(1, num_splits), max_seqs_p=next_pow2(max(max_seqs, 1)),
                 block_d=max(16, next_pow2(head_dim)))
 
 
@@ -312,9 +303,9 @@ def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, 
     _attn_tile_kernel[(cfg["num_tiles"], num_kv_heads, splits)](
         q, layer_cache, out, part_o, part_lse, seq_ids, q_start, ctx_lens, block_tables, num_seqs,
         float(scale) * _LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        layer_cache.stride(0), block_tables.stride(0), block_tables.shape[1], max(cfg["balance_programs"], 1),
-        *rope_args, NUM_KV_HEADS=num_kv_heads, BALANCE=cfg["balance_programs"] > 0 and splits > 1, ROPE=rope_code, GROUP=cfg["group"], MAX_SEQS_P=cfg["max_seqs_p"],
-        BLOCK_M=cfg["block_m"], num_warps=4, **common)
+        layer_cache.stride(0), block_tables.stride(0), block_tables.shape[1], *rope_args,
+        NUM_KV_HEADS=num_kv_heads, ROPE=rope_code, GROUP=cfg["group"], MAX_SEQS_P=cfg["max_seqs_p"],
+        BLOCK_M=cfg["block_m"], num_warps=cfg.get("num_warps", 4), **cfg.get("stages", {}), **common)
     if splits > 1:
         _attn_reduce_kernel[(num_tokens, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
