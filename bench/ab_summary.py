@@ -45,7 +45,7 @@ def summarize(collected: dict, old: str, new: str) -> dict:
                 "delta_us": (statistics.median(new_ms) - statistics.median(old_ms)) * 1e3,
                 "new_over_floor": statistics.median(new_ms) / floor}
     return {"bench": "device_ab", "old": old, "new": new, "gpus": collected["gpus"],
-            "what": "bench/gpu_host.py --no-persistent bare steps, the two trees alternated on one machine",
+            "what": "bench/gpu_host.py --bare-only bare steps (the new tree's script for both), the two trees alternated on one machine",
             "models": models}
 
 
