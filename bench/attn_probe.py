@@ -50,6 +50,10 @@ def main() -> None:
                     help="fp8: the cache in float8 e4m3 (--kv-cache-dtype fp8), read at half the bytes")
     ap.add_argument("--prefill", type=int, default=0,
                     help="also one prompt chunk of this many tokens (a mixed step: its tiles re-read its context)")
+    ap.add_argument("--bucket", default="",
+                    help="TOKENS:SEQS, the runner's bucket the step runs in (its static tiles: a 2,048-token bucket of a "
+                         "2048:1024 server holds 1,024 sequence rows, so its query tiles are 4 tokens); default: "
+                         "the step's own tokens and sequences")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -68,8 +72,10 @@ def main() -> None:
         q_lens = [1] * bsz + ([args.prefill] if args.prefill else [])
         ctxs += [args.prefill] if args.prefill else []
         num_blocks += -(-args.prefill // PAGE)
-        tokens = sum(q_lens)
-        batch = make_batch(q_lens, ctxs, tokens, len(q_lens), max_blocks, num_blocks, dev, gen)
+        tokens, seqs = sum(q_lens), len(q_lens)
+        if args.bucket:
+            tokens, seqs = (max(a, b) for a, b in zip(map(int, args.bucket.split(":")), (tokens, seqs)))
+        batch = make_batch(q_lens, ctxs, tokens, seqs, max_blocks, num_blocks, dev, gen)
         fp8 = args.kv_cache_dtype == "fp8"
         cache = torch.randn(2, num_blocks, PAGE, KV_HEADS, DIM, device=dev).to(
             torch.float8_e4m3fn if fp8 else torch.bfloat16)
