@@ -14,6 +14,7 @@ import argparse
 import itertools
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -22,21 +23,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels")]
 
 from blink.bench.results import bench_out, commit, write_summary  # noqa: E402
 from kernel_batches import make_batch  # noqa: E402
+from kernels.device_check import replay_ms  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 
 
 def time_us(fn, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps
+    """Mean microseconds a call, eager calls back to back (paged_attention allocates its partials per call)."""
+    return replay_ms(SimpleNamespace(replay=fn), reps) * 1e3
 
 
 def main() -> None:
