@@ -26,12 +26,13 @@ LARGE = {
 }
 
 
-def _run(device, heads, kv_heads, head_dim, q_lens, ctx_lens, num_tokens, max_seqs, seed=0, **kw):
+def _run(device, heads, kv_heads, head_dim, q_lens, ctx_lens, num_tokens, max_seqs, seed=0,
+         cache_dtype=torch.bfloat16, **kw):
     gen = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-c // 16) for c in ctx_lens) + 1
     num_blocks = sum(-(-c // 16) for c in ctx_lens) + 7
     batch = make_batch(q_lens, ctx_lens, num_tokens, max_seqs, max_blocks, num_blocks, device, gen)
-    cache = torch.randn(2, num_blocks, 16, kv_heads, head_dim, generator=gen).to(device, torch.bfloat16)
+    cache = torch.randn(2, num_blocks, 16, kv_heads, head_dim, generator=gen).to(device, cache_dtype)
     qkv = torch.randn(num_tokens, heads + 2 * kv_heads, head_dim, generator=gen).to(device, torch.bfloat16)
     q = qkv[:, :heads]                                            # strided, like a view of the qkv GEMM
     out = torch.full((num_tokens, heads, head_dim), float("nan"), dtype=torch.bfloat16, device=device)
@@ -54,6 +55,15 @@ def _check(out, ref, batch):
 def test_small_batches(device, case, num_splits, block_n, split_keys):
     """split_keys small: long tiles split (partials + reduce) while short ones write directly."""
     _check(*_run(device, *SMALL[case], num_splits=num_splits, block_n=block_n, block_m=16, split_keys=split_keys))
+
+
+@pytest.mark.parametrize("case", sorted(SMALL))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_cache(device, case, num_splits):
+    """An FP8 cache (--kv-cache-dtype fp8): its values widened, the dots in float16; against the float32 reference
+    over the same (widened) cache, split or not."""
+    _check(*_run(device, *SMALL[case], num_splits=num_splits, block_m=16, split_keys=16,
+                 cache_dtype=torch.float8_e4m3fn))
 
 
 @pytest.mark.parametrize("case", sorted(LARGE))
