@@ -11,7 +11,9 @@ The schedule (FCFS, as the engine's): admit waiting requests while fewer than ma
 one token of every running request whose prompt is done, and gives the rest of the max_num_batched_tokens budget
 to prompts in admission order (a prompt's last chunk samples its first token). A step's time is the bare step at
 (decode rows + prefill tokens x --prefill-cost) rows, interpolated between the measured batches, extrapolated past the largest with its last slope. Contexts are
-not modelled (the bare steps' own contexts stand in). Checked against the served figures on one H100 (bf16,
+modelled only with `--kv-gbps` (the attention's KV read rate, from bench/attn_probe.py): a step then also costs
+the KV reads of its decode rows' contexts past the bare steps' own (`--step-ctx`); without it the bare steps'
+contexts stand in. Checked against the served figures on one H100 (bf16,
 bc0a527's steps): 9,205 / 10,493 / 10,989 tok/s predicted for 512:256 / 1024:512 / 2048:1024 against 10,374 /
 10,849 / 10,944 served (bench/RESULTS.md).
 """
@@ -55,9 +57,12 @@ def step_curve(points: dict[int, float], what_if: list[tuple[int, int, float]] =
 
 
 def simulate(requests: list[tuple[int, int]], step_ms: Callable[[float], float], max_num_seqs: int,
-             max_num_batched_tokens: int, prefill_cost: float = 1.0) -> dict:
+             max_num_batched_tokens: int, prefill_cost: float = 1.0, kv_ms_per_token: float = 0.0,
+             step_ctx: float = 0.0) -> dict:
     """(prompt_len, output_len) requests, all waiting at t=0 -> output tok/s, duration, mean time to the first
-    token, and the seconds and tokens of the steps by decode rows (RANGES)."""
+    token, and the seconds and tokens of the steps by decode rows (RANGES). With `kv_ms_per_token`, a step also
+    costs that for every context token its decode rows hold past `step_ctx` each (the bare steps' own context;
+    shorter contexts give time back): attention's reads at the real contexts."""
     waiting = list(range(len(requests)))[::-1]  # popped from the end: admission order
     running: list[int] = []
     prompt_left = [p for p, _ in requests]
@@ -83,7 +88,11 @@ def simulate(requests: list[tuple[int, int]], step_ms: Callable[[float], float],
                 prefill += take
                 if not prompt_left[i]:
                     emitting.append(i)
-        dt = step_ms(len(decode) + prefill * prefill_cost) / 1e3
+        extra = 0.0
+        if kv_ms_per_token:
+            ctx = sum(requests[i][0] + requests[i][1] - output_left[i] for i in decode)
+            extra = (ctx - len(decode) * step_ctx) * kv_ms_per_token
+        dt = (step_ms(len(decode) + prefill * prefill_cost) + extra) / 1e3
         t += dt
         cell = next(by_rows[r] for r in RANGES if r[0] <= max(len(decode), 1) < r[1])
         cell[0] += dt
@@ -125,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefill-cost", type=float, default=0.5,
                     help="a prompt token's cost in decode rows (0.5: the fit to the served H100 figures, module doc)")
+    ap.add_argument("--kv-gbps", type=float, default=0.0,
+                    help="model contexts: the attention's KV read rate in GB/s (bench/attn_probe.py; 0: contexts "
+                         "not modelled, every step as the bare step's own)")
+    ap.add_argument("--kv-bytes-per-token", type=int, default=131072,
+                    help="KV bytes a context token holds over all layers (Llama-3-8B bf16: 32 x 2 x 8 x 128 x 2)")
+    ap.add_argument("--step-ctx", type=float, default=0.0,
+                    help="the bare steps' context (default: the --steps file's ctx_len, else 416)")
     ap.add_argument("--what-if", default="", help="lo-hi:factor, comma-separated: steps of lo <= rows < hi "
                     "scaled by factor (hi empty: no bound)")
     ap.add_argument("--out", help="write the predictions as JSON here")
@@ -132,16 +148,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         doc = json.loads(Path(args.steps).read_text())
         points = {int(r["batch"]): float(r["bare_step_ms"]) for r in doc["rows"]}
+        args.step_ctx = args.step_ctx or float(doc["rows"][-1].get("ctx_len", 416))
         source = {"file": args.steps, "commit": doc.get("commit"), "gpu": doc.get("gpu")}
     else:
         points = {int(b): float(ms) for b, ms in _pairs(args.step, float)}
         source = {"step": args.step}
     requests = [(r.prompt_len, r.output_len) for r in sharegpt(args.requests, args.seed).requests]
+    step_ctx = args.step_ctx or 416.0
+    kv_ms = args.kv_bytes_per_token / (args.kv_gbps * 1e6) if args.kv_gbps else 0.0
     curve = step_curve(points, _what_if(args.what_if))
     result = {"bench": "saturation_model", "source": source, "steps_ms": points, "what_if": args.what_if,
-              "prefill_cost": args.prefill_cost, "requests": args.requests, "seed": args.seed, "runs": []}
+              "prefill_cost": args.prefill_cost, "kv_gbps": args.kv_gbps, "step_ctx": step_ctx,
+              "kv_bytes_per_token": args.kv_bytes_per_token, "requests": args.requests, "seed": args.seed, "runs": []}
     for tokens_budget, seqs in _pairs(args.budgets):
-        run = simulate(requests, curve, seqs, tokens_budget, args.prefill_cost)
+        run = simulate(requests, curve, seqs, tokens_budget, args.prefill_cost, kv_ms, step_ctx)
         result["runs"].append({"budget": f"{tokens_budget}:{seqs}", **run})
         split = ", ".join(f"{k} rows {v['s']:.1f} s / {v['tokens']:,} tok" for k, v in run["by_decode_rows"].items())
         print(f"{tokens_budget}:{seqs}: {run['output_tok_s']:,.0f} tok/s, {run['duration_s']:.1f} s, mean first "

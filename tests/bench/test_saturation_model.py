@@ -43,3 +43,16 @@ def test_halving_every_step_doubles_the_throughput(tmp_path):
     assert main([*args, "--what-if", "1-:0.5", "--out", str(out_b)]) == 0
     a, b = (json.loads(p.read_text())["runs"][0] for p in (out_a, out_b))
     assert a["tokens"] == b["tokens"] and b["output_tok_s"] == pytest.approx(2 * a["output_tok_s"])
+
+
+def test_contexts_past_the_bare_steps_cost_their_kv_reads():
+    # one request, prompt 10, 4 tokens out, budget 16: a prefill step (first token), then 3 decode steps at
+    # contexts 11, 12, 13; the bare step's own context is 10, so they cost 1, 2, 3 tokens of KV reads past it
+    base = simulate([(10, 4)], lambda n: 1.0, max_num_seqs=1, max_num_batched_tokens=16)
+    got = simulate([(10, 4)], lambda n: 1.0, max_num_seqs=1, max_num_batched_tokens=16, kv_ms_per_token=0.5,
+                   step_ctx=10)
+    assert base["duration_s"] == pytest.approx(4 / 1e3)
+    assert got["duration_s"] == pytest.approx((4 + 0.5 * (1 + 2 + 3)) / 1e3)
+    shorter = simulate([(10, 4)], lambda n: 1.0, max_num_seqs=1, max_num_batched_tokens=16, kv_ms_per_token=0.1,
+                       step_ctx=20)  # contexts under the bare step's give time back
+    assert shorter["duration_s"] < base["duration_s"]
