@@ -18,12 +18,12 @@ Work decomposition (FlashAttention-style, online softmax over key tiles of BLOCK
   The reduce needs no metadata: every (token, head) of a tile has a log-sum-exp in each of its
   NUM_SPLITS slots after the tile kernel (-inf where a split had no keys: weight 0), or +inf in
   slot 0 where there is nothing to merge (the tile wrote `out` directly, or the token is padding).
+  Its chain of dependent loads is then the partials alone (at batch 1 it read the token's sequence,
+  its lengths and its split count first: ~1 us a layer).
   A bucket whose sequences alone give two programs an SM takes one split (NUM_SPLITS 1: no partials, no reduce
   launch): measured (bench/attn_probe.py, H200, 256 decodes of 416 keys) 121 us a layer against 216 with the four
   splits a 4,096-token context asked for, and 418 against 474 with contexts spread over 64-3,000 keys; idle split
   programs and the reduce cost more than a long context's tail.
-  Its chain of dependent loads is then the partials alone (at batch 1 it read the token's sequence,
-  its lengths and its split count first: ~1 us a layer).
 - Padding tokens (seq_ids_of_token < 0 or >= num_seqs) get zeros: program (i, kv_head, 0) zeroes
   those among tokens [i * BLOCK_Q, (i + 1) * BLOCK_Q) (T // BLOCK_Q + S >= ceil(T / BLOCK_Q)).
 - One token (a batch-1 step, `rope` given): the tile kernel also does what kernels/rope_kv.py's launch would
