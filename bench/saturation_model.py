@@ -148,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         doc = json.loads(Path(args.steps).read_text())
         points = {int(r["batch"]): float(r["bare_step_ms"]) for r in doc["rows"]}
-        args.step_ctx = args.step_ctx or float(doc["rows"][-1].get("ctx_len", 416))
+        file_ctx = doc["rows"][-1].get("ctx_len")
         source = {"file": args.steps, "commit": doc.get("commit"), "gpu": doc.get("gpu")}
     else:
         points = {int(b): float(ms) for b, ms in _pairs(args.step, float)}
         source = {"step": args.step}
+        file_ctx = None
     requests = [(r.prompt_len, r.output_len) for r in sharegpt(args.requests, args.seed).requests]
-    step_ctx = args.step_ctx or 416.0
+    step_ctx = float(args.step_ctx or file_ctx or 416)
     kv_ms = args.kv_bytes_per_token / (args.kv_gbps * 1e6) if args.kv_gbps else 0.0
     curve = step_curve(points, _what_if(args.what_if))
     result = {"bench": "saturation_model", "source": source, "steps_ms": points, "what_if": args.what_if,

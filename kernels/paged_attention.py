@@ -255,8 +255,8 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, seq_ids_of_token
     cfg = _config(num_tokens, q_start.shape[0] - 1, num_heads, layer_cache.shape[3], head_dim,
                   block_tables.shape[1] * layer_cache.shape[2], num_sms(q.device), num_splits, block_m, block_n)
     _launch(q, layer_cache, seq_ids_of_token, q_start, ctx_lens, block_tables, num_seqs, scale, out,
-            dict(cfg, split_keys=split_keys, num_warps=num_warps or 4,
-                 stages={} if num_stages is None else {"num_stages": num_stages}), rope)
+            dict(cfg, split_keys=split_keys, tile_launch=dict(num_warps=num_warps or 4, **(
+                {} if num_stages is None else {"num_stages": num_stages}))), rope)
     return out
 
 
@@ -311,7 +311,7 @@ def _launch(q, layer_cache, seq_ids, q_start, ctx_lens, block_tables, num_seqs, 
         float(scale) * _LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         layer_cache.stride(0), block_tables.stride(0), block_tables.shape[1], *rope_args,
         NUM_KV_HEADS=num_kv_heads, ROPE=rope_code, GROUP=cfg["group"], MAX_SEQS_P=cfg["max_seqs_p"],
-        BLOCK_M=cfg["block_m"], num_warps=cfg.get("num_warps", 4), **cfg.get("stages", {}), **common)
+        BLOCK_M=cfg["block_m"], **cfg["tile_launch"], **common)
     if splits > 1:
         _attn_reduce_kernel[(num_tokens, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
