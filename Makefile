@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	@echo "blink set-up: installing blink and its dependencies (aiohttp, grpcio, tokenizers, transformers, pytest, ...)"
 	$(PY) -m pip install -q -e '.[backend,gateway,test]'
+	# Hugging Face's `kernels` (transformers >= 5.25 pulls it in) has our kernels/ package's import name: an earlier
+	# set-up may have installed it into this environment (pyproject.toml, tests/test_installs.py)
+	$(PY) -m pip uninstall -q -y kernels 2>/dev/null || true
 	# fetch and import the demo model once (cached under $${BLINK_CACHE:-~/.cache/blink})
 	@echo "blink set-up: fetching the demo model (SmolLM2-135M-Instruct, 93 MB) once"
 	$(PY) -m blink.cli model demo

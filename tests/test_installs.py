@@ -54,3 +54,17 @@ def test_the_backend_packages_are_only_in_the_backend_extra():
     groups = extras()
     assert {"torch", "safetensors", "gguf"} <= groups["backend"]
     assert not ({"torch", "safetensors", "gguf", "triton"} & (groups["base"] | groups["gateway"]))
+
+
+def test_no_other_installed_distribution_ships_one_of_our_top_level_packages():
+    # Two distributions with one import name overwrite each other in site-packages, and whichever comes first on
+    # sys.path wins every import: transformers 5.25 requires Hugging Face's `kernels` and then imported this
+    # project's kernels/ as it (pyproject.toml pins the test extra's transformers below 5.25 for that reason).
+    import importlib.metadata
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]
+    owners = importlib.metadata.packages_distributions()
+    clashes = {name: sorted(set(owners.get(name, ())) - {project}) for name in sorted(PROJECT)}
+    clashes = {name: dists for name, dists in clashes.items() if dists}
+    assert not clashes, (f"installed distributions that ship a top-level package of this project's name: {clashes} "
+                         "(uninstall them from this environment, e.g. `pip uninstall kernels`)")
