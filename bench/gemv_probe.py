@@ -69,18 +69,17 @@ def main() -> None:
             turn = itertools.cycle(ws)
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+            now = current.get(name), gemv_config(n, k)
+            if args.fp8:  # gpu_ops: the bf16 tile with BLOCK_K doubled
+                now = tuple(None if c is None else (c[0], 2 * c[1], c[2]) for c in now)
             timed = {}
-            for cfg in SWEEP if args.sweep else FEW:
-                if args.fp8:
-                    cfg = (cfg[0], 2 * cfg[1], cfg[2])
+            grid = [(c[0], 2 * c[1], c[2]) if args.fp8 else c for c in (SWEEP if args.sweep else FEW)]
+            for cfg in grid + [c for c in now if c is not None and c not in grid]:  # the runner's tiles always
                 if cfg[0] * cfg[1] > 16384 * (2 if args.fp8 else 1):  # too many registers a thread
                     continue
                 timed[cfg] = time_us(lambda c=cfg: gemv(x, next(turn), out=out, config=c, scale=scale), reps=copies)
             cublas = float("nan") if args.fp8 else time_us(lambda: F.linear(x, next(turn)), reps=copies)
             best = min(timed, key=timed.get)
-            now = current.get(name), gemv_config(n, k)
-            if args.fp8:  # gpu_ops: the bf16 tile with BLOCK_K doubled
-                now = tuple(None if c is None else (c[0], 2 * c[1], c[2]) for c in now)
             row = {"model": model, "projection": name, "n": n, "k": k, "mb": n * k * wbytes / 1e6,
                    "weights": "fp8" if args.fp8 else "bf16",
                    "best": list(best), "best_us": timed[best], "cublas_us": None if args.fp8 else cublas,
