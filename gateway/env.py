@@ -103,11 +103,14 @@ BACKEND_SSL_CA_CERTS = EnvVar(f"{PREFIX}BACKEND_SSL_CA_CERTS", "CA that signs th
                               "set: backends are dialled over TLS (--backend-ssl-ca-certs)", field="backend_ssl_ca_certs")
 VARIABLES += (BACKEND_SSL_CERTFILE, BACKEND_SSL_KEYFILE, BACKEND_SSL_CA_CERTS)
 
-# Diagnostics (docs/operations.md "Logs"): off unless set.
+# Diagnostics (docs/operations.md "Logs"): off unless set; the structured outputs' mask step limit.
 MASK_STATS_S = EnvVar(f"{PREFIX}MASK_STATS_S", "seconds between each gateway worker's log line of its token-mask "
                       "steps (queued, computed, late-risk counts; gateway/structured/mask_loop.py MaskStats)",
                       parse=float)
-VARIABLES += (MASK_STATS_S,)
+MASK_STEP_LIMIT_S = EnvVar(f"{PREFIX}MASK_STEP_LIMIT_S", "seconds one token's mask step (queued and computed) may take "
+                           "before its request ends with an error, default 5 (gateway/structured/mask_loop.py): "
+                           "raise it where the gateway's cores are slow or shared", default="5", parse=float)
+VARIABLES += (MASK_STATS_S, MASK_STEP_LIMIT_S)
 
 
 def config_overrides(environ: Mapping[str, str] | None = None) -> dict:

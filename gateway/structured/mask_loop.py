@@ -37,7 +37,7 @@ from collections.abc import Callable
 import llguidance
 import numpy as np
 
-from ..env import MASK_STATS_S
+from ..env import MASK_STATS_S, MASK_STEP_LIMIT_S as _MASK_STEP_LIMIT_VAR
 from .grammar import Compiled, Grammars
 
 log = logging.getLogger("blink.gateway.structured")
@@ -57,9 +57,10 @@ SLOW_STEP_S = 0.02
 # starts on the pool: a slow grammar never holds up the watcher unproved.
 INLINE_STEP_S = 0.002
 INLINE_AFTER_STEPS = 2
-# One token's mask step may take this long; a request whose step takes longer ends with an error instead of
-# leaving its row waiting (the poller checks every heartbeat_check_s; llguidance's fuel limits make it rare).
-MASK_STEP_LIMIT_S = 5.0
+# One token's mask step may take this long ($BLINK_MASK_STEP_LIMIT_S, default 5); a request whose step takes longer
+# ends with an error instead of leaving its row waiting (the poller checks every heartbeat_check_s; llguidance's fuel
+# limits make it rare).
+MASK_STEP_LIMIT_S = _MASK_STEP_LIMIT_VAR.value()
 _pools: dict[bool, "MaskPool"] = {}
 # MaskStats' thresholds: a step (queued -> mask put) over these may miss the engine's next step (a decode step is
 # 5-10 ms on a GPU host), so they are counted apart

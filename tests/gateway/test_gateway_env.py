@@ -70,3 +70,12 @@ def test_defaults_apply_when_unset():
     assert env.CACHE.value({}) == Path("~/.cache/blink").expanduser()
     assert env.CACHE.value({"BLINK_CACHE": "/tmp/c"}) == Path("/tmp/c")
     assert env.API_KEY.value({}) is None
+
+
+def test_the_mask_step_limit_defaults_to_5_s_and_is_read_by_the_mask_loop():
+    from gateway.structured import mask_loop
+    assert env.MASK_STEP_LIMIT_S.value({}) == 5.0
+    assert env.MASK_STEP_LIMIT_S.value({"BLINK_MASK_STEP_LIMIT_S": "60"}) == 60.0
+    assert mask_loop.MASK_STEP_LIMIT_S == env.MASK_STEP_LIMIT_S.value()
+    with pytest.raises(ValueError, match="BLINK_MASK_STEP_LIMIT_S"):
+        env.MASK_STEP_LIMIT_S.value({"BLINK_MASK_STEP_LIMIT_S": "soon"})
