@@ -71,8 +71,9 @@ def live_server():
     port, control_port, grpc_port = free_port(), free_port(), free_port()
     control = f"127.0.0.1:{control_port}"
     api_key, admin_key = "test-key-" + os.urandom(6).hex(), "test-admin-" + os.urandom(6).hex()
-    # the mask step limit raised: the tests share 2 cores with the CPU engine, where the structured corpus's 8
-    # streams once queued a step past the default 5 s (the limit's own behaviour: tests/gateway/test_structured_*)
+    # the mask step limit raised: on 2 cores shared with the CPU engine one CI run stalled a structured-corpus mask
+    # step past the default 5 s (its steps take 5-18 ms otherwise); a step that never ends still fails, after 60 s.
+    # The limit's own behaviour: tests/gateway/test_structured_mask_watch.py, test_structured_gateway.py
     env = {**os.environ, "BLINK_API_KEY": api_key, "BLINK_ADMIN_KEY": admin_key, "PYTHONUNBUFFERED": "1",
            "BLINK_GRPC_PORT": str(grpc_port), "BLINK_MASK_STEP_LIMIT_S": "60"}
     cmd = [sys.executable, "-m", "blink.cli", "serve", "--port", str(port), "--control", control,

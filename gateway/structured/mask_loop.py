@@ -57,7 +57,7 @@ SLOW_STEP_S = 0.02
 # starts on the pool: a slow grammar never holds up the watcher unproved.
 INLINE_STEP_S = 0.002
 INLINE_AFTER_STEPS = 2
-# One token's mask step may take this long ($BLINK_MASK_STEP_LIMIT_S, default 5); a request whose step takes longer
+# One token's mask step may take this long ($BLINK_MASK_STEP_LIMIT_S, gateway/env.py); a request whose step takes longer
 # ends with an error instead of leaving its row waiting (the poller checks every heartbeat_check_s; llguidance's fuel
 # limits make it rare).
 MASK_STEP_LIMIT_S = _MASK_STEP_LIMIT_VAR.value()
