@@ -145,13 +145,21 @@ class ModelConfig:
         return self.num_experts * (1 - (1 - self.num_experts_per_tok / self.num_experts) ** num_tokens)
 
     def decode_weight_bytes(self, num_tokens: int, dtype: torch.dtype | str = torch.float32) -> int:
-        """Weight bytes a step of `num_tokens` tokens reads (the floor of a decode step, KV aside): all of a
-        dense model; for MoE all but the experts nobody chose (`expected_experts` of them are read)."""
-        if not self.is_moe:
-            return self.weight_bytes(dtype)
-        expert = 3 * self.hidden_size * self.moe_intermediate_size
-        unread = (self.num_experts - self.expected_experts(num_tokens)) * expert * self.num_layers
-        return int((self.num_params - unread) * _dtype_size(dtype))
+        """Weight bytes a step of `num_tokens` tokens reads (the floor of a decode step, KV aside): every weight
+        but the experts nobody chose (MoE: `expected_experts` of them are read) and, where the embedding table is
+        not also the LM head, all of it but the `num_tokens` rows the step looks up."""
+        params = self.num_params - self.unread_embedding_params(num_tokens)
+        if self.is_moe:
+            expert = 3 * self.hidden_size * self.moe_intermediate_size
+            params -= int((self.num_experts - self.expected_experts(num_tokens)) * expert * self.num_layers)
+        return params * _dtype_size(dtype)
+
+    def unread_embedding_params(self, num_tokens: int) -> int:
+        """Embedding-table parameters a step of `num_tokens` tokens does not read: all but its rows, unless the
+        table is tied to the LM head (which reads it whole)."""
+        if self.tie_word_embeddings:
+            return 0
+        return (self.vocab_size - min(num_tokens, self.vocab_size)) * self.hidden_size
 
     def kv_bytes_per_token(self, dtype: torch.dtype | str = torch.float32) -> int:
         """Bytes of K and V, all layers, for one token."""
