@@ -160,10 +160,16 @@ def _gemv_calls():
     yield "GEMV gate_up, SwiGLU", lambda: gemv(x, torch.zeros(2 * 14336, 4096, **bf), swiglu=True)
 
 
+def _prefetch_calls():
+    """The L2 prefetch of a projection's weights (Qwen3-30B-A3B's o, 2,048 x 4,096 bf16)."""
+    from kernels.prefetch import l2_prefetch
+    yield "L2 prefetch o", lambda: l2_prefetch(torch.zeros(2048, 4096, dtype=torch.bfloat16))
+
+
 def main() -> int:
     driver.set_active(_Sm90Driver())
     JITFunction._do_compile = _compile_only
-    for label, call in (*_llama_calls(), *_qwen3_calls(), *_moe_calls(), *_gemv_calls()):
+    for label, call in (*_llama_calls(), *_qwen3_calls(), *_moe_calls(), *_gemv_calls(), *_prefetch_calls()):
         LABEL[0] = label
         call()
     print(f"{'kernel [shape]':<44} {'regs':>5} {'spill B':>8}  launch")

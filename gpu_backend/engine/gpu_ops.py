@@ -9,8 +9,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpu_backend import env
 from gpu_backend.models.fp8 import Fp8Weight, fp8_linear
 from gpu_backend.models.llama_forward import NormFused
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream a device for the L2 prefetches (captured as a branch of the step's graph)."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 class TritonOps(NormFused):
@@ -34,6 +44,8 @@ class TritonOps(NormFused):
         self.split_keys = 64 if num_tokens <= 32 else 256
         self.tp = tp  # kernels/tp_comm.RankComm under tensor parallelism, else None
         self._rope = None  # rope_kv's arguments, for the attention launch that follows it
+        self.l2_prefetch = num_tokens == 1 and bool(env.get_bool("L2_PREFETCH"))
+        self._prefetched = None  # (weight, side stream) between `prefetch` and the GEMV that reads it
 
     def linear(self, name: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] == 1:
@@ -48,8 +60,30 @@ class TritonOps(NormFused):
         residual_out and swiglu."""
         if isinstance(weight, Fp8Weight):
             n, k, warps = self.gemv.get(name) or self.k["gemv_config"](*weight.q.shape)
-            return self.k["gemv"](x, weight.q, bias, config=(n, 2 * k, warps), scale=weight.scale, **fused)
-        return self.k["gemv"](x, weight, bias, config=self.gemv.get(name), **fused)
+            y = self.k["gemv"](x, weight.q, bias, config=(n, 2 * k, warps), scale=weight.scale, **fused)
+        else:
+            y = self.k["gemv"](x, weight, bias, config=self.gemv.get(name), **fused)
+        self._join(weight)
+        return y
+
+    def prefetch(self, weight) -> None:
+        # BLINK_L2_PREFETCH, one-token steps: the weight's lines into L2 on a side stream that forks after the kernels
+        # launched so far (the qkv GEMV: HBM is free again while the attention runs) and joins after the GEMV that
+        # reads it, so no kernel of the main chain waits for it (kernels/prefetch.py)
+        w = weight.q if isinstance(weight, Fp8Weight) else weight
+        if not self.l2_prefetch or not w.is_cuda:
+            return
+        main = torch.cuda.current_stream(w.device)
+        side = _side_stream(w.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.k["l2_prefetch"](w)
+        self._prefetched = (weight, side)
+
+    def _join(self, weight) -> None:
+        if self._prefetched is not None and self._prefetched[0] is weight:
+            torch.cuda.current_stream(self._prefetched[1].device).wait_stream(self._prefetched[1])
+            self._prefetched = None
 
     def norm_linear(self, name: str, x: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
                     eps: float, weight, bias: torch.Tensor | None = None,

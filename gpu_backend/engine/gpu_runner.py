@@ -119,14 +119,14 @@ class GpuRunner:
         one graph per bucket and step buffer)."""
         from kernels import paged_attention, rmsnorm, sampling, swiglu  # triton: GPU hosts only
 
-        from kernels import fp8_gemm, fp8_quant, gemv, moe
+        from kernels import fp8_gemm, fp8_quant, gemv, moe, prefetch
 
         self._k = dict(attn=paged_attention.paged_attention, rmsnorm=rmsnorm.rmsnorm, gemv=gemv.gemv,
                        gemv_config=gemv.gemv_config, fp8_quant=fp8_quant.quantize_tokens,
                        fp8_w8a16=fp8_gemm.fp8_weight_only_mm,
                        add_rmsnorm=rmsnorm.add_rmsnorm,
                        swiglu=swiglu.swiglu, sample=sampling.sample, moe=moe.fused_moe,
-                       moe_one_token=moe.moe_one_token)
+                       moe_one_token=moe.moe_one_token, l2_prefetch=prefetch.l2_prefetch)
         self.tp, self.follower = tp, tp is not None and not tp.is_leader
         if self.follower:
             config = dataclasses.replace(config, sampling_extensions=False)

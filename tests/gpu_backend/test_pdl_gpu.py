@@ -1,8 +1,9 @@
 """Programmatic dependent launch in the decode step's Triton kernels (kernels/_common.pdl_on) changes when a
 kernel starts, never what it computes: on a tiny Llama and a tiny Qwen3-MoE, the host engine's and the persistent
 loop's tokens with it on in every step (`BLINK_PDL=1`) and in the 1-token steps only (the default, "auto") equal
-those with it off (`BLINK_PDL=0`), bit for bit. Each side runs in a child process (the switch is read once per
-process). GPU only; PDL needs Hopper or later."""
+those with it off (`BLINK_PDL=0`), bit for bit; so do they with each layer's o weights prefetched into L2 on a side
+stream of the one-token graphs (`BLINK_L2_PREFETCH=1`, kernels/prefetch.py). Each side runs in a child process (the
+switches are read once per process). GPU only; PDL needs Hopper or later."""
 from __future__ import annotations
 
 import json
@@ -20,8 +21,16 @@ HERE = Path(__file__).resolve().parent
 
 
 def _tokens_here(kind: str) -> dict:
-    """In the child: the host engine's, then the persistent loop's tokens for test_gpu_runner's specs."""
+    """In the child: the host engine's, then the persistent loop's tokens for test_gpu_runner's specs, and how many
+    L2 prefetches the runners launched or captured."""
+    import kernels.prefetch
     from kernels._common import pdl_mode
+    prefetches, real = [0], kernels.prefetch.l2_prefetch
+
+    def counted(w):
+        prefetches[0] += 1
+        real(w)
+    kernels.prefetch.l2_prefetch = counted  # the runner takes it from the module when it is built
     from test_gpu_runner import _drive, _peaky_model, _specs
     from test_moe_gpu import _loop_moe
     from test_persistent import CONFIG, serve_to_end
@@ -34,11 +43,11 @@ def _tokens_here(kind: str) -> dict:
         runner = _loop_runner(model.to(device="cuda", dtype=torch.bfloat16), cfg)
     host, _, _ = _drive(runner, cfg, _specs(), config=CONFIG)
     persistent, _ = serve_to_end(runner, cfg, _specs())
-    return {"pdl": pdl_mode(), "host": host, "persistent": persistent}
+    return {"pdl": pdl_mode(), "host": host, "persistent": persistent, "prefetches": prefetches[0]}
 
 
-def _tokens(kind: str, pdl: str) -> dict:
-    env = {**os.environ, "BLINK_PDL": pdl,
+def _tokens(kind: str, pdl: str, l2_prefetch: str = "0") -> dict:
+    env = {**os.environ, "BLINK_PDL": pdl, "BLINK_L2_PREFETCH": l2_prefetch,
            "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(HERE), os.environ.get("PYTHONPATH", "")])}
     code = f"import json, test_pdl_gpu as t; print('RESULT', json.dumps(t._tokens_here({kind!r})))"
     res = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
@@ -55,3 +64,13 @@ def test_pdl_gives_the_same_tokens_in_host_and_persistent_modes(kind):
     for run in (on, auto):  # "auto": on in the 1-token steps only, so a step graph mixes both launches
         assert run["host"] == off["host"] and run["persistent"] == off["persistent"]
     assert on["persistent"] == on["host"]
+    assert off["prefetches"] == on["prefetches"] == auto["prefetches"] == 0
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_l2_prefetch_gives_the_same_tokens_in_host_and_persistent_modes(kind):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the one-token graphs' PDL edges beside the prefetch branch need sm_90 or later")
+    off, on = _tokens(kind, "auto", "0"), _tokens(kind, "auto", "1")
+    assert off["prefetches"] == 0 and on["prefetches"] > 0  # one a layer in each one-token step built
+    assert on["host"] == off["host"] and on["persistent"] == off["persistent"]

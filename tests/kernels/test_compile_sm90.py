@@ -20,3 +20,4 @@ def test_kernels_compile_for_sm90_without_spills():
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("_attn_tile_kernel") == 7 and "_select_kernel" in res.stdout
     assert res.stdout.count("_qk_norm_rope_kv_kernel") == 2 and res.stdout.count("_route_decode_kernel") == 2
+    assert "_l2_prefetch_kernel" in res.stdout
