@@ -31,9 +31,9 @@ VARS = {v.name: v for v in (
     EnvVar("CONTROL_SSL_CERT_REQS", "gateways' client certificates: 0 none, 1 optional, 2 required "
            "(--control-ssl-cert-reqs; default 2)"),
     EnvVar("PREFIX_CACHING", "0 or 1: the backend's enable_prefix_caching over its config file (a flag wins)"),
-    EnvVar("L2_PREFETCH", "0 or 1: one-token steps read each layer's o-projection weights into L2 on a side stream "
-           "while the attention runs (kernels/prefetch.py; engine/gpu_ops.py); read when a runner builds its graphs",
-           "0"),
+    EnvVar("L2_PREFETCH", "0, 1 or 2: one-token steps read each layer's o-projection weights into L2 on a side "
+           "stream while the attention runs (1), and an MoE layer's next qkv while it routes (2) (kernels/prefetch.py, "
+           "engine/gpu_ops.py); read when a runner builds its graphs", "0"),
     EnvVar("LOOP_STATS_S", "persistent mode, a diagnostic: every N seconds log what the GPU loop's counters moved by "
            "(steps, tokens, step time, speculation; engine/persistent.py LoopStatsLog); unset or 0: off"),
 )}

@@ -298,9 +298,10 @@ def _one_router_kernel(x_ptr, router_ptr, logits_ptr, weights_ptr, ids_ptr, done
 
 @triton.jit
 def _one_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, hidden, inter, w_stride_e, w_stride_n,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
     """One token, program (j, n): h[j, n-block] = silu(gate_e x) * (up_e x), e = ids[j], rounded as
-    `_expert_gemm_kernel` rounds (gate and up to the activation dtype, silu, the product)."""
+    `_expert_gemm_kernel` rounds (gate and up to the activation dtype, silu, the product). EVICT: the weight loads'
+    L2 eviction policy ("" default; "evict_first" keeps lines prefetched for later kernels, kernels/prefetch.py)."""
     pdl_wait(PDL)  # kernels/pdl.py
     j = tl.program_id(0)
     expert = tl.load(ids_ptr + j).to(tl.int64)
@@ -315,8 +316,8 @@ def _one_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, hidden, inter, w_stride_e,
         k_ok = k < hidden
         x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         mask = col_ok[:, None] & k_ok[None, :]
-        acc += tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
-        acc_up += tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        acc += tl.load(gate_rows + k[None, :], mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32) * x
+        acc_up += tl.load(up_rows + k[None, :], mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32) * x
     pdl_release(PDL)
     act = h_ptr.dtype.element_ty
     gate = tl.sum(acc, axis=1).to(act).to(tl.float32)
@@ -327,7 +328,7 @@ def _one_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, hidden, inter, w_stride_e,
 @triton.jit
 def _one_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, w_stride_e, w_stride_n,
                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     EVICT: tl.constexpr, PDL: tl.constexpr):
     """One token, program n: out[n-block] = sum over j of weights[j] * (down_e h[j]), e = ids[j]: each expert's
     rows rounded to the activation dtype, weighted and summed in float32, rounded once (what the down GEMM and
     `_combine_kernel` do, in one launch). The k experts' rows load together, [K_PAD, BLOCK_N, BLOCK_K] a step,
@@ -344,7 +345,7 @@ def _one_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter,
     row_ok = choice_ok[:, None, None] & col_ok[None, :, None]
     acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k = tl.arange(0, BLOCK_K)
-    w0 = tl.load(rows + k[None, None, :], mask=row_ok & (k < inter)[None, None, :], other=0.0)
+    w0 = tl.load(rows + k[None, None, :], mask=row_ok & (k < inter)[None, None, :], other=0.0, eviction_policy=EVICT)
     pdl_wait(PDL)  # kernels/pdl.py
     h = tl.load(h_ptr + choice[:, None] * inter + k[None, :], mask=choice_ok[:, None] & (k < inter)[None, :],
                 other=0.0).to(tl.float32)
@@ -354,7 +355,8 @@ def _one_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter,
         k_ok = k < inter
         h = tl.load(h_ptr + choice[:, None] * inter + k[None, :], mask=choice_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
-        w = tl.load(rows + k[None, None, :], mask=row_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
+        w = tl.load(rows + k[None, None, :], mask=row_ok & k_ok[None, None, :], other=0.0,
+                    eviction_policy=EVICT).to(tl.float32)
         acc += w * h[:, None, :]
     pdl_release(PDL)
     act = out_ptr.dtype.element_ty
@@ -574,7 +576,7 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
                   norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
                   residual_out: torch.Tensor | None = None, gate_up_tile: tuple[int, int, int] | None = None,
                   down_tile: tuple[int, int, int] | None = None,
-                  router_tile: tuple[int, int] | None = None) -> torch.Tensor:
+                  router_tile: tuple[int, int] | None = None, evict_first: bool = False) -> torch.Tensor:
     """A one-token step's whole mixture of experts, the router GEMV included, in three launches instead of
     five (router GEMV, routing, gate_up, down, combine): (1) one program per expert computes its router logit
     and the last to finish routes them (softmax, top_k, renormalised: `_route_rows`); (2) gate_up + SwiGLU of
@@ -586,7 +588,8 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     (as kernels/gemv.py's `norm`), computed in the router's launch; x + residual goes to `residual_out`.
     `gate_up_tile` (BLOCK_N, BLOCK_K, num_warps), `down_tile` (BLOCK_N, BLOCK_K of each expert, num_warps) and
     `router_tile` (BLOCK_K, num_warps: the router's warps also run its last program's routing, a chain of 2 x top_k
-    reductions over the experts) override the tiles (bench/moe_probe.py --one-token).
+    reductions over the experts) override the tiles (bench/moe_probe.py --one-token). `evict_first`: the experts'
+    weights leave L2 first (their lines are read once a step), so lines prefetched for the next layer stay.
     Graph-capturable, no host sync; launch it once on a device before capturing it there (the first launch
     makes the device's completion counter)."""
     check("x", x, dtype=_DTYPES, shape=(1, None))
@@ -628,7 +631,7 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     gu_n, gu_k, gu_warps = gate_up_tile or ONE_TOKEN_GATE_UP
     _one_gate_up_kernel[(top_k, triton.cdiv(inter, gu_n))](
         expert_in, experts_gate_up, ids, h, hidden, inter, experts_gate_up.stride(0), experts_gate_up.stride(1),
-        BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=gu_warps, **pdl)
+        BLOCK_N=gu_n, BLOCK_K=gu_k, EVICT="evict_first" if evict_first else "", num_warps=gu_warps, **pdl)
     # the down kernel loads the k experts' rows together: K per step divided among them keeps the GEMV tile's
     # weights a step (on an H100, 4x or 1/2x that lost 3-14%: bench/NOTES.md)
     k_pad = next_pow2(top_k)
@@ -636,7 +639,8 @@ def moe_one_token(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.
     dn_n, dn_k, dn_warps = down_tile or (bn, min(max(bk // k_pad, 16), next_pow2(inter)), warps)
     _one_down_kernel[(triton.cdiv(hidden, dn_n),)](
         h, experts_down, ids, weights, out, hidden, inter, experts_down.stride(0), experts_down.stride(1),
-        TOP_K=top_k, K_PAD=k_pad, BLOCK_N=dn_n, BLOCK_K=dn_k, num_warps=dn_warps, **pdl)
+        TOP_K=top_k, K_PAD=k_pad, BLOCK_N=dn_n, BLOCK_K=dn_k, EVICT="evict_first" if evict_first else "",
+        num_warps=dn_warps, **pdl)
     return out
 
 

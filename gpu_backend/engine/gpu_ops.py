@@ -16,6 +16,15 @@ from gpu_backend.models.llama_forward import NormFused
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def l2_prefetch_mode() -> int:
+    """`BLINK_L2_PREFETCH`: 0 off (the default), 1 o's weights during the attention, 2 also an MoE layer's next qkv
+    during its routing (TritonOps.prefetch)."""
+    value = (env.get("L2_PREFETCH") or "0").strip()
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"BLINK_L2_PREFETCH={value!r}: use 0, 1 or 2")
+    return int(value)
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream a device for the L2 prefetches (captured as a branch of the step's graph)."""
     if device not in _side_streams:
@@ -44,8 +53,8 @@ class TritonOps(NormFused):
         self.split_keys = 64 if num_tokens <= 32 else 256
         self.tp = tp  # kernels/tp_comm.RankComm under tensor parallelism, else None
         self._rope = None  # rope_kv's arguments, for the attention launch that follows it
-        self.l2_prefetch = num_tokens == 1 and bool(env.get_bool("L2_PREFETCH"))
-        self._prefetched = None  # (weight, side stream) between `prefetch` and the GEMV that reads it
+        self.l2_prefetch = l2_prefetch_mode() if num_tokens == 1 else 0
+        self._prefetched: list = []  # (weight, side stream) between `prefetch` and the GEMV that reads it
 
     def linear(self, name: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] == 1:
@@ -66,24 +75,27 @@ class TritonOps(NormFused):
         self._join(weight)
         return y
 
-    def prefetch(self, weight) -> None:
+    def prefetch(self, weight, during: str) -> None:
         # BLINK_L2_PREFETCH, one-token steps: the weight's lines into L2 on a side stream that forks after the kernels
-        # launched so far (the qkv GEMV: HBM is free again while the attention runs) and joins after the GEMV that
-        # reads it, so no kernel of the main chain waits for it (kernels/prefetch.py)
+        # launched so far (the GEMV before: HBM is free again) and joins after the GEMV that reads it, so no kernel
+        # of the main chain waits for it (kernels/prefetch.py). 1: o's during the attention; 2: also an MoE layer's
+        # next qkv during its routing, the experts' weights loaded evict-first so that those lines stay in L2
         w = weight.q if isinstance(weight, Fp8Weight) else weight
-        if not self.l2_prefetch or not w.is_cuda:
+        if self.l2_prefetch < (1 if during == "attention" else 2) or not w.is_cuda:
             return
         main = torch.cuda.current_stream(w.device)
         side = _side_stream(w.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             self.k["l2_prefetch"](w)
-        self._prefetched = (weight, side)
+        self._prefetched.append((weight, side))
 
     def _join(self, weight) -> None:
-        if self._prefetched is not None and self._prefetched[0] is weight:
-            torch.cuda.current_stream(self._prefetched[1].device).wait_stream(self._prefetched[1])
-            self._prefetched = None
+        for i, (pending, side) in enumerate(self._prefetched):
+            if pending is weight:
+                torch.cuda.current_stream(side.device).wait_stream(side)
+                del self._prefetched[i]
+                return
 
     def norm_linear(self, name: str, x: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
                     eps: float, weight, bias: torch.Tensor | None = None,
@@ -109,7 +121,8 @@ class TritonOps(NormFused):
                                     renormalize)
         res_out = torch.empty_like(residual)  # the norm in the router's launch (kernels/moe.py, moe_one_token)
         y = self.k["moe_one_token"](x, router, experts_gate_up, experts_down, top_k, renormalize,
-                                    norm=(residual, norm_weight, eps), residual_out=res_out)
+                                    norm=(residual, norm_weight, eps), residual_out=res_out,
+                                    evict_first=self.l2_prefetch >= 2)
         return y, res_out
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

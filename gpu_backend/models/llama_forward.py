@@ -122,16 +122,17 @@ class DecoderOps(Protocol):
                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(moe(RMSNorm(residual + x), ...), residual + x), as `norm_linear`."""
 
-    def prefetch(self, weight) -> None:
-        """A hint: `weight` is what the next `linear` reads after the kernels between (the attention). The GPU may
-        start reading it into L2 beside them (one-token steps, `BLINK_L2_PREFETCH`); results never depend on it."""
+    def prefetch(self, weight, during: str) -> None:
+        """A hint: `weight` is what a later `linear` reads, and the kernels launched next until then (`during`:
+        "attention", or an MoE layer's "router" and experts) leave HBM idle for a while. The GPU may start reading
+        it into L2 beside them (one-token steps, `BLINK_L2_PREFETCH`); results never depend on it."""
 
 
 class NormFused:
     """`norm_linear` and `norm_moe` as their parts (add + RMSNorm, then the linear or the MoE): what ops without a
     fused kernel for them run, and what the GPU's fused kernels are checked against."""
 
-    def prefetch(self, weight) -> None:
+    def prefetch(self, weight, during: str) -> None:
         pass  # a hint (DecoderOps.prefetch); ops that do nothing with it stay correct
 
     def norm_linear(self, name, x, residual, norm_weight, eps, weight, bias=None, swiglu=False):
@@ -155,6 +156,8 @@ def decoder_layers(ops: DecoderOps, w: DecoderWeights, cfg: ModelConfig,
     residual, x = F.embedding(input_ids, w.embed), None                      # [T, hidden]
     for i, layer in enumerate(w.layers):
         x, residual = _attention_block(ops, layer, cfg, x, residual, i)
+        if layer.router is not None and i + 1 < len(w.layers):
+            ops.prefetch(w.layers[i + 1].qkv, during="router")  # the next layer's, while the routing idles HBM
         x, residual = _mlp_block(ops, layer, cfg, x, residual)
     return x, residual
 
@@ -179,7 +182,7 @@ def _attention_block(ops: DecoderOps, layer: LayerWeights, cfg: ModelConfig, x: 
     k = qkv[:, q_size:q_size + kv_size].unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
     v = qkv[:, q_size + kv_size:].unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
     q = ops.rope_kv(q, k, v, i, q_norm=layer.q_norm, k_norm=layer.k_norm, eps=cfg.rms_norm_eps)  # norms: Qwen3
-    ops.prefetch(layer.o)                                                     # read while the attention runs
+    ops.prefetch(layer.o, during="attention")                                 # read while the attention runs
     return ops.all_reduce(ops.linear("o", ops.attention(q, i).flatten(1), layer.o)), residual
 
 

@@ -168,3 +168,15 @@ def test_prefix_caching_is_on_by_default_and_turned_off_by_flag_file_or_environm
     monkeypatch.setenv("BLINK_PREFIX_CACHING", "maybe")
     with pytest.raises(ConfigError, match="BLINK_PREFIX_CACHING='maybe' is not a boolean"):
         config_from_args(_parse())
+
+
+def test_the_l2_prefetch_switch_takes_0_1_or_2_and_refuses_the_rest(monkeypatch):
+    from gpu_backend.engine.gpu_ops import l2_prefetch_mode
+    monkeypatch.delenv("BLINK_L2_PREFETCH", raising=False)
+    assert l2_prefetch_mode() == 0
+    for value in ("0", "1", "2"):
+        monkeypatch.setenv("BLINK_L2_PREFETCH", value)
+        assert l2_prefetch_mode() == int(value)
+    monkeypatch.setenv("BLINK_L2_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="BLINK_L2_PREFETCH='yes'"):
+        l2_prefetch_mode()

@@ -89,7 +89,7 @@ def _gemv(x, w, b, config, norm=None, residual_out=None, swiglu=False):
     return _swiglu(y) if swiglu else y
 
 
-def _moe_one_token(x, router, gate_up, down, top_k, renormalize, norm=None, residual_out=None):
+def _moe_one_token(x, router, gate_up, down, top_k, renormalize, norm=None, residual_out=None, evict_first=False):
     x = _normed(x, norm, residual_out)
     return _moe(x, F.linear(x, router), gate_up, down, top_k, renormalize)
 

@@ -2,7 +2,7 @@
 kernel starts, never what it computes: on a tiny Llama and a tiny Qwen3-MoE, the host engine's and the persistent
 loop's tokens with it on in every step (`BLINK_PDL=1`) and in the 1-token steps only (the default, "auto") equal
 those with it off (`BLINK_PDL=0`), bit for bit; so do they with each layer's o weights prefetched into L2 on a side
-stream of the one-token graphs (`BLINK_L2_PREFETCH=1`, kernels/prefetch.py). Each side runs in a child process (the
+stream of the one-token graphs (`BLINK_L2_PREFETCH=1`; 2: an MoE layer's next qkv too, kernels/prefetch.py). Each side runs in a child process (the
 switches are read once per process). GPU only; PDL needs Hopper or later."""
 from __future__ import annotations
 
@@ -71,6 +71,9 @@ def test_pdl_gives_the_same_tokens_in_host_and_persistent_modes(kind):
 def test_l2_prefetch_gives_the_same_tokens_in_host_and_persistent_modes(kind):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the one-token graphs' PDL edges beside the prefetch branch need sm_90 or later")
-    off, on = _tokens(kind, "auto", "0"), _tokens(kind, "auto", "1")
+    off, on, more = _tokens(kind, "auto", "0"), _tokens(kind, "auto", "1"), _tokens(kind, "auto", "2")
     assert off["prefetches"] == 0 and on["prefetches"] > 0  # one a layer in each one-token step built
-    assert on["host"] == off["host"] and on["persistent"] == off["persistent"]
+    # 2: an MoE layer also prefetches the next layer's qkv (its experts' loads evict-first); a dense model as 1
+    assert (more["prefetches"] > on["prefetches"]) == (kind == "moe")
+    for run in (on, more):
+        assert run["host"] == off["host"] and run["persistent"] == off["persistent"]
