@@ -411,7 +411,8 @@ def main() -> None:
         # what a step reads: the embedding table's bsz rows only (issue 22's floor) and, for MoE, only the experts
         # a batch of bsz chooses (uniform-routing estimate)
         moved = (cfg.decode_weight_bytes(bsz, runner.dtype) // tp if cfg.is_moe
-                 else weight_bytes - runner.weights.unread_embedding_bytes(bsz)) + bsz * ctx_len * kv_token_bytes
+                 else weight_bytes - cfg.unread_embedding_params(bsz) * runner.weights.embed.element_size()) \
+            + bsz * ctx_len * kv_token_bytes
         ar_ms = 2 * cfg.num_layers * allreduce_us(runner, bsz) / 1e3 if tp > 1 else 0.0
         if args.no_persistent or args.bare_only:
             pers = {k: float("nan") for k in ("step_ms_mean", "sched_us_per_step", "commit_us_per_step", "spec_us_per_step",

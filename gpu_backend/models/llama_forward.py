@@ -64,14 +64,6 @@ class DecoderWeights:
                 total += t.numel() * t.element_size()
         return total
 
-    def unread_embedding_bytes(self, num_tokens: int) -> int:
-        """Bytes of the embedding table a step of `num_tokens` tokens does not read: all but its rows, unless the
-        table is also the LM head (tied), which reads it whole. A decode step's floor is `num_bytes` less this."""
-        if self.embed.data_ptr() == self.lm_head.data_ptr():
-            return 0
-        rows = self.embed.shape[0] - min(num_tokens, self.embed.shape[0])
-        return rows * self.embed.shape[1] * self.embed.element_size()
-
 
 class DecoderOps(Protocol):
     """One device's kernels for one step, bound to that step's inputs (positions, KV slots, attention

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from bench.refloor import main, model_of, refloor
-from gpu_backend.models.llama_forward import DecoderWeights
 from gpu_backend.models.presets import PRESETS
 
 
@@ -29,11 +28,11 @@ def test_tied_tables_are_read_whole_by_the_lm_head():
     assert refloor(row, tied[0])["floor_ms"] == 0.5
 
 
-def test_decoder_weights_count_the_unread_rows_only_when_the_table_is_not_the_lm_head():
-    embed, head = torch.zeros(10, 4, dtype=torch.bfloat16), torch.zeros(10, 4, dtype=torch.bfloat16)
-    untied = DecoderWeights(embed=embed, lm_head=head, final_norm=torch.ones(4), layers=[])
-    assert untied.unread_embedding_bytes(3) == 7 * 4 * 2 and untied.unread_embedding_bytes(99) == 0
-    assert DecoderWeights(embed=embed, lm_head=embed, final_norm=torch.ones(4), layers=[]).unread_embedding_bytes(1) == 0
+def test_the_config_counts_the_unread_rows_only_when_the_table_is_not_the_lm_head():
+    untied = PRESETS["llama-3-8b"]
+    vocab, hidden = untied.vocab_size, untied.hidden_size
+    assert untied.unread_embedding_params(3) == (vocab - 3) * hidden and untied.unread_embedding_params(vocab + 1) == 0
+    assert untied.replace(tie_word_embeddings=True).unread_embedding_params(1) == 0
 
 
 def test_run_labels_name_their_presets_and_the_cli_writes_every_row(tmp_path, monkeypatch):
